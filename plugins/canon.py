@@ -1,0 +1,136 @@
+"""CANON — Conditional Advantage Estimation (arXiv:2509.23962).
+
+Instead of comparing each response with the mean of its whole group, CANON splits every group by a metric
+(the response's mean old-policy token entropy, or its length) into a low half ``C-`` (the ``floor(G/2)``
+smallest values) and a high half ``C+`` (the rest) and compares each response with the *other* half's mean
+reward (inter-group term, weight ``lam``) and with its own half's mean (intra-group term, weight ``1-lam``).
+The sign of the learned preference (e.g. "higher entropy is better when it pays off") is thus read from the
+data, not hand-picked.
+
+Entropy version, with ``mu-``/``mu+`` the mean rewards of ``C-``/``C+``::
+
+    i in C+:  A_i = lam * (R_i - alpha * mu- + b) + (1 - lam) * (R_i - mu+)
+    i in C-:  A_i = lam * (alpha * R_i - mu+ - b) + (1 - lam) * (R_i - mu-)
+
+Length version: ``alpha`` multiplies ``R_i`` in ``C+`` and ``mu+`` in ``C-`` instead. No std normalisation.
+Identity: ``lam = 0.5``, ``alpha = 1``, ``b = 0`` and even ``G`` give ``A_i = R_i - mean(R)`` (Dr.GRPO).
+
+Defaults are the paper's (alpha = 1, b = 0, lam = 1). The paper divides by the maximal length ``Lmax``; TRL's
+``loss_type="dr_grpo"`` (recommended) already divides by ``max_completion_length``, so the plugin does not
+(``divide_by_max_length`` restores it for other loss types). Ties in the metric are broken by the row's global
+position (stable sort), so the split is deterministic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+
+
+@dataclass
+class CanonOptions(PluginOptions):
+    metric: Literal["entropy", "length"] = option(
+        "entropy", help="Metric that splits each group: mean old-policy token entropy, or completion length."
+    )
+    lam: float = option(
+        1.0, min=0.0, max=1.0,
+        help="Weight of the inter-group comparison (paper's mu); 1 - lam weights the intra-group one.",
+    )
+    alpha: float = option(1.0, help="Scale on R_i (C+) / mu- (C-) in the entropy version (Eq. 8); 1 = paper default.")
+    b: float = option(0.0, help="Bias added to the high half's inter-group term (subtracted for the low half).")
+    lam_final: float | None = option(
+        None, min=0.0, max=1.0,
+        help="If set, lam moves linearly from `lam` to `lam_final` over the run's max_steps (annealed variant).",
+    )
+    divide_by_max_length: bool = option(
+        False, help="Divide advantages by max_completion_length (the paper's 1/Lmax); off because dr_grpo already does.",
+    )
+
+
+def canon_advantages(
+    rewards: torch.Tensor, metric: torch.Tensor, group_size: int, lam: float, alpha: float, b: float, version: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CANON advantages of whole groups.
+
+    Args:
+        rewards: (N,) rewards, N = num_groups * group_size, groups contiguous (NaN rewards count as missing).
+        metric: (N,) entropy or length per response.
+        group_size: G.
+        lam, alpha, b: the formula's parameters; version: "entropy" or "length".
+    Returns:
+        advantages (N,) and the per-group reward gap ``mu+ - mu-`` (num_groups,).
+    """
+    G = group_size
+    R = rewards.view(-1, G).float()
+    M = metric.view(-1, G).float()
+    n_groups = R.size(0)
+    adv = torch.zeros_like(R)
+    gaps = torch.zeros(n_groups, dtype=R.dtype, device=R.device)
+    if G < 2:
+        return adv.view(-1), gaps
+    n_low = G // 2
+    for g in range(n_groups):
+        # stable sort: ties broken by position in the group (= global position)
+        order = torch.argsort(M[g].double(), stable=True)
+        low, high = order[:n_low], order[n_low:]
+        r = torch.nan_to_num(R[g], nan=0.0)
+        mu_low, mu_high = r[low].mean(), r[high].mean()
+        gaps[g] = mu_high - mu_low
+        if version == "entropy":
+            adv[g, high] = lam * (r[high] - alpha * mu_low + b) + (1 - lam) * (r[high] - mu_high)
+            adv[g, low] = lam * (alpha * r[low] - mu_high - b) + (1 - lam) * (r[low] - mu_low)
+        else:
+            adv[g, high] = lam * (alpha * r[high] - mu_low + b) + (1 - lam) * (r[high] - mu_high)
+            adv[g, low] = lam * (r[low] - alpha * mu_high - b) + (1 - lam) * (r[low] - mu_low)
+        adv[g, torch.isnan(R[g])] = 0.0
+    return adv.view(-1), gaps
+
+
+class CanonPlugin(Plugin):
+    """Conditional advantage estimation on entropy or length (advantage stage)."""
+
+    name = "canon"
+    version = "0.1.0"
+    paper = "CANON: Conditional Advantage Estimation, arXiv:2509.23962"
+    summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
+    Options = CanonOptions
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        if args.loss_type != "dr_grpo" and not self.options.divide_by_max_length:
+            warnings.warn(
+                f"canon: the paper's objective divides by the maximal length; with loss_type={args.loss_type!r} "
+                "use loss_type='dr_grpo' (recommended) or set divide_by_max_length=true.",
+                stacklevel=2,
+            )
+        self._max_steps = max(int(getattr(args, "max_steps", 0) or 0), 1)
+        self._max_len = trainer.max_completion_length
+
+    def current_lam(self, step: int) -> float:
+        """lam at ``step`` (constant, or linear from lam to lam_final over max_steps)."""
+        o = self.options
+        if o.lam_final is None:
+            return o.lam
+        frac = min(max(step / self._max_steps, 0.0), 1.0)
+        return o.lam + (o.lam_final - o.lam) * frac
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        o = self.options
+        if o.metric == "entropy":
+            metric = ctx.policy_stats().mean_entropy
+        else:
+            metric = ctx.completion_lengths
+        lam = self.current_lam(ctx.step)
+        adv, gaps = canon_advantages(ctx.rewards, metric, ctx.num_generations, lam, o.alpha, o.b, o.metric)
+        if o.divide_by_max_length:
+            adv = adv / self._max_len
+        ctx.advantages = adv.to(ctx.advantages.dtype)
+        ctx.log_metric("lam", lam)
+        ctx.log_metric("high_minus_low_reward", gaps.mean().item())
+        ctx.log_metric("abs_advantage", adv.abs().mean().item())

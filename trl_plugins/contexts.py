@@ -1,0 +1,421 @@
+"""Stage context objects: what each hook sees and may change (tensor shapes in every docstring).
+
+Shapes: ``N`` rows in the global generation batch, ``B`` rows on this process (a generation batch at the
+sampling/advantage stages, a shuffled micro-batch at the loss stage), ``T`` completion positions, ``K``
+reward functions, ``G`` group size. Global row ``g`` is in group ``g // G`` at index ``g % G``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import PluginError
+
+#: Prefix of the generation-batch keys that carry per-row plugin extras to the loss stage.
+EXTRA_PREFIX = "plugin_extra::"
+#: Generation-batch key of the (B, T) off-policy token mask.
+OFFPOLICY_KEY = "offpolicy_mask"
+
+
+class _MetricsMixin:
+    """``log_metric`` for contexts: records under ``plugins/<active plugin>/<name>`` in TRL's logs."""
+
+    _active_plugin: str | None = None
+    _metric_sink: Callable[[str, float], None] | None = None
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log a scalar under ``plugins/<plugin>/<name>`` (averaged per logging step, like TRL's metrics)."""
+        if self._metric_sink is None:
+            return
+        plugin = self._active_plugin or "framework"
+        self._metric_sink(f"plugins/{plugin}/{name}", float(value))
+
+
+def group_layout(process_index: int, local_rows: int, num_generations: int) -> tuple[list[int], list[int], list[int]]:
+    """Global index, group id and index-in-group of each local row (from its global position, never local).
+
+    >>> group_layout(1, 3, 2)  # process 1 of a batch of 6 rows, G=2
+    ([3, 4, 5], [1, 2, 2], [1, 0, 1])
+    """
+    global_index = [process_index * local_rows + j for j in range(local_rows)]
+    return global_index, [g // num_generations for g in global_index], [g % num_generations for g in global_index]
+
+
+# =============================================================================================== sampling
+@dataclass
+class PromptContext(_MetricsMixin):
+    """Sampling stage, before generation: per-row generation and training prompts (local rows).
+
+    Attributes:
+        rows: the B dataset rows of this process (each prompt repeated G times), with every column.
+        prompts: the original prompts (length B, conversational message lists or strings); read-only.
+        generation_prompts: what each row is sampled from (length B); edit freely.
+        training_prompts: what the loss conditions on for each row (length B); default = ``prompts``.
+        global_index, group_ids, index_in_group: (B,) integer lists from the global position.
+        num_generations: G.
+        step: ``trainer.state.global_step``.
+        annotations: per-row dicts; keys become columns of TRL's completions table (e.g. ``hint_level``).
+        trainer: the trainer (read-only use).
+    """
+
+    rows: list[dict]
+    prompts: list
+    generation_prompts: list
+    training_prompts: list
+    global_index: list[int]
+    group_ids: list[int]
+    index_in_group: list[int]
+    num_generations: int
+    step: int
+    annotations: list[dict]
+    trainer: Any = None
+
+
+@dataclass
+class Completion:
+    """One completion returned by the generation service.
+
+    Attributes:
+        completion_ids: generated token ids (for a continuation: the prefix ids followed by the new ids).
+        logprobs: sampling log-probs per token (None with HF generation), NaN on prefix tokens.
+        text: decoded text of ``completion_ids``.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float] | None
+    text: str
+
+
+@dataclass
+class RolloutContext(_MetricsMixin):
+    """Sampling stage, after generation: the generated local batch, editable row by row.
+
+    Attributes:
+        rows: the B dataset rows of this process.
+        prompts: original prompts (B,).
+        training_prompts: the prompt each row is trained under (B,); see :meth:`replace_row`.
+        prompt_ids: token ids of each row's training prompt (B lists).
+        completion_ids: token ids of each row's completion (B lists, unpadded).
+        completions: decoded completions (B,), TRL's format (string or assistant message list).
+        sampling_logprobs: per-token sampling log-probs (B lists) or None (HF generation).
+        offpolicy: per-token provenance (B lists of bool; True = off-policy token, trained through the shaped
+            branch ``-A f(p)`` with ``f(p) = p/(p+gamma)``, NaN sampling log-prob).
+        prompt_swapped: (B,) True where the generation prompt differs from the training prompt.
+        global_index, group_ids, index_in_group, num_generations, step, annotations: as in PromptContext.
+        service: the :class:`~trl_plugins.generation.GenerationService` (in-step generation).
+    """
+
+    rows: list[dict]
+    prompts: list
+    training_prompts: list
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list
+    sampling_logprobs: list[list[float]] | None
+    offpolicy: list[list[bool]]
+    prompt_swapped: list[bool]
+    global_index: list[int]
+    group_ids: list[int]
+    index_in_group: list[int]
+    num_generations: int
+    step: int
+    annotations: list[dict]
+    service: Any = None
+    trainer: Any = None
+    _scorer: Callable | None = None
+    _gatherer: Callable | None = None
+    _tokenizer: Callable | None = None
+    _decoder: Callable | None = None
+    changed: set = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
+        """Weighted reward of local rows ``indices`` for the given completions (default: their current ones).
+
+        Runs the trainer's reward functions locally (no gather) on ``(rows[i], completions[j])`` and returns
+        the weighted sum (len(indices),), as TRL combines them. Use it to test candidates before accepting.
+        """
+        comps = [self.completions[i] for i in indices] if completions is None else list(completions)
+        return self._scorer([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-gather a (B, ...) tensor into (N, ...) in global row order (collective: call on every process)."""
+        return self._gatherer(tensor)
+
+    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        """Token ids of prompts exactly as TRL tokenizes them for generation (chat template applied)."""
+        return self._tokenizer(prompts)
+
+    def decode(self, completion_ids: list[int], row: int) -> Any:
+        """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
+        return self._decoder(completion_ids, row)
+
+    def replace_row(
+        self,
+        i: int,
+        completion_ids: list[int],
+        *,
+        offpolicy: bool | Sequence[bool] = False,
+        logprobs: Sequence[float] | None = None,
+        training_prompt: Any = None,
+        prompt_swapped: bool | None = None,
+    ) -> None:
+        """Replace local row ``i``'s completion in place (the group keeps exactly G rows).
+
+        Args:
+            completion_ids: the new completion's token ids.
+            offpolicy: per-token provenance (a bool for all tokens, or one bool per token).
+            logprobs: sampling log-probs of the new tokens (NaN is forced on off-policy tokens); None = unknown.
+            training_prompt: train this row under another prompt (prompt swap); None keeps the current one.
+            prompt_swapped: whether the tokens were sampled under a different prompt than the training one
+                (their sampling log-probs are then set to NaN). Defaults to the row's current flag.
+        """
+        n = len(completion_ids)
+        flags = [bool(offpolicy)] * n if isinstance(offpolicy, bool) else [bool(x) for x in offpolicy]
+        if len(flags) != n:
+            raise PluginError(f"replace_row({i}): {len(flags)} provenance flags for {n} tokens.")
+        self.completion_ids[i] = list(completion_ids)
+        self.offpolicy[i] = flags
+        if training_prompt is not None:
+            self.training_prompts[i] = training_prompt
+            self.prompt_ids[i] = self.tokenize_prompts([training_prompt])[0]
+        if prompt_swapped is not None:
+            self.prompt_swapped[i] = prompt_swapped
+        if self.sampling_logprobs is not None:
+            lps = [float("nan")] * n if logprobs is None else [float(x) for x in logprobs]
+            if len(lps) != n:
+                raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
+            self.sampling_logprobs[i] = lps
+        self.completions[i] = self.decode(self.completion_ids[i], i)
+        self.changed.add(i)
+
+    def splice(self, i: int, start: int, new_ids: Sequence[int], *, offpolicy: bool = True) -> None:
+        """Keep row ``i``'s first ``start`` completion tokens (token-exact) and append ``new_ids``.
+
+        The kept prefix keeps its provenance and sampling log-probs; the new tokens are marked ``offpolicy``.
+        """
+        keep_ids = self.completion_ids[i][:start]
+        keep_flags = self.offpolicy[i][:start]
+        lps = None
+        if self.sampling_logprobs is not None:
+            lps = list(self.sampling_logprobs[i][:start]) + [float("nan")] * len(new_ids)
+        self.replace_row(i, keep_ids + list(new_ids), offpolicy=keep_flags + [offpolicy] * len(new_ids), logprobs=lps)
+
+
+# =============================================================================================== reward
+@dataclass
+class RewardContext(_MetricsMixin):
+    """Reward stage: the gathered reward matrix, with the groups in view (same on every process).
+
+    Attributes:
+        rewards_per_func: (N, K) float tensor, one column per reward function (NaN = not applicable);
+            transform it in place or assign a new (N, K) tensor.
+        reward_func_names: K names (TRL's column names).
+        reward_weights: (K,) TRL's weights.
+        group_ids, index_in_group: (N,) long tensors.
+        num_generations: G.
+        local_rows, local_prompts, local_completions: this process's B rows, prompts and completions.
+        process_slice: the slice of global rows held by this process.
+        step: ``trainer.state.global_step``.
+    """
+
+    rewards_per_func: torch.Tensor
+    reward_func_names: list[str]
+    reward_weights: torch.Tensor
+    group_ids: torch.Tensor
+    index_in_group: torch.Tensor
+    num_generations: int
+    local_rows: list[dict]
+    local_prompts: list
+    local_completions: list
+    process_slice: slice
+    step: int
+    trainer: Any = None
+    _object_gatherer: Callable | None = None
+
+    def gather_object(self, values: list) -> list:
+        """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
+        return self._object_gatherer(values)
+
+
+# =============================================================================================== advantage
+@dataclass
+class AdvantageContext(_MetricsMixin):
+    """Advantage stage over the **global** batch (identical on every process).
+
+    Attributes:
+        rewards_per_func: (N, K) gathered rewards (after reward transforms).
+        rewards: (N,) combined reward: weighted nansum of ``rewards_per_func`` (NaN where every column is NaN).
+        advantages: (N,) TRL's advantages to start with; replace with (N,) or (N, T_max) values.
+        group_ids, index_in_group: (N,) long tensors; ``num_generations`` = G.
+        completion_lengths: (N,) number of loss tokens per row.
+        offpolicy_fraction: (N,) fraction of each row's completion tokens that are off-policy.
+        prompt_swapped: (N,) bool, rows trained under another prompt than they were sampled from.
+        annotations: (N,) per-row dicts from the sampling stage (e.g. ``{"hinted": True}``).
+        extras: name -> (N, ...) tensors; they ride with their rows to ``LossContext.extras``.
+        process_slice: slice of the global rows held by this process.
+    """
+
+    rewards_per_func: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    index_in_group: torch.Tensor
+    num_generations: int
+    completion_lengths: torch.Tensor
+    offpolicy_fraction: torch.Tensor
+    prompt_swapped: torch.Tensor
+    annotations: list[dict]
+    process_slice: slice
+    step: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    local_extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    trainer: Any = None
+    _policy_stats: Callable | None = None
+    _completion_mask: Callable | None = None
+    _gatherer: Callable | None = None
+
+    def policy_stats(self, head_stats: bool = False) -> PolicyStats:
+        """Per-token statistics of the current policy on this process's generation batch (no grad, cached).
+
+        Costs one extra forward pass the first time (like TRL's ``old_per_token_logps``). Collective: gathers
+        ``mean_entropy`` across processes, so call it on every process (contexts are identical, so a plugin
+        deciding from context data does).
+        """
+        return self._policy_stats(head_stats)
+
+    def completion_mask(self) -> torch.Tensor:
+        """(N, T_max) loss mask of all rows, padded across processes (collective)."""
+        return self._completion_mask()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-gather a local (B, ...) tensor into (N, ...) (collective)."""
+        return self._gatherer(tensor)
+
+    def set_local_extra(self, name: str, tensor: torch.Tensor) -> None:
+        """Attach a (B, ...) tensor for this process's rows only (e.g. per-token proxy log-probs (B, T))."""
+        self.local_extras[name] = tensor
+
+
+@dataclass
+class PolicyStats:
+    """No-grad policy statistics of the local generation batch.
+
+    Attributes:
+        per_token_logps: (B, T) log-probs of the completion tokens under the current policy.
+        entropies: (B, T) entropy of the next-token distribution.
+        mask: (B, T) loss mask.
+        completion_ids: (B, T) completion token ids (the labels of ``per_token_logps``).
+        mean_entropy: (N,) per-row token-mean entropy, gathered over processes.
+        head_stats: a :class:`~trl_plugins.head_stats.HeadStats` of this forward when requested, else None.
+    """
+
+    per_token_logps: torch.Tensor
+    entropies: torch.Tensor
+    mask: torch.Tensor
+    completion_ids: torch.Tensor
+    mean_entropy: torch.Tensor
+    head_stats: Any = None
+
+
+# =============================================================================================== loss
+@dataclass
+class LossContext(_MetricsMixin):
+    """Loss stage of one micro-batch (a shuffled slice: it does not hold whole groups).
+
+    Attributes (B rows, T positions):
+        inputs: the micro-batch dict TRL built (prompt/completion ids and masks, ...).
+        per_token_logps: (B, T) log pi_theta of the completion tokens, **with grad** (temperature-scaled).
+        old_per_token_logps: (B, T) log pi_old (``per_token_logps.detach()`` when TRL skips it).
+        ref_per_token_logps: (B, T) or None (only when ``beta != 0``).
+        sampling_per_token_logps: (B, T) or None (vLLM only; NaN on off-policy tokens).
+        entropies: (B, T) full-vocabulary entropies, with grad.
+        advantages: (B, T) token advantages (broadcast from (B,) when the advantage stage gave one per row).
+        mask: (B, T) loss mask (completion mask times tool mask).
+        offpolicy_mask: (B, T) bool, tokens trained through the shaped off-policy branch.
+        log_ratio: (B, T) or (B, 1) ``log pi_theta - log pi_old`` at TRL's importance-sampling level.
+        coef_1: ``exp(log_ratio)``, the importance ratio.
+        per_token_loss: (B, T) the base surrogate (TRL's, by ``loss_type``; off-policy tokens already shaped).
+        extras: per-row tensors attached at the advantage stage (first dim B).
+        loss_type, epsilon_low, epsilon_high, beta: the run's settings.
+        num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
+        iteration: index of the current pass over this generation batch (0 .. num_iterations-1).
+        mode: "train" or "eval".
+    """
+
+    inputs: dict
+    per_token_logps: torch.Tensor
+    old_per_token_logps: torch.Tensor
+    ref_per_token_logps: torch.Tensor | None
+    sampling_per_token_logps: torch.Tensor | None
+    entropies: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    offpolicy_mask: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    loss_type: str
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    num_items_in_batch: torch.Tensor
+    iteration: int
+    mode: str
+    trainer: Any = None
+    log_ratio: torch.Tensor | None = None
+    coef_1: torch.Tensor | None = None
+    per_token_loss: torch.Tensor | None = None
+    _head_stats: Callable | None = None
+    _reducer: Callable | None = None
+    token_weights: list[torch.Tensor] = field(default_factory=list)
+    token_terms: list[torch.Tensor] = field(default_factory=list)
+    scalar_terms: list[torch.Tensor] = field(default_factory=list)
+    replacement: tuple[torch.Tensor, torch.Tensor] | None = None
+    _replacer: str | None = None
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        """(B, T) completion token ids."""
+        return self.inputs["completion_ids"]
+
+    def head_stats(self):
+        """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).
+
+        Available only to plugins declaring ``needs_head_stats = True``; never materialises (B, T, V) logits.
+        """
+        if self._head_stats is None:
+            raise PluginError(
+                f"Plugin {self._active_plugin!r} called ctx.head_stats() without declaring needs_head_stats = True."
+            )
+        return self._head_stats()
+
+    def scale_tokens(self, weights: torch.Tensor) -> None:
+        """Multiply the surrogate per token by ``weights`` ((B, T) or broadcastable); weights of plugins multiply."""
+        self.token_weights.append(weights)
+
+    def add_token_loss(self, term: torch.Tensor) -> None:
+        """Add a (B, T) per-token term; it is masked and aggregated exactly like the surrogate (``loss_type``)."""
+        self.token_terms.append(term)
+
+    def add_loss(self, term: torch.Tensor) -> None:
+        """Add a scalar term to the micro-batch loss (divide by gradient-accumulation steps yourself if needed)."""
+        self.scalar_terms.append(term)
+
+    def replace_tokens(self, token_mask: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the surrogate by ``values`` (B, T) where ``token_mask`` (B, T, bool) is True.
+
+        Only for plugins declaring ``replaces_surrogate = True`` (at most one per stack, checked at construction).
+        """
+        if self._replacer is not None and self._replacer != self._active_plugin:
+            raise PluginError(f"Plugins {self._replacer!r} and {self._active_plugin!r} both replace the surrogate.")
+        self._replacer = self._active_plugin
+        self.replacement = (token_mask.bool(), values)
+
+    def global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+        """Token-mean of ``x`` (B, T) over ``mask`` (default: the loss mask) across all processes; for metrics."""
+        return self._reducer(x, self.mask if mask is None else mask)

@@ -1,0 +1,113 @@
+"""The generation service: in-step (re-)generation for sampling plugins through TRL's own backend."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .contexts import Completion
+from .errors import GenerationBudgetExceeded, PluginError
+
+
+class GenerationService:
+    """Extra completions within a training step, through the trainer's generation backend.
+
+    * **Same backend as TRL.** Requests go through ``GRPOTrainer._generate_single_turn`` with one completion
+      per prompt: HF ``generate`` (with TRL's generation config and model unwrapping) or vLLM (server or
+      colocate; weights already synced for this step).
+    * **Collective-safe.** Every process first all-gathers its request count; all pad to the largest count
+      with dummy prompts, so every process issues the same number of calls with the same number of prompts
+      (vLLM server mode slices results by process, ZeRO-3/FSDP gather parameters). Dummy results are dropped.
+      Call :meth:`generate` on every process the same number of times (decide from gathered data).
+    * **Budget.** Real (non-dummy) completions are counted per generation batch and in total;
+      ``PluginGRPOConfig.plugin_generation_budget`` caps them per batch and process. The decision to refuse is
+      taken on the gathered counts, so every process raises together rather than deadlocking.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.budget = getattr(trainer.args, "plugin_generation_budget", None)
+        self.used_this_batch = 0
+        self.total = 0
+        self._dummy_ids: list[int] | None = None
+
+    def begin_batch(self, dummy_prompt_ids: list[int]) -> None:
+        """Reset the per-batch counter; ``dummy_prompt_ids`` pads this process when it has nothing to ask."""
+        self.used_this_batch = 0
+        self._dummy_ids = list(dummy_prompt_ids)
+
+    @property
+    def remaining(self) -> int | float:
+        """Completions still allowed in this generation batch on this process (inf when unlimited)."""
+        return math.inf if self.budget is None else self.budget - self.used_this_batch
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        """Prompt token ids exactly as TRL builds them for generation (chat template with generation prompt)."""
+        if not prompts:
+            return []
+        prompt_ids, _, _ = self.trainer._tokenize_prompts(prompts)
+        return [list(ids) for ids in prompt_ids]
+
+    def generate(
+        self,
+        prompts: list | None = None,
+        *,
+        prompt_ids: list[list[int]] | None = None,
+        prefix_ids: list[list[int]] | None = None,
+    ) -> list[Completion]:
+        """Generate one completion per prompt (collective: call on every process, possibly with zero prompts).
+
+        Args:
+            prompts: prompts in the dataset's format (conversational or text); or give ``prompt_ids``.
+            prompt_ids: already tokenized generation prompts (one list of ids per request).
+            prefix_ids: optional completion prefix per request; generation continues after it and the returned
+                ``completion_ids`` are ``prefix + new tokens`` (cut to ``max_completion_length``), with NaN
+                sampling log-probs on the prefix.
+
+        Returns:
+            One :class:`~trl_plugins.contexts.Completion` per request, in order.
+        """
+        if (prompts is None) == (prompt_ids is None):
+            raise PluginError("GenerationService.generate: pass exactly one of `prompts` or `prompt_ids`.")
+        ids = self.tokenize(prompts) if prompt_ids is None else [list(p) for p in prompt_ids]
+        prefixes = [list(p) for p in prefix_ids] if prefix_ids is not None else [[] for _ in ids]
+        if len(prefixes) != len(ids):
+            raise PluginError(f"GenerationService.generate: {len(prefixes)} prefixes for {len(ids)} prompts.")
+        n_local = len(ids)
+        counts = self._gather_counts(n_local)
+        max_n = int(counts.max().item())
+        if self.budget is not None and int((self.used_this_batch + counts).max().item()) > self.budget:
+            raise GenerationBudgetExceeded(
+                f"Plugins requested {int(counts.max().item())} more completions on a process that already used "
+                f"{self.used_this_batch}; plugin_generation_budget is {self.budget} per generation batch."
+            )
+        if max_n == 0:
+            return []
+        full = [p + q for p, q in zip(ids, prefixes)]
+        dummy = full[0] if full else (self._dummy_ids or [self.trainer._tokenizer.eos_token_id])
+        padded = full + [dummy] * (max_n - n_local)
+        completion_ids, logprobs = self.trainer._generate_single_turn(padded, None, {}, num_generations=1)
+        self.used_this_batch += n_local
+        self.total += n_local
+        limit = self.trainer.max_completion_length
+        results = []
+        for j in range(n_local):
+            new_ids = list(completion_ids[j])
+            new_lps = list(logprobs[j]) if logprobs is not None else None
+            out_ids = (prefixes[j] + new_ids)[:limit]
+            out_lps = None if new_lps is None else ([math.nan] * len(prefixes[j]) + new_lps)[:limit]
+            text = self.trainer.processing_class.batch_decode([out_ids], skip_special_tokens=True)[0]
+            results.append(Completion(completion_ids=out_ids, logprobs=out_lps, text=text))
+        return results
+
+    def _gather_counts(self, n_local: int) -> torch.Tensor:
+        acc = self.trainer.accelerator
+        return acc.gather(torch.tensor([n_local], device=acc.device)).cpu()
+
+    def state_dict(self) -> dict:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total = int(state.get("total", 0))

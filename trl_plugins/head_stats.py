@@ -1,0 +1,563 @@
+"""Chunked next-token statistics from the last hidden state ("HeadStats").
+
+TRL 1.16's ``GRPOTrainer`` never materialises ``(B, T, V)`` logits: ``trl.trainer.utils.add_fused_lm_head`` patches
+the model so that ``model(..., labels=labels, fused_lm_head=True)`` runs the backbone and then a chunked LM-head
+kernel that only emits the label log-prob and the entropy (plus a few no-grad extras). Methods such as Lp-Reg
+(min-p proxy log-probs) and SIREN (top-p entropy *with* gradient) need other statistics of the same next-token
+distribution. This module provides them:
+
+* :func:`capture_hidden_states` hooks the backbone the fused forward calls and records its ``last_hidden_state``.
+* :func:`lm_head_of` returns the LM head ``(weight, bias, logit_scale, softcap)`` read the way TRL reads it.
+* :class:`HeadStats` projects the valid completion positions through the head ``chunk_size`` tokens at a time,
+  in float32 and under ``torch.no_grad()``, and reduces each ``(chunk, V)`` block to per-token statistics.
+  It never builds a ``(B, T, V)`` tensor.
+
+Logit transform (identical to TRL's fused kernel)::
+
+    z = h @ W.T (+ bias)
+    z = z * logit_scale
+    z = softcap * tanh(z / softcap)        # only when the config sets ``final_logit_softcapping``
+    z = z / temperature
+
+All statistics below are of this temperature-scaled ``z``, so they line up with TRL's ``per_token_logps`` and
+``entropies``. The one numerical difference: the projection here always runs in float32, whereas TRL runs the
+matmul in the autocast / hidden dtype (e.g. bf16) and only the reduction in float32.
+
+Shapes: ``B`` sequences, ``L`` = prompt + completion length, ``C`` = ``logits_to_keep`` completion positions,
+``d`` hidden size, ``V`` vocabulary, ``N`` = number of valid (``completion_mask == 1``) completion positions.
+Completion token ``j`` is predicted from hidden index ``L - C + j - 1``, i.e. the ``(B, C, d)`` slice
+``hidden[:, -(C + 1):-1]``; this matches TRL's ``log_probs[:, -logits_to_keep:]``.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "OUT_OF_KEEP_SET",
+    "CapturedHidden",
+    "HeadStats",
+    "capture_hidden_states",
+    "lm_head_of",
+    "transform_logits",
+    "unwrap_causal_lm",
+    "backbone_of",
+]
+
+#: Value :meth:`HeadStats.min_p_logprob` returns where the label is outside the keep set ``K``
+#: (i.e. ``log pi_proxy(label) = -inf``). It is a finite sentinel so downstream arithmetic stays NaN-free; any
+#: real log-prob in float32 is far above it. Lp-Reg's "``sg(lp) < lp_proxy``" filter drops such tokens.
+OUT_OF_KEEP_SET = -1.0e4
+
+_NUCLEUS_MODES = ("cover", "siren")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model unwrapping and head lookup
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """Return the transformers ``*ForCausalLM`` module whose ``forward`` TRL patched.
+
+    Peels, repeatedly and in any order: distributed / accelerate wrappers (``DistributedDataParallel``,
+    ``DataParallel``, FSDP1, DeepSpeed engines: anything that is not a transformers model and has a ``.module``),
+    ``torch.compile``'s ``_orig_mod``, and PEFT's ``PeftModel`` (via ``get_base_model()``).
+    """
+    for _ in range(16):  # bounded: wrappers never nest this deep
+        if hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
+            model = model._orig_mod
+        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+            model = model.get_base_model()
+        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+    return model
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """Return the backbone module that TRL's fused forward calls, for a (possibly wrapped) causal LM.
+
+    TRL calls ``getattr(causal_lm, "base_model")``, except for vision-language models under transformers < 5, where
+    it calls ``causal_lm.model``. ``base_model`` of a transformers model is the inner transformer (e.g.
+    ``LlamaForCausalLM.model``).
+    """
+    causal_lm = unwrap_causal_lm(model)
+    attr = "base_model"
+    config = getattr(causal_lm, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        import transformers
+        from packaging.version import Version
+
+        if config.get_text_config() is not config and Version(transformers.__version__) < Version("5.0.0"):
+            attr = "model"
+    backbone = getattr(causal_lm, attr)
+    if backbone is causal_lm:
+        raise ValueError(f"{type(causal_lm).__name__} has no separate backbone under `.{attr}`")
+    return backbone
+
+
+def _read_logit_scale_and_softcap(config) -> tuple[float, float | None]:
+    """``(logit_scale, softcap)`` from a transformers config, resolved with the same precedence as TRL 1.16.
+
+    ``logit_scale`` is the first set among ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier``, then
+    ``1 / logits_scaling`` (``logits_scaling`` itself for ``model_type == "hyperclovax"``); 1.0 when none is set.
+    ``softcap`` is ``final_logit_softcapping`` (``None`` when unset).
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = None
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        scale = getattr(text_config, name, None)
+        if scale is not None:
+            break
+    if scale is None:
+        scaling = getattr(text_config, "logits_scaling", None)
+        if scaling is not None:
+            scale = scaling if getattr(text_config, "model_type", None) == "hyperclovax" else 1.0 / scaling
+    return (1.0 if scale is None else float(scale)), (None if softcap is None else float(softcap))
+
+
+def lm_head_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float, float | None]:
+    """LM head of a (possibly wrapped) causal LM, as TRL's fused head uses it.
+
+    Returns:
+        ``(weight (V, d), bias (V,) or None, logit_scale, softcap)``. ``weight``/``bias`` are the live parameters
+        (not copies; an FSDP2 ``DTensor`` is gathered with ``full_tensor()``). ``softcap`` is ``None`` when the
+        config has no ``final_logit_softcapping``.
+    """
+    causal_lm = unwrap_causal_lm(model)
+    head = causal_lm.get_output_embeddings()
+    weight, bias = head.weight, getattr(head, "bias", None)
+    if hasattr(weight, "full_tensor"):  # torch.distributed.tensor.DTensor
+        weight = weight.full_tensor()
+        if bias is not None:
+            bias = bias.full_tensor()
+    logit_scale, softcap = _read_logit_scale_and_softcap(causal_lm.config)
+    return weight, bias, logit_scale, softcap
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hidden-state capture
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CapturedHidden:
+    """Holder yielded by :func:`capture_hidden_states`.
+
+    Attributes:
+        hidden: ``(B, L, d)`` ``last_hidden_state`` of the first backbone call inside the context (``None`` until
+            then). It keeps its autograd graph; detach it if you only need statistics.
+        num_calls: how many backbone calls the hook has seen (including ignored ones).
+    """
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+        self.num_calls = 0
+
+    def reset(self) -> None:
+        """Forget the captured tensor so that the next backbone call is captured (e.g. one per sub-batch)."""
+        self.hidden = None
+
+    def _hook(self, module, args, output) -> None:
+        self.num_calls += 1
+        if self.hidden is not None:  # e.g. gradient-checkpointing recomputation
+            return
+        if hasattr(output, "last_hidden_state"):
+            self.hidden = output.last_hidden_state
+        elif isinstance(output, (tuple, list)):
+            self.hidden = output[0]
+        else:
+            self.hidden = output
+
+
+@contextmanager
+def capture_hidden_states(model: nn.Module) -> Iterator[CapturedHidden]:
+    """Record the backbone's ``last_hidden_state`` during the first forward inside the ``with`` block.
+
+    ``model`` may be wrapped (DDP / accelerate ``.module``, ``torch.compile``, PEFT). The hook sits on the module
+    returned by :func:`backbone_of`, i.e. the one TRL's fused forward calls, and is removed on exit. Only the first
+    call is recorded; later calls (gradient-checkpointing recomputation, a second forward) are ignored unless
+    :meth:`CapturedHidden.reset` is called in between. Note that a non-fused forward (e.g. generation) calls the
+    same backbone, so keep the context tight around the forward you want.
+
+    Example::
+
+        with capture_hidden_states(model) as cap:
+            out = model(input_ids, attention_mask=am, labels=labels, fused_lm_head=True)
+        stats = HeadStats.from_model(model, cap.hidden, logits_to_keep, completion_mask, temperature=0.7)
+    """
+    captured = CapturedHidden()
+    handle = backbone_of(model).register_forward_hook(captured._hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Logit transform and the gradient path for gathered logits
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def transform_logits(
+    z: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """TRL's head transform on raw logits ``z`` (any shape): scale, optional ``softcap*tanh(z/softcap)``, /T."""
+    z = z * logit_scale
+    if softcap is not None:
+        cap = softcap or 1.0  # TRL's kernel uses 1.0 when the configured cap is 0
+        z = cap * torch.tanh(z / cap)
+    return z / temperature
+
+
+class _GatheredLogits(torch.autograd.Function):
+    """Raw logits ``h[n] . W[ids[n, k]] (+ bias[ids[n, k]])`` for selected ids only, in float32.
+
+    Inputs: ``h (N, d)``, ``W (V, d)``, ``bias (V,)`` or ``None``, ``ids (N, K)`` (all in ``[0, V)``), ``rows`` =
+    rows processed per block. Output ``(N, K)`` float32. Both passes gather ``W[ids]`` one row-block at a time, so the
+    peak extra memory is ``rows * K * d`` and nothing of that size is saved for backward (only ``ids``). The weight
+    gradient is accumulated into a single dense ``(V, d)`` float32 buffer with ``index_add_``.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, ids, rows):
+        out = torch.empty(ids.shape, device=h.device, dtype=torch.float32)
+        for s in range(0, ids.shape[0], rows):
+            w_sel = weight[ids[s : s + rows]].float()  # (n, K, d)
+            out[s : s + rows] = torch.einsum("nd,nkd->nk", h[s : s + rows].float(), w_sel)
+            if bias is not None:
+                out[s : s + rows] += bias[ids[s : s + rows]].float()
+        ctx.save_for_backward(h, weight, bias, ids)
+        ctx.rows = rows
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight, bias, ids = ctx.saved_tensors
+        rows = ctx.rows
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_out = grad_out.float()
+        grad_h = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_h else None
+        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
+        grad_b = None
+        if need_b:
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
+            grad_b.index_add_(0, ids.reshape(-1), grad_out.reshape(-1))
+        for s in range(0, ids.shape[0], rows):
+            g = grad_out[s : s + rows]  # (n, K)
+            idx = ids[s : s + rows]
+            if need_h:
+                grad_h[s : s + rows] = torch.einsum("nk,nkd->nd", g, weight[idx].float())
+            if need_w:
+                contrib = g.unsqueeze(-1) * h[s : s + rows].float().unsqueeze(1)  # (n, K, d)
+                grad_w.index_add_(0, idx.reshape(-1), contrib.reshape(-1, h.shape[-1]))
+        return (
+            None if grad_h is None else grad_h.to(h.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# HeadStats
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class HeadStats:
+    """Per-token statistics of the temperature-scaled next-token distribution at valid completion positions.
+
+    Args:
+        hidden: ``(B, L, d)`` backbone ``last_hidden_state`` (e.g. ``CapturedHidden.hidden``), ``L >= C + 1``.
+            Kept as given (with its graph) for :meth:`top_p_entropy_with_grad`; every other method detaches it.
+        logits_to_keep: ``C``, number of completion positions (TRL's ``logits_to_keep``).
+        completion_mask: ``(B, C)``; positions with a nonzero entry are "valid" and the only ones projected.
+        weight: ``(V, d)`` LM-head weight. bias: ``(V,)`` or ``None``.
+        logit_scale, softcap, temperature: TRL's logit transform (see module docstring).
+        chunk_size: valid tokens projected at once. Peak extra memory of the no-grad path is a small constant
+            number (1 to 3, depending on the statistic) of ``(chunk_size, V)`` float32 blocks plus, for the top-p
+            methods, the top-k workspace; it never grows with the number of tokens.
+        vocab_tile: when ``weight`` is not float32, it is cast to float32 ``vocab_tile`` rows at a time, so no full
+            float32 copy of the head is made.
+
+    Valid positions are ordered row-major (``completion_mask.nonzero()`` order); ``N`` denotes their number.
+    Methods returning ``(B, C)`` put 0 at invalid positions.
+
+    Debug counters: ``max_rows_projected`` is the largest number of rows ever sent through one ``(rows, V)``
+    projection, ``num_projections`` the number of such projections.
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        logits_to_keep: int,
+        completion_mask: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+        vocab_tile: int = 8192,
+    ) -> None:
+        C = int(logits_to_keep)
+        if hidden.dim() != 3 or hidden.shape[1] < C + 1:
+            raise ValueError(f"hidden must be (B, L, d) with L >= logits_to_keep + 1, got {tuple(hidden.shape)}")
+        if completion_mask.shape != (hidden.shape[0], C):
+            raise ValueError(f"completion_mask must be (B, C)=({hidden.shape[0]}, {C}), got {completion_mask.shape}")
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.weight = weight
+        self.bias = bias
+        self.logit_scale = float(logit_scale)
+        self.softcap = None if softcap is None else float(softcap)
+        self.temperature = float(temperature)
+        self.chunk_size = int(chunk_size)
+        self.vocab_tile = int(vocab_tile)
+        self.logits_to_keep = C
+        device = weight.device
+        #: ``(B, C, d)`` hidden states that predict the completion tokens, graph kept.
+        self.hidden_c = hidden[:, -(C + 1) : -1].to(device)
+        #: ``(B, C)`` bool mask of valid positions.
+        self.mask = completion_mask.to(device).bool()
+        self.num_valid = int(self.mask.sum())
+        self.max_rows_projected = 0
+        self.num_projections = 0
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        hidden: torch.Tensor,
+        logits_to_keep: int,
+        completion_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+    ) -> "HeadStats":
+        """Build from a (possibly wrapped) model; the head and its transform come from :func:`lm_head_of`."""
+        weight, bias, logit_scale, softcap = lm_head_of(model)
+        return cls(hidden, logits_to_keep, completion_mask, weight, bias, logit_scale, softcap, temperature, chunk_size)
+
+    # ------------------------------------------------------------------------------------------------- plumbing
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def _valid(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, C, ...)`` -> ``(N, ...)``: entries at valid positions, row-major."""
+        return x.to(self.mask.device)[self.mask]
+
+    def to_bc(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Scatter per-valid-token ``values (N,)`` back to ``(B, C)`` (``fill`` at invalid positions).
+
+        Differentiable with respect to ``values``.
+        """
+        out = values.new_full(self.mask.shape, fill)
+        return out.masked_scatter(self.mask, values)
+
+    def _project(self, h: torch.Tensor) -> torch.Tensor:
+        """Transformed float32 logits ``(n, V)`` for hidden rows ``h (n, d)``. Call under ``no_grad``."""
+        n = h.shape[0]
+        self.max_rows_projected = max(self.max_rows_projected, n)
+        self.num_projections += 1
+        h = h.float()
+        W = self.weight
+        if W.dtype == torch.float32:
+            z = h @ W.t()
+        else:  # cast the head tile by tile: no full float32 copy of W
+            z = torch.empty((n, W.shape[0]), device=h.device, dtype=torch.float32)
+            for s in range(0, W.shape[0], self.vocab_tile):
+                torch.mm(h, W[s : s + self.vocab_tile].float().t(), out=z[:, s : s + self.vocab_tile])
+        if self.bias is not None:
+            z += self.bias.float()
+        return transform_logits(z, self.logit_scale, self.softcap, self.temperature)
+
+    def map_chunks(
+        self, fn: Callable[[torch.Tensor, slice], torch.Tensor | tuple[torch.Tensor, ...]]
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Apply ``fn`` to the logits of each chunk of valid tokens and concatenate the results.
+
+        ``fn(z, rows)`` receives ``z (n, V)``, the transformed float32 logits of valid tokens ``rows`` (a ``slice``
+        into ``0..N-1``, ``n <= chunk_size``), and returns a tensor ``(n, ...)`` or a tuple of them. The result is the
+        concatenation over chunks, ``(N, ...)`` (or a tuple). Runs under ``torch.no_grad()``; each ``z`` is dropped
+        before the next chunk, so peak memory is one chunk's logits plus ``fn``'s workspace.
+        """
+        outs: list = []
+        with torch.no_grad():
+            h = self._valid(self.hidden_c.detach())  # (N, d)
+            for s in range(0, self.num_valid, self.chunk_size):
+                rows = slice(s, min(s + self.chunk_size, self.num_valid))
+                z = self._project(h[rows])
+                outs.append(fn(z, rows))
+                del z
+            if not outs:  # no valid token: call fn on an empty block to learn the output layout
+                z = torch.empty((0, self.vocab_size), device=h.device, dtype=torch.float32)
+                outs.append(fn(z, slice(0, 0)))
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts, dim=0) for parts in zip(*outs))
+        return torch.cat(outs, dim=0)
+
+    # --------------------------------------------------------------------------------------- full-vocab stats
+
+    def logsumexp(self) -> torch.Tensor:
+        """``(B, C)`` float32: ``logsumexp_v z_v`` (log partition of the temperature-scaled logits)."""
+        return self.to_bc(self.map_chunks(lambda z, rows: torch.logsumexp(z, dim=-1)))
+
+    def max_logit(self) -> torch.Tensor:
+        """``(B, C)`` float32: ``max_v z_v``."""
+        return self.to_bc(self.map_chunks(lambda z, rows: z.amax(dim=-1)))
+
+    def label_logit(self, labels: torch.Tensor) -> torch.Tensor:
+        """``(B, C)`` float32: ``z[label]``. ``labels``: ``(B, C)`` completion token ids."""
+        lab = self._valid(labels).long()
+        return self.to_bc(self.map_chunks(lambda z, rows: z.gather(-1, lab[rows, None]).squeeze(-1)))
+
+    def label_logprob(self, labels: torch.Tensor) -> torch.Tensor:
+        """``(B, C)`` float32: ``log softmax(z)[label]`` (equals TRL's ``per_token_logps``, without grad).
+
+        ``labels``: ``(B, C)`` completion token ids.
+        """
+        lab = self._valid(labels).long()
+
+        def fn(z, rows):
+            return z.gather(-1, lab[rows, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+        return self.to_bc(self.map_chunks(fn))
+
+    def entropy(self) -> torch.Tensor:
+        """``(B, C)`` float32: full-vocabulary entropy ``-sum_v p_v log p_v`` (equals TRL's ``entropies``, no grad)."""
+
+        def fn(z, rows):
+            logp = torch.log_softmax(z, dim=-1)
+            return -(logp.exp() * logp).sum(-1)
+
+        return self.to_bc(self.map_chunks(fn))
+
+    def mean_log_softmax(self) -> torch.Tensor:
+        """``(B, C)`` float32: ``mean_v log p_v = mean_v z_v - logsumexp_v z_v``."""
+        return self.to_bc(self.map_chunks(lambda z, rows: z.mean(-1) - torch.logsumexp(z, dim=-1)))
+
+    # ------------------------------------------------------------------------------------------------- min-p
+
+    def min_p_logprob(self, labels: torch.Tensor, kappa: float, mode: str = "minp") -> torch.Tensor:
+        """``(B, C)`` float32: Lp-Reg proxy log-prob ``log pi_proxy(label)``.
+
+        Keep set ``K`` (on the temperature-scaled distribution ``p = softmax(z)``):
+
+        * ``mode="minp"``: ``K = {v : p_v >= kappa * max_u p_u}``, i.e. ``z_v >= z_max + ln(kappa)``;
+        * ``mode="fixed"``: ``K = {v : p_v >= kappa}``, i.e. ``z_v - logsumexp(z) >= ln(kappa)``.
+
+        ``pi_proxy = p * 1[v in K] / p(K)``, so for a label in ``K`` the value is ``z_label - logsumexp_{v in K} z_v``
+        (``>= log p_label``); for a label outside ``K`` it is :data:`OUT_OF_KEEP_SET` (``-1e4``, standing for
+        ``-inf``). ``kappa <= 0`` keeps the whole vocabulary (plain log-softmax). ``labels``: ``(B, C)`` token ids.
+        """
+        if mode not in ("minp", "fixed"):
+            raise ValueError(f"mode must be 'minp' or 'fixed', got {mode!r}")
+        log_kappa = math.log(kappa) if kappa > 0 else -math.inf
+        lab = self._valid(labels).long()
+
+        def fn(z, rows):
+            ref = z.amax(-1, keepdim=True) if mode == "minp" else torch.logsumexp(z, -1, keepdim=True)
+            keep = z >= ref + log_kappa  # (n, V)
+            lse_keep = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
+            z_lab = z.gather(-1, lab[rows, None]).squeeze(-1)
+            in_keep = keep.gather(-1, lab[rows, None]).squeeze(-1)
+            return torch.where(in_keep, z_lab - lse_keep, torch.full_like(z_lab, OUT_OF_KEEP_SET))
+
+        return self.to_bc(self.map_chunks(fn))
+
+    # ------------------------------------------------------------------------------------------------- top-p
+
+    @staticmethod
+    def _nucleus_keep(sorted_p: torch.Tensor, top_p: float, mode: str) -> torch.Tensor:
+        """Bool ``(n, k)`` over probabilities sorted descending: which ranks are in the nucleus.
+
+        ``"cover"``: smallest prefix whose mass is ``>= top_p`` (rank ``i`` kept iff the mass *before* it is
+        ``< top_p``; the top-1 is always kept). ``"siren"``: ranks whose *inclusive* cumulative mass is
+        ``< top_p`` (the crossing token is excluded; the nucleus may be empty), as in SIREN's code.
+        ``"cover"`` with ``top_p >= 1`` keeps every candidate.
+        """
+        if mode not in _NUCLEUS_MODES:
+            raise ValueError(f"mode must be one of {_NUCLEUS_MODES}, got {mode!r}")
+        if mode == "cover" and top_p >= 1.0:  # everything (rounding must not drop the tail)
+            return torch.ones_like(sorted_p, dtype=torch.bool)
+        p = sorted_p.double()  # float64 cumulative sums: fewer rounding flips at the boundary
+        cum = p.cumsum(-1)
+        return (cum - p) < top_p if mode == "cover" else cum < top_p
+
+    def _top(self, z: torch.Tensor, k_max: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(values (n,k), ids (n,k), sorted probs (n,k))`` of the ``k = min(k_max, V)`` largest logits."""
+        k = self.vocab_size if k_max is None else min(int(k_max), self.vocab_size)
+        vals, ids = torch.topk(z, k, dim=-1, sorted=True)
+        probs = torch.exp(vals - torch.logsumexp(z, dim=-1, keepdim=True))  # true (full-vocab) probabilities
+        return vals, ids, probs
+
+    def top_p_entropy(self, top_p: float, k_max: int | None = None, mode: str = "cover") -> torch.Tensor:
+        """``(B, C)`` float32, no grad: entropy of the nucleus distribution ``q = p|_nucleus / p(nucleus)``.
+
+        The nucleus is chosen among the ``k_max`` most likely tokens (all ``V`` when ``None``) by ``mode`` (see
+        :meth:`_nucleus_keep`; default ``"cover"`` = smallest set with mass ``>= top_p``). An empty nucleus (only
+        possible with ``"siren"``) gives 0. Workspace per chunk: top-k values, int64 ids and probs, ``n * k`` each.
+        """
+
+        def fn(z, rows):
+            vals, _, probs = self._top(z, k_max)
+            keep = self._nucleus_keep(probs, top_p, mode)
+            zk = vals.masked_fill(~keep, -math.inf)
+            lse = torch.logsumexp(zk, dim=-1, keepdim=True)
+            logq = torch.where(keep, zk - lse, torch.zeros_like(zk))
+            H = -(logq.exp() * logq).masked_fill(~keep, 0.0).sum(-1)
+            return torch.where(keep.any(-1), H, torch.zeros_like(H))
+
+        return self.to_bc(self.map_chunks(fn))
+
+    def nucleus_ids(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
+        """``(N, k_max)`` int64, no grad: nucleus token ids per valid position, most likely first, padded with -1.
+
+        Row ``n`` is the ``n``-th valid position in row-major order (see :meth:`to_bc`). The nucleus is chosen as in
+        :meth:`top_p_entropy` among the ``k_max`` most likely tokens, so a nucleus larger than ``k_max`` is truncated.
+        """
+
+        def fn(z, rows):
+            _, ids, probs = self._top(z, k_max)
+            ids = ids.masked_fill(~self._nucleus_keep(probs, top_p, mode), -1)
+            if ids.shape[1] < k_max:  # V < k_max
+                ids = torch.cat([ids, ids.new_full((ids.shape[0], k_max - ids.shape[1]), -1)], dim=1)
+            return ids
+
+        return self.map_chunks(fn)
+
+    def top_p_entropy_with_grad(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
+        """``(B, C)`` float32: nucleus entropy WITH autograd through the hidden states (and the head).
+
+        The nucleus ids come from :meth:`nucleus_ids` (no grad). Only those logits are then recomputed with grad,
+        ``h[b,t] . W[ids]`` (+ bias), transformed as usual, renormalised over the nucleus, and ``-sum q log q`` is
+        returned; invalid positions and empty nuclei give 0 with zero gradient. Memory: ``N * k_max`` for the
+        gathered logits (kept for backward) plus a transient ``rows * k_max * d`` block, with ``rows`` chosen so
+        that block stays within ``chunk_size * V`` elements. Gradients reach ``hidden`` (thus the model),
+        ``weight`` and ``bias`` when those require grad.
+        """
+        ids = self.nucleus_ids(top_p, k_max, mode)  # (N, k_max)
+        pad = ids < 0
+        h = self._valid(self.hidden_c)  # (N, d), graph kept
+        d = h.shape[-1]
+        rows = max(1, (self.chunk_size * self.vocab_size) // max(1, ids.shape[1] * d))
+        raw = _GatheredLogits.apply(h, self.weight, self.bias, ids.clamp(min=0), rows)  # (N, k_max)
+        z = transform_logits(raw, self.logit_scale, self.softcap, self.temperature)
+        empty = pad.all(-1, keepdim=True)
+        # Empty rows get finite zeros everywhere (no NaN in backward); their entropy is zeroed below.
+        z = z.masked_fill(pad & ~empty, -math.inf).masked_fill(empty, 0.0)
+        logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        logq = torch.where(pad, torch.zeros_like(logq), logq)
+        H = -(logq.exp() * logq).sum(-1)
+        H = torch.where(empty.squeeze(-1), torch.zeros_like(H), H)
+        return self.to_bc(H)

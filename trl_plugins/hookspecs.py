@@ -1,0 +1,161 @@
+"""Hook specifications of trl-plugins: the reference documentation of every stage.
+
+A plugin is a subclass of :class:`trl_plugins.Plugin` whose methods are decorated with
+:data:`trl_plugins.hookimpl` and named after the specs below. Pluggy checks the names and argument names when
+the plugin is registered; a misspelt hook is refused at construction.
+
+Composition is explicit: each hook is called once per enabled plugin, **in the order of** ``args.plugins``,
+and every hook of a stage works on the same mutable context object, so the output of one plugin is the input
+of the next (a chain). Return values are ignored unless a spec says otherwise.
+
+Shapes used below: ``N`` rows in the global generation batch (all processes), ``B`` rows on this process
+(``N = B * num_processes``), ``T`` completion positions (right-padded), ``K`` reward functions, ``G`` =
+``num_generations``. Rows are group-contiguous: global row ``g`` belongs to group ``g // G`` and has index
+``g % G`` in it, whatever process holds it.
+
+Stages and the hooks that belong to them:
+
+=========== ==========================================================================================
+lifecycle   ``trl_plugins_configure``, ``trl_plugins_reward_functions``, ``trl_plugins_on_step_end``,
+            ``trl_plugins_state_dict``, ``trl_plugins_load_state_dict``
+sampling    ``trl_plugins_generation_prompts``, ``trl_plugins_after_generation``
+reward      ``trl_plugins_reward_functions`` (adds columns), ``trl_plugins_transform_rewards``
+advantage   ``trl_plugins_transform_advantages``
+loss        ``trl_plugins_loss_advantages``, ``trl_plugins_loss``
+=========== ==========================================================================================
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .contexts import AdvantageContext, LossContext, PromptContext, RewardContext, RolloutContext
+
+PROJECT = "trl_plugins"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: Which stage each hook belongs to (used by ``trl-plugins list`` and the compatibility checks).
+HOOK_STAGES: dict[str, str] = {
+    "trl_plugins_configure": "lifecycle",
+    "trl_plugins_on_step_end": "lifecycle",
+    "trl_plugins_state_dict": "lifecycle",
+    "trl_plugins_load_state_dict": "lifecycle",
+    "trl_plugins_reward_functions": "reward",
+    "trl_plugins_generation_prompts": "sampling",
+    "trl_plugins_after_generation": "sampling",
+    "trl_plugins_transform_rewards": "reward",
+    "trl_plugins_transform_advantages": "advantage",
+    "trl_plugins_loss_advantages": "loss",
+    "trl_plugins_loss": "loss",
+}
+
+STAGE_ORDER = ("sampling", "reward", "advantage", "loss")
+
+
+# --------------------------------------------------------------------------------------------- lifecycle
+@hookspec
+def trl_plugins_configure(trainer: Any, args: Any) -> None:
+    """Validate the plugin against the run and prepare it; called once at the end of trainer construction.
+
+    Args:
+        trainer: the :class:`~trl_plugins.PluginGRPOTrainer` (fully built: model, tokenizer, reward functions).
+        args: its :class:`~trl_plugins.PluginGRPOConfig`.
+
+    Raise :class:`~trl_plugins.errors.IncompatiblePluginsError` (or ``PluginConfigError``) for settings the
+    method cannot work with (e.g. an option valid only with vLLM while ``use_vllm=False``), so that the error
+    comes at construction, never at step 500.
+    """
+
+
+@hookspec
+def trl_plugins_on_step_end(trainer: Any, step: int) -> None:
+    """Called after every optimizer step (``step`` = ``trainer.state.global_step``), for schedules."""
+
+
+@hookspec
+def trl_plugins_state_dict() -> dict:
+    """Return the plugin's resumable state (JSON-serialisable or tensors); saved in every checkpoint."""
+
+
+@hookspec
+def trl_plugins_load_state_dict(state: dict) -> None:
+    """Restore what :func:`trl_plugins_state_dict` returned, when training resumes from a checkpoint."""
+
+
+# --------------------------------------------------------------------------------------------- reward
+@hookspec
+def trl_plugins_reward_functions(args: Any) -> list:
+    """Return extra reward functions (TRL's signature: ``f(prompts, completions, completion_ids, **columns)``).
+
+    They become named columns of the reward matrix after the user's own reward functions; TRL's
+    ``reward_weights`` (extended with weight 1.0 for each added column unless the plugin sets
+    ``func.reward_weight``) and ``multi_objective_aggregation`` apply to them. Called once, before TRL builds
+    its reward list. ``args`` is the run's :class:`~trl_plugins.PluginGRPOConfig`.
+    """
+
+
+@hookspec
+def trl_plugins_transform_rewards(ctx: RewardContext) -> None:
+    """Transform the gathered reward matrix ``ctx.rewards_per_func`` (N, K) in place, with the groups in view.
+
+    Runs on every process with the same global matrix (after TRL gathers it), before TRL computes its
+    advantages and reward metrics, so TRL's weighting, normalisation and logging see the transformed values.
+    """
+
+
+# --------------------------------------------------------------------------------------------- sampling
+@hookspec
+def trl_plugins_generation_prompts(ctx: PromptContext) -> None:
+    """Choose per-row generation and training prompts before the first generation round of a step.
+
+    ``ctx.generation_prompts[i]`` is what row ``i`` is sampled from; ``ctx.training_prompts[i]`` is the prompt
+    the loss conditions on (prompt swap when they differ). Rows of one group may get different prompts; the
+    trainer then generates one completion per row (vLLM server mode would otherwise de-duplicate prompts).
+    Rows whose two prompts differ get NaN sampling log-probs, so TRL's vLLM importance-sampling correction
+    leaves them alone. Only called in training mode.
+    """
+
+
+@hookspec
+def trl_plugins_after_generation(ctx: RolloutContext) -> None:
+    """Inspect and edit the generated batch before rewards are computed.
+
+    With ``ctx`` a plugin may score candidates (``ctx.score``), ask the generation service for more
+    completions within the step (``ctx.service.generate``; collective-safe, counted in the rollout budget),
+    replace rows (``ctx.replace_row``; the group size never changes) and splice token spans recording their
+    provenance (``ctx.splice``; off-policy tokens take the shaped loss branch and get NaN sampling log-probs).
+    Every process must call the service the same number of times; decide from globally gathered data
+    (``ctx.gather``). Only called in training mode.
+    """
+
+
+# --------------------------------------------------------------------------------------------- advantage
+@hookspec
+def trl_plugins_transform_advantages(ctx: AdvantageContext) -> None:
+    """Transform the global advantages ``ctx.advantages`` ((N,) or (N, T)) in place; attach per-row extras.
+
+    ``ctx.advantages`` starts as TRL's own computation (``scale_rewards``, ``multi_objective_aggregation``).
+    Group-level quantities must be computed here: TRL shuffles and splits the batch before the loss, so a
+    loss micro-batch never holds whole groups. Per-row tensors put in ``ctx.extras`` ride to the loss stage
+    with their rows (``LossContext.extras``).
+    """
+
+
+# --------------------------------------------------------------------------------------------- loss
+@hookspec
+def trl_plugins_loss_advantages(ctx: LossContext) -> None:
+    """Transform the token advantages ``ctx.advantages`` (B, T) of a micro-batch before the surrogate is built."""
+
+
+@hookspec
+def trl_plugins_loss(ctx: LossContext) -> None:
+    """Contribute to the micro-batch loss once the base per-token surrogate ``ctx.per_token_loss`` exists.
+
+    Contributions compose: ``ctx.scale_tokens(w)`` multiplies (weights/masks multiply), ``ctx.add_token_loss``
+    and ``ctx.add_loss`` add, and ``ctx.replace_tokens(mask, values)`` swaps the surrogate on a token subset
+    (only a plugin declaring ``replaces_surrogate = True`` may call it, at most one per stack).
+    """

@@ -1,0 +1,344 @@
+"""The loss stage: TRL 1.16's ``GRPOTrainer._compute_loss`` with plugin hook points and off-policy shaping.
+
+Used instead of TRL's method only when a stack has loss hooks or sampling hooks (which may inject off-policy
+tokens); with no plugins the trainer calls TRL's own method. With no loss contribution and no off-policy
+tokens this function reproduces TRL's loss and gradients (``tests/test_loss_equivalence.py``), for every loss
+type it supports. Order of operations (TRL's, with our additions marked +):
+
+1. per-token log-probs and entropies through TRL's fused LM head (+ hidden states captured for head stats);
+2. TRL's entropy mask (``top_entropy_quantile``);
+3. token advantages (B, T) (+ ``trl_plugins_loss_advantages`` chain);
+4. old log-probs, TRL's off-policy sequence mask (+ never applied to off-policy tokens), importance ratio;
+5. reference KL;
+6. base surrogate by ``loss_type`` (+ off-policy tokens: ``-A * p / (p + gamma)``, LUFFY shaping, no ratio);
+7. (+ ``trl_plugins_loss``: token-subset replacement, multiplicative weights, additive token terms);
+8. masks multiply, vLLM IS ratio (+ 1 on off-policy tokens), ``beta * KL`` added, aggregation by ``loss_type``;
+9. entropy bonus, MoE aux loss (+ scalar plugin terms); TRL's metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
+from .errors import IncompatiblePluginsError
+
+SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+
+
+def check_loss_type(loss_type: str) -> None:
+    """Refuse loss types the plugin loss path does not implement (at construction)."""
+    if loss_type not in SUPPORTED_LOSS_TYPES:
+        raise IncompatiblePluginsError(
+            f"loss_type={loss_type!r} is not supported together with loss- or sampling-stage plugins; "
+            f"supported: {', '.join(SUPPORTED_LOSS_TYPES)}."
+        )
+
+
+def shaped_offpolicy_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, gamma: float) -> torch.Tensor:
+    """LUFFY policy shaping for off-policy tokens: ``-A * f(p)`` with ``f(p) = p / (p + gamma)``, p = exp(logp).
+
+    No importance ratio and no clipping. Gradient w.r.t. log p: ``-A * gamma * p / (p + gamma)^2``.
+
+    Args:
+        per_token_logps: (B, T) log pi_theta, with grad.
+        advantages: (B, T) or (B, 1).
+    Returns:
+        (B, T) per-token loss.
+    """
+    p = per_token_logps.exp()
+    return -advantages * (p / (p + gamma))
+
+
+def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.Tensor:
+    """Micro-batch loss with the plugin stack applied (see the module docstring for the order)."""
+    t = trainer
+    args = t.args
+    stack = t.plugin_stack
+    mode = "train" if t.model.training else "eval"
+    prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+    completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    logits_to_keep = completion_ids.size(1)
+    mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+
+    capture = None
+    capture_ctx = contextlib.nullcontext()
+    if stack.needs_head_stats:
+        from .head_stats import capture_hidden_states
+
+        capture_ctx = capture_hidden_states(model)
+    with capture_ctx as capture:
+        per_token_logps, entropies, aux_loss = t._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            compute_entropy=True,
+            compute_aux_loss=t.aux_loss_enabled,
+            pixel_values=inputs.get("pixel_values"),
+            image_grid_thw=inputs.get("image_grid_thw"),
+            num_images=inputs.get("num_images"),
+            pixel_attention_mask=inputs.get("pixel_attention_mask"),
+            spatial_shapes=inputs.get("spatial_shapes"),
+            num_tiles=inputs.get("num_tiles"),
+            image_sizes=inputs.get("image_sizes"),
+            token_type_ids=inputs.get("token_type_ids"),
+            mm_token_type_ids=inputs.get("mm_token_type_ids"),
+            image_position_ids=inputs.get("image_position_ids"),
+        )
+
+    entropy_mask = None
+    if t.top_entropy_quantile < 1.0:
+        entropy_mask = t.get_high_entropy_mask(entropies, mask, 1 - t.top_entropy_quantile)
+
+    advantages = inputs["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    offpolicy = inputs.get(OFFPOLICY_KEY)
+    offpolicy = torch.zeros_like(mask, dtype=torch.bool) if offpolicy is None else offpolicy.bool()
+    old_per_token_logps = inputs.get("old_per_token_logps")
+    old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    extras = {k[len(EXTRA_PREFIX):]: v for k, v in inputs.items() if k.startswith(EXTRA_PREFIX)}
+
+    ctx = LossContext(
+        inputs=inputs,
+        per_token_logps=per_token_logps,
+        old_per_token_logps=old_per_token_logps,
+        ref_per_token_logps=inputs.get("ref_per_token_logps"),
+        sampling_per_token_logps=inputs.get("sampling_per_token_logps"),
+        entropies=entropies,
+        advantages=advantages,
+        mask=mask,
+        offpolicy_mask=offpolicy,
+        extras=extras,
+        loss_type=t.loss_type,
+        epsilon_low=t.epsilon_low,
+        epsilon_high=t.epsilon_high,
+        beta=t.beta,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        iteration=(t._step // args.steps_per_generation) % t.num_iterations,
+        mode=mode,
+        trainer=t,
+    )
+    ctx._metric_sink = t._plugin_metric_sink
+    ctx._reducer = lambda x, m: _global_masked_mean(t, x, m)
+    if capture is not None:
+        ctx._head_stats = _head_stats_factory(t, model, capture, logits_to_keep, mask)
+
+    if stack.has("trl_plugins_loss_advantages"):
+        if ctx.advantages.size(1) == 1:
+            ctx.advantages = ctx.advantages.expand(-1, logits_to_keep).clone()
+        stack.call("trl_plugins_loss_advantages", ctx)
+    advantages = ctx.advantages
+
+    if t.off_policy_mask_threshold is not None:
+        sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)
+        off_policy_mask = t.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=per_token_logps,
+            sampling_per_token_logps=sampling_per_token_logps,
+            mask=mask,
+            off_policy_threshold=t.off_policy_mask_threshold,
+        )
+        # Injected (off-policy) tokens are never masked by TRL's off-policy sequence mask
+        off_policy_mask = torch.where(offpolicy, torch.ones_like(off_policy_mask), off_policy_mask)
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if t.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+    elif t.importance_sampling_level == "sequence":
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    else:
+        raise ValueError(f"Unknown importance sampling level: {t.importance_sampling_level}.")
+    coef_1 = torch.exp(log_importance_weights)
+    ctx.log_ratio, ctx.coef_1 = log_importance_weights, coef_1
+
+    if t.beta != 0.0:
+        ref_per_token_logps = inputs["ref_per_token_logps"]
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        if args.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+
+    if t.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=t.epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif t.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - t.epsilon_low, 1 + t.epsilon_high)
+        if args.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=args.delta)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    elif t.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    else:  # refused at construction by check_loss_type
+        raise ValueError(f"Unknown loss type: {t.loss_type}")
+
+    if offpolicy.any():
+        shaped = shaped_offpolicy_loss(per_token_logps, advantages, args.offpolicy_shaping_gamma)
+        per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
+
+    ctx.per_token_loss = per_token_loss
+    if stack.has("trl_plugins_loss"):
+        stack.call("trl_plugins_loss", ctx)
+        if ctx.replacement is not None:
+            replace_mask, values = ctx.replacement
+            per_token_loss = torch.where(replace_mask, values, per_token_loss.expand_as(values))
+        for weights in ctx.token_weights:
+            per_token_loss = per_token_loss * weights
+
+    if t.off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if t.use_vllm and t.vllm_importance_sampling_correction:
+        is_ratio = inputs["importance_sampling_ratio"]
+        if offpolicy.any():
+            is_ratio = torch.where(offpolicy, torch.ones_like(per_token_loss), is_ratio.expand_as(per_token_loss))
+        per_token_loss = per_token_loss * is_ratio
+    if t.beta != 0.0:
+        per_token_loss = per_token_loss + t.beta * per_token_kl
+    for term in ctx.token_terms:
+        per_token_loss = per_token_loss + term
+
+    loss, policy_loss = _aggregate(t, per_token_loss, mask, inputs, mode)
+    for term in ctx.scalar_terms:
+        loss = loss + term
+
+    if t._entropy_bonus_enabled:
+        loss = _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode)
+    if t.aux_loss_enabled:
+        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss + t.router_aux_loss_coef * aux_loss / normalizer
+        t._metrics[mode]["aux_loss"].append(t.accelerator.gather_for_metrics(aux_loss).mean().item())
+
+    _log_trl_metrics(t, mode, mask, entropies, coef_1, advantages, per_token_kl if t.beta != 0.0 else None)
+    if offpolicy.any() or stack.has("trl_plugins_after_generation"):
+        t._metrics[mode]["plugins/framework/offpolicy_token_fraction"].append(
+            _global_masked_mean(t, offpolicy.float(), mask)
+        )
+    return loss
+
+
+def _aggregate(t: Any, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: dict, mode: str):
+    """TRL's aggregation by loss_type; returns (loss to backpropagate, policy loss for logging)."""
+    if t.loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss / normalizer, loss.detach()
+    if t.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss / normalizer, loss.detach()
+    if t.loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * t.max_completion_length)
+        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss / normalizer, loss.detach()
+    if t.loss_type in ("cispo", "dapo"):
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / t.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * t.current_gradient_accumulation_steps / t.args.steps_per_generation
+        loss = (per_token_loss * mask).sum() / normalizer
+        return loss, loss.detach()
+    if t.loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean()
+        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+        return loss / normalizer, loss.detach()
+    raise ValueError(f"Unknown loss type: {t.loss_type}")
+
+
+def _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode):
+    """TRL's entropy bonus (static or adaptive coefficient), unchanged."""
+    args = t.args
+    effective_mask = mask if entropy_mask is None else mask * entropy_mask
+    accumulation_factor = t.current_gradient_accumulation_steps if mode == "train" else 1.0
+    entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
+    if t.use_adaptive_entropy:
+        apply_coef = t.entropy_coef if t._last_world_entropy <= args.entropy_target else 0.0
+    else:
+        apply_coef = t.entropy_coef
+    loss = loss - apply_coef * entropy_loss
+    t._metrics[mode]["policy_loss"].append(t.accelerator.gather(policy_loss).nanmean().item())
+    if t.use_adaptive_entropy and mode == "train":
+        stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+        t._entropy_window_stats = stats if t._entropy_window_stats is None else t._entropy_window_stats + stats
+        if t.accelerator.sync_gradients:
+            window_stats = t.accelerator.reduce(t._entropy_window_stats, reduction="sum")
+            world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
+            if world_entropy <= args.entropy_target:
+                t.entropy_coef = min(t.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                t.entropy_coef = max(t.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            t._last_world_entropy = world_entropy
+            t._entropy_window_stats = None
+    if mode == "train" and t.accelerator.sync_gradients:
+        t._metrics[mode]["entropy_coef"].append(t.entropy_coef)
+    return loss
+
+
+def _global_masked_mean(t: Any, x: torch.Tensor, mask: torch.Tensor) -> float:
+    if x.shape[1] == 1:
+        local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+    else:
+        local_sum, local_count = (x * mask).sum(), mask.sum().float()
+    totals = t.accelerator.reduce(torch.stack([local_sum.float(), local_count.float()]), reduction="sum")
+    return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+
+def _log_trl_metrics(t, mode, mask, entropies, coef_1, advantages, per_token_kl) -> None:
+    """TRL's own loss metrics (kl, entropy, clip ratios), so dashboards look the same with plugins on."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    def masked_seq_mean(x):
+        if x.shape[1] == 1:
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
+
+    if per_token_kl is not None:
+        t._metrics[mode]["kl"].append(_global_masked_mean(t, per_token_kl, mask))
+    t._metrics[mode]["entropy"].append(_global_masked_mean(t, entropies, mask))
+    if t.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        is_low_clipped = (coef_1 < 1 - t.epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + t.epsilon_high) & (advantages > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        t._metrics[mode]["clip_ratio/low_mean"].append(_global_masked_mean(t, is_low_clipped.float(), mask))
+        t._metrics[mode]["clip_ratio/high_mean"].append(_global_masked_mean(t, is_high_clipped.float(), mask))
+        t._metrics[mode]["clip_ratio/region_mean"].append(_global_masked_mean(t, is_region_clipped.float(), mask))
+        gathered_low_clip = t.accelerator.gather(masked_seq_mean(is_low_clipped.float()))
+        t._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_low_clip).item())
+        gathered_high_clip = t.accelerator.gather(masked_seq_mean(is_high_clipped.float()))
+        t._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_high_clip).item())
+    elif t.loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > t.epsilon_high) & (advantages > 0)
+        t._metrics[mode]["cispo_clip_ratio"].append(_global_masked_mean(t, is_cispo_clipped.float(), mask))
+
+
+def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, mask: torch.Tensor):
+    """Lazy builder of the :class:`HeadStats` of this forward (built once, on first use)."""
+    cache: dict[str, Any] = {}
+
+    def build():
+        if "stats" not in cache:
+            from .head_stats import HeadStats, lm_head_of
+
+            weight, bias, logit_scale, softcap = lm_head_of(model)
+            cache["stats"] = HeadStats(
+                capture.hidden,
+                logits_to_keep,
+                mask,
+                weight,
+                bias,
+                logit_scale=logit_scale,
+                softcap=softcap,
+                temperature=t.temperature,
+                chunk_size=t.args.head_stats_chunk_size,
+            )
+        return cache["stats"]
+
+    return build

@@ -1,0 +1,226 @@
+"""Plugin discovery, enabling by name, validation and ordered (chained) hook calls.
+
+Discovery: built-in plugins (the ``trl_plugins_builtin`` package) plus every entry point in the group
+``trl_plugins`` of the installed distributions, plus classes registered in code with :func:`register_plugin`.
+
+Environment variables (read at discovery time, like pytest's ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``):
+
+``TRL_PLUGINS_DISABLE_AUTOLOAD=1``
+    Load no entry-point plugins at all; only built-ins and plugins registered in code are available.
+``TRL_PLUGINS_LOAD=name1,name2``
+    Load only these entry-point plugins (built-ins stay available). An empty value loads none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginError, suggest
+from .plugin import Plugin
+
+ENTRY_POINT_GROUP = "trl_plugins"
+BUILTIN_MODULES = ("lp_reg", "hint_scaffold", "canon")
+_registered: dict[str, type[Plugin]] = {}
+_load_errors: dict[str, str] = {}
+
+
+def register_plugin(cls: type[Plugin]) -> type[Plugin]:
+    """Make a plugin class available by name without packaging it (usable as a class decorator)."""
+    _validate_class(cls, source="register_plugin")
+    _registered[cls.name] = cls
+    return cls
+
+
+def unregister_plugin(name: str) -> None:
+    """Remove a plugin registered with :func:`register_plugin` (mainly for tests)."""
+    _registered.pop(name, None)
+
+
+def _validate_class(cls: Any, source: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        raise PluginConfigError(f"{source}: {cls!r} is not a subclass of trl_plugins.Plugin.")
+    if not cls.name or not cls.name.replace("_", "").isalnum() or cls.name.lower() != cls.name:
+        raise PluginConfigError(
+            f"{source}: plugin class {cls.__name__} has an invalid name {cls.name!r}; use lower-case [a-z0-9_]."
+        )
+
+
+def _builtin_plugins() -> dict[str, type[Plugin]]:
+    found = {}
+    for module_name in BUILTIN_MODULES:
+        module = importlib.import_module(f"trl_plugins_builtin.{module_name}")
+        for value in vars(module).values():
+            if isinstance(value, type) and issubclass(value, Plugin) and value is not Plugin and value.name:
+                if value.__module__ == module.__name__:
+                    value._distribution = "trl-plugins (built-in)"
+                    found[value.name] = value
+    return found
+
+
+def _entry_point_plugins() -> dict[str, type[Plugin]]:
+    if os.environ.get("TRL_PLUGINS_DISABLE_AUTOLOAD", "").strip() not in ("", "0", "false", "False"):
+        return {}
+    only = os.environ.get("TRL_PLUGINS_LOAD")
+    allowed = None if only is None else {n.strip() for n in only.split(",") if n.strip()}
+    found = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value.startswith("trl_plugins_builtin."):
+            continue  # built-ins are imported directly (they work from a source checkout too)
+        if allowed is not None and ep.name not in allowed:
+            continue
+        try:
+            cls = ep.load()
+            _validate_class(cls, source=f"entry point {ep.name!r} ({ep.value})")
+        except Exception as exc:  # a broken third-party plugin must not break `list` or other plugins
+            _load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        dist = getattr(ep, "dist", None)
+        cls._distribution = f"{dist.name} {dist.version}" if dist is not None else ep.value
+        found[cls.name] = cls
+    return found
+
+
+def available_plugins() -> dict[str, type[Plugin]]:
+    """All plugin classes that can be enabled by name: built-ins, entry points, then code registrations."""
+    plugins = _builtin_plugins()
+    plugins.update(_entry_point_plugins())
+    plugins.update(_registered)
+    return dict(sorted(plugins.items()))
+
+
+def load_errors() -> dict[str, str]:
+    """Entry points that failed to load, with the error (shown by ``trl-plugins list``)."""
+    return dict(_load_errors)
+
+
+def get_plugin_class(name: str) -> type[Plugin]:
+    plugins = available_plugins()
+    if name not in plugins:
+        if name in _load_errors:
+            raise UnknownPluginError(f"Plugin {name!r} is installed but failed to load: {_load_errors[name]}")
+        raise UnknownPluginError(
+            f"Unknown plugin {name!r}.{suggest(name, plugins)} Available plugins: {', '.join(plugins) or '(none)'}."
+        )
+    return plugins[name]
+
+
+class PluginStack:
+    """The enabled plugins of one trainer, in configured order, behind one pluggy manager.
+
+    ``call(hook, **kwargs)`` calls the hook of every plugin that implements it, in the configured order (not
+    pluggy's LIFO order), and returns the list of non-None results.
+    """
+
+    def __init__(self, plugins: list[Plugin]):
+        self.plugins = plugins
+        self.by_name = {p.name: p for p in plugins}
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        for plugin in plugins:
+            try:
+                self.pm.register(plugin, name=plugin.name)
+            except pluggy.PluginValidationError as exc:
+                raise PluginConfigError(f"Plugin {plugin.name!r} has an invalid hook: {exc}") from exc
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise PluginConfigError(
+                f"{exc} Known hooks: {', '.join(hookspecs.HOOK_STAGES)}."
+            ) from exc
+        self._order = {id(p): i for i, p in enumerate(plugins)}
+        self._impls: dict[str, list] = {}
+        for hook in hookspecs.HOOK_STAGES:
+            impls = getattr(self.pm.hook, hook).get_hookimpls()
+            self._impls[hook] = sorted(impls, key=lambda impl: self._order[id(impl.plugin)])
+
+    def __bool__(self) -> bool:
+        return bool(self.plugins)
+
+    def __iter__(self):
+        return iter(self.plugins)
+
+    def has(self, hook: str) -> bool:
+        return bool(self._impls[hook])
+
+    def implementers(self, hook: str) -> list[Plugin]:
+        return [impl.plugin for impl in self._impls[hook]]
+
+    def call(self, hook: str, ctx: Any = None, **kwargs: Any) -> list[Any]:
+        """Call ``hook`` on each implementing plugin in order; contexts learn which plugin is active."""
+        results = []
+        if ctx is not None:
+            kwargs["ctx"] = ctx
+        for impl in self._impls[hook]:
+            if ctx is not None and hasattr(ctx, "_active_plugin"):
+                ctx._active_plugin = impl.plugin.name
+            result = impl.function(*[kwargs[a] for a in impl.argnames])
+            if result is not None:
+                results.append((impl.plugin, result))
+        if ctx is not None and hasattr(ctx, "_active_plugin"):
+            ctx._active_plugin = None
+        return results
+
+    @property
+    def needs_head_stats(self) -> bool:
+        return any(p.needs_head_stats for p in self.plugins if self.has_loss(p))
+
+    def has_loss(self, plugin: Plugin) -> bool:
+        return "loss" in plugin.stages()
+
+
+def build_plugins(names: Iterable[str], plugin_config: Mapping[str, Mapping[str, Any]] | None = None) -> PluginStack:
+    """Instantiate the plugins ``names`` (in order) with validated options and check the stack.
+
+    Raises:
+        UnknownPluginError: a name no installed plugin provides (with close-match suggestions).
+        PluginConfigError: options for a plugin that is not enabled, unknown / mistyped / out-of-range options.
+        IncompatiblePluginsError: duplicates, "pick one" conflicts, two plugins replacing the surrogate.
+    """
+    names = list(names or [])
+    plugin_config = dict(plugin_config or {})
+    seen = set()
+    for name in names:
+        if not isinstance(name, str):
+            raise PluginConfigError(f"Plugin names must be strings; got {name!r} in plugins={names!r}.")
+        if name in seen:
+            raise IncompatiblePluginsError(f"Plugin {name!r} is enabled twice in plugins={names!r}.")
+        seen.add(name)
+    classes = [get_plugin_class(name) for name in names]
+    for key in plugin_config:
+        if key not in seen:
+            hint = suggest(key, names)
+            raise PluginConfigError(
+                f"plugin_config has options for {key!r}, which is not in plugins={names!r}.{hint} "
+                "Enable it in `plugins` or remove its options."
+            )
+    instances = []
+    for cls in classes:
+        options = cls.Options.from_dict(plugin_config.get(cls.name), plugin=cls.name)
+        instances.append(cls(options))
+    check_compatibility(instances)
+    return PluginStack(instances)
+
+
+def check_compatibility(plugins: list[Plugin]) -> None:
+    """Refuse "pick one" pairs and more than one surrogate-replacing plugin, with the reason."""
+    names = {p.name for p in plugins}
+    for p in plugins:
+        for other in p.conflicts_with:
+            if other in names:
+                reason = p.conflict_reason or "they act on the same quantity"
+                raise IncompatiblePluginsError(
+                    f"Plugins {p.name!r} and {other!r} cannot be stacked: {reason}. Enable only one of them."
+                )
+    replacing = [p.name for p in plugins if p.replaces_surrogate]
+    if len(replacing) > 1:
+        raise IncompatiblePluginsError(
+            f"Plugins {replacing} each replace the base surrogate on a token subset; at most one may do so in a "
+            "stack. Enable only one of them."
+        )

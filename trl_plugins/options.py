@@ -1,0 +1,204 @@
+"""Typed per-plugin options.
+
+A plugin declares its options as a dataclass deriving from :class:`PluginOptions`; every field is made with
+:func:`option`, which carries the help text, allowed choices / range, and whether the default is a documented
+reconstruction (a detail the paper does not state). ``PluginOptions.from_dict`` validates a user mapping:
+unknown keys (with close-match suggestions), wrong types and out-of-range values are refused with a message
+that names the plugin, the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+from .errors import PluginConfigError, suggest
+
+_MISSING = dataclasses.MISSING
+
+
+def option(
+    default: Any = _MISSING,
+    *,
+    help: str,
+    choices: typing.Sequence[Any] | None = None,
+    min: float | None = None,
+    max: float | None = None,
+    min_exclusive: bool = False,
+    reconstructed: bool = False,
+    default_factory: Any = _MISSING,
+) -> Any:
+    """A documented plugin option (a dataclass field).
+
+    Args:
+        default: the default value (the paper's, where it states one).
+        help: one or two sentences for ``trl-plugins show`` and the generated docs.
+        choices: allowed values (a ``Literal`` annotation gives them too).
+        min, max: inclusive numeric range (``min_exclusive`` makes the lower bound strict).
+        reconstructed: True when the paper does not state this detail and the default is our documented
+            reconstruction; ``trl-plugins show`` marks such options.
+    """
+    metadata = {
+        "help": help,
+        "choices": tuple(choices) if choices is not None else None,
+        "min": min,
+        "max": max,
+        "min_exclusive": min_exclusive,
+        "reconstructed": reconstructed,
+    }
+    if default_factory is not _MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class OptionInfo:
+    """Description of one option, as shown by ``trl-plugins show``."""
+
+    name: str
+    type: str
+    default: Any
+    help: str
+    choices: tuple | None
+    min: float | None
+    max: float | None
+    reconstructed: bool
+
+
+@dataclasses.dataclass
+class PluginOptions:
+    """Base class of plugin option dataclasses. Subclasses may override :meth:`validate` for cross-field checks."""
+
+    @classmethod
+    def from_dict(cls, values: typing.Mapping[str, Any] | None, plugin: str = "?") -> PluginOptions:
+        """Build validated options from a user mapping (YAML / ``plugin_config``)."""
+        values = dict(values or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        for key in values:
+            if key not in fields:
+                allowed = ", ".join(sorted(fields)) or "(none)"
+                raise PluginConfigError(
+                    f"Unknown option {key!r} for plugin {plugin!r}.{suggest(key, fields)} Allowed options: {allowed}."
+                )
+        converted = {}
+        for key, value in values.items():
+            converted[key] = _check_value(plugin, key, value, hints[key], fields[key].metadata)
+        instance = cls(**converted)
+        instance.validate()
+        return instance
+
+    def validate(self) -> None:
+        """Cross-field checks; raise :class:`PluginConfigError` with a clear message."""
+
+    @classmethod
+    def describe(cls) -> list[OptionInfo]:
+        """One :class:`OptionInfo` per option, in declaration order."""
+        hints = typing.get_type_hints(cls)
+        infos = []
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not _MISSING else (
+                f.default_factory() if f.default_factory is not _MISSING else None
+            )
+            md = f.metadata
+            choices = md.get("choices") or _literal_choices(hints[f.name])
+            infos.append(
+                OptionInfo(
+                    name=f.name,
+                    type=_type_name(hints[f.name]),
+                    default=default,
+                    help=md.get("help", ""),
+                    choices=choices,
+                    min=md.get("min"),
+                    max=md.get("max"),
+                    reconstructed=bool(md.get("reconstructed", False)),
+                )
+            )
+        return infos
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _literal_choices(tp: Any) -> tuple | None:
+    if get_origin(tp) is Literal:
+        return get_args(tp)
+    if _is_optional(tp):
+        return _literal_choices(_strip_optional(tp))
+    return None
+
+
+def _is_optional(tp: Any) -> bool:
+    origin = get_origin(tp)
+    return (origin is typing.Union or origin is types.UnionType) and type(None) in get_args(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = [a for a in get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else typing.Union[tuple(args)]
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "str"
+    if _is_optional(tp):
+        return _type_name(_strip_optional(tp)) + " | None"
+    origin = get_origin(tp)
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"{origin.__name__}[{_type_name(args[0]) if args else 'Any'}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _fail(plugin: str, key: str, value: Any, allowed: str) -> PluginConfigError:
+    return PluginConfigError(f"Option {key!r} of plugin {plugin!r} got {value!r}; allowed: {allowed}.")
+
+
+def _check_value(plugin: str, key: str, value: Any, tp: Any, md: typing.Mapping[str, Any]) -> Any:
+    """Type-check and coerce one value; range and choice checks from the option metadata."""
+    if _is_optional(tp):
+        if value is None:
+            return None
+        tp = _strip_optional(tp)
+    origin = get_origin(tp)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            hint = suggest(str(value), [str(c) for c in choices])
+            raise PluginConfigError(
+                f"Option {key!r} of plugin {plugin!r} got {value!r}; allowed: "
+                f"{', '.join(repr(c) for c in choices)}.{hint}"
+            )
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(plugin, key, value, "true or false")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(plugin, key, value, "an integer")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail(plugin, key, value, "a number")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise _fail(plugin, key, value, "a string")
+    elif origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise _fail(plugin, key, value, f"a list ({_type_name(tp)})")
+        args = get_args(tp)
+        if args and args[0] is not Ellipsis:
+            value = [_check_value(plugin, f"{key}[{i}]", v, args[0], {}) for i, v in enumerate(value)]
+        value = list(value) if origin is list else tuple(value)
+    choices = md.get("choices")
+    if choices is not None and value not in choices:
+        raise _fail(plugin, key, value, ", ".join(repr(c) for c in choices))
+    lo, hi = md.get("min"), md.get("max")
+    if lo is not None and (value < lo or (md.get("min_exclusive") and value == lo)):
+        bound = f"> {lo}" if md.get("min_exclusive") else f">= {lo}"
+        raise _fail(plugin, key, value, f"a value {bound}" + (f" and <= {hi}" if hi is not None else ""))
+    if hi is not None and value > hi:
+        raise _fail(plugin, key, value, f"a value <= {hi}" + (f" and >= {lo}" if lo is not None else ""))
+    return value

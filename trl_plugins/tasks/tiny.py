@@ -1,0 +1,428 @@
+"""A tiny character-level chat model for the arithmetic task, built and warm-started offline on CPU.
+
+Nothing here downloads anything: the tokenizer is built with the ``tokenizers`` library, the model
+is a freshly initialised :class:`transformers.LlamaForCausalLM`, and the warm start is a short
+supervised fine-tuning on the reference solutions of :mod:`trl_plugins.tasks.arithmetic`. The result
+can be saved with ``save_pretrained`` and loaded back **by path** with ``AutoTokenizer`` /
+``AutoModelForCausalLM``, which is how the "load by name or path" code is exercised offline.
+
+Chat format (one token per role marker, one token per character)::
+
+    <|system|>{system}<|user|>{question}<|assistant|>{answer}<|end|>
+
+``<|end|>`` is the EOS token; ``<pad>`` pads; any character outside the vocabulary becomes ``<unk>``.
+
+Typical use::
+
+    model, tokenizer = demo_model(cache_dir="~/.cache/trl_plugins")   # built + warm-started, cached
+    accuracy = evaluate_accuracy(model, tokenizer, make_dataset(64, seed=1, split="test"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import string
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from .arithmetic import Problem, in_split, make_problem, verify
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DemoSettings",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "ROLE_TOKENS",
+    "UNK_TOKEN",
+    "build_and_save",
+    "build_tiny_model",
+    "build_tokenizer",
+    "demo_model",
+    "evaluate_accuracy",
+    "sft_loss",
+    "warm_start",
+]
+
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
+EOS_TOKEN = "<|end|>"
+ROLE_TOKENS: dict[str, str] = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|system|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}<|user|>{{ message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{{ message['content'] }}<|end|>"
+    "{%- else -%}{{ raise_exception('unsupported role ' + message['role'] + '; allowed: system, user, assistant') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""Jinja chat template: role marker tokens, no separators; ``<|end|>`` closes assistant turns."""
+
+_CHARACTERS: list[str] = sorted(set(string.printable) - set("\t\r\x0b\x0c"))  # printable ASCII + space + \n
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer with a chat template (vocabulary: specials + printable ASCII).
+
+    Special tokens: ``<pad>`` (id 0, pad), ``<unk>`` (id 1), ``<|end|>`` (id 2, EOS), and the role
+    markers ``<|system|>``, ``<|user|>``, ``<|assistant|>``. Padding is on the left (for batched
+    generation). Decoding concatenates characters, so ``decode(encode(s)) == s`` for ASCII text.
+    """
+    from tokenizers import Tokenizer, decoders, models
+
+    specials = [PAD_TOKEN, UNK_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values()]
+    vocab = {tok: i for i, tok in enumerate([*specials, *_CHARACTERS])}
+    # A BPE model with no merges is a character-level model with an unknown token.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        eos_token=EOS_TOKEN,
+        extra_special_tokens=list(ROLE_TOKENS.values()),
+        padding_side="left",
+        model_max_length=512,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 512,
+) -> LlamaForCausalLM:
+    """A freshly initialised tiny Llama whose special-token ids match ``tokenizer``.
+
+    ``intermediate_size`` defaults to ``4 * hidden_size``. Embeddings are tied. The generation config
+    stops at ``tokenizer.eos_token_id`` and pads with ``tokenizer.pad_token_id``.
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        do_sample=False,
+        max_new_tokens=64,
+    )
+    return model
+
+
+def build_and_save(path: str | Path, seed: int = 0, **model_kwargs: Any) -> Path:
+    """Build the tokenizer and an untrained tiny model, save both under ``path``; return ``path``.
+
+    ``AutoTokenizer.from_pretrained(path)`` and ``AutoModelForCausalLM.from_pretrained(path)`` load
+    them back. ``model_kwargs`` go to :func:`build_tiny_model`.
+    """
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- supervised warm start
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerFast, question: str) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(out["input_ids"])
+
+
+def _sft_batch(
+    tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask, labels)``, each ``(B, T)``; labels are -100 off the answer."""
+    seqs, labs = [], []
+    for p in problems:
+        prompt = _prompt_ids(tokenizer, p.question)
+        completion = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        seqs.append(prompt + completion)
+        labs.append([-100] * len(prompt) + completion)
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, lab) in enumerate(zip(seqs, labs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = 1
+        labels[i, : len(s)] = torch.tensor(lab)
+    return ids, mask, labels
+
+
+def _draw_problems(rng: random.Random, levels: Sequence[int], n: int, split: str | None = "train") -> list[Problem]:
+    out: list[Problem] = []
+    while len(out) < n:
+        p = make_problem(rng, rng.choice(list(levels)))
+        if in_split(p, split):
+            out.append(p)
+    return out
+
+
+@torch.no_grad()
+def sft_loss(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]
+) -> float:
+    """Mean cross-entropy (nats per token) of the reference solutions given the questions."""
+    was_training = model.training
+    model.eval()
+    ids, mask, labels = _sft_batch(tokenizer, problems)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
+    model.train(was_training)
+    return loss
+
+
+def warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    levels: Iterable[int] = (1, 2),
+    steps: int = 300,
+    seed: int = 0,
+    lr: float = 3e-3,
+    batch_size: int = 32,
+    warmup_steps: int = 20,
+    log_every: int = 0,
+) -> PreTrainedModel:
+    """Supervised fine-tuning on freshly drawn reference solutions (train split), in place.
+
+    AdamW, linear warm-up over ``warmup_steps`` then cosine decay to 10 % of ``lr``; the loss covers
+    only the assistant tokens (solution and ``<|end|>``). Deterministic given ``seed``. Returns
+    ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps.
+    """
+    levels = tuple(levels)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        ids, mask, labels = _sft_batch(tokenizer, _draw_problems(rng, levels, batch_size))
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"warm_start step {step:4d} loss {loss.item():.4f}", flush=True)
+    model.eval()
+    return model
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+
+
+def _question_of(row: dict[str, Any]) -> str:
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    return next(m["content"] for m in reversed(prompt) if m["role"] == "user")
+
+
+@torch.no_grad()
+def evaluate_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    dataset: Any,
+    max_new_tokens: int | None = None,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+    seed: int = 0,
+) -> float:
+    """Fraction of correct completions (by :func:`~trl_plugins.tasks.arithmetic.verify`) on ``dataset``.
+
+    ``temperature == 0`` is greedy decoding (``num_samples`` is then 1); otherwise ``num_samples``
+    completions per prompt are sampled at ``temperature`` (seeded with ``seed``) and the fraction
+    over all of them is returned. ``dataset`` rows need ``prompt`` (conversational or a string
+    question) and ``answer``. ``max_new_tokens`` defaults to the longest reference solution + 8.
+    """
+    rows = list(dataset)
+    if not rows:
+        raise ValueError("dataset is empty")
+    if max_new_tokens is None:
+        longest = max(len(r["solution"]) for r in rows) if "solution" in rows[0] else 96
+        max_new_tokens = longest + 8
+    greedy = temperature <= 0.0
+    num_samples = 1 if greedy else num_samples
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    correct = total = 0
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        conversations = [[{"role": "user", "content": _question_of(r)}] for r in chunk]
+        enc = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True,
+            return_tensors="pt",
+        )
+        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        out = model.generate(
+            input_ids=enc["input_ids"].to(device),
+            attention_mask=enc["attention_mask"].to(device),
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+        )
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        for i, text in enumerate(texts):
+            correct += verify(text, chunk[i // num_samples]["answer"])
+            total += 1
+    model.train(was_training)
+    return correct / total
+
+
+# ---------------------------------------------------------------------------------------------- demo settings
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """Tuned defaults of the offline demo: tiny model, warm start, and the GRPO run on top of it.
+
+    Tuned on 2 CPU cores so that warm start + GRPO takes a few minutes and held-out accuracy rises
+    clearly (see ``scripts/check_task_learnability.py``).
+    """
+
+    seed: int = 0
+    levels: tuple[int, ...] = (1, 2)
+    # model
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    # warm start (supervised, reference solutions)
+    warm_start_steps: int = 300
+    warm_start_lr: float = 3e-3
+    warm_start_batch_size: int = 32
+    # GRPO on top of it
+    grpo_steps: int = 40
+    grpo_learning_rate: float = 2e-3
+    num_generations: int = 8
+    per_device_train_batch_size: int = 16
+    max_completion_length: int = 40
+    temperature: float = 1.0
+    train_size: int = 1024
+    eval_size: int = 128
+
+    def cache_key(self) -> str:
+        """A short hash of the fields that determine the warm-started model."""
+        fields = {
+            k: getattr(self, k)
+            for k in (
+                "seed", "levels", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                "warm_start_steps", "warm_start_lr", "warm_start_batch_size",
+            )
+        }
+        blob = json.dumps({"v": _CACHE_VERSION, **fields}, sort_keys=True, default=list)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_CACHE_VERSION = 1  # bump when the tokenizer, model or warm start changes meaning
+
+
+def demo_model(
+    cache_dir: str | Path | None = None, settings: DemoSettings | None = None, verbose: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The warm-started tiny model and its tokenizer, cached on disk under ``cache_dir``.
+
+    The cache entry is ``cache_dir/tiny-<settings.cache_key()>`` (written atomically); a later call
+    with the same settings loads it by path instead of training. ``cache_dir=None`` disables caching.
+    """
+    settings = settings or DemoSettings()
+    target = Path(cache_dir).expanduser() / f"tiny-{settings.cache_key()}" if cache_dir is not None else None
+    if target is not None and (target / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.eval()
+        return model, tokenizer
+
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(
+        tokenizer,
+        seed=settings.seed,
+        hidden_size=settings.hidden_size,
+        num_layers=settings.num_layers,
+        num_heads=settings.num_heads,
+        intermediate_size=settings.intermediate_size,
+    )
+    start = time.perf_counter()
+    warm_start(
+        model,
+        tokenizer,
+        levels=settings.levels,
+        steps=settings.warm_start_steps,
+        seed=settings.seed,
+        lr=settings.warm_start_lr,
+        batch_size=settings.warm_start_batch_size,
+        log_every=50 if verbose else 0,
+    )
+    if verbose:
+        print(f"warm start took {time.perf_counter() - start:.1f}s", flush=True)
+    if target is not None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-", dir=target.parent))
+        try:
+            tokenizer.save_pretrained(tmp)
+            model.save_pretrained(tmp)
+            os.replace(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (target / "config.json").exists():
+                raise
+    return model, tokenizer

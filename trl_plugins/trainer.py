@@ -1,0 +1,489 @@
+"""``PluginGRPOTrainer``: TRL's ``GRPOTrainer`` with the plugin stages wired in.
+
+This module (with :mod:`trl_plugins.loss` and :mod:`trl_plugins.generation`) is the only place that touches
+TRL internals. With no plugins enabled every overridden method defers to TRL's own, so the trainer is
+identical to ``trl.GRPOTrainer`` (``tests/test_reduction.py``).
+
+Where each stage runs inside TRL 1.16's ``_generate_and_score_completions``:
+
+* sampling: ``_generate`` (per-row generation prompts, then after-generation edits with the generation
+  service), before TRL pads, computes old/ref log-probs and scores;
+* reward: ``_calculate_rewards`` (after TRL gathers the reward matrix, before it computes advantages);
+* advantage: after TRL's method returns (global advantages recomputed from the gathered batch, sliced back);
+* loss: ``_compute_loss`` (:func:`trl_plugins.loss.compute_loss_with_plugins`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+from torch import nn
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl.data_utils import apply_chat_template, is_conversational
+
+from .config import PluginGRPOConfig
+from .contexts import (
+    EXTRA_PREFIX,
+    OFFPOLICY_KEY,
+    AdvantageContext,
+    PolicyStats,
+    PromptContext,
+    RewardContext,
+    RolloutContext,
+    group_layout,
+)
+from .errors import PluginConfigError
+from .generation import GenerationService
+from .loss import check_loss_type, compute_loss_with_plugins
+from .manager import PluginStack, build_plugins
+
+PLUGIN_STATE_FILE = "trl_plugins_state.pt"
+SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
+LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
+
+
+@dataclass
+class _BatchState:
+    """What the stages of one generation batch share (local rows unless said otherwise)."""
+
+    inputs: list[dict]
+    mode: str
+    offpolicy: list[list[bool]] | None = None
+    prompt_swapped: list[bool] | None = None
+    annotations: list[dict] | None = None
+    rewards_per_func: torch.Tensor | None = None
+    policy_stats: dict = field(default_factory=dict)
+
+
+class _StepEndCallback(TrainerCallback):
+    def __init__(self, trainer: PluginGRPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.plugin_stack.call("trl_plugins_on_step_end", trainer=self.trainer, step=state.global_step)
+
+
+class PluginGRPOTrainer(GRPOTrainer):
+    """[`~trl.GRPOTrainer`] whose sampling, reward, advantage and loss stages run the enabled plugins.
+
+    Takes exactly GRPOTrainer's arguments. ``args`` should be a :class:`~trl_plugins.PluginGRPOConfig`; a
+    plain ``GRPOConfig`` is accepted and means "no plugins".
+    """
+
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = PluginGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        names = getattr(args, "plugins", []) or []
+        stack = build_plugins(names, getattr(args, "plugin_config", None))
+        reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
+        self._check_columns(stack, train_dataset)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        self.plugin_stack: PluginStack = stack
+        self.generation_service = GenerationService(self)
+        self._pbatch: _BatchState | None = None
+        self._per_row_generation = False
+        self._uses_sampling = any(stack.has(h) for h in SAMPLING_HOOKS)
+        self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
+        if self._uses_plugin_loss:
+            check_loss_type(self.loss_type)
+        if stack:
+            self.add_callback(_StepEndCallback(self))
+            stack.call("trl_plugins_configure", trainer=self, args=args)
+
+    # ------------------------------------------------------------------------------------------ construction
+    @staticmethod
+    def _with_plugin_rewards(stack: PluginStack, reward_funcs: Any, args: Any) -> Any:
+        """Append plugin reward functions (named columns) and extend ``reward_weights`` accordingly."""
+        extra = []
+        for plugin, funcs in stack.call("trl_plugins_reward_functions", args=args):
+            extra.extend(funcs)
+        if not extra:
+            return reward_funcs
+        funcs = [] if reward_funcs is None else (list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs])
+        if args.reward_weights is not None:
+            if len(args.reward_weights) != len(funcs):
+                raise PluginConfigError(
+                    f"reward_weights has {len(args.reward_weights)} entries for {len(funcs)} reward functions "
+                    "(plugin reward functions are weighted separately via their `reward_weight` attribute)."
+                )
+            args.reward_weights = list(args.reward_weights) + [float(getattr(f, "reward_weight", 1.0)) for f in extra]
+        elif any(getattr(f, "reward_weight", 1.0) != 1.0 for f in extra):
+            args.reward_weights = [1.0] * len(funcs) + [float(getattr(f, "reward_weight", 1.0)) for f in extra]
+        return funcs + extra
+
+    @staticmethod
+    def _check_columns(stack: PluginStack, dataset: Any) -> None:
+        """Refuse a dataset that lacks a column a plugin needs (named, with the columns it has)."""
+        columns = getattr(dataset, "column_names", None)
+        if columns is None:
+            return
+        if isinstance(columns, dict):  # DatasetDict
+            columns = next(iter(columns.values()))
+        for plugin in stack:
+            for column in plugin.required_columns():
+                if column not in columns:
+                    raise PluginConfigError(
+                        f"Plugin {plugin.name!r} needs the dataset column {column!r}, which the training dataset "
+                        f"does not have (columns: {', '.join(columns)})."
+                    )
+
+    def _plugin_metric_sink(self, key: str, value: float) -> None:
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode][key].append(value)
+
+    # ------------------------------------------------------------------------------------------ batch
+    def _generate_and_score_completions(self, inputs):
+        if not self.plugin_stack:
+            return super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        self._pbatch = _BatchState(inputs=inputs, mode=mode)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            output = self._finish_batch(output)
+        finally:
+            self._pbatch = None
+            self._per_row_generation = False
+        return output
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # Rows of a group with different prompts: one completion per row (vLLM server mode de-duplicates otherwise)
+        if self._per_row_generation:
+            num_generations = 1
+        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _generate(self, prompts: list):
+        state = self._pbatch
+        if state is None or state.mode != "train" or not self._uses_sampling:
+            return super()._generate(prompts)
+        B, G = len(prompts), self.num_generations
+        global_index, group_ids, index_in_group = group_layout(self.accelerator.process_index, B, G)
+        annotations = [{} for _ in range(B)]
+        pctx = PromptContext(
+            rows=state.inputs,
+            prompts=prompts,
+            generation_prompts=list(prompts),
+            training_prompts=list(prompts),
+            global_index=global_index,
+            group_ids=group_ids,
+            index_in_group=index_in_group,
+            num_generations=G,
+            step=self.state.global_step,
+            annotations=annotations,
+            trainer=self,
+        )
+        pctx._metric_sink = self._plugin_metric_sink
+        self.plugin_stack.call("trl_plugins_generation_prompts", pctx)
+        swapped = [g != t for g, t in zip(pctx.generation_prompts, pctx.training_prompts)]
+        differs_in_group = any(g != p for g, p in zip(pctx.generation_prompts, prompts))
+        # Every process must take the same generation path (vLLM server mode gathers across processes)
+        self._per_row_generation = bool(self._any_process(differs_in_group))
+        (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images) = (
+            super()._generate(pctx.generation_prompts)
+        )
+        prompt_ids = [list(ids) for ids in prompt_ids]
+        swapped_rows = [i for i, s in enumerate(swapped) if s]
+        if swapped_rows:
+            train_ids = self.generation_service.tokenize([pctx.training_prompts[i] for i in swapped_rows])
+            for i, ids in zip(swapped_rows, train_ids):
+                prompt_ids[i] = ids
+        logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
+        rctx = RolloutContext(
+            rows=state.inputs,
+            prompts=prompts,
+            training_prompts=list(pctx.training_prompts),
+            prompt_ids=prompt_ids,
+            completion_ids=[list(c) for c in completion_ids],
+            completions=list(completions),
+            sampling_logprobs=logprobs,
+            offpolicy=[[False] * len(c) for c in completion_ids],
+            prompt_swapped=swapped,
+            global_index=global_index,
+            group_ids=group_ids,
+            index_in_group=index_in_group,
+            num_generations=G,
+            step=self.state.global_step,
+            annotations=annotations,
+            service=self.generation_service,
+            trainer=self,
+        )
+        rctx._metric_sink = self._plugin_metric_sink
+        rctx._scorer = self._score_locally
+        rctx._gatherer = self.accelerator.gather
+        rctx._tokenizer = self.generation_service.tokenize
+        rctx._decoder = lambda ids, row: self._decode_completion(ids, prompts[row])
+        self.generation_service.begin_batch(prompt_ids[0])
+        self.plugin_stack.call("trl_plugins_after_generation", rctx)
+        if tool_mask is not None:
+            for i in rctx.changed:
+                tool_mask[i] = [1] * len(rctx.completion_ids[i])
+        if rctx.sampling_logprobs is not None:  # NaN => TRL's vLLM IS correction leaves the token alone
+            for i, lps in enumerate(rctx.sampling_logprobs):
+                if rctx.prompt_swapped[i]:
+                    rctx.sampling_logprobs[i] = [float("nan")] * len(lps)
+                else:
+                    rctx.sampling_logprobs[i] = [
+                        float("nan") if off else lp for lp, off in zip(lps, rctx.offpolicy[i])
+                    ]
+        state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, annotations
+        self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in annotations])
+        self._metrics["train"]["plugins/framework/extra_rollouts"].append(float(self.generation_service.used_this_batch))
+        return (
+            rctx.prompt_ids,
+            rctx.completion_ids,
+            tool_mask,
+            rctx.completions,
+            rctx.sampling_logprobs,
+            extra_fields,
+            images,
+            tool_images,
+        )
+
+    def _any_process(self, flag: bool) -> bool:
+        flags = self.accelerator.gather(torch.tensor([int(flag)], device=self.accelerator.device))
+        return bool(flags.any().item())
+
+    def _decode_completion(self, completion_ids: list[int], prompt: Any) -> Any:
+        text = self.processing_class.batch_decode([completion_ids], skip_special_tokens=True)[0]
+        if is_conversational({"prompt": prompt}):
+            return [{"role": "assistant", "content": text}]
+        return text
+
+    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
+        """Weighted reward of candidate completions on this process only (no gather, no logging)."""
+        device = self.accelerator.device
+        if not rows:
+            return torch.zeros(0, device=device)
+        keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [r[k] for r in rows] for k in keys}
+        kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
+        completion_ids = [
+            self.processing_class(text=c if isinstance(c, str) else c[-1]["content"], add_special_tokens=False)[
+                "input_ids"
+            ]
+            for c in completions
+        ]
+        columns = []
+        for func, proc in zip(self.reward_funcs, self.reward_processing_classes):
+            if isinstance(func, nn.Module):
+                if is_conversational({"prompt": prompts[0]}):
+                    texts = [
+                        apply_chat_template({"messages": p + c}, proc, **self.chat_template_kwargs)["text"]
+                        for p, c in zip(prompts, completions)
+                    ]
+                else:
+                    texts = [p + c for p, c in zip(prompts, completions)]
+                enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+                enc = {k: v.to(device) for k, v in enc.items()}
+                with torch.inference_mode():
+                    values = func(**enc).logits[:, 0].tolist()
+            else:
+                out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                if inspect.isawaitable(out):
+                    out = asyncio.run_coroutine_threadsafe(_await(out), self.async_loop).result()
+                values = [float("nan") if v is None else float(v) for v in out]
+            columns.append(torch.tensor(values, dtype=torch.float32, device=device))
+        matrix = torch.stack(columns, dim=1)
+        return (matrix * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        state = self._pbatch
+        if state is None:
+            return rewards_per_func
+        if self.plugin_stack.has("trl_plugins_transform_rewards"):
+            G = self.num_generations if state.mode == "train" else self.num_generations_eval
+            N = rewards_per_func.size(0)
+            rows = torch.arange(N, device=rewards_per_func.device)
+            ctx = RewardContext(
+                rewards_per_func=rewards_per_func,
+                reward_func_names=list(self.reward_func_names),
+                reward_weights=self.reward_weights.to(rewards_per_func.device),
+                group_ids=rows // G,
+                index_in_group=rows % G,
+                num_generations=G,
+                local_rows=inputs,
+                local_prompts=prompts,
+                local_completions=completions,
+                process_slice=self._process_slice(len(prompts)),
+                step=self.state.global_step,
+                trainer=self,
+            )
+            ctx._metric_sink = self._plugin_metric_sink
+            ctx._object_gatherer = gather_object
+            self.plugin_stack.call("trl_plugins_transform_rewards", ctx)
+            rewards_per_func = ctx.rewards_per_func
+        state.rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _process_slice(self, local_rows: int) -> slice:
+        start = self.accelerator.process_index * local_rows
+        return slice(start, start + local_rows)
+
+    def _finish_batch(self, output: dict) -> dict:
+        """Attach provenance tensors and run the advantage stage on the global batch."""
+        state = self._pbatch
+        B, T = output["completion_ids"].shape
+        device = output["completion_ids"].device
+        offpolicy = torch.zeros(B, T, dtype=torch.bool, device=device)
+        if state.offpolicy is not None:
+            for i, flags in enumerate(state.offpolicy):
+                if any(flags):
+                    offpolicy[i, : len(flags)] = torch.tensor(flags, dtype=torch.bool, device=device)
+        if self._uses_plugin_loss:
+            output[OFFPOLICY_KEY] = offpolicy
+        if self.plugin_stack.has("trl_plugins_transform_advantages"):
+            output = self._run_advantage_stage(output, offpolicy)
+        return output
+
+    def _run_advantage_stage(self, output: dict, offpolicy: torch.Tensor) -> dict:
+        state = self._pbatch
+        acc = self.accelerator
+        B = output["completion_ids"].size(0)
+        G = self.num_generations if state.mode == "train" else self.num_generations_eval
+        rewards_per_func = state.rewards_per_func
+        N = rewards_per_func.size(0)
+        device = rewards_per_func.device
+        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        lengths = mask.sum(-1).float()
+        off_frac = (offpolicy.float() * mask).sum(-1) / lengths.clamp(min=1.0)
+        swapped = torch.tensor(state.prompt_swapped or [False] * B, dtype=torch.bool, device=device)
+        annotations = state.annotations or [{} for _ in range(B)]
+        rows = torch.arange(N, device=device)
+        ctx = AdvantageContext(
+            rewards_per_func=rewards_per_func,
+            rewards=rewards,
+            advantages=acc.gather(output["advantages"]),
+            group_ids=rows // G,
+            index_in_group=rows % G,
+            num_generations=G,
+            completion_lengths=acc.gather(lengths),
+            offpolicy_fraction=acc.gather(off_frac),
+            prompt_swapped=acc.gather(swapped),
+            annotations=gather_object(annotations) if acc.num_processes > 1 else annotations,
+            process_slice=self._process_slice(B),
+            step=self.state.global_step,
+            trainer=self,
+        )
+        ctx._metric_sink = self._plugin_metric_sink
+        ctx._gatherer = acc.gather
+        ctx._policy_stats = lambda head_stats: self._policy_stats(output, head_stats)
+        ctx._completion_mask = lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0))
+        self.plugin_stack.call("trl_plugins_transform_advantages", ctx)
+        advantages = ctx.advantages[ctx.process_slice]
+        if advantages.dim() == 2:
+            advantages = advantages[:, : output["completion_ids"].size(1)]
+        output["advantages"] = advantages
+        if len(self._logs["advantages"]) >= N and ctx.advantages.dim() == 1:  # completions table shows the final ones
+            for j, value in enumerate(ctx.advantages.tolist()):
+                self._logs["advantages"][len(self._logs["advantages"]) - N + j] = value
+        for name, tensor in ctx.extras.items():
+            output[EXTRA_PREFIX + name] = tensor[ctx.process_slice]
+        for name, tensor in ctx.local_extras.items():
+            output[EXTRA_PREFIX + name] = tensor
+        return output
+
+    def _policy_stats(self, output: dict, head_stats: bool) -> PolicyStats:
+        """One no-grad forward over the local generation batch (cached per batch)."""
+        cache = self._pbatch.policy_stats
+        key = "with_head" if head_stats else "plain"
+        if key in cache:
+            return cache[key]
+        if "with_head" in cache:
+            return cache["with_head"]
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        batch_size = self.args.per_device_train_batch_size
+        stats_obj = None
+        with torch.no_grad():
+            if head_stats:
+                from .head_stats import HeadStats, capture_hidden_states, lm_head_of
+
+                hidden_parts = []
+                logps_parts, ent_parts = [], []
+                for start in range(0, prompt_completion_ids.size(0), batch_size):
+                    sl = slice(start, start + batch_size)
+                    with capture_hidden_states(self.model) as cap:
+                        lp, ent, _ = self._get_per_token_logps_and_entropies(
+                            self.model, prompt_completion_ids[sl], attention_mask[sl], logits_to_keep,
+                            compute_entropy=True,
+                        )
+                    hidden_parts.append(cap.hidden[:, -(logits_to_keep + 1):])
+                    logps_parts.append(lp)
+                    ent_parts.append(ent)
+                logps, entropies = torch.cat(logps_parts), torch.cat(ent_parts)
+                weight, bias, logit_scale, softcap = lm_head_of(self.model)
+                stats_obj = HeadStats(
+                    torch.cat(hidden_parts), logits_to_keep, mask, weight, bias, logit_scale=logit_scale,
+                    softcap=softcap, temperature=self.temperature, chunk_size=self.args.head_stats_chunk_size,
+                )
+            else:
+                logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                    self.model, prompt_completion_ids, attention_mask, logits_to_keep,
+                    batch_size=batch_size, compute_entropy=True,
+                )
+        mean_entropy = (entropies * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        result = PolicyStats(
+            per_token_logps=logps,
+            entropies=entropies,
+            mask=mask,
+            completion_ids=output["completion_ids"],
+            mean_entropy=self.accelerator.gather(mean_entropy),
+            head_stats=stats_obj,
+        )
+        cache[key] = result
+        return result
+
+    # ------------------------------------------------------------------------------------------ loss
+    def _compute_loss(self, model, inputs):
+        if not self._uses_plugin_loss:
+            return super()._compute_loss(model, inputs)
+        return compute_loss_with_plugins(self, model, inputs)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def plugin_state_dict(self) -> dict:
+        """Resumable state of every plugin, plus the framework's rollout counter."""
+        state = {"__framework__": {"generation_service": self.generation_service.state_dict()}}
+        for plugin, value in self.plugin_stack.call("trl_plugins_state_dict"):
+            state[plugin.name] = value
+        return state
+
+    def load_plugin_state_dict(self, state: dict) -> None:
+        self.generation_service.load_state_dict(state.get("__framework__", {}).get("generation_service", {}))
+        for plugin in self.plugin_stack.implementers("trl_plugins_load_state_dict"):
+            if plugin.name in state:
+                plugin.trl_plugins_load_state_dict(state=state[plugin.name])
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.plugin_stack and self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            torch.save(self.plugin_state_dict(), os.path.join(folder, PLUGIN_STATE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.plugin_stack:
+            path = os.path.join(checkpoint, PLUGIN_STATE_FILE)
+            if os.path.exists(path):
+                self.load_plugin_state_dict(torch.load(path, weights_only=False))
+
+
+async def _await(awaitable):
+    return await awaitable
+
+
+def _format_annotation(annotation: dict) -> str:
+    return ";".join(f"{k}={v}" for k, v in sorted(annotation.items()))
