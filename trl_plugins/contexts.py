@@ -180,6 +180,12 @@ class RolloutContext(_MetricsMixin):
         flags = [bool(offpolicy)] * n if isinstance(offpolicy, bool) else [bool(x) for x in offpolicy]
         if len(flags) != n:
             raise PluginError(f"replace_row({i}): {len(flags)} provenance flags for {n} tokens.")
+        lps = None
+        if self.sampling_logprobs is not None:  # validate before touching the row (a failed call changes nothing)
+            lps = [float("nan")] * n if logprobs is None else [float(x) for x in logprobs]
+            if len(lps) != n:
+                raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
+            lps = [float("nan") if off else lp for lp, off in zip(lps, flags)]
         self.completion_ids[i] = list(completion_ids)
         self.offpolicy[i] = flags
         if training_prompt is not None:
@@ -187,10 +193,7 @@ class RolloutContext(_MetricsMixin):
             self.prompt_ids[i] = self.tokenize_prompts([training_prompt])[0]
         if prompt_swapped is not None:
             self.prompt_swapped[i] = prompt_swapped
-        if self.sampling_logprobs is not None:
-            lps = [float("nan")] * n if logprobs is None else [float(x) for x in logprobs]
-            if len(lps) != n:
-                raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
+        if lps is not None:
             self.sampling_logprobs[i] = lps
         self.completions[i] = self.decode(self.completion_ids[i], i)
         self.changed.add(i)
@@ -199,7 +202,13 @@ class RolloutContext(_MetricsMixin):
         """Keep row ``i``'s first ``start`` completion tokens (token-exact) and append ``new_ids``.
 
         The kept prefix keeps its provenance and sampling log-probs; the new tokens are marked ``offpolicy``.
+        ``start`` must lie in ``[0, len(completion_ids[i])]``.
         """
+        if not 0 <= start <= len(self.completion_ids[i]):
+            raise PluginError(
+                f"splice({i}, start={start}): start must be in [0, {len(self.completion_ids[i])}] "
+                f"(row {i} has {len(self.completion_ids[i])} completion tokens)."
+            )
         keep_ids = self.completion_ids[i][:start]
         keep_flags = self.offpolicy[i][:start]
         lps = None

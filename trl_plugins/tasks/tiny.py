@@ -359,6 +359,9 @@ class DemoSettings:
     temperature: float = 1.0
     train_size: int = 1024
     eval_size: int = 128
+    # runtime: one intra-op thread is as fast as two for tensors this small, and avoids OpenMP
+    # spin-waiting collapse when the other core is busy (e.g. the generation loop of another process)
+    torch_threads: int = 1
 
     def cache_key(self) -> str:
         """A short hash of the fields that determine the warm-started model."""

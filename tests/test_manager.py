@@ -1,0 +1,189 @@
+"""Plugin manager: discovery, enabling by name, suggestions, environment variables, stacking rules."""
+
+from dataclasses import dataclass
+from importlib import metadata
+
+import pytest
+
+import trl_plugins.manager as manager
+from trl_plugins import (
+    IncompatiblePluginsError,
+    Plugin,
+    PluginConfigError,
+    PluginGRPOConfig,
+    PluginOptions,
+    UnknownPluginError,
+    available_plugins,
+    build_plugins,
+    hookimpl,
+    option,
+)
+
+
+@dataclass
+class _Opts(PluginOptions):
+    strength: float = option(1.0, help="strength")
+
+
+class FirstPlugin(Plugin):
+    name = "first_demo"
+    Options = _Opts
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx):
+        ctx.order.append(self.name)
+
+
+class SecondPlugin(Plugin):
+    name = "second_demo"
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx):
+        ctx.order.append(self.name)
+
+
+def test_builtins_are_available_with_stages_and_papers():
+    plugins = available_plugins()
+    assert {"lp_reg", "hint_scaffold", "canon"} <= set(plugins)
+    assert plugins["lp_reg"].stages() == ["advantage", "loss"]
+    assert plugins["hint_scaffold"].stages() == ["sampling"]
+    assert plugins["canon"].stages() == ["advantage"]
+    for name in ("lp_reg", "hint_scaffold", "canon"):
+        assert "arXiv:" in plugins[name].paper
+
+
+def test_unknown_plugin_suggests_close_match():
+    with pytest.raises(UnknownPluginError, match=r"Unknown plugin 'lp_rge'\. Did you mean 'lp_reg'\?"):
+        build_plugins(["lp_rge"])
+
+
+def test_config_validates_at_construction():
+    with pytest.raises(UnknownPluginError, match="Did you mean 'canon'"):
+        PluginGRPOConfig(output_dir="/tmp/x", plugins=["cannon"], use_cpu=True)
+    with pytest.raises(PluginConfigError, match=r"Unknown option 'kapa' for plugin 'lp_reg'\. Did you mean 'kappa'"):
+        PluginGRPOConfig(output_dir="/tmp/x", plugins=["lp_reg"], plugin_config={"lp_reg": {"kapa": 1}}, use_cpu=True)
+
+
+def test_plugin_config_for_plugin_not_enabled_is_refused():
+    with pytest.raises(PluginConfigError, match=r"plugin_config has options for 'lp_regg'.*Did you mean 'lp_reg'"):
+        build_plugins(["lp_reg"], {"lp_regg": {"kappa": 0.1}})
+
+
+def test_duplicate_plugin_is_refused():
+    with pytest.raises(IncompatiblePluginsError, match="enabled twice"):
+        build_plugins(["canon", "canon"])
+
+
+def test_hooks_chain_in_configured_order(temporary_plugin):
+    temporary_plugin(FirstPlugin)
+    temporary_plugin(SecondPlugin)
+
+    class Ctx:
+        order: list
+
+    for names in (["first_demo", "second_demo"], ["second_demo", "first_demo"]):
+        ctx = Ctx()
+        ctx.order = []
+        build_plugins(names).call("trl_plugins_loss", ctx)
+        assert ctx.order == names
+
+
+def test_options_reach_the_instance(temporary_plugin):
+    temporary_plugin(FirstPlugin)
+    stack = build_plugins(["first_demo"], {"first_demo": {"strength": 2}})
+    assert stack.by_name["first_demo"].options.strength == 2.0
+
+
+def test_pick_one_conflict_is_refused_with_reason(temporary_plugin):
+    class ClipCov(Plugin):
+        name = "clip_cov"
+
+    temporary_plugin(ClipCov)
+    with pytest.raises(IncompatiblePluginsError, match=r"'lp_reg' and 'clip_cov' cannot be stacked: .*entropy"):
+        build_plugins(["lp_reg", "clip_cov"])
+
+
+def test_two_surrogate_replacers_are_refused(temporary_plugin):
+    class Replacer(Plugin):
+        name = "replacer_demo"
+        replaces_surrogate = True
+
+    temporary_plugin(Replacer)
+    with pytest.raises(IncompatiblePluginsError, match="replace the base surrogate"):
+        build_plugins(["lp_reg", "replacer_demo"])
+
+
+def test_misspelt_hook_is_refused(temporary_plugin):
+    class Misspelt(Plugin):
+        name = "misspelt_demo"
+
+        @hookimpl
+        def trl_plugins_los(self, ctx):
+            pass
+
+    temporary_plugin(Misspelt)
+    with pytest.raises(PluginConfigError, match="trl_plugins_los"):
+        build_plugins(["misspelt_demo"])
+
+
+class _FakeDist:
+    name = "trl-plugins-fake"
+    version = "9.9"
+
+
+class _FakeEntryPoint:
+    def __init__(self, name, value, target):
+        self.name, self.value, self._target, self.dist = name, value, target, _FakeDist()
+
+    def load(self):
+        if isinstance(self._target, Exception):
+            raise self._target
+        return self._target
+
+
+class ThirdParty(Plugin):
+    name = "third_party_demo"
+    paper = "Example, arXiv:0000.00000"
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch):
+    eps = [
+        _FakeEntryPoint("third_party_demo", "fake_pkg:ThirdParty", ThirdParty),
+        _FakeEntryPoint("broken_demo", "broken_pkg:Broken", ImportError("no module named broken_pkg")),
+    ]
+    monkeypatch.setattr(manager.metadata, "entry_points", lambda group: eps if group == "trl_plugins" else [])
+    monkeypatch.setattr(manager, "_load_errors", {})
+    return eps
+
+
+def test_entry_point_plugins_are_discovered(fake_entry_points, monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    plugins = available_plugins()
+    assert plugins["third_party_demo"] is ThirdParty
+    assert ThirdParty.distribution() == "trl-plugins-fake 9.9"
+    assert "broken_demo" in manager.load_errors()
+    with pytest.raises(UnknownPluginError, match="installed but failed to load: ImportError"):
+        build_plugins(["broken_demo"])
+
+
+def test_disable_autoload_env_var(fake_entry_points, monkeypatch):
+    monkeypatch.setenv("TRL_PLUGINS_DISABLE_AUTOLOAD", "1")
+    plugins = available_plugins()
+    assert "third_party_demo" not in plugins
+    assert {"lp_reg", "hint_scaffold", "canon"} <= set(plugins)  # built-ins stay
+
+
+def test_restrict_autoload_env_var(fake_entry_points, monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.setenv("TRL_PLUGINS_LOAD", "")
+    assert "third_party_demo" not in available_plugins()
+    monkeypatch.setenv("TRL_PLUGINS_LOAD", "third_party_demo")
+    assert "third_party_demo" in available_plugins()
+
+
+def test_builtins_are_registered_as_entry_points():
+    """Built-ins use the same entry-point group a third-party package uses (pyproject)."""
+    names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
+    assert {"lp_reg", "hint_scaffold", "canon"} <= names

@@ -1,0 +1,120 @@
+"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from .errors import PluginError
+
+
+def cmd_list(_args: argparse.Namespace) -> int:
+    """One line per available plugin: name, version, stages, paper, distribution."""
+    from .manager import available_plugins, load_errors
+
+    plugins = available_plugins()
+    rows = [("NAME", "VERSION", "STAGES", "PAPER", "DISTRIBUTION")]
+    for name, cls in plugins.items():
+        rows.append((name, cls.version, ",".join(cls.stages()) or "-", cls.paper, cls.distribution()))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4])
+    for name, error in load_errors().items():
+        print(f"! {name}: failed to load ({error})")
+    return 0
+
+
+def describe_plugin(name: str) -> str:
+    """The ``trl-plugins show`` text: summary, paper, stages, stacking notes, options with defaults and help."""
+    from .manager import get_plugin_class
+
+    cls = get_plugin_class(name)
+    lines = [f"{cls.name} {cls.version}  ({cls.distribution()})", ""]
+    if cls.summary:
+        lines += [cls.summary, ""]
+    lines.append(f"Paper:   {cls.paper or '-'}")
+    lines.append(f"Stages:  {', '.join(cls.stages()) or '-'}")
+    lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
+    notes = []
+    if cls.needs_head_stats:
+        notes.append("uses chunked LM-head statistics (never the full logits)")
+    if cls.replaces_surrogate:
+        notes.append("replaces the surrogate on a token subset (at most one such plugin per stack)")
+    if cls.conflicts_with:
+        notes.append(f"cannot be stacked with {', '.join(cls.conflicts_with)}: {cls.conflict_reason}")
+    if notes:
+        lines.append("Notes:   " + "\n         ".join(notes))
+    if cls.reconstructed:
+        lines.append("Reconstructed (not stated by the paper; documented defaults):")
+        lines += [f"  - {r}" for r in cls.reconstructed]
+    lines += ["", "Options:"]
+    infos = cls.Options.describe()
+    if not infos:
+        lines.append("  (none)")
+    for info in infos:
+        flag = "  [reconstructed]" if info.reconstructed else ""
+        extra = []
+        if info.choices:
+            extra.append("choices: " + ", ".join(repr(c) for c in info.choices))
+        if info.min is not None or info.max is not None:
+            extra.append(f"range: [{'' if info.min is None else info.min}, {'' if info.max is None else info.max}]")
+        lines.append(f"  {info.name} ({info.type}, default {info.default!r}){flag}")
+        for chunk in textwrap.wrap(info.help, 90):
+            lines.append(f"      {chunk}")
+        if extra:
+            lines.append(f"      {'; '.join(extra)}")
+    doc = (sys.modules[cls.__module__].__doc__ or "").strip()
+    if doc:
+        lines += ["", "Method:", textwrap.indent(doc, "  ")]
+    return "\n".join(lines)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    print(describe_plugin(args.name))
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train import main as train_main
+
+    return train_main(["--config", args.config, *args.overrides])
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args.demo_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-plugins", description="Research methods for RL on LLMs as stackable plugins for TRL's GRPOTrainer."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="List available plugins (name, version, stages, paper, distribution).")
+    p.set_defaults(func=cmd_list)
+    p = sub.add_parser("show", help="Show a plugin's documentation and options.")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_show)
+    p = sub.add_parser("train", help="Train from a YAML config (GRPOConfig fields + plugins + plugin_config).")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="Extra --field value overrides, as in TRL's CLI.")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("demo", help="Warm-start a tiny model offline, train it with GRPO + plugins on CPU.")
+    p.add_argument("demo_args", nargs=argparse.REMAINDER, help="Options of the demo (see `trl-plugins demo --help`).")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PluginError as exc:
+        print(f"trl-plugins: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

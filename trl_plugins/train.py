@@ -1,0 +1,115 @@
+"""``trl-plugins train CONFIG.yaml``: TRL's GRPO script conventions plus ``plugins`` / ``plugin_config``.
+
+The YAML file holds fields of :class:`TrainScriptArguments`, :class:`~trl_plugins.PluginGRPOConfig` (every
+GRPOConfig field) and TRL's ``ModelConfig`` (model path, PEFT / LoRA, 4-bit quantisation) in one mapping, as
+``trl grpo --config`` does. Built-in shortcuts work offline:
+
+* ``model_name_or_path: builtin:tiny`` — the bundled tiny model, warm-started on the arithmetic tasks;
+* ``dataset_name: builtin:arithmetic`` — the bundled step-structured tasks (``task_levels``, ``task_size``);
+* ``reward_funcs: [accuracy]`` — the bundled exact verifier; any ``module.function`` dotted path works too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+BUILTIN_REWARDS = {"accuracy": "trl_plugins.tasks.arithmetic.accuracy_reward"}
+
+
+@dataclass
+class TrainScriptArguments:
+    """Data and reward arguments of ``trl-plugins train``."""
+
+    dataset_name: str = field(
+        default="builtin:arithmetic",
+        metadata={"help": "Dataset name or local path for `datasets.load_dataset`, or 'builtin:arithmetic'."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy"],
+        metadata={"help": "Reward functions: 'accuracy' (bundled verifier) or dotted import paths."},
+    )
+    task_levels: list[int] = field(default_factory=lambda: [1, 2], metadata={"help": "Levels of the built-in tasks."})
+    task_size: int = field(default=512, metadata={"help": "Number of built-in training problems."})
+
+
+def load_reward_funcs(names: list[str]) -> list:
+    """Resolve reward function names (built-in shortcuts or dotted paths); a clear error otherwise."""
+    funcs = []
+    for name in names:
+        path = BUILTIN_REWARDS.get(name, name)
+        if "." not in path:
+            raise ValueError(
+                f"Unknown reward function {name!r}; use one of {sorted(BUILTIN_REWARDS)} or a dotted import path "
+                "such as 'my_pkg.rewards.my_reward'."
+            )
+        module_path, attr = path.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        try:
+            funcs.append(getattr(importlib.import_module(module_path), attr))
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"Could not import reward function {name!r} ({path}): {exc}") from exc
+    return funcs
+
+
+def load_train_dataset(script_args: TrainScriptArguments):
+    if script_args.dataset_name == "builtin:arithmetic":
+        from .tasks.arithmetic import make_dataset
+
+        return make_dataset(script_args.task_size, levels=tuple(script_args.task_levels), seed=0, split="train")
+    from datasets import load_dataset
+
+    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(
+            f"Dataset {script_args.dataset_name!r} has no split {script_args.dataset_train_split!r}; "
+            f"splits: {', '.join(dataset)}."
+        )
+    return dataset[script_args.dataset_train_split]
+
+
+def load_model(model_args, training_args):
+    """(model or path, processing_class or None): 'builtin:tiny' is built offline, anything else by name/path."""
+    if model_args.model_name_or_path in (None, "builtin:tiny"):
+        from .tasks.tiny import demo_model
+
+        model, tokenizer = demo_model(os.path.join(training_args.output_dir, ".tiny_cache"))
+        return model, tokenizer
+    return model_args.model_name_or_path, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+
+    from .config import PluginGRPOConfig
+    from .trainer import PluginGRPOTrainer
+
+    parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
+    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    model, tokenizer = load_model(model_args, training_args)
+    if isinstance(model, str):
+        init = dict(training_args.model_init_kwargs or {})
+        if model_args.dtype is not None:
+            init.setdefault("dtype", model_args.dtype)
+        training_args.model_init_kwargs = init
+    trainer = PluginGRPOTrainer(
+        model=model,
+        reward_funcs=load_reward_funcs(script_args.reward_funcs),
+        args=training_args,
+        train_dataset=load_train_dataset(script_args),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
