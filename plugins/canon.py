@@ -58,7 +58,8 @@ def canon_advantages(
     """CANON advantages of whole groups.
 
     Args:
-        rewards: (N,) rewards, N = num_groups * group_size, groups contiguous (NaN rewards count as missing).
+        rewards: (N,) rewards, N = num_groups * group_size, groups contiguous. A NaN reward (no reward function
+            applied to the row) gets advantage 0 and counts as 0 in its half's mean, as in TRL's nansum.
         metric: (N,) entropy or length per response.
         group_size: G.
         lam, alpha, b: the formula's parameters; version: "entropy" or "length".

@@ -74,11 +74,16 @@ class HintScaffoldOptions(PluginOptions):
 
 
 def hint_text(solution: str, fraction: float, unit: str) -> str:
-    """The first ``fraction`` of ``solution``: ``ceil(fraction * len)`` characters, or whole lines."""
+    """The first ``fraction`` of ``solution``: ``ceil(fraction * len)`` characters, or whole lines (at least one)."""
     if unit == "lines":
         lines = solution.splitlines()
-        return "\n".join(lines[: max(1, math.ceil(fraction * len(lines)))])
-    return solution[: max(1, math.ceil(fraction * len(solution)))]
+        return "\n".join(lines[: _prefix_count(fraction, len(lines))])
+    return solution[: _prefix_count(fraction, len(solution))]
+
+
+def _prefix_count(fraction: float, n: int) -> int:
+    """``max(1, ceil(fraction * n))``, robust to float error (0.07 * 100 = 7.000000000000001 must give 7)."""
+    return max(1, math.ceil(round(fraction * n, 9)))
 
 
 def hinted_prompt(prompt: Any, hint: str, template: str) -> Any:

@@ -1,6 +1,5 @@
 """trl-plugins: research methods for RL on LLMs as stackable pluggy plugins for TRL's GRPOTrainer."""
 
-from .config import PluginGRPOConfig
 from .contexts import AdvantageContext, Completion, LossContext, PolicyStats, PromptContext, RewardContext, RolloutContext
 from .errors import (
     GenerationBudgetExceeded,
@@ -13,9 +12,20 @@ from .hookspecs import hookimpl
 from .manager import available_plugins, build_plugins, register_plugin, unregister_plugin
 from .options import PluginOptions, option
 from .plugin import Plugin
-from .trainer import PluginGRPOTrainer
 
 __version__ = "0.1.0"
+
+_LAZY = {"PluginGRPOConfig": "config", "PluginGRPOTrainer": "trainer"}
+
+
+def __getattr__(name: str):
+    # The trainer and config import TRL (and through it peft / bitsandbytes); load them on first use so that
+    # `trl-plugins list` and plugin modules stay light.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "AdvantageContext",

@@ -57,8 +57,12 @@ def describe_plugin(name: str) -> str:
         extra = []
         if info.choices:
             extra.append("choices: " + ", ".join(repr(c) for c in info.choices))
-        if info.min is not None or info.max is not None:
-            extra.append(f"range: [{'' if info.min is None else info.min}, {'' if info.max is None else info.max}]")
+        if info.min is not None and info.max is not None:
+            extra.append(f"range: [{info.min}, {info.max}]")
+        elif info.min is not None:
+            extra.append(f"range: >= {info.min}")
+        elif info.max is not None:
+            extra.append(f"range: <= {info.max}")
         lines.append(f"  {info.name} ({info.type}, default {info.default!r}){flag}")
         for chunk in textwrap.wrap(info.help, 90):
             lines.append(f"      {chunk}")
@@ -108,7 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # `demo` and `train` forward their own --options to the demo's parser / TRL's parser
+    if argv and argv[0] in ("demo", "train"):
+        args, rest = parser.parse_known_args(argv[:2] if argv[0] == "train" else argv[:1])
+        if argv[0] == "demo":
+            args.demo_args = argv[1:]
+        else:
+            args.overrides = argv[2:]
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except PluginError as exc:

@@ -185,7 +185,11 @@ class RolloutContext(_MetricsMixin):
             lps = [float("nan")] * n if logprobs is None else [float(x) for x in logprobs]
             if len(lps) != n:
                 raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
-            lps = [float("nan") if off else lp for lp, off in zip(lps, flags)]
+            swapped = self.prompt_swapped[i] if prompt_swapped is None else prompt_swapped
+            if swapped:  # sampled under another prompt than the training one: no IS correction for any token
+                lps = [float("nan")] * n
+            else:
+                lps = [float("nan") if off else lp for lp, off in zip(lps, flags)]
         self.completion_ids[i] = list(completion_ids)
         self.offpolicy[i] = flags
         if training_prompt is not None:
