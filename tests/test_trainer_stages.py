@@ -400,6 +400,26 @@ def test_plugin_reward_weights_extend_user_weights():
     BonusColumns.funcs = [length_bonus]
 
 
+def test_plugin_reward_weights_do_not_leak_into_a_reused_config():
+    """One config can build several trainers (e.g. side-by-side runs): extending the weights must not stick."""
+    from trl_plugins import PluginGRPOTrainer
+    from trl_plugins.testing import tiny_config, tiny_dataset, tiny_model, tiny_tokenizer
+
+    BonusColumns.funcs = [length_bonus, weighted_bonus]
+    with temporary_plugin(BonusColumns):
+        for user_weights in (None, [2.0]):
+            args = tiny_config(plugins=["test_bonus_columns"], reward_weights=user_weights, log_level="error")
+            tokenizer = tiny_tokenizer()
+            for _ in range(2):
+                trainer = PluginGRPOTrainer(
+                    model=tiny_model(tokenizer), reward_funcs=[digit_fraction_reward], args=args,
+                    train_dataset=tiny_dataset(), processing_class=tokenizer,
+                )
+                assert trainer.reward_weights.tolist() == [(user_weights or [1.0])[0], 1.0, 0.25]
+                assert args.reward_weights == user_weights
+    BonusColumns.funcs = [length_bonus]
+
+
 class _LogRecorder:
     """A minimal TrainerCallback that keeps every log dict."""
 

@@ -83,9 +83,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             args = PluginGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         names = getattr(args, "plugins", []) or []
         stack = build_plugins(names, getattr(args, "plugin_config", None))
-        reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
-        self._check_columns(stack, train_dataset)
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        user_reward_weights = args.reward_weights
+        try:
+            reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
+            self._check_columns(stack, train_dataset)
+            super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
+        finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
+            args.reward_weights = user_reward_weights
         self.plugin_stack: PluginStack = stack
         self.generation_service = GenerationService(self)
         self._pbatch: _BatchState | None = None
