@@ -122,6 +122,7 @@ class HintScaffoldPlugin(Plugin):
         success = (scores > o.success_threshold).view(-1, G)
         failing = set(torch.nonzero(~success.any(dim=1)).flatten().tolist())
         ctx.log_metric("all_fail_group_fraction", len(failing) / success.size(0))
+        self._check_solutions(ctx, failing)
         rescued: set[int] = set()
         extra = 0
         for level in o.hint_fractions:
@@ -150,6 +151,21 @@ class HintScaffoldPlugin(Plugin):
                 break
         ctx.log_metric("rescued_group_fraction", len(rescued) / success.size(0))
         ctx.log_metric("extra_rollouts", extra)
+
+    def _check_solutions(self, ctx: RolloutContext, failing: set[int]) -> None:
+        """Every process raises together when a row to hint has no solution (no process left in a collective)."""
+        bad = [i for i in range(len(ctx)) if ctx.group_ids[i] in failing and not self._solution(ctx, i)]
+        flags = ctx.gather(torch.tensor([ctx.global_index[bad[0]] if bad else -1]))
+        offenders = [int(x) for x in flags.tolist() if x >= 0]
+        if offenders:
+            raise PluginConfigError(
+                f"hint_scaffold: row {offenders[0]} has no reference solution in column "
+                f"{self.options.solution_column!r} (a non-empty string is needed to build hints)."
+            )
+
+    def _solution(self, ctx: RolloutContext, i: int) -> str | None:
+        solution = ctx.rows[i].get(self.options.solution_column)
+        return solution if isinstance(solution, str) and solution else None
 
     def _hinted(self, ctx: RolloutContext, i: int, level: float) -> Any:
         solution = ctx.rows[i].get(self.options.solution_column)

@@ -564,11 +564,12 @@ def _echo_backend(calls):
     return fake
 
 
-def _other_process_requests(monkeypatch, trainer, n_other):
-    """Simulate a second process: accelerator.gather appends that process's count."""
+def _other_process_requests(monkeypatch, trainer, n_other, used_other=0):
+    """Simulate a second process: accelerator.gather appends its request count and completions already used."""
 
     def gather(tensor):
-        return torch.cat([tensor, torch.full_like(tensor, n_other)])
+        assert tensor.shape == (2,), "the service gathers (requested, used) per process"
+        return torch.cat([tensor, torch.tensor([n_other, used_other], dtype=tensor.dtype)])
 
     monkeypatch.setattr(trainer.accelerator, "gather", gather)
 
@@ -636,15 +637,20 @@ def test_generation_service_budget(monkeypatch):
     with pytest.raises(GenerationBudgetExceeded, match="plugin_generation_budget is 3"):
         service.generate(prompt_ids=[[5, 6], [7, 8]])
     assert len(calls) == 1 and service.used_this_batch == 2  # refused before generating
-    # another process going over budget makes every process refuse (no deadlock on a one-sided raise)
-    _other_process_requests(monkeypatch, trainer, 3)
-    with pytest.raises(GenerationBudgetExceeded):
+    # another process going over budget makes every process refuse (no deadlock on a one-sided raise), also
+    # when this process's own request fits: 2 used + 1 asked <= 3 here, 3 used + 1 asked > 3 there
+    _other_process_requests(monkeypatch, trainer, 1, used_other=3)
+    with pytest.raises(GenerationBudgetExceeded, match="requested 1 more completions on process 1, which already used 3"):
         service.generate(prompt_ids=[[5, 6]])
+    assert len(calls) == 1
+    _other_process_requests(monkeypatch, trainer, 1, used_other=2)  # both at 2 + 1: allowed everywhere
+    assert len(service.generate(prompt_ids=[[5, 6]])) == 1
+    assert service.used_this_batch == 3
     # the budget is per generation batch
     service.begin_batch([1])
     _other_process_requests(monkeypatch, trainer, 0)
     assert len(service.generate(prompt_ids=[[5, 6], [7, 8], [9, 9]])) == 3
-    assert service.total == 5
+    assert service.total == 6
 
 
 class AsksForMore(Plugin):

@@ -76,12 +76,16 @@ class GenerationService:
         if len(prefixes) != len(ids):
             raise PluginError(f"GenerationService.generate: {len(prefixes)} prefixes for {len(ids)} prompts.")
         n_local = len(ids)
-        counts = self._gather_counts(n_local)
+        # (P, 2): what each process asks for now and has already used; every process takes the same decision
+        gathered = self._gather_counts(n_local)
+        counts, used = gathered[:, 0], gathered[:, 1]
         max_n = int(counts.max().item())
-        if self.budget is not None and int((self.used_this_batch + counts).max().item()) > self.budget:
+        if self.budget is not None and int((used + counts).max().item()) > self.budget:
+            j = int(torch.argmax(used + counts).item())
             raise GenerationBudgetExceeded(
-                f"Plugins requested {int(counts.max().item())} more completions on a process that already used "
-                f"{self.used_this_batch}; plugin_generation_budget is {self.budget} per generation batch."
+                f"Plugins requested {int(counts[j].item())} more completions on process {j}, which already used "
+                f"{int(used[j].item())} in this generation batch; plugin_generation_budget is {self.budget} per "
+                "generation batch and process."
             )
         if max_n == 0:
             return []
@@ -103,8 +107,10 @@ class GenerationService:
         return results
 
     def _gather_counts(self, n_local: int) -> torch.Tensor:
+        """(num_processes, 2) long tensor: each process's request count and completions already used this batch."""
         acc = self.trainer.accelerator
-        return acc.gather(torch.tensor([n_local], device=acc.device)).cpu()
+        local = torch.tensor([n_local, self.used_this_batch], dtype=torch.long, device=acc.device)
+        return acc.gather(local).view(-1, 2).cpu()
 
     def state_dict(self) -> dict:
         return {"total": self.total}

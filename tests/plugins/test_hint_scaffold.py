@@ -301,11 +301,18 @@ def test_warmup_steps_skip():
     assert ctx.changed == {0, 1}
 
 
+def _three_other_processes(t):
+    """Gather as if 3 earlier processes held rows 0..11 (all successful) and raised no error flag."""
+    if t.numel() == 1:  # the plugin's error flag: -1 = nothing wrong on that process
+        return torch.cat([torch.full((3,), -1, dtype=t.dtype), t])
+    return torch.cat([torch.ones(12, dtype=t.dtype), t])
+
+
 @pytest.mark.parametrize("solution", [None, ""])
 def test_missing_solution_is_a_clear_error_naming_the_row(solution):
     # process 3 of 4 holds global rows 12..15; the other processes' groups all succeed; group of rows 14, 15 fails
     ctx = make_ctx([["OK", "no"], ["no", "no"]], 2, service=ScriptedService(need={}), solution=solution,
-                   process_index=3, gatherer=lambda t: torch.cat([torch.ones(12, dtype=t.dtype), t]))
+                   process_index=3, gatherer=_three_other_processes)
     with pytest.raises(PluginConfigError, match=r"row 14 .*'solution'"):
         run_plugin(ctx)
 
