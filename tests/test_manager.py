@@ -187,3 +187,11 @@ def test_builtins_are_registered_as_entry_points():
     """Built-ins use the same entry-point group a third-party package uses (pyproject)."""
     names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
     assert {"lp_reg", "hint_scaffold", "canon"} <= names
+
+
+def test_every_builtin_module_is_registered_as_an_entry_point():
+    """pyproject's entry points and the built-in package stay in step."""
+    from trl_plugins.manager import _builtin_plugins
+
+    names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
+    assert set(_builtin_plugins()) <= names

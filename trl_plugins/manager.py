@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from typing import Any
@@ -26,7 +27,7 @@ from .errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginEr
 from .plugin import Plugin
 
 ENTRY_POINT_GROUP = "trl_plugins"
-BUILTIN_MODULES = ("lp_reg", "hint_scaffold", "canon")
+BUILTIN_PACKAGE = "trl_plugins_builtin"
 _registered: dict[str, type[Plugin]] = {}
 _load_errors: dict[str, str] = {}
 
@@ -52,10 +53,16 @@ def _validate_class(cls: Any, source: str) -> None:
         )
 
 
+def builtin_modules() -> list[str]:
+    """Modules of the built-in plugin package (one per paper)."""
+    package = importlib.import_module(BUILTIN_PACKAGE)
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+
+
 def _builtin_plugins() -> dict[str, type[Plugin]]:
     found = {}
-    for module_name in BUILTIN_MODULES:
-        module = importlib.import_module(f"trl_plugins_builtin.{module_name}")
+    for module_name in builtin_modules():
+        module = importlib.import_module(f"{BUILTIN_PACKAGE}.{module_name}")
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, Plugin) and value is not Plugin and value.name:
                 if value.__module__ == module.__name__:
