@@ -36,6 +36,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--warm-start-steps", type=int, default=d.warm_start_steps)
     p.add_argument("--warm-start-lr", type=float, default=d.warm_start_lr)
     p.add_argument("--warm-start-batch-size", type=int, default=d.warm_start_batch_size)
+    p.add_argument("--direct-fraction", type=float, default=d.warm_start_direct_fraction)
     p.add_argument("--grpo-steps", type=int, default=d.grpo_steps)
     p.add_argument("--grpo-lr", type=float, default=d.grpo_learning_rate)
     p.add_argument("--num-generations", type=int, default=d.num_generations)
@@ -48,6 +49,30 @@ def _parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _measure(model, tokenizer, held_out) -> dict[str, float]:
+    """Greedy held-out accuracy (overall and per level), share of greedy completions that answer
+    directly (no steps), and the share of correct samples at temperature 1.0 (8 x 32 prompts)."""
+    from trl_plugins.tasks import split_steps, verify
+    from trl_plugins.tasks.tiny import generate_completions
+
+    rows = list(held_out)
+    questions = [r["prompt"][-1]["content"] for r in rows]
+    max_new = max(len(r["solution"]) for r in rows) + 8
+    greedy = generate_completions(model, tokenizer, questions, max_new_tokens=max_new)
+    ok = [verify(t, r["answer"]) for t, r in zip(greedy, rows)]
+    out: dict[str, float] = {"greedy": sum(ok) / len(ok)}
+    for level in sorted({r["level"] for r in rows}):
+        sel = [o for o, r in zip(ok, rows) if r["level"] == level]
+        out[f"greedy_level{level}"] = sum(sel) / len(sel)
+    direct = [bool(split_steps(t)) and split_steps(t)[0].lower().startswith("answer") for t in greedy]
+    out["greedy_direct_answer_share"] = sum(direct) / len(direct)
+    sampled = generate_completions(
+        model, tokenizer, questions[:32], max_new_tokens=max_new, temperature=1.0, num_samples=8, seed=1
+    )
+    out["sampled_t1"] = sum(verify(t, rows[i // 8]["answer"]) for i, t in enumerate(sampled)) / len(sampled)
+    return out
+
+
 def main() -> None:
     args = _parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +81,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_plugins.tasks import accuracy_reward, make_dataset
-    from trl_plugins.tasks.tiny import DemoSettings, demo_model, evaluate_accuracy
+    from trl_plugins.tasks.tiny import DemoSettings, demo_model
 
     settings = dataclasses.replace(
         DemoSettings(),
@@ -67,6 +92,7 @@ def main() -> None:
         warm_start_steps=args.warm_start_steps,
         warm_start_lr=args.warm_start_lr,
         warm_start_batch_size=args.warm_start_batch_size,
+        warm_start_direct_fraction=args.direct_fraction,
     )
     results: dict[str, object] = {"settings": dataclasses.asdict(settings), "args": vars(args)}
 
@@ -75,15 +101,8 @@ def main() -> None:
     results["warm_start_s"] = round(time.perf_counter() - t0, 1)
 
     held_out = make_dataset(args.eval_size, levels=settings.levels, seed=10_000 + args.seed, split="test")
-    sample_set = held_out.select(range(min(32, len(held_out))))
-    t = time.perf_counter()
-    results["greedy_before"] = evaluate_accuracy(model, tokenizer, held_out)
-    results["eval_s"] = round(time.perf_counter() - t, 1)
-    results["sampled_before"] = evaluate_accuracy(model, tokenizer, sample_set, temperature=1.0, num_samples=8)
-    for level in settings.levels:
-        subset = held_out.filter(lambda r, lv=level: r["level"] == lv)
-        results[f"greedy_before_level{level}"] = evaluate_accuracy(model, tokenizer, subset)
-    print({k: v for k, v in results.items() if k not in ("settings", "args")}, flush=True)
+    results["before"] = _measure(model, tokenizer, held_out)
+    print(json.dumps(results["before"]), flush=True)
 
     train = make_dataset(settings.train_size, levels=settings.levels, seed=args.seed, split="train")
     with tempfile.TemporaryDirectory() as out:
@@ -117,18 +136,14 @@ def main() -> None:
         trainer.train()
         results["grpo_s"] = round(time.perf_counter() - t, 1)
         rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    results["train_reward_first5"] = sum(rewards[:5]) / max(1, len(rewards[:5]))
-    results["train_reward_last5"] = sum(rewards[-5:]) / max(1, len(rewards[-5:]))
+    results["train_rewards"] = [round(r, 3) for r in rewards]
+    results["train_reward_first10"] = sum(rewards[:10]) / max(1, len(rewards[:10]))
+    results["train_reward_last10"] = sum(rewards[-10:]) / max(1, len(rewards[-10:]))
 
-    model = trainer.model
-    results["greedy_after"] = evaluate_accuracy(model, tokenizer, held_out)
-    results["sampled_after"] = evaluate_accuracy(model, tokenizer, sample_set, temperature=1.0, num_samples=8)
-    for level in settings.levels:
-        subset = held_out.filter(lambda r, lv=level: r["level"] == lv)
-        results[f"greedy_after_level{level}"] = evaluate_accuracy(model, tokenizer, subset)
+    results["after"] = _measure(trainer.model, tokenizer, held_out)
     results["total_s"] = round(time.perf_counter() - t0, 1)
 
-    print(json.dumps({k: v for k, v in results.items() if k not in ("settings", "args")}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("settings", "args", "train_rewards")}, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

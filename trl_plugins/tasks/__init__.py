@@ -41,6 +41,7 @@ _TINY_NAMES = (
     "build_tokenizer",
     "demo_model",
     "evaluate_accuracy",
+    "generate_completions",
     "sft_loss",
     "warm_start",
 )

@@ -60,6 +60,7 @@ __all__ = [
     "build_tokenizer",
     "demo_model",
     "evaluate_accuracy",
+    "generate_completions",
     "sft_loss",
     "warm_start",
 ]
@@ -176,13 +177,17 @@ def _prompt_ids(tokenizer: PreTrainedTokenizerFast, question: str) -> list[int]:
 
 
 def _sft_batch(
-    tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem]
+    tokenizer: PreTrainedTokenizerFast, problems: Sequence[Problem], targets: Sequence[str] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``(input_ids, attention_mask, labels)``, each ``(B, T)``; labels are -100 off the answer."""
+    """Right-padded ``(input_ids, attention_mask, labels)``, each ``(B, T)``; labels are -100 off the answer.
+
+    ``targets`` are the assistant texts (default: the reference solutions).
+    """
     seqs, labs = [], []
-    for p in problems:
+    targets = [p.solution for p in problems] if targets is None else targets
+    for p, target in zip(problems, targets, strict=True):
         prompt = _prompt_ids(tokenizer, p.question)
-        completion = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        completion = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt + completion)
         labs.append([-100] * len(prompt) + completion)
     width = max(map(len, seqs))
@@ -227,6 +232,7 @@ def warm_start(
     lr: float = 3e-3,
     batch_size: int = 32,
     warmup_steps: int = 20,
+    direct_fraction: float = 0.0,
     log_every: int = 0,
 ) -> PreTrainedModel:
     """Supervised fine-tuning on freshly drawn reference solutions (train split), in place.
@@ -234,7 +240,17 @@ def warm_start(
     AdamW, linear warm-up over ``warmup_steps`` then cosine decay to 10 % of ``lr``; the loss covers
     only the assistant tokens (solution and ``<|end|>``). Deterministic given ``seed``. Returns
     ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps.
+
+    ``direct_fraction`` of the targets are *direct answers*: the bare ``"Answer: N"`` line (correct
+    ``N``) without the steps, as in pre-training data that skips the work. A tiny model cannot
+    compute ``N`` in one go, so it learns two modes: a step-by-step mode that is often right and a
+    direct mode that is mostly wrong. Which mode it picks is decided by the first completion token,
+    shared across all prompts -- exactly the kind of behaviour that RL with an outcome reward can
+    select in a few dozen steps (the demo's "accuracy rises" effect), on top of slower gains in the
+    arithmetic itself.
     """
+    if not 0.0 <= direct_fraction <= 1.0:
+        raise ValueError(f"direct_fraction must be in [0, 1], got {direct_fraction!r}")
     levels = tuple(levels)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -250,7 +266,9 @@ def warm_start(
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        ids, mask, labels = _sft_batch(tokenizer, _draw_problems(rng, levels, batch_size))
+        problems = _draw_problems(rng, levels, batch_size)
+        targets = [f"Answer: {p.answer}" if rng.random() < direct_fraction else p.solution for p in problems]
+        ids, mask, labels = _sft_batch(tokenizer, problems, targets)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -273,6 +291,52 @@ def _question_of(row: dict[str, Any]) -> str:
 
 
 @torch.no_grad()
+def generate_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerFast,
+    questions: Sequence[str],
+    max_new_tokens: int = 64,
+    batch_size: int = 64,
+    temperature: float = 0.0,
+    num_samples: int = 1,
+    seed: int = 0,
+) -> list[str]:
+    """Completions (decoded, special tokens skipped) for each question, ``num_samples`` per question.
+
+    ``temperature == 0`` is greedy decoding (``num_samples`` must then be 1); otherwise plain
+    sampling at ``temperature`` (no top-k / top-p), seeded with ``seed``. The result is flat and
+    grouped by question: ``len(questions) * num_samples`` strings.
+    """
+    greedy = temperature <= 0.0
+    if greedy and num_samples != 1:
+        raise ValueError(f"greedy decoding gives one completion per question, got num_samples={num_samples}")
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    device = next(model.parameters()).device
+    sampling: dict[str, Any] = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    )
+    texts: list[str] = []
+    for start in range(0, len(questions), batch_size):
+        conversations = [[{"role": "user", "content": q}] for q in questions[start : start + batch_size]]
+        enc = tokenizer.apply_chat_template(
+            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
+        )
+        out = model.generate(
+            input_ids=enc["input_ids"].to(device),
+            attention_mask=enc["attention_mask"].to(device),
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **sampling,
+        )
+        texts.extend(tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
+    model.train(was_training)
+    return texts
+
+
 def evaluate_accuracy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
@@ -294,38 +358,13 @@ def evaluate_accuracy(
     if not rows:
         raise ValueError("dataset is empty")
     if max_new_tokens is None:
-        longest = max(len(r["solution"]) for r in rows) if "solution" in rows[0] else 96
-        max_new_tokens = longest + 8
-    greedy = temperature <= 0.0
-    num_samples = 1 if greedy else num_samples
-    was_training = model.training
-    model.eval()
-    torch.manual_seed(seed)
-    device = next(model.parameters()).device
-    correct = total = 0
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        conversations = [[{"role": "user", "content": _question_of(r)}] for r in chunk]
-        enc = tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True,
-            return_tensors="pt",
-        )
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        out = model.generate(
-            input_ids=enc["input_ids"].to(device),
-            attention_mask=enc["attention_mask"].to(device),
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=num_samples,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            correct += verify(text, chunk[i // num_samples]["answer"])
-            total += 1
-    model.train(was_training)
-    return correct / total
+        max_new_tokens = (max(len(r["solution"]) for r in rows) if "solution" in rows[0] else 88) + 8
+    num_samples = 1 if temperature <= 0.0 else num_samples
+    texts = generate_completions(
+        model, tokenizer, [_question_of(r) for r in rows], max_new_tokens, batch_size, temperature, num_samples, seed
+    )
+    correct = sum(verify(text, rows[i // num_samples]["answer"]) for i, text in enumerate(texts))
+    return correct / len(texts)
 
 
 # ---------------------------------------------------------------------------------------------- demo settings
@@ -350,6 +389,7 @@ class DemoSettings:
     warm_start_steps: int = 300
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 32
+    warm_start_direct_fraction: float = 0.5
     # GRPO on top of it
     grpo_steps: int = 40
     grpo_learning_rate: float = 2e-3
@@ -369,7 +409,7 @@ class DemoSettings:
             k: getattr(self, k)
             for k in (
                 "seed", "levels", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                "warm_start_steps", "warm_start_lr", "warm_start_batch_size",
+                "warm_start_steps", "warm_start_lr", "warm_start_batch_size", "warm_start_direct_fraction",
             )
         }
         blob = json.dumps({"v": _CACHE_VERSION, **fields}, sort_keys=True, default=list)
@@ -413,6 +453,7 @@ def demo_model(
         seed=settings.seed,
         lr=settings.warm_start_lr,
         batch_size=settings.warm_start_batch_size,
+        direct_fraction=settings.warm_start_direct_fraction,
         log_every=50 if verbose else 0,
     )
     if verbose:

@@ -1,0 +1,6 @@
+"""External components: OpenAI-compatible client, judges, PRMs, teachers (see DESIGN.md section 6)."""
+
+from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
+from .local_server import chat_response, serve_openai_compatible
+
+__all__ = ["EndpointConfig", "EndpointError", "OpenAICompatibleClient", "chat_response", "serve_openai_compatible"]

@@ -1,0 +1,179 @@
+"""An OpenAI-compatible HTTP client for judges, PRMs and teachers (e.g. ``vllm serve``).
+
+Async, batched, bounded in concurrency, retried with exponential backoff on 429 / 5xx / connection errors and
+timeouts, with an in-memory response cache. It fails loudly: once retries are exhausted it raises
+:class:`EndpointError` naming the URL and the last status or exception — never a silent default value.
+
+Synchronous callers (reward functions, sampling plugins) use :meth:`OpenAICompatibleClient.run`, which runs
+a batch of coroutines on a private event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import threading
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..errors import PluginError
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class EndpointError(PluginError, RuntimeError):
+    """An external component (judge, PRM, teacher) could not be reached or answered garbage."""
+
+
+@dataclass
+class EndpointConfig:
+    """Where and how to call an OpenAI-compatible server.
+
+    Attributes:
+        base_url: e.g. ``http://127.0.0.1:8000/v1``.
+        model: the served model name sent in every request.
+        api_key: sent as a bearer token when set.
+        timeout: seconds per request.
+        max_retries: retries after the first attempt (so ``max_retries + 1`` attempts at most).
+        backoff: first retry delay in seconds; doubles each retry (with jitter), capped at ``max_backoff``.
+        max_concurrency: requests in flight at once.
+        cache: keep responses of identical requests in memory.
+    """
+
+    base_url: str
+    model: str = "default"
+    api_key: str | None = None
+    timeout: float = 60.0
+    max_retries: int = 4
+    backoff: float = 0.5
+    max_backoff: float = 8.0
+    max_concurrency: int = 16
+    cache: bool = True
+
+
+class OpenAICompatibleClient:
+    """Chat / completions calls against an OpenAI-compatible endpoint (see the module docstring)."""
+
+    def __init__(self, config: EndpointConfig):
+        self.config = config
+        self._cache: dict[str, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.requests_sent = 0
+
+    # ------------------------------------------------------------------------------------------ plumbing
+    @property
+    def base_url(self) -> str:
+        return self.config.base_url.rstrip("/")
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        return headers
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trl-plugins-http")
+                self._thread.start()
+        return self._loop
+
+    def run(self, coroutines: Sequence[Awaitable[Any]]) -> list[Any]:
+        """Run coroutines concurrently (bounded by ``max_concurrency``) and return their results in order."""
+
+        async def gather():
+            semaphore = asyncio.Semaphore(self.config.max_concurrency)
+            async with httpx.AsyncClient(timeout=self.config.timeout, headers=self._headers()) as http:
+
+                async def bounded(coro_factory):
+                    async with semaphore:
+                        return await coro_factory(http)
+
+                return await asyncio.gather(*(bounded(c) for c in coroutines))
+
+        future = asyncio.run_coroutine_threadsafe(gather(), self._ensure_loop())
+        return future.result()
+
+    async def post_json(self, http: httpx.AsyncClient, path: str, payload: dict) -> dict:
+        """POST ``payload`` to ``base_url + path`` with retries/backoff; returns the decoded JSON body."""
+        url = f"{self.base_url}/{path.lstrip('/')}"
+        key = hashlib.sha256((url + json.dumps(payload, sort_keys=True)).encode()).hexdigest()
+        if self.config.cache and key in self._cache:
+            return self._cache[key]
+        last = "no attempt"
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                self.requests_sent += 1
+                response = await http.post(url, json=payload)
+                if response.status_code == 200:
+                    try:
+                        body = response.json()
+                    except ValueError as exc:
+                        raise EndpointError(f"{url} answered with invalid JSON: {response.text[:200]!r}") from exc
+                    if self.config.cache:
+                        self._cache[key] = body
+                    return body
+                last = f"HTTP {response.status_code}: {response.text[:200]!r}"
+                if response.status_code not in RETRY_STATUS:
+                    raise EndpointError(f"{url} refused the request ({last}).")
+            except (httpx.TransportError, httpx.TimeoutException) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if attempt < self.config.max_retries:
+                delay = min(self.config.backoff * 2**attempt, self.config.max_backoff)
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+        raise EndpointError(
+            f"{url} failed after {self.config.max_retries + 1} attempts (last error: {last}). "
+            "Check that the server is running and reachable."
+        )
+
+    # ------------------------------------------------------------------------------------------ API
+    def chat(self, conversations: Sequence[list[dict]], **params: Any) -> list[str]:
+        """One chat completion per conversation (list of messages); returns the assistant texts in order."""
+
+        def make(messages):
+            async def call(http):
+                body = await self.post_json(
+                    http, "chat/completions", {"model": self.config.model, "messages": messages, **params}
+                )
+                try:
+                    return body["choices"][0]["message"]["content"]
+                except (KeyError, IndexError, TypeError) as exc:
+                    raise EndpointError(
+                        f"{self.base_url}/chat/completions answered without choices[0].message.content: "
+                        f"{json.dumps(body)[:200]}"
+                    ) from exc
+
+            return call
+
+        return self.run([make(m) for m in conversations])
+
+    def completions(self, prompts: Sequence[str], **params: Any) -> list[dict]:
+        """One text completion per prompt; returns each ``choices[0]`` dict (text, logprobs, ...)."""
+
+        def make(prompt):
+            async def call(http):
+                body = await self.post_json(http, "completions", {"model": self.config.model, "prompt": prompt, **params})
+                try:
+                    return body["choices"][0]
+                except (KeyError, IndexError, TypeError) as exc:
+                    raise EndpointError(
+                        f"{self.base_url}/completions answered without choices[0]: {json.dumps(body)[:200]}"
+                    ) from exc
+
+            return call
+
+        return self.run([make(p) for p in prompts])
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop = None
