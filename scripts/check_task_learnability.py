@@ -45,6 +45,9 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--eval-size", type=int, default=d.eval_size)
     p.add_argument("--threads", type=int, default=d.torch_threads, help="torch intra-op threads")
     p.add_argument("--cache-dir", default=None, help="cache the warm-started model here (default: no cache)")
+    p.add_argument(
+        "--grpo-config", default="{}", help='extra GRPOConfig fields as JSON, e.g. \'{"loss_type": "grpo"}\''
+    )
     p.add_argument("--json", default=None, help="write the measurements to this file")
     return p.parse_args()
 
@@ -124,6 +127,7 @@ def main() -> None:
             save_strategy="no",
             seed=args.seed,
             dataloader_num_workers=0,
+            **json.loads(args.grpo_config),
         )
         trainer = GRPOTrainer(
             model=model,

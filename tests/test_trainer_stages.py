@@ -156,6 +156,38 @@ def test_no_prompt_change_keeps_grouped_generation(monkeypatch):
     assert _unpad_left(out["prompt_ids"], out["prompt_mask"]) == [_tokenized(trainer, r["prompt"]) for r in rows]
 
 
+def test_per_row_generation_is_decided_across_processes(monkeypatch):
+    """Another process changed its generation prompts: this one must take the per-row path too (same calls)."""
+    calls = []
+    original_single_turn = trl.GRPOTrainer._generate_single_turn
+
+    def single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        calls.append(num_generations)
+        return original_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", single_turn)
+
+    class Noop(Plugin):
+        name = "test_noop_prompts"
+
+        @hookimpl
+        def trl_plugins_generation_prompts(self, ctx):
+            pass
+
+    with temporary_plugin(Noop):
+        trainer = make_tiny_trainer(plugins=["test_noop_prompts"], reward_funcs=[digit_fraction_reward], log_level="error")
+        real_gather = trainer.accelerator.gather
+
+        def gather(tensor):  # the (1,) "did my prompts differ" flag gets a 1 from the simulated other process
+            if tensor.dim() == 1 and tensor.numel() == 1 and not tensor.dtype.is_floating_point:
+                return torch.cat([tensor, torch.ones_like(tensor)])
+            return real_gather(tensor)
+
+        monkeypatch.setattr(trainer.accelerator, "gather", gather)
+        _generate(trainer, _rows(trainer, 1))
+    assert calls == [1]
+
+
 # ============================================================================================ (b) NaN sampling logps
 
 

@@ -60,6 +60,7 @@ class PromptContext(_MetricsMixin):
         step: ``trainer.state.global_step``.
         annotations: per-row dicts; keys become columns of TRL's completions table (e.g. ``hint_level``).
         trainer: the trainer (read-only use).
+        deferred: (B,) rows left out of the first generation round (see :meth:`defer`); empty = none.
     """
 
     rows: list[dict]
@@ -73,6 +74,20 @@ class PromptContext(_MetricsMixin):
     step: int
     annotations: list[dict]
     trainer: Any = None
+    deferred: list[bool] = field(default_factory=list)
+
+    def defer(self, i: int) -> None:
+        """Leave local row ``i`` out of the first generation round; a later hook of the step fills it.
+
+        For methods that spend part of the group's budget in a second round (e.g. feedback-conditioned re-sampling):
+        the trainer samples only the other rows, so the step still costs exactly G rollouts per group. Until an
+        ``after_generation`` hook fills the row with :meth:`RolloutContext.replace_row` (typically from
+        ``ctx.service.generate``), it holds an empty completion (``RolloutContext.deferred[i]`` is True); a
+        deferred row left unfilled is an error. Not available with ``rollout_func`` or tools.
+        """
+        if not self.deferred:
+            self.deferred = [False] * len(self.rows)
+        self.deferred[i] = True
 
 
 @dataclass
@@ -107,6 +122,8 @@ class RolloutContext(_MetricsMixin):
         prompt_swapped: (B,) True where the generation prompt differs from the training prompt.
         global_index, group_ids, index_in_group, num_generations, step, annotations: as in PromptContext.
         service: the :class:`~trl_plugins.generation.GenerationService` (in-step generation).
+        deferred: (B,) True for rows left out of the first generation round (``PromptContext.defer``): they hold an
+            empty completion until a hook fills them with :meth:`replace_row`; empty list = no deferred row.
     """
 
     rows: list[dict]
@@ -130,7 +147,9 @@ class RolloutContext(_MetricsMixin):
     _gatherer: Callable | None = None
     _tokenizer: Callable | None = None
     _decoder: Callable | None = None
+    _entropy_fn: Callable | None = None
     changed: set = field(default_factory=set)
+    deferred: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -151,6 +170,17 @@ class RolloutContext(_MetricsMixin):
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
         """Token ids of prompts exactly as TRL tokenizes them for generation (chat template applied)."""
         return self._tokenizer(prompts)
+
+    def policy_entropies(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """Per-token entropies of the current policy's next-token distribution over the completions of local rows
+        ``indices`` (no grad; temperature applied as in the loss), one (len(completion_ids[i]),) tensor per row.
+
+        Costs a forward pass over those rows. Collective: every process must call it (possibly with no rows); the
+        forwards are padded to the same size on every process.
+        """
+        if self._entropy_fn is None:
+            raise PluginError("policy_entropies() is not available in this context (no trainer attached).")
+        return self._entropy_fn([self.prompt_ids[i] for i in indices], [self.completion_ids[i] for i in indices])
 
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
@@ -236,6 +266,7 @@ class RewardContext(_MetricsMixin):
         local_rows, local_prompts, local_completions: this process's B rows, prompts and completions.
         process_slice: the slice of global rows held by this process.
         step: ``trainer.state.global_step``.
+        local_completion_ids: this process's B completions as token id lists (unpadded; None if unknown).
     """
 
     rewards_per_func: torch.Tensor
@@ -250,6 +281,7 @@ class RewardContext(_MetricsMixin):
     process_slice: slice
     step: int
     trainer: Any = None
+    local_completion_ids: list[list[int]] | None = None
     _object_gatherer: Callable | None = None
 
     def gather_object(self, values: list) -> list:
@@ -273,6 +305,8 @@ class AdvantageContext(_MetricsMixin):
         annotations: (N,) per-row dicts from the sampling stage (e.g. ``{"hinted": True}``).
         extras: name -> (N, ...) tensors; they ride with their rows to ``LossContext.extras``.
         process_slice: slice of the global rows held by this process.
+        local_completion_ids: (B, T) completion token ids of this process's rows (right-padded, the labels the
+            loss sees), for per-token extras set with :meth:`set_local_extra`; None when not provided.
     """
 
     rewards_per_func: torch.Tensor
@@ -289,6 +323,7 @@ class AdvantageContext(_MetricsMixin):
     step: int
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    local_completion_ids: torch.Tensor | None = None
     trainer: Any = None
     _policy_stats: Callable | None = None
     _completion_mask: Callable | None = None

@@ -18,7 +18,8 @@ Stages and the hooks that belong to them:
 =========== ==========================================================================================
 lifecycle   ``trl_plugins_configure``, ``trl_plugins_reward_functions``, ``trl_plugins_on_step_end``,
             ``trl_plugins_state_dict``, ``trl_plugins_load_state_dict``
-sampling    ``trl_plugins_generation_prompts``, ``trl_plugins_after_generation``
+sampling    ``trl_plugins_train_sampler`` (which prompts are drawn), ``trl_plugins_generation_prompts``,
+            ``trl_plugins_after_generation``
 reward      ``trl_plugins_reward_functions`` (adds columns), ``trl_plugins_transform_rewards``
 advantage   ``trl_plugins_transform_advantages``
 loss        ``trl_plugins_loss_advantages``, ``trl_plugins_loss``
@@ -45,6 +46,7 @@ HOOK_STAGES: dict[str, str] = {
     "trl_plugins_state_dict": "lifecycle",
     "trl_plugins_load_state_dict": "lifecycle",
     "trl_plugins_reward_functions": "reward",
+    "trl_plugins_train_sampler": "sampling",
     "trl_plugins_generation_prompts": "sampling",
     "trl_plugins_after_generation": "sampling",
     "trl_plugins_transform_rewards": "reward",
@@ -108,6 +110,19 @@ def trl_plugins_transform_rewards(ctx: RewardContext) -> None:
 
 
 # --------------------------------------------------------------------------------------------- sampling
+@hookspec
+def trl_plugins_train_sampler(trainer: Any, sampler: Any, dataset: Any) -> Any:
+    """Return a replacement for the training sampler (which prompts are drawn), or None to keep ``sampler``.
+
+    Called when the training dataloader is built (at the start of ``train()``, and again on resume), with TRL's
+    ``RepeatSampler`` or the previous plugin's replacement (plugins chain in order). A replacement must keep TRL's
+    layout: chunks of ``sampler.batch_size`` prompt indices, each index yielded ``sampler.mini_repeat_count`` (G)
+    times in a row, each chunk yielded ``sampler.repeat_count`` times, ``len()`` unchanged, and the same sequence on
+    every process (decide from seeds and from state updated only with gathered data). It may implement
+    ``set_epoch(epoch)``. Not called for iterable datasets (TRL attaches no sampler to them).
+    """
+
+
 @hookspec
 def trl_plugins_generation_prompts(ctx: PromptContext) -> None:
     """Choose per-row generation and training prompts before the first generation round of a step.

@@ -1,29 +1,62 @@
 """Testing kit for plugin authors (and this project's own tests).
 
-Usable as a pytest plugin (``pytest -p trl_plugins.testing`` or ``pytest_plugins = ["trl_plugins.testing"]``):
-it provides the fixtures ``tiny_tokenizer``, ``tiny_model``, ``tiny_dataset``, ``make_trainer`` and
-``temporary_plugin``. Everything is built offline in seconds on a CPU: a character-level tokenizer, a tiny
-Llama and the bundled arithmetic tasks.
+Usable as a pytest plugin: put ``pytest_plugins = ["trl_plugins.testing"]`` in your top-level ``conftest.py``
+(or run ``pytest -p trl_plugins.testing``). It provides the fixtures ``tiny_tokenizer``, ``tiny_model``,
+``tiny_dataset``, ``make_trainer`` and ``temporary_plugin``. Everything is built offline in seconds on a CPU: a
+character-level tokenizer, a tiny Llama and the bundled arithmetic tasks. Every helper also works without pytest.
 
-Helpers:
+Training runs on the tiny model:
     :func:`make_tiny_trainer` builds a ``PluginGRPOTrainer`` (or ``trl.GRPOTrainer``) on the tiny model.
     :func:`record_run` trains a few steps and records, per generation batch and optimizer step, the
     completions, rewards, advantages, losses and gradients, so two runs can be compared exactly.
-    :func:`assert_runs_equal` compares two such records (the reduction-to-vanilla check).
+    :func:`assert_runs_equal` compares two such records.
+    :func:`assert_reduces_to_vanilla` is invariant 2 in one call: the plugin in its neutral setting gives the
+    same run as ``trl.GRPOTrainer`` for each loss type.
+
+Hand-made stage contexts for unit tests (no model, no trainer; stub services record what the plugin asked):
+    :func:`make_prompt_context`, :func:`make_rollout_context` (with :class:`StubGenerationService`),
+    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context`;
+    :func:`build_stack` / :func:`run_hook` enable a plugin by name (options validated, ``configure`` called) and
+    call one of its hooks; :func:`loss_from_context` composes a loss context's contributions as the framework
+    does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
+
+Stage-contract assertions (work on contexts, on a generation batch and on a :class:`RunRecord`):
+    :func:`assert_group_sizes` (exactly G rows per group, layout from the global position) and
+    :func:`assert_offpolicy_logprobs_nan` (provenance: off-policy tokens and prompt-swapped rows carry NaN
+    sampling log-probs, so TRL's vLLM importance-sampling correction leaves them alone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import os
 import tempfile
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from .manager import register_plugin, unregister_plugin
+from .contexts import (
+    AdvantageContext,
+    Completion,
+    LossContext,
+    PolicyStats,
+    PromptContext,
+    RewardContext,
+    RolloutContext,
+    group_layout,
+)
+from .errors import GenerationBudgetExceeded, PluginError
+from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
+from .plugin import Plugin
+
+#: The loss types of invariant 1 / 2 (TRL's token- and sequence-normalised objectives).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 def tiny_tokenizer():
@@ -83,10 +116,20 @@ def tiny_config(output_dir: str | None = None, config_cls=None, **overrides):
 
 
 def make_tiny_trainer(
-    trainer_cls=None, model=None, tokenizer=None, dataset=None, reward_funcs=None, seed: int = 0, **config
+    trainer_cls=None,
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    reward_funcs=None,
+    seed: int = 0,
+    *,
+    eval_dataset=None,
+    peft_config=None,
+    **config,
 ):
     """A trainer on the tiny model and tasks. ``trainer_cls`` defaults to ``PluginGRPOTrainer``;
-    pass ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``)."""
+    pass ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``).
+    ``config`` sets any (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``."""
     from trl import GRPOConfig, GRPOTrainer
 
     from .trainer import PluginGRPOTrainer
@@ -101,7 +144,9 @@ def make_tiny_trainer(
         reward_funcs=reward_funcs if reward_funcs is not None else default_reward_funcs(),
         args=args,
         train_dataset=dataset if dataset is not None else tiny_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
 
 
@@ -200,6 +245,874 @@ def temporary_plugin(cls) -> Iterator[type]:
         unregister_plugin(cls.name)
 
 
+
+
+# ------------------------------------------------------------------------------------------ reduction to vanilla
+_VANILLA_CACHE: dict[Any, RunRecord] = {}
+
+
+def _resolve_plugin(plugin: str | type[Plugin]) -> tuple[str, type[Plugin] | None]:
+    """(name, class to register temporarily or None) for a plugin given by name or class."""
+    if isinstance(plugin, str):
+        return plugin, None
+    if isinstance(plugin, type) and issubclass(plugin, Plugin):
+        known = available_plugins().get(plugin.name)
+        return plugin.name, (None if known is plugin else plugin)
+    raise TypeError(f"plugin must be a plugin name or a Plugin subclass; got {plugin!r}.")
+
+
+def assert_reduces_to_vanilla(
+    plugin: str | type[Plugin],
+    plugin_config: Mapping[str, Any] | None = None,
+    *,
+    loss_types: Sequence[str] = LOSS_TYPES,
+    steps: int = 2,
+    reward_funcs: Sequence[Callable] | None = None,
+    seed: int = 0,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    require_signal: bool = True,
+    **config: Any,
+) -> dict[str, RunRecord]:
+    """Invariant 2: ``plugin`` with the options ``plugin_config`` (its neutral setting) gives the same run as
+    ``trl.GRPOTrainer`` with the same seed, for each of ``loss_types``.
+
+    Both runs train ``steps`` optimizer steps on the tiny model and are compared with :func:`assert_runs_equal`
+    (completions exactly; rewards, advantages, per-micro-step losses, gradients and final parameters within
+    ``atol``/``rtol``, exact by default). The default reward is :func:`digit_fraction_reward`, dense on an
+    untrained model, so advantages are non-zero and the comparison is not vacuous (``require_signal`` checks
+    it). ``config`` sets any GRPOConfig field of both runs (e.g. ``max_completion_length=16``).
+
+    Args:
+        plugin: a plugin name, or a ``Plugin`` subclass (registered for the duration of the check if needed).
+        plugin_config: the plugin's options, e.g. ``{"scale": 1.0}``; ``None`` = its defaults.
+
+    Returns:
+        The plugin runs, keyed by loss type (to check metrics the plugin logged, for instance).
+    """
+    from trl import GRPOTrainer
+
+    name, to_register = _resolve_plugin(plugin)
+    funcs = list(reward_funcs) if reward_funcs is not None else [digit_fraction_reward]
+    runs = {}
+    scope = temporary_plugin(to_register) if to_register is not None else contextlib.nullcontext()
+    with scope:
+        for loss_type in loss_types:
+            key = (loss_type, steps, seed, tuple(id(f) for f in funcs), repr(sorted(config.items())))
+            vanilla = _VANILLA_CACHE.get(key)
+            if vanilla is None:
+                vanilla = record_run(
+                    make_tiny_trainer(GRPOTrainer, reward_funcs=funcs, seed=seed, loss_type=loss_type, max_steps=steps,
+                                      **config)
+                )
+                if reward_funcs is None:  # only the module-level default reward is safe to cache by identity
+                    _VANILLA_CACHE[key] = vanilla
+            trainer = make_tiny_trainer(
+                reward_funcs=funcs, seed=seed, loss_type=loss_type, max_steps=steps, plugins=[name],
+                plugin_config={name: dict(plugin_config)} if plugin_config else {}, **config,
+            )
+            assert [p.name for p in trainer.plugin_stack] == [name], f"plugin {name!r} is not enabled"
+            ours = record_run(trainer)
+            if require_signal:
+                assert any(a.abs().sum() > 0 for a in vanilla.advantages), (
+                    "every advantage of the vanilla run is zero, so the comparison would be vacuous; pass a reward "
+                    "with variance within groups (reward_funcs=...) or require_signal=False"
+                )
+            try:
+                assert_runs_equal(vanilla, ours, atol=atol, rtol=rtol)
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"plugin {name!r} with {dict(plugin_config or {})!r} does not reduce to trl.GRPOTrainer "
+                    f"(loss_type={loss_type!r}): {exc}"
+                ) from exc
+            runs[loss_type] = ours
+    return runs
+
+
+# ------------------------------------------------------------------------------------------ hand-made contexts
+def char_encode(text: str) -> list[int]:
+    """The stub tokenizer of the hand-made contexts: one id per character (``ord``)."""
+    return [ord(c) for c in text]
+
+
+def char_decode(ids: Sequence[int]) -> str:
+    """Inverse of :func:`char_encode`."""
+    return "".join(chr(int(i)) for i in ids)
+
+
+def prompt_text(prompt: Any) -> str:
+    """The text of a prompt or completion: a string as is, a message list as its last message's content."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt[-1]["content"]
+
+
+def _per_group(value: Any, group: int, n_groups: int) -> Any:
+    if callable(value):
+        return value(group)
+    if isinstance(value, (list, tuple)) and len(value) == n_groups:
+        return value[group]
+    return value
+
+
+def stub_rows(
+    num_groups: int = 2,
+    num_generations: int = 4,
+    *,
+    conversational: bool = True,
+    first_group: int = 0,
+    **columns: Any,
+) -> list[dict]:
+    """Local dataset rows as TRL's sampler delivers them: each prompt repeated G times, groups contiguous.
+
+    Group ``g`` asks ``"Q{g}"`` (``[{"role": "user", "content": "Q{g}"}]`` when ``conversational``). Each extra
+    column is a value shared by all rows, a list with one value per group, or a function of the group id, e.g.
+    ``stub_rows(2, 4, solution=["1+1=2", "2+2=4"], answer=lambda g: str(2 * g + 2))``.
+    """
+    rows = []
+    for k in range(num_groups):
+        group = first_group + k
+        prompt = [{"role": "user", "content": f"Q{group}"}] if conversational else f"Q{group}"
+        row = {"prompt": prompt}
+        row.update({c: _per_group(v, k, num_groups) for c, v in columns.items()})
+        rows += [copy.deepcopy(row) for _ in range(num_generations)]
+    return rows
+
+
+class MetricsRecorder(dict):
+    """``name -> [values]`` of every ``ctx.log_metric`` call (keys as in TRL's logs: ``plugins/<plugin>/<name>``)."""
+
+    def __call__(self, key: str, value: float) -> None:
+        self.setdefault(key, []).append(value)
+
+
+def _attach_metrics(ctx: Any) -> Any:
+    ctx.metrics = MetricsRecorder()
+    ctx._metric_sink = ctx.metrics
+    return ctx
+
+
+def _layout(B: int, G: int, process_index: int) -> tuple[list[int], list[int], list[int]]:
+    return group_layout(process_index, B, G)
+
+
+def make_prompt_context(
+    rows: list[dict] | None = None,
+    *,
+    num_groups: int = 2,
+    num_generations: int = 4,
+    step: int = 0,
+    process_index: int = 0,
+    trainer: Any = None,
+) -> PromptContext:
+    """A :class:`~trl_plugins.PromptContext` (sampling stage, before generation) of ``rows`` (default:
+    :func:`stub_rows`), as the trainer builds it: generation and training prompts start as the original ones.
+    ``ctx.metrics`` records the metrics the plugin logs."""
+    rows = rows if rows is not None else stub_rows(num_groups, num_generations)
+    B, G = len(rows), num_generations
+    global_index, group_ids, index_in_group = _layout(B, G, process_index)
+    prompts = [r["prompt"] for r in rows]
+    ctx = PromptContext(
+        rows=rows,
+        prompts=prompts,
+        generation_prompts=list(prompts),
+        training_prompts=list(prompts),
+        global_index=global_index,
+        group_ids=group_ids,
+        index_in_group=index_in_group,
+        num_generations=G,
+        step=step,
+        annotations=[{} for _ in range(B)],
+        trainer=trainer,
+    )
+    return _attach_metrics(ctx)
+
+
+class StubGenerationService:
+    """Stands in for the trainer's generation service in hand-made rollout contexts.
+
+    ``respond(prompt, j)`` gives the completion text of request ``j`` of a call (``prompt`` is the prompt
+    object, or its ids when the plugin passed ``prompt_ids``); the default answers ``"gen{call}.{j}"``. Every
+    call is recorded in :attr:`calls` (the list of prompts, possibly empty: on several processes each one calls
+    the service the same number of times, some with nothing to ask). Completions carry ``logprob`` per new token
+    (None imitates HF generation) and NaN on a requested prefix, like the real service; ``budget`` caps the
+    completions of the batch as ``plugin_generation_budget`` does.
+    """
+
+    def __init__(
+        self,
+        respond: Callable[[Any, int], str] | None = None,
+        *,
+        logprob: float | None = -1.0,
+        budget: int | None = None,
+        max_completion_length: int | None = None,
+    ):
+        self.respond = respond or (lambda prompt, j: f"gen{len(self.calls)}.{j}")
+        self.logprob = logprob
+        self.budget = budget
+        self.max_completion_length = max_completion_length
+        self.calls: list[list[Any]] = []
+        self.used_this_batch = 0
+        self.total = 0
+
+    @property
+    def remaining(self) -> int | float:
+        return math.inf if self.budget is None else self.budget - self.used_this_batch
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        return [char_encode(prompt_text(p)) for p in prompts]
+
+    def generate(self, prompts=None, *, prompt_ids=None, prefix_ids=None) -> list[Completion]:
+        if (prompts is None) == (prompt_ids is None):
+            raise PluginError("GenerationService.generate: pass exactly one of `prompts` or `prompt_ids`.")
+        requests = list(prompts) if prompts is not None else [list(p) for p in prompt_ids]
+        prefixes = [list(p) for p in prefix_ids] if prefix_ids is not None else [[] for _ in requests]
+        if len(prefixes) != len(requests):
+            raise PluginError(f"GenerationService.generate: {len(prefixes)} prefixes for {len(requests)} prompts.")
+        if self.budget is not None and self.used_this_batch + len(requests) > self.budget:
+            raise GenerationBudgetExceeded(
+                f"Plugins requested {len(requests)} more completions, {self.used_this_batch} already used; "
+                f"plugin_generation_budget is {self.budget}."
+            )
+        self.calls.append(requests)
+        out = []
+        for j, (request, prefix) in enumerate(zip(requests, prefixes)):
+            new_ids = char_encode(self.respond(request, j))
+            ids = prefix + new_ids
+            lps = None if self.logprob is None else [math.nan] * len(prefix) + [self.logprob] * len(new_ids)
+            if self.max_completion_length is not None:
+                ids = ids[: self.max_completion_length]
+                lps = None if lps is None else lps[: self.max_completion_length]
+            out.append(Completion(completion_ids=ids, logprobs=lps, text=char_decode(ids)))
+        self.used_this_batch += len(requests)
+        self.total += len(requests)
+        return out
+
+
+def _weighted_scorer(reward_funcs: Sequence[Callable], weights: Sequence[float] | None) -> Callable:
+    weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
+
+    def score(rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
+        if not rows:
+            return torch.zeros(0)
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        ids = [char_encode(prompt_text(c)) for c in completions]
+        total = torch.zeros(len(rows))
+        for func, weight in zip(reward_funcs, weights):
+            values = func(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+            total += weight * torch.tensor([math.nan if v is None else float(v) for v in values]).nan_to_num(0.0)
+        return total
+
+    return score
+
+
+def make_rollout_context(
+    completions: Sequence[str] | Sequence[Sequence[str]],
+    *,
+    num_generations: int | None = None,
+    rows: list[dict] | None = None,
+    service: Any = None,
+    reward_funcs: Sequence[Callable] | None = None,
+    reward_weights: Sequence[float] | None = None,
+    scorer: Callable | None = None,
+    sampling_logprob: float | None = -1.0,
+    conversational: bool | None = None,
+    process_index: int = 0,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    step: int = 0,
+    deferred: Sequence[int] = (),
+    entropy: Callable[[list[int], list[int]], torch.Tensor] | None = None,
+    trainer: Any = None,
+) -> RolloutContext:
+    """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
+
+    Args:
+        completions: one list of G completion texts per group (or a flat list with ``num_generations``).
+        rows: the local dataset rows (default: :func:`stub_rows` with one group per completion group).
+        service: the generation service (default: a :class:`StubGenerationService`; read ``ctx.service.calls``).
+        reward_funcs, reward_weights: what ``ctx.score`` runs (TRL's reward-function signature, weighted sum);
+            default :func:`digit_fraction_reward`. ``scorer(rows, prompts, completions) -> (n,)`` replaces both.
+        sampling_logprob: the sampling log-prob of every generated token (vLLM); None imitates HF generation
+            (``ctx.sampling_logprobs is None``).
+        process_index, gather: the process this context stands for and its all-gather (default: one process,
+            identity); see :func:`run_on_processes` to simulate several.
+        deferred: local rows left out of the first generation round (``PromptContext.defer``): they hold an
+            empty completion and ``ctx.deferred[i]`` is True.
+        entropy: ``entropy(prompt_ids, completion_ids) -> (len(completion_ids),)`` behind
+            ``ctx.policy_entropies``; default 1.0 per token. The calls are recorded in ``ctx.entropy_calls``.
+
+    Tokens are characters (:func:`char_encode`), prompts are tokenized as their text, and ``ctx.decode`` gives
+    TRL's completion format (an assistant message list for conversational prompts). ``ctx.metrics`` records the
+    metrics the plugin logs.
+    """
+    if completions and not isinstance(completions[0], str):
+        groups = [list(g) for g in completions]
+        G = num_generations or len(groups[0])
+        texts = [t for g in groups for t in g]
+    else:
+        if num_generations is None:
+            raise ValueError("make_rollout_context: pass num_generations with a flat list of completions.")
+        G, texts = num_generations, list(completions)
+    if len(texts) % G:
+        raise ValueError(f"make_rollout_context: {len(texts)} completions are not whole groups of {G}.")
+    B = len(texts)
+    first_group = process_index * B // G
+    rows = rows if rows is not None else stub_rows(B // G, G, conversational=conversational is not False,
+                                                   first_group=first_group)
+    if len(rows) != B:
+        raise ValueError(f"make_rollout_context: {len(rows)} rows for {B} completions.")
+    prompts = [r["prompt"] for r in rows]
+    if conversational is None:
+        conversational = not isinstance(prompts[0], str)
+    global_index, group_ids, index_in_group = _layout(B, G, process_index)
+    texts = ["" if i in set(deferred) else t for i, t in enumerate(texts)]
+    ids = [char_encode(t) for t in texts]
+
+    def as_completion(text: str) -> Any:
+        return [{"role": "assistant", "content": text}] if conversational else text
+
+    ctx = RolloutContext(
+        rows=rows,
+        prompts=prompts,
+        training_prompts=list(prompts),
+        prompt_ids=[char_encode(prompt_text(p)) for p in prompts],
+        completion_ids=ids,
+        completions=[as_completion(t) for t in texts],
+        sampling_logprobs=None if sampling_logprob is None else [[float(sampling_logprob)] * len(x) for x in ids],
+        offpolicy=[[False] * len(x) for x in ids],
+        prompt_swapped=[False] * B,
+        global_index=global_index,
+        group_ids=group_ids,
+        index_in_group=index_in_group,
+        num_generations=G,
+        step=step,
+        annotations=[{} for _ in range(B)],
+        service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
+        trainer=trainer,
+    )
+    if deferred:
+        ctx.deferred = [i in set(deferred) for i in range(B)]
+    ctx.entropy_calls = []
+    entropy = entropy or (lambda p, c: torch.ones(len(c)))
+
+    def entropy_fn(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        ctx.entropy_calls.append(len(completion_ids))
+        return [entropy(p, c) for p, c in zip(prompt_ids, completion_ids)]
+
+    ctx._entropy_fn = entropy_fn
+    ctx._scorer = scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights)
+    ctx._gatherer = gather or (lambda t: t)
+    ctx._tokenizer = lambda ps: [char_encode(prompt_text(p)) for p in ps]
+    ctx._decoder = lambda ids_, row: as_completion(char_decode(ids_))
+    return _attach_metrics(ctx)
+
+
+def _as_matrix(values: Any) -> torch.Tensor:
+    t = torch.as_tensor(values, dtype=torch.float32)
+    return t.unsqueeze(1) if t.dim() == 1 else t
+
+
+def make_reward_context(
+    rewards_per_func: Any,
+    *,
+    num_generations: int,
+    reward_func_names: Sequence[str] | None = None,
+    reward_weights: Sequence[float] | None = None,
+    rows: list[dict] | None = None,
+    completions: list | None = None,
+    step: int = 0,
+    trainer: Any = None,
+) -> RewardContext:
+    """A :class:`~trl_plugins.RewardContext` of one process holding the whole batch.
+
+    ``rewards_per_func`` is (N, K) (or (N,) for one reward function; nested lists are fine). Names default to
+    ``reward_0..``, weights to 1. ``ctx.metrics`` records the metrics the plugin logs.
+    """
+    matrix = _as_matrix(rewards_per_func).clone()
+    N, K = matrix.shape
+    G = num_generations
+    if N % G:
+        raise ValueError(f"make_reward_context: {N} rows are not whole groups of {G}.")
+    rows = rows if rows is not None else stub_rows(N // G, G)
+    completions = completions if completions is not None else [[{"role": "assistant", "content": ""}]] * N
+    idx = torch.arange(N)
+    ctx = RewardContext(
+        rewards_per_func=matrix,
+        reward_func_names=list(reward_func_names or [f"reward_{k}" for k in range(K)]),
+        reward_weights=torch.tensor(list(reward_weights) if reward_weights is not None else [1.0] * K),
+        group_ids=idx // G,
+        index_in_group=idx % G,
+        num_generations=G,
+        local_rows=rows,
+        local_prompts=[r["prompt"] for r in rows],
+        local_completions=list(completions),
+        process_slice=slice(0, N),
+        step=step,
+        trainer=trainer,
+        local_completion_ids=[char_encode(prompt_text(c)) for c in completions],
+    )
+    ctx._object_gatherer = list
+    return _attach_metrics(ctx)
+
+
+def group_normalized_advantages(rewards: torch.Tensor, num_generations: int, scale: bool = True) -> torch.Tensor:
+    """TRL's default advantages: reward minus the group mean, divided by the group std + 1e-4 (``scale``)."""
+    grouped = rewards.view(-1, num_generations)
+    advantages = rewards - grouped.mean(dim=1).repeat_interleave(num_generations)
+    if scale:
+        advantages = advantages / (grouped.std(dim=1).repeat_interleave(num_generations) + 1e-4)
+    return advantages
+
+
+def stub_policy_stats(
+    num_rows: int, length: int = 4, *, seed: int = 0, mask: torch.Tensor | None = None, head_stats: Any = None
+) -> PolicyStats:
+    """Deterministic :class:`~trl_plugins.contexts.PolicyStats` of ``num_rows`` rows and ``length`` tokens:
+    log-probs in (-3, 0), entropies in (0, 2), all tokens in the loss mask unless ``mask`` is given."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(num_rows, length) if mask is None else mask.float()
+    logps = -3 * torch.rand(num_rows, length, generator=g)
+    entropies = 2 * torch.rand(num_rows, length, generator=g)
+    mean_entropy = (entropies * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    ids = torch.randint(0, 50, (num_rows, length), generator=g)
+    return PolicyStats(per_token_logps=logps, entropies=entropies, mask=mask, completion_ids=ids,
+                       mean_entropy=mean_entropy, head_stats=head_stats)
+
+
+def make_advantage_context(
+    rewards: Any,
+    *,
+    num_generations: int,
+    rewards_per_func: Any = None,
+    advantages: torch.Tensor | None = None,
+    scale_rewards: bool = True,
+    completion_lengths: Any = None,
+    policy_stats: PolicyStats | None = None,
+    annotations: list[dict] | None = None,
+    offpolicy_fraction: Any = None,
+    prompt_swapped: Any = None,
+    step: int = 0,
+    trainer: Any = None,
+) -> AdvantageContext:
+    """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
+
+    Args:
+        rewards: (N,) combined rewards.
+        rewards_per_func: (N, K); default ``rewards`` as one column.
+        advantages: what the chain starts from; default TRL's (:func:`group_normalized_advantages`).
+        completion_lengths: (N,); default 4 tokens per row.
+        policy_stats: what ``ctx.policy_stats()`` returns; default :func:`stub_policy_stats`. The calls are
+            recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags).
+
+    ``ctx.metrics`` records the metrics the plugin logs.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).clone()
+    N, G = rewards.numel(), num_generations
+    if N % G:
+        raise ValueError(f"make_advantage_context: {N} rows are not whole groups of {G}.")
+    if advantages is None:
+        advantages = group_normalized_advantages(torch.nan_to_num(rewards, nan=0.0), G, scale=scale_rewards)
+    lengths = torch.full((N,), 4.0) if completion_lengths is None else torch.as_tensor(completion_lengths).float()
+    stats = policy_stats if policy_stats is not None else stub_policy_stats(N, int(lengths.max().item()))
+    idx = torch.arange(N)
+    ctx = AdvantageContext(
+        rewards_per_func=_as_matrix(rewards if rewards_per_func is None else rewards_per_func).clone(),
+        rewards=rewards,
+        advantages=torch.as_tensor(advantages, dtype=torch.float32).clone(),
+        group_ids=idx // G,
+        index_in_group=idx % G,
+        num_generations=G,
+        completion_lengths=lengths,
+        offpolicy_fraction=torch.zeros(N) if offpolicy_fraction is None else torch.as_tensor(offpolicy_fraction).float(),
+        prompt_swapped=(torch.zeros(N, dtype=torch.bool) if prompt_swapped is None
+                        else torch.as_tensor(prompt_swapped, dtype=torch.bool)),
+        annotations=annotations if annotations is not None else [{} for _ in range(N)],
+        process_slice=slice(0, N),
+        step=step,
+        local_completion_ids=stats.completion_ids,
+        trainer=trainer,
+    )
+    ctx.policy_stats_calls = []
+
+    def policy_stats_fn(head_stats: bool) -> PolicyStats:
+        ctx.policy_stats_calls.append(head_stats)
+        return stats
+
+    ctx._policy_stats = policy_stats_fn
+    ctx._completion_mask = lambda: stats.mask
+    ctx._gatherer = lambda t: t
+    return _attach_metrics(ctx)
+
+
+def make_loss_context(
+    per_token_logps: torch.Tensor | None = None,
+    *,
+    shape: tuple[int, int] = (2, 4),
+    old_per_token_logps: torch.Tensor | None = None,
+    advantages: Any = None,
+    mask: torch.Tensor | None = None,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    ref_per_token_logps: torch.Tensor | None = None,
+    sampling_per_token_logps: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    offpolicy_mask: torch.Tensor | None = None,
+    offpolicy_gamma: float = 0.1,
+    extras: dict[str, torch.Tensor] | None = None,
+    completion_ids: torch.Tensor | None = None,
+    head_stats: Any = None,
+    iteration: int = 0,
+    mode: str = "train",
+    seed: int = 0,
+    trainer: Any = None,
+) -> LossContext:
+    """A :class:`~trl_plugins.LossContext` of one micro-batch, with the base surrogate built as the framework does.
+
+    Defaults (B, T = ``shape``): deterministic log-probs in (-3, 0) with grad, old log-probs equal to them
+    (ratio 1, as in the first pass over a batch), advantages ``[1, -1, 1, ...]`` per row, every token in the
+    mask. ``advantages`` (B,) becomes (B, 1), as the framework passes it when no plugin implements
+    ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The surrogate is TRL's clipped one (``grpo``,
+    ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``) or CISPO's; tokens in ``offpolicy_mask`` take the shaped branch
+    ``-A p/(p+gamma)``. Use :func:`loss_from_context` for the micro-batch loss with the plugins' contributions.
+    ``ctx.metrics`` records the metrics the plugin logs.
+    """
+    from .loss import shaped_offpolicy_loss
+
+    if per_token_logps is None:
+        g = torch.Generator().manual_seed(seed)
+        per_token_logps = (-3 * torch.rand(*shape, generator=g)).requires_grad_(True)
+    B, T = per_token_logps.shape
+    old = per_token_logps.detach().clone() if old_per_token_logps is None else old_per_token_logps
+    if advantages is None:
+        advantages = torch.tensor([1.0 if b % 2 == 0 else -1.0 for b in range(B)])
+    advantages = torch.as_tensor(advantages, dtype=per_token_logps.dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    mask = torch.ones(B, T) if mask is None else mask
+    offpolicy = torch.zeros(B, T, dtype=torch.bool) if offpolicy_mask is None else offpolicy_mask.bool()
+    log_ratio = per_token_logps - old
+    coef_1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    if offpolicy.any():
+        shaped = shaped_offpolicy_loss(per_token_logps, advantages, offpolicy_gamma)
+        per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
+    if completion_ids is None:
+        completion_ids = torch.arange(B * T).view(B, T) % 50
+    ctx = LossContext(
+        inputs={"completion_ids": completion_ids, "completion_mask": mask},
+        per_token_logps=per_token_logps,
+        old_per_token_logps=old,
+        ref_per_token_logps=ref_per_token_logps,
+        sampling_per_token_logps=sampling_per_token_logps,
+        entropies=entropies if entropies is not None else torch.ones(B, T),
+        advantages=advantages,
+        mask=mask,
+        offpolicy_mask=offpolicy,
+        extras=dict(extras or {}),
+        loss_type=loss_type,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        beta=beta,
+        num_items_in_batch=mask.sum(),
+        iteration=iteration,
+        mode=mode,
+        trainer=trainer,
+        log_ratio=log_ratio,
+        coef_1=coef_1,
+        per_token_loss=per_token_loss,
+    )
+    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
+    if head_stats is not None:
+        ctx._head_stats = lambda: head_stats
+    return _attach_metrics(ctx)
+
+
+def loss_from_context(ctx: LossContext, max_completion_length: int | None = None) -> torch.Tensor:
+    """The micro-batch loss the framework builds from a loss context after the ``trl_plugins_loss`` hooks.
+
+    Composition (as in :mod:`trl_plugins.loss`, one process, no gradient accumulation, no KL or entropy terms):
+    the replaced token subset, times every plugin's token weights, plus the additive token terms, aggregated by
+    ``ctx.loss_type`` (``dr_grpo`` divides by ``B * max_completion_length``, default T), plus the scalar terms.
+    """
+    per_token = ctx.per_token_loss
+    if ctx.replacement is not None:
+        replace_mask, values = ctx.replacement
+        per_token = torch.where(replace_mask, values, per_token.expand_as(values))
+    for weights in ctx.token_weights:
+        per_token = per_token * weights
+    for term in ctx.token_terms:
+        per_token = per_token + term
+    m = ctx.mask
+    if ctx.loss_type in ("grpo", "sapo"):
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    elif ctx.loss_type == "bnpo":
+        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
+    elif ctx.loss_type == "dr_grpo":
+        loss = (per_token * m).sum() / (per_token.size(0) * (max_completion_length or per_token.size(1)))
+    elif ctx.loss_type in ("dapo", "cispo"):
+        loss = (per_token * m).sum() / ctx.num_items_in_batch.clamp(min=1.0)
+    elif ctx.loss_type == "luspo":
+        loss = (per_token * m).sum(-1).mean()
+    else:
+        raise ValueError(f"Unknown loss type: {ctx.loss_type}")
+    for term in ctx.scalar_terms:
+        loss = loss + term
+    return loss
+
+
+# ------------------------------------------------------------------------------------------ enabling and calling
+def stub_trainer(args: Any, **attributes: Any) -> SimpleNamespace:
+    """A stand-in trainer for ``trl_plugins_configure`` in unit tests: the attributes plugins usually read
+    (``args``, ``max_completion_length``, ``num_generations``, ``loss_type``, ``temperature``, ``beta``,
+    ``state.global_step``, ``accelerator.num_processes`` ...); ``attributes`` adds or overrides any."""
+    values = dict(
+        args=args,
+        max_completion_length=args.max_completion_length,
+        num_generations=args.num_generations,
+        loss_type=args.loss_type,
+        temperature=args.temperature,
+        beta=args.beta,
+        use_vllm=args.use_vllm,
+        processing_class=None,
+        state=SimpleNamespace(global_step=0, max_steps=args.max_steps),
+        accelerator=SimpleNamespace(num_processes=1, process_index=0, is_main_process=True,
+                                    device=torch.device("cpu")),
+    )
+    values.update(attributes)
+    return SimpleNamespace(**values)
+
+
+def build_stack(
+    plugins: str | type[Plugin] | Sequence[str | type[Plugin]],
+    plugin_config: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    configure: bool = True,
+    trainer: Any = None,
+    **config: Any,
+) -> PluginStack:
+    """Enable plugins by name (or class, e.g. one defined in the test) with validated options, and call their ``trl_plugins_configure`` hooks with a tiny ``PluginGRPOConfig``
+    (``config`` sets its fields, e.g. ``loss_type="dr_grpo"``) and ``trainer`` (default :func:`stub_trainer`).
+
+    ``plugin_config`` is keyed by plugin name, as in ``PluginGRPOConfig``.
+    """
+    items = [plugins] if isinstance(plugins, (str, type)) else list(plugins)
+    names, to_register = [], []
+    for item in items:
+        name, cls = _resolve_plugin(item)
+        names.append(name)
+        if cls is not None:
+            to_register.append(cls)
+    with contextlib.ExitStack() as scope:
+        for cls in to_register:  # registered by name only while the stack and its config are built
+            scope.enter_context(temporary_plugin(cls))
+        stack = build_plugins(names, plugin_config)
+        if configure:
+            config.setdefault("output_dir", os.path.join(tempfile.gettempdir(), "trl_plugins_stack"))
+            args = tiny_config(plugins=names, plugin_config=dict(plugin_config or {}), **config)
+    if configure:
+        stack.call("trl_plugins_configure", trainer=trainer if trainer is not None else stub_trainer(args), args=args)
+    return stack
+
+
+def run_hook(
+    plugins: str | type[Plugin] | Sequence[str | type[Plugin]] | PluginStack,
+    hook: str,
+    ctx: Any,
+    plugin_config: Mapping[str, Mapping[str, Any]] | None = None,
+    **config: Any,
+) -> Any:
+    """Call ``hook`` (e.g. ``"trl_plugins_transform_advantages"``) of the enabled plugins on ``ctx``, in order,
+    exactly as the trainer does (the context knows which plugin is active, so metrics get its name), and return
+    ``ctx``. ``plugins`` is a stack from :func:`build_stack` or what :func:`build_stack` takes."""
+    stack = plugins if isinstance(plugins, PluginStack) else build_stack(plugins, plugin_config, **config)
+    stack.call(hook, ctx)
+    return ctx
+
+
+# ------------------------------------------------------------------------------------------ simulated processes
+class SimulatedCollective:
+    """All-gather across threads standing for processes (concatenation in rank order, like
+    ``accelerator.gather``). A process that does not join a collective makes the others time out with an
+    error instead of hanging: that is the deadlock invariant 5 forbids."""
+
+    def __init__(self, num_processes: int, timeout: float = 30.0):
+        self.num_processes = num_processes
+        self._slots: list[Any] = [None] * num_processes
+        self._barrier = threading.Barrier(num_processes, timeout=timeout)
+        self.calls = [0] * num_processes
+
+    def gather(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        self.calls[rank] += 1
+        self._slots[rank] = tensor
+        self._barrier.wait()
+        out = torch.cat([torch.as_tensor(s) for s in self._slots])
+        self._barrier.wait()
+        return out
+
+
+def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], timeout: float = 30.0) -> list[Any]:
+    """Run ``fn(rank, gather)`` on ``num_processes`` simulated processes (threads) and return their results.
+
+    ``gather`` is that process's all-gather; pass it as ``make_rollout_context(..., process_index=rank,
+    gather=gather)``. The first exception of any process is re-raised (a collective left by one process raises
+    ``threading.BrokenBarrierError`` in the others)."""
+    collective = SimulatedCollective(num_processes, timeout=timeout)
+    results: list[Any] = [None] * num_processes
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, lambda t: collective.gather(rank, t))
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+            collective._barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(num_processes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 4)
+    if errors:
+        first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+        raise first
+    return results
+
+
+# ------------------------------------------------------------------------------------------ stage contracts
+def _check_layout(global_index: Sequence[int], group_ids: Sequence[int], index_in_group: Sequence[int], G: int) -> None:
+    for g, gid, k in zip(global_index, group_ids, index_in_group):
+        assert gid == g // G and k == g % G, (
+            f"row with global index {g} has group id {gid} and index in group {k}; expected {g // G} and {g % G} "
+            "(both come from the global position)"
+        )
+    if global_index:
+        expected = list(range(global_index[0], global_index[0] + len(global_index)))
+        assert list(global_index) == expected, "global indices of the local rows are not contiguous"
+
+
+def assert_group_sizes(obj: Any, num_generations: int | None = None) -> None:
+    """Invariant 3: exactly G rows per prompt, and a row's group and index come from its global position.
+
+    ``obj`` is a stage context (prompt, rollout, reward or advantage), a generation batch returned by
+    ``trainer._generate_and_score_completions`` (a dict; pass ``num_generations``) or a :class:`RunRecord`.
+    Checks that every per-row field has one entry per row, that group ids / indices equal ``g // G`` and
+    ``g % G``, that whole groups are present, and (sampling contexts) that the rows of a group share one
+    original prompt.
+    """
+    if isinstance(obj, (PromptContext, RolloutContext)):
+        G = num_generations or obj.num_generations
+        B = len(obj.rows)
+        fields = ["prompts", "training_prompts", "global_index", "group_ids", "index_in_group", "annotations"]
+        if isinstance(obj, PromptContext):
+            fields.append("generation_prompts")
+        else:
+            fields += ["prompt_ids", "completion_ids", "completions", "offpolicy", "prompt_swapped"]
+            if obj.sampling_logprobs is not None:
+                fields.append("sampling_logprobs")
+        for name in fields:
+            n = len(getattr(obj, name))
+            assert n == B, f"{type(obj).__name__}.{name} has {n} entries for {B} rows (the group size never changes)"
+        _check_layout(obj.global_index, obj.group_ids, obj.index_in_group, G)
+        groups: dict[int, list[int]] = {}
+        for i, gid in enumerate(obj.group_ids):
+            groups.setdefault(gid, []).append(i)
+        for gid, members in groups.items():
+            whole = obj.global_index[0] <= gid * G and (gid + 1) * G <= obj.global_index[0] + B
+            if whole:
+                assert len(members) == G, f"group {gid} has {len(members)} rows; expected G={G}"
+            first = obj.prompts[members[0]]
+            assert all(obj.prompts[i] == first for i in members), f"rows of group {gid} have different prompts"
+        return
+    if isinstance(obj, (RewardContext, AdvantageContext)):
+        G = num_generations or obj.num_generations
+        N = obj.rewards_per_func.size(0)
+        assert N % G == 0, f"{N} rows are not whole groups of G={G}"
+        idx = torch.arange(N, device=obj.group_ids.device)
+        assert torch.equal(obj.group_ids, idx // G), "group_ids differ from global_row // G"
+        assert torch.equal(obj.index_in_group, idx % G), "index_in_group differs from global_row % G"
+        per_row = {"rewards_per_func": obj.rewards_per_func}
+        if isinstance(obj, AdvantageContext):
+            per_row.update(rewards=obj.rewards, advantages=obj.advantages, completion_lengths=obj.completion_lengths,
+                           offpolicy_fraction=obj.offpolicy_fraction, prompt_swapped=obj.prompt_swapped,
+                           **{f"extras[{k!r}]": v for k, v in obj.extras.items()})
+            assert len(obj.annotations) == N, f"{len(obj.annotations)} annotations for {N} rows"
+        for name, tensor in per_row.items():
+            assert tensor.size(0) == N, f"{name} has {tensor.size(0)} rows; expected N={N}"
+        return
+    if isinstance(obj, RunRecord):
+        assert obj.completion_ids, "no generation batch recorded"
+        for ids, adv in zip(obj.completion_ids, obj.advantages):
+            assert adv.size(0) == ids.size(0), f"{adv.size(0)} advantages for {ids.size(0)} rows"
+            if num_generations is not None:
+                assert ids.size(0) % num_generations == 0, f"{ids.size(0)} rows are not whole groups of G"
+        return
+    if isinstance(obj, Mapping):
+        sizes = {k: v.size(0) for k, v in obj.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+        n = obj["completion_ids"].size(0)
+        wrong = {k: s for k, s in sizes.items() if s != n}
+        assert not wrong, f"per-row tensors of the batch disagree with completion_ids ({n} rows): {wrong}"
+        if num_generations is not None:
+            assert n % num_generations == 0, f"{n} rows are not whole groups of G={num_generations}"
+        return
+    raise TypeError(f"assert_group_sizes: unsupported object {type(obj).__name__}")
+
+
+def _all_nan(values: Sequence[float]) -> bool:
+    return all(math.isnan(v) for v in values)
+
+
+def assert_offpolicy_logprobs_nan(obj: Any, prompt_swapped: Sequence[bool] | None = None) -> None:
+    """Invariant 4 (provenance): every off-policy token, and every token of a row trained under another prompt
+    than it was sampled from, has a NaN sampling log-prob, so TRL's vLLM importance-sampling correction and
+    off-policy masks leave it alone; flags and log-probs have one entry per completion token.
+
+    ``obj`` is a :class:`~trl_plugins.RolloutContext` (after the plugin ran) or a generation batch returned by
+    ``trainer._generate_and_score_completions`` (a dict with ``offpolicy_mask`` and, when the backend gives
+    them, ``sampling_per_token_logps``; pass ``prompt_swapped`` per row to check swapped rows too). With HF
+    generation there are no sampling log-probs: only the shapes are checked.
+    """
+    if isinstance(obj, RolloutContext):
+        swapped = obj.prompt_swapped if prompt_swapped is None else prompt_swapped
+        for i, ids in enumerate(obj.completion_ids):
+            assert len(obj.offpolicy[i]) == len(ids), (
+                f"row {i}: {len(obj.offpolicy[i])} provenance flags for {len(ids)} completion tokens"
+            )
+            if obj.sampling_logprobs is None:
+                continue
+            lps = obj.sampling_logprobs[i]
+            assert len(lps) == len(ids), f"row {i}: {len(lps)} sampling log-probs for {len(ids)} completion tokens"
+            if swapped[i]:
+                assert _all_nan(lps), f"row {i} is prompt-swapped but has finite sampling log-probs"
+            bad = [t for t, (off, lp) in enumerate(zip(obj.offpolicy[i], lps)) if off and not math.isnan(lp)]
+            assert not bad, f"row {i}: off-policy tokens {bad} have finite sampling log-probs"
+        return
+    if isinstance(obj, Mapping):
+        from .contexts import OFFPOLICY_KEY
+
+        mask = obj["completion_mask"].bool()
+        off = obj.get(OFFPOLICY_KEY)
+        if off is not None:
+            assert off.shape == mask.shape, f"{OFFPOLICY_KEY} has shape {tuple(off.shape)}; expected {tuple(mask.shape)}"
+        lps = obj.get("sampling_per_token_logps")
+        if lps is None:
+            return
+        assert lps.shape == mask.shape, f"sampling_per_token_logps has shape {tuple(lps.shape)}"
+        if off is not None:
+            bad = off.bool() & mask & ~torch.isnan(lps)
+            assert not bad.any(), f"off-policy tokens with finite sampling log-probs at {bad.nonzero().tolist()}"
+        for i, s in enumerate(prompt_swapped or []):
+            if s:
+                assert torch.isnan(lps[i][mask[i]]).all(), f"row {i} is prompt-swapped but has finite sampling log-probs"
+        return
+    raise TypeError(f"assert_offpolicy_logprobs_nan: unsupported object {type(obj).__name__}")
+
+
 # ------------------------------------------------------------------------------------------ pytest fixtures
 try:
     import pytest
@@ -240,6 +1153,7 @@ if pytest is not None:
         yield register
         for name in registered:
             unregister_plugin(name)
+
 
 
 def clone_model(model):

@@ -39,7 +39,7 @@ from .contexts import (
     RolloutContext,
     group_layout,
 )
-from .errors import PluginConfigError
+from .errors import PluginConfigError, PluginError
 from .generation import GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
@@ -166,6 +166,8 @@ class PluginGRPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         state = self._pbatch
         if state is None or state.mode != "train" or not self._uses_sampling:
+            if state is not None and self._uses_sampling:  # eval rows: blank annotations keep the table aligned
+                self._log_completion_extra("plugin_annotations", [""] * len(prompts))
             return super()._generate(prompts)
         B, G = len(prompts), self.num_generations
         global_index, group_ids, index_in_group = group_layout(self.accelerator.process_index, B, G)
@@ -187,11 +189,18 @@ class PluginGRPOTrainer(GRPOTrainer):
         self.plugin_stack.call("trl_plugins_generation_prompts", pctx)
         swapped = [g != t for g, t in zip(pctx.generation_prompts, pctx.training_prompts)]
         differs_in_group = any(g != p for g, p in zip(pctx.generation_prompts, prompts))
+        deferred = list(pctx.deferred) if pctx.deferred else [False] * B
         # Every process must take the same generation path (vLLM server mode gathers across processes)
-        self._per_row_generation = bool(self._any_process(differs_in_group))
-        (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images) = (
-            super()._generate(pctx.generation_prompts)
-        )
+        flags = self.accelerator.gather(
+            torch.tensor([[int(differs_in_group), int(any(deferred))]], device=self.accelerator.device)
+        ).view(-1, 2)
+        any_deferred = bool(flags[:, 1].any().item())
+        self._per_row_generation = bool(flags.any().item())
+        if any_deferred:
+            generated = self._generate_first_round(pctx.generation_prompts, deferred)
+        else:
+            generated = super()._generate(pctx.generation_prompts)
+        (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images) = generated
         prompt_ids = [list(ids) for ids in prompt_ids]
         swapped_rows = [i for i, s in enumerate(swapped) if s]
         if swapped_rows:
@@ -217,14 +226,22 @@ class PluginGRPOTrainer(GRPOTrainer):
             annotations=annotations,
             service=self.generation_service,
             trainer=self,
+            deferred=deferred if any(deferred) else [],
         )
         rctx._metric_sink = self._plugin_metric_sink
         rctx._scorer = self._score_locally
         rctx._gatherer = self.accelerator.gather
         rctx._tokenizer = self.generation_service.tokenize
         rctx._decoder = lambda ids, row: self._decode_completion(ids, prompts[row])
+        rctx._entropy_fn = self._rollout_entropies
         self.generation_service.begin_batch(prompt_ids[0])
         self.plugin_stack.call("trl_plugins_after_generation", rctx)
+        unfilled = [i for i, d in enumerate(deferred) if d and i not in rctx.changed]
+        if unfilled:
+            raise PluginError(
+                f"Rows {[global_index[i] for i in unfilled]} were deferred to a later generation round "
+                "(PromptContext.defer) but no after_generation hook filled them with replace_row."
+            )
         if tool_mask is not None:
             for i in rctx.changed:
                 tool_mask[i] = [1] * len(rctx.completion_ids[i])
@@ -249,6 +266,85 @@ class PluginGRPOTrainer(GRPOTrainer):
             images,
             tool_images,
         )
+
+    def _rollout_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """No-grad per-token entropies of the current policy over completions (``RolloutContext.policy_entropies``).
+
+        Collective-safe: every process runs the same number of forward chunks (requests padded with dummy rows to the
+        largest count across processes), as ZeRO-3/FSDP forwards require. Returns one (len(completion),) tensor each.
+        """
+        acc = self.accelerator
+        n_local = len(completion_ids)
+        counts = acc.gather(torch.tensor([n_local], device=acc.device))
+        max_n = int(counts.max().item())
+        if max_n == 0:
+            return []
+        pad_id, eos_id = self._tokenizer.pad_token_id, self.eos_token_ids[0]
+        dummy = ([eos_id], [eos_id])
+        rows = list(zip(prompt_ids, completion_ids)) + [dummy] * (max_n - n_local)
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in rows]
+        p_len, c_len = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+        input_ids = torch.full((max_n, p_len + c_len), pad_id, dtype=torch.long, device=acc.device)
+        attention_mask = torch.zeros_like(input_ids)
+        for j, (p, c) in enumerate(rows):  # prompts left-padded, completions right-padded (TRL's layout)
+            input_ids[j, p_len - len(p) : p_len] = torch.tensor(p, device=acc.device)
+            input_ids[j, p_len : p_len + len(c)] = torch.tensor(c, device=acc.device)
+            attention_mask[j, p_len - len(p) : p_len + len(c)] = 1
+        with torch.no_grad():
+            _, entropies, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, c_len,
+                batch_size=self.args.per_device_train_batch_size, compute_entropy=True,
+            )
+        return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        stack = getattr(self, "plugin_stack", None)
+        if stack is None or not stack.has("trl_plugins_train_sampler"):
+            return sampler
+        dataset = self.train_dataset if dataset is None else dataset
+        for plugin in stack.implementers("trl_plugins_train_sampler"):  # chain: each sees the previous choice
+            replacement = plugin.trl_plugins_train_sampler(trainer=self, sampler=sampler, dataset=dataset)
+            if replacement is not None:
+                sampler = replacement
+        return sampler
+
+    def _generate_first_round(self, prompts: list, deferred: list[bool]):
+        """TRL's ``_generate`` on the rows that are not deferred; deferred rows get an empty completion.
+
+        Collective-safe: every process generates the same number of rows (padded with copies of one of its prompts,
+        whose results are dropped), as vLLM server mode and ZeRO-3/FSDP require. TRL's length metrics of this round
+        count the padding rows (only when processes hold different numbers of first-round rows).
+        """
+        if self.rollout_func is not None or self.tools:
+            raise PluginConfigError(
+                "A plugin deferred rows to a later generation round (PromptContext.defer), which is not supported "
+                "with rollout_func or tools."
+            )
+        B = len(prompts)
+        keep = [i for i in range(B) if not deferred[i]]
+        counts = self.accelerator.gather(torch.tensor([len(keep)], device=self.accelerator.device))
+        width = int(counts.max().item())
+        if width == 0:
+            raise PluginError("Every row of the generation batch was deferred (PromptContext.defer); nothing to sample.")
+        sub = [prompts[i] for i in keep]
+        sub += [sub[0] if sub else prompts[0]] * (width - len(keep))
+        (p_ids, c_ids, _tool_mask, comps, lps, extra_fields, images, tool_images) = super()._generate(sub)
+        if images is not None or extra_fields:
+            raise PluginConfigError("Deferred generation rows (PromptContext.defer) support text-only prompts.")
+        prompt_ids, completion_ids, completions = [None] * B, [None] * B, [None] * B
+        logprobs = None if lps is None else [None] * B
+        for j, i in enumerate(keep):
+            prompt_ids[i], completion_ids[i], completions[i] = list(p_ids[j]), list(c_ids[j]), comps[j]
+            if logprobs is not None:
+                logprobs[i] = list(lps[j])
+        rest = [i for i in range(B) if deferred[i]]
+        for i, ids in zip(rest, self.generation_service.tokenize([prompts[i] for i in rest])):
+            prompt_ids[i], completion_ids[i] = ids, []
+            completions[i] = self._decode_completion([], prompts[i])
+            if logprobs is not None:
+                logprobs[i] = []
+        return prompt_ids, completion_ids, None, completions, logprobs, {}, None, tool_images
 
     def _any_process(self, flag: bool) -> bool:
         flags = self.accelerator.gather(torch.tensor([int(flag)], device=self.accelerator.device))
@@ -319,6 +415,7 @@ class PluginGRPOTrainer(GRPOTrainer):
                 process_slice=self._process_slice(len(prompts)),
                 step=self.state.global_step,
                 trainer=self,
+                local_completion_ids=[list(ids) for ids in completion_ids_list],
             )
             ctx._metric_sink = self._plugin_metric_sink
             ctx._object_gatherer = gather_object
@@ -376,6 +473,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             annotations=gather_object(annotations) if acc.num_processes > 1 else annotations,
             process_slice=self._process_slice(B),
             step=self.state.global_step,
+            local_completion_ids=output["completion_ids"],
             trainer=self,
         )
         ctx._metric_sink = self._plugin_metric_sink

@@ -1,0 +1,461 @@
+"""Adaptive prompt sampler — variance- and accuracy-aware selection of the prompts TRL draws.
+
+Three data-level methods that decide *which prompts* enter a generation batch, from a per-prompt history of
+outcomes, before anything is generated (so zero-variance groups are avoided rather than filtered):
+
+* **MMR1 Variance-Aware Sampling** (arXiv:2509.21268): each prompt gets a Variance Promotion Score
+  ``VPS = a * OVS + b * TDS`` — OVS the outcome variance ``p (1 - p)`` of its correctness rate ``p``, TDS the
+  diversity of its trajectories — and each batch mixes VPS-weighted draws (share ``variance_mix``) with uniform
+  draws. Here OVS is scaled to ``4 p (1 - p)`` (in [0, 1]) and TDS is the fraction of distinct completions in the
+  prompt's last group (a cheap proxy of the paper's trajectory diversity, off by default). A prompt never drawn
+  has ``p = prior_accuracy`` (0.5: maximal variance, so new prompts are tried early).
+* **RuleReasoner domain-aware dynamic sampling** (arXiv:2506.08672; official code ``compute_weights``): every
+  ``domain_update_interval`` batches, that batch's per-domain correctness rewards enter a buffer of the last
+  ``domain_buffer_size`` updates, decayed by the harmonic series (latest 1, then 1/2, 1/3, ...); per domain
+  ``r_d = sum(decayed rewards) / count``, the target is ``target * H(buffer_size) / buffer_size``, the value
+  ``v_d = max(0, target - r_d)`` and the weight ``w_d ∝ exp((v_d + eps) / tau)``. Domains start with equal weights
+  (official "average" init). Defaults are the official script's (update every 8 steps, buffer 4, eps 0.1,
+  tau 0.3, target 1.0). A domain absent from the buffer gets ``v_d = target`` (our choice).
+* **RAPO curriculum pruning** (Fathom-DeepResearch, arXiv:2509.24107): prompts the policy has saturated (every
+  rollout of its last ``prune_after`` groups correct) are removed from the pool. When fewer than a batch of
+  prompts remain, pruned prompts are drawn again (uniformly).
+
+Sampling probability of prompt ``i`` in the unpruned pool: ``base_i = w_{d(i)} / |pool ∩ d(i)|`` (``1 / |pool|``
+without domains) and ``q_i = (1 - lam) * base_i + lam * base_i * VPS_i / sum_j base_j VPS_j``; each chunk of
+``generation_batch_size / G`` prompts is drawn without replacement from ``q``.
+
+Mechanism: the ``trl_plugins_train_sampler`` hook replaces TRL's ``RepeatSampler`` with a sampler that keeps its
+layout (each index G times in a row, each chunk ``num_iterations * steps_per_generation`` times, same length per
+epoch, same sequence on every process). Chunk ``c`` is drawn with a generator seeded by ``(seed, c)``. Outcomes are
+read at the reward stage from the **gathered** reward matrix (identical on every process) and matched to the
+chunk's prompt indices. The dataloader draws ahead of training (TRL pulls a whole optimizer step of batches and
+accelerate prefetches one more), so the outcome of chunk ``c`` is applied exactly when chunk ``c + feedback_delay``
+is drawn (auto: the smallest delay the prefetch allows); this makes the draws a function of the seed and the
+history alone, so every process draws the same and a resumed run draws what the unbroken run drew. The state
+(per-prompt accuracy, streaks, pruned set, domain buffer, pending outcomes) is saved in every checkpoint.
+
+A rollout is "correct" when its weighted reward is above ``success_threshold``. With ``variance_mix = 0``, no
+``domain_column`` and ``prune_solved = false`` the plugin keeps TRL's own sampler (vanilla GRPO). ``shuffle_dataset
+= False`` is ignored once the sampler is replaced (the draws are random by construction).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+
+
+@dataclass
+class AdaptiveSamplerOptions(PluginOptions):
+    variance_mix: float = option(
+        0.5, min=0.0, max=1.0,
+        help="lam: share of the sampling probability given by the variance score (MMR1 VAS mixes VPS-weighted and "
+        "uniform draws); 0 = no variance weighting.",
+        reconstructed=True,
+    )
+    ovs_weight: float = option(1.0, min=0.0, help="Weight of the outcome variance score 4p(1-p) in the VPS.")
+    diversity_weight: float = option(
+        0.0, min=0.0,
+        help="Weight of the trajectory diversity score (distinct-completion fraction of the last group) in the VPS.",
+        reconstructed=True,
+    )
+    prior_accuracy: float = option(
+        0.5, min=0.0, max=1.0, help="Correctness rate assumed for prompts never drawn.", reconstructed=True
+    )
+    history_decay: float = option(
+        0.5, min=0.0, max=1.0,
+        help="Per-prompt accuracy is an EMA: p <- decay * p + (1 - decay) * group accuracy (0 = last group only).",
+        reconstructed=True,
+    )
+    success_threshold: float = option(
+        0.5, help="A rollout is correct when its weighted reward is above this value.", reconstructed=True
+    )
+    prune_solved: bool = option(True, help="RAPO: drop prompts whose last prune_after groups were all correct.")
+    prune_after: int = option(
+        1, min=1, help="Consecutive all-correct groups before a prompt is pruned.", reconstructed=True
+    )
+    domain_column: str | None = option(
+        None, help="Dataset column naming each prompt's domain (RuleReasoner domain weights); None = no domains."
+    )
+    domain_update_interval: int = option(8, min=1, help="Recompute the domain weights every this many batches.")
+    domain_buffer_size: int = option(4, min=1, help="Updates kept in the domain reward buffer (harmonic decay).")
+    domain_tau: float = option(0.3, min=0.0, min_exclusive=True, help="Temperature of the domain softmax.")
+    domain_epsilon: float = option(0.1, min=0.0, help="Added to each domain value before the softmax.")
+    domain_target: float = option(
+        1.0, min=0.0, max=1.0, min_exclusive=True, help="Target reward per domain (official target_reward_base)."
+    )
+    feedback_delay: int | None = option(
+        None, min=1,
+        help="Outcomes of chunk c are used from chunk c + feedback_delay on; None = smallest delay the dataloader's "
+        "prefetching allows (gradient_accumulation_steps, workers and repeat count).",
+    )
+
+    @property
+    def active(self) -> bool:
+        return self.variance_mix > 0 or self.domain_column is not None or self.prune_solved
+
+
+# ================================================================================================ pure functions
+def variance_scores(
+    accuracy: torch.Tensor, diversity: torch.Tensor, prior: float, ovs_weight: float, diversity_weight: float
+) -> torch.Tensor:
+    """VPS per prompt (n,) in [0, 1]: weighted mean of ``4 p (1 - p)`` and the diversity score (NaN = unseen)."""
+    p = torch.where(torch.isnan(accuracy), torch.full_like(accuracy, prior), accuracy)
+    ovs = 4.0 * p * (1.0 - p)
+    tds = torch.where(torch.isnan(diversity), torch.ones_like(diversity), diversity)
+    total = ovs_weight + diversity_weight
+    if total == 0:
+        return torch.ones_like(p)
+    return (ovs_weight * ovs + diversity_weight * tds) / total
+
+
+def domain_weights_from_buffer(
+    buffer: list[dict[str, list[float]]], domains: list[str], target_base: float, buffer_size: int,
+    epsilon: float, tau: float,
+) -> dict[str, float]:
+    """RuleReasoner's domain weights from the reward buffer (oldest update first), harmonic decay.
+
+    The latest update has decay 1, the one before 1/2, then 1/3, ...; ``r_d`` = sum of decayed rewards / their
+    count; target = ``target_base * H(buffer_size) / buffer_size``; ``w_d ∝ exp((max(0, target - r_d) + eps) / tau)``.
+    Domains with no reward in the buffer get the value ``target``.
+    """
+    target = target_base * sum(1.0 / i for i in range(1, buffer_size + 1)) / buffer_size
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for age, update in enumerate(reversed(buffer)):
+        decay = 1.0 / (age + 1)
+        for domain, rewards in update.items():
+            sums[domain] = sums.get(domain, 0.0) + decay * sum(rewards)
+            counts[domain] = counts.get(domain, 0) + len(rewards)
+    values = {}
+    for d in domains:
+        values[d] = max(0.0, target - sums[d] / counts[d]) if counts.get(d) else target
+    logits = torch.tensor([(values[d] + epsilon) / tau for d in domains], dtype=torch.float64)
+    probs = torch.softmax(logits, dim=0).tolist()
+    return dict(zip(domains, probs))
+
+
+def sampling_probabilities(
+    vps: torch.Tensor, pool: torch.Tensor, variance_mix: float,
+    domain_ids: torch.Tensor | None = None, domain_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q`` (n,) over prompts: domain-weighted uniform base mixed with the VPS-weighted base (see module doc).
+
+    Args:
+        vps: (n,) variance scores. pool: (n,) bool, prompts that may be drawn.
+        domain_ids: (n,) long domain index per prompt, with ``domain_weights`` (D,) summing to 1; None = uniform.
+    """
+    pool_f = pool.double()
+    if domain_ids is None:
+        base = pool_f / pool_f.sum().clamp(min=1.0)
+    else:
+        sizes = torch.zeros(domain_weights.numel(), dtype=torch.float64).index_add_(0, domain_ids, pool_f)
+        present = sizes > 0
+        w = torch.where(present, domain_weights.double(), torch.zeros_like(domain_weights.double()))
+        w = w / w.sum().clamp(min=1e-300)
+        base = pool_f * (w / sizes.clamp(min=1.0))[domain_ids]
+    weighted = base * vps.double()
+    if variance_mix > 0 and float(weighted.sum()) > 0:
+        q = (1.0 - variance_mix) * base + variance_mix * weighted / weighted.sum()
+    else:
+        q = base
+    return q / q.sum()
+
+
+def chunk_generator(seed: int, chunk: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + chunk * 7_919 + 12_345) % (2**63 - 1))
+    return g
+
+
+# ================================================================================================ sampler
+class AdaptiveRepeatSampler(Sampler):
+    """TRL's ``RepeatSampler`` layout with prompts drawn by :class:`AdaptiveSamplerPlugin` (one chunk at a time).
+
+    Each chunk of ``batch_size`` prompt indices is drawn lazily, when the dataloader first needs it; each index is
+    yielded ``mini_repeat_count`` times in a row, each chunk ``repeat_count`` times; an epoch has as many chunks as
+    TRL's sampler would (``len(dataset) // batch_size``).
+    """
+
+    def __init__(self, plugin: AdaptiveSamplerPlugin, num_samples: int, mini_repeat_count: int, batch_size: int,
+                 repeat_count: int):
+        self.plugin = plugin
+        self.num_samples = num_samples
+        self.mini_repeat_count = mini_repeat_count
+        self.batch_size = batch_size
+        self.repeat_count = repeat_count
+        self.epoch: int | None = None
+        self._iterations = 0
+
+    @property
+    def chunks_per_epoch(self) -> int:
+        return self.num_samples // self.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        epoch = self.epoch if self.epoch is not None else self._iterations
+        self._iterations += 1
+        for j in range(self.chunks_per_epoch):
+            chunk = self.plugin.draw_chunk(epoch * self.chunks_per_epoch + j, self.batch_size)
+            for _ in range(self.repeat_count):
+                for index in chunk:
+                    for _ in range(self.mini_repeat_count):
+                        yield index
+
+    def __len__(self) -> int:
+        return self.chunks_per_epoch * self.batch_size * self.mini_repeat_count * self.repeat_count
+
+
+# ================================================================================================ plugin
+class AdaptiveSamplerPlugin(Plugin):
+    """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage)."""
+
+    name = "adaptive_sampler"
+    version = "0.1.0"
+    paper = "MMR1 VAS, arXiv:2509.21268; RuleReasoner DADS, arXiv:2506.08672; RAPO pruning, arXiv:2509.24107"
+    summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
+    Options = AdaptiveSamplerOptions
+    reconstructed = (
+        "how VPS weighting, domain weights and pruning combine into one probability (see the module docstring)",
+        "TDS proxy: fraction of distinct completions in the prompt's last group (off by default)",
+        "unseen prompts get p = prior_accuracy; per-prompt accuracy is an EMA (history_decay)",
+        "outcomes apply with a fixed chunk delay (feedback_delay) so every process and a resumed run draw alike",
+    )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self._seed = 0
+        self._delay = self.options.feedback_delay or 2
+        self._dataset = None
+        self._lag_warned = False
+        self.reset_state(0, [])
+
+    def required_columns(self) -> list[str]:
+        return [self.options.domain_column] if self.options.domain_column else []
+
+    # ------------------------------------------------------------------------------------------ state
+    def reset_state(self, num_prompts: int, domains: list[str], domain_of: list[int] | None = None) -> None:
+        """Fresh per-prompt state for ``num_prompts`` prompts (``domain_of`` = domain index of each prompt)."""
+        self.accuracy = torch.full((num_prompts,), math.nan, dtype=torch.float64)
+        self.diversity = torch.full((num_prompts,), math.nan, dtype=torch.float64)
+        self.draws = torch.zeros(num_prompts, dtype=torch.long)
+        self.streak = torch.zeros(num_prompts, dtype=torch.long)
+        self.pruned = torch.zeros(num_prompts, dtype=torch.bool)
+        self.domains = list(domains)
+        self.domain_of = torch.tensor(domain_of or [0] * num_prompts, dtype=torch.long)
+        self.domain_weights = {d: 1.0 / len(domains) for d in domains} if domains else {}
+        self.domain_buffer: list[dict[str, list[float]]] = []
+        self.pending: dict[int, dict] = {}
+        self.chunks: dict[int, list[int]] = {}
+        self.batches_seen = 0
+        self.applied = 0  # outcomes applied to the statistics (= chunks 0 .. applied-1)
+
+    @hookimpl
+    def trl_plugins_state_dict(self) -> dict:
+        return {
+            "accuracy": self.accuracy.clone(), "diversity": self.diversity.clone(), "draws": self.draws.clone(),
+            "streak": self.streak.clone(), "pruned": self.pruned.clone(), "domains": list(self.domains),
+            "domain_of": self.domain_of.clone(), "domain_weights": dict(self.domain_weights),
+            "domain_buffer": [dict(u) for u in self.domain_buffer],
+            "pending": {int(k): dict(v) for k, v in self.pending.items()},
+            "chunks": {int(k): list(v) for k, v in self.chunks.items()},
+            "batches_seen": self.batches_seen, "applied": self.applied,
+        }
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state: dict) -> None:
+        self.accuracy = state["accuracy"].clone()
+        self.diversity = state["diversity"].clone()
+        self.draws = state["draws"].clone()
+        self.streak = state["streak"].clone()
+        self.pruned = state["pruned"].clone()
+        self.domains = list(state["domains"])
+        self.domain_of = state["domain_of"].clone()
+        self.domain_weights = dict(state["domain_weights"])
+        self.domain_buffer = [dict(u) for u in state["domain_buffer"]]
+        self.pending = {int(k): dict(v) for k, v in state["pending"].items()}
+        self.chunks = {int(k): list(v) for k, v in state["chunks"].items()}
+        self.batches_seen = int(state["batches_seen"])
+        self.applied = int(state["applied"])
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        from torch.utils.data import IterableDataset
+
+        if self.options.active and isinstance(trainer.train_dataset, IterableDataset):
+            raise PluginConfigError(
+                "adaptive_sampler needs a map-style training dataset (TRL attaches no sampler to an IterableDataset)."
+            )
+        self._seed = int(args.seed)
+        if self.options.feedback_delay is None:
+            repeat = max(1, trainer.num_iterations * args.steps_per_generation)
+            ahead = args.gradient_accumulation_steps
+            if args.dataloader_num_workers > 0:
+                ahead += args.dataloader_num_workers * (args.dataloader_prefetch_factor or 2)
+            self._delay = ahead // repeat + 1
+        dataset = trainer.train_dataset
+        if dataset is not None and self.options.active and len(self.accuracy) == 0:
+            self._bind_dataset(dataset)
+
+    def _bind_dataset(self, dataset: Any) -> None:
+        self._dataset = dataset
+        n = len(dataset)
+        if len(self.accuracy) == n:
+            return
+        if self.options.domain_column:
+            labels = [str(v) for v in dataset[self.options.domain_column]]
+            domains = sorted(set(labels))
+            index = {d: k for k, d in enumerate(domains)}
+            self.reset_state(n, domains, [index[v] for v in labels])
+        else:
+            self.reset_state(n, [])
+
+    @hookimpl
+    def trl_plugins_train_sampler(self, trainer, sampler, dataset):
+        if not self.options.active:
+            return None
+        self._bind_dataset(dataset)
+        if len(self.accuracy) != len(dataset):
+            raise PluginError(
+                f"adaptive_sampler: its state covers {len(self.accuracy)} prompts but the training dataset has "
+                f"{len(dataset)} (a checkpoint from another dataset?)."
+            )
+        return AdaptiveRepeatSampler(
+            self, len(dataset), mini_repeat_count=sampler.mini_repeat_count, batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+        )
+
+    # ------------------------------------------------------------------------------------------ drawing
+    def probabilities(self) -> torch.Tensor:
+        """Current ``q`` (n,) over all prompts (pruned ones rejoin when the pool is smaller than needed)."""
+        o = self.options
+        vps = variance_scores(self.accuracy, self.diversity, o.prior_accuracy, o.ovs_weight, o.diversity_weight)
+        pool = ~self.pruned if o.prune_solved else torch.ones_like(self.pruned)
+        weights = None
+        if self.domains:
+            weights = torch.tensor([self.domain_weights[d] for d in self.domains], dtype=torch.float64)
+        return sampling_probabilities(vps, pool, o.variance_mix, self.domain_of if self.domains else None, weights)
+
+    def draw_chunk(self, chunk: int, size: int) -> list[int]:
+        """Prompt indices of chunk ``chunk`` (``size`` distinct prompts), after applying outcomes due by then."""
+        self._apply_due(chunk)
+        q = self.probabilities()
+        pool = int((q > 0).sum())
+        if pool < size:  # too few unpruned prompts: the pruned ones rejoin, uniformly, for this chunk
+            q = torch.where(q > 0, q, torch.full_like(q, float(q[q > 0].min()) if pool else 1.0))
+            q = q / q.sum()
+        indices = torch.multinomial(q, size, replacement=False, generator=chunk_generator(self._seed, chunk))
+        drawn = indices.tolist()
+        self.chunks[chunk] = drawn
+        for old in [c for c in self.chunks if c < chunk - self._delay - 8]:
+            del self.chunks[old]
+        return drawn
+
+    def _apply_due(self, chunk: int) -> None:
+        due = chunk - self._delay
+        if due >= 0 and self.batches_seen <= due and not self._lag_warned:
+            warnings.warn(
+                f"adaptive_sampler: chunk {chunk} is drawn before the outcome of chunk {due} is known; increase "
+                "feedback_delay (draws stay identical across processes, but a resumed run may differ).",
+                stacklevel=2,
+            )
+            self._lag_warned = True
+        for c in sorted(k for k in self.pending if k <= due):
+            self._apply(self.pending.pop(c))
+            self.applied = max(self.applied, c + 1)
+
+    def _apply(self, outcome: dict) -> None:
+        o = self.options
+        for idx, acc, div in zip(outcome["indices"], outcome["accuracy"], outcome["diversity"]):
+            old = float(self.accuracy[idx])
+            self.accuracy[idx] = acc if math.isnan(old) else o.history_decay * old + (1 - o.history_decay) * acc
+            if div is not None:
+                self.diversity[idx] = div
+            self.draws[idx] += 1
+            self.streak[idx] = self.streak[idx] + 1 if acc >= 1.0 else 0
+            if o.prune_solved and int(self.streak[idx]) >= o.prune_after:
+                self.pruned[idx] = True
+        if self.domains and outcome.get("update_domains"):
+            self.domain_buffer.append(outcome["domain_rewards"])
+            self.domain_buffer = self.domain_buffer[-o.domain_buffer_size:]
+            self.domain_weights = domain_weights_from_buffer(
+                self.domain_buffer, self.domains, o.domain_target, o.domain_buffer_size, o.domain_epsilon, o.domain_tau
+            )
+
+    # ------------------------------------------------------------------------------------------ outcomes
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx: RewardContext):
+        """Read (never change) the gathered rewards: record the outcome of the chunk this batch was drawn from."""
+        trainer = ctx.trainer
+        if not self.options.active or (trainer is not None and not trainer.model.training):
+            return
+        k = self.batches_seen
+        chunk = self.chunks.get(k)
+        if chunk is None:
+            return  # not drawn by this plugin's sampler (e.g. a custom loop); nothing to learn from
+        self.record_outcome(ctx, k, chunk)
+
+    def record_outcome(self, ctx: RewardContext, k: int, chunk: list[int]) -> None:
+        o = self.options
+        G = ctx.num_generations
+        rewards = (ctx.rewards_per_func * ctx.reward_weights.unsqueeze(0)).nansum(dim=1).double().cpu()
+        if rewards.numel() != len(chunk) * G:
+            raise PluginError(
+                f"adaptive_sampler: generation batch {k} has {rewards.numel()} rows but its chunk holds {len(chunk)} "
+                f"prompts x {G} generations."
+            )
+        self._check_rows(ctx, chunk)
+        correct = (rewards > o.success_threshold).double().view(-1, G)
+        accuracy = correct.mean(dim=1).tolist()
+        diversity: list[float | None] = [None] * len(chunk)
+        if o.diversity_weight > 0:
+            texts = ctx.gather_object([_text(c) for c in ctx.local_completions])  # collective
+            diversity = [
+                (len(set(texts[j * G:(j + 1) * G])) - 1) / max(G - 1, 1) for j in range(len(chunk))
+            ]
+        outcome = {"indices": list(chunk), "accuracy": accuracy, "diversity": diversity}
+        if self.domains:
+            per_domain: dict[str, list[float]] = {}
+            for j, idx in enumerate(chunk):
+                domain = self.domains[int(self.domain_of[idx])]
+                per_domain.setdefault(domain, []).extend(correct[j].tolist())
+            outcome["domain_rewards"] = per_domain
+            outcome["update_domains"] = (k + 1) % o.domain_update_interval == 0
+        self.pending[k] = outcome
+        self.batches_seen = k + 1
+        n = max(len(self.pruned), 1)
+        ctx.log_metric("pruned_fraction", float(self.pruned.sum()) / n)
+        ctx.log_metric("batch_accuracy", sum(accuracy) / max(len(accuracy), 1))
+        ctx.log_metric("batch_outcome_variance", sum(4 * a * (1 - a) for a in accuracy) / max(len(accuracy), 1))
+        ctx.log_metric("seen_fraction", float((self.draws > 0).sum()) / n)
+        for d, w in self.domain_weights.items():
+            ctx.log_metric(f"domain_weight/{d}", w)
+
+    def _check_rows(self, ctx: RewardContext, chunk: list[int]) -> None:
+        """The local rows must be the chunk's prompts (decided on every process from gathered flags)."""
+        if self._dataset is None:
+            return
+        G = ctx.num_generations
+        start = ctx.process_slice.start
+        flags = []
+        for j, row in enumerate(ctx.local_rows):
+            idx = chunk[(start + j) // G]
+            flags.append(row.get("prompt") == self._dataset[idx].get("prompt"))
+        if not all(ctx.gather_object(flags)):
+            raise PluginError(
+                "adaptive_sampler: the generation batch does not hold the prompts its sampler drew (another plugin "
+                "or a custom dataloader changed the order?)."
+            )
+
+
+def _text(completion: Any) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]

@@ -1,0 +1,268 @@
+"""Teachers / correctors: who writes off-policy text for the policy (DESIGN.md section 6).
+
+Common interface (:class:`Teacher`), batched:
+
+* ``continue_from(rows, prompts, prefixes, stop=None, max_tokens=None) -> list[str]``: continue an assistant turn
+  that starts with ``prefix`` (the policy's verified prefix) after the conversation ``prompt``; returns only the
+  continuation text. ``stop`` strings end it early (excluded from the result) -- e.g. the step separator to write a
+  single corrected step.
+* ``chat(conversations, max_tokens=None) -> list[str]``: one assistant answer per conversation (critiques, judge
+  feedback).
+
+The continuation is plain text: callers re-tokenize it with the **policy** tokenizer (the tokens are off-policy
+anyway).
+
+Backends:
+
+* :class:`EndpointTeacher` -- an OpenAI-compatible server (``vllm serve``). Continuation uses
+  ``/v1/chat/completions`` with the prefix as a final assistant message and vLLM's chat parameters
+  ``continue_final_message=true, add_generation_prompt=false`` (the answer holds only the new text).
+* :class:`HFTeacher` -- a local Hugging Face causal LM loaded by name or path; the prefix is appended to the
+  chat-templated conversation (generation prompt on), token for token.
+* :class:`ReferenceTeacher` -- the dataset's reference solution (column ``solution``): the continuation of a prefix
+  with ``k`` complete steps is the reference solution from its step ``k`` on. No model; cannot ``chat``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import PluginConfigError
+from .client import EndpointConfig, OpenAICompatibleClient
+from .steps import split_steps
+
+__all__ = [
+    "EndpointTeacher",
+    "HFTeacher",
+    "ReferenceTeacher",
+    "Teacher",
+    "build_teacher",
+    "clear_shared_teachers",
+    "continuation_messages",
+    "cut_at_stop",
+    "shared_teacher",
+]
+
+
+def continuation_messages(prompt: Any, prefix: str) -> list[dict]:
+    """The conversation ``prompt`` (messages, or a user string) followed by the open assistant turn ``prefix``."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    return messages + [{"role": "assistant", "content": prefix}]
+
+
+def cut_at_stop(text: str, stop: Sequence[str] | None) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any ``stop`` string."""
+    if not stop:
+        return text
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+class Teacher:
+    """Base class of teachers (see the module docstring)."""
+
+    def continue_from(self, rows: Sequence[Any], prompts: Sequence[Any], prefixes: Sequence[str], *,
+                      stop: Sequence[str] | None = None, max_tokens: int | None = None) -> list[str]:
+        raise NotImplementedError
+
+    def chat(self, conversations: Sequence[list[dict]], *, max_tokens: int | None = None) -> list[str]:
+        raise PluginConfigError(f"{type(self).__name__} cannot answer free-form chat requests (critiques, feedback).")
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+# ============================================================================================= endpoint
+class EndpointTeacher(Teacher):
+    """A teacher LLM behind an OpenAI-compatible server.
+
+    Args:
+        config: server URL, served model name, retries, concurrency (see :class:`EndpointConfig`).
+        temperature: sampling temperature of the teacher.
+        max_tokens: default length limit of an answer.
+        extra_params: extra JSON fields sent with every request (e.g. ``{"top_p": 0.95}``).
+    """
+
+    def __init__(self, config: EndpointConfig, *, temperature: float = 0.0, max_tokens: int = 1024,
+                 extra_params: Mapping[str, Any] | None = None):
+        self.config = config
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.extra_params = dict(extra_params or {})
+        self.client = OpenAICompatibleClient(config)
+
+    def continue_from(self, rows, prompts, prefixes, *, stop=None, max_tokens=None):
+        if not prefixes:
+            return []
+        params = {
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "temperature": self.temperature,
+            "max_tokens": max_tokens or self.max_tokens,
+            **self.extra_params,
+        }
+        if stop:
+            params["stop"] = list(stop)
+        conversations = [continuation_messages(p, x) for p, x in zip(prompts, prefixes)]
+        return [cut_at_stop(text, stop) for text in self.client.chat(conversations, **params)]
+
+    def chat(self, conversations, *, max_tokens=None):
+        if not conversations:
+            return []
+        params = {"temperature": self.temperature, "max_tokens": max_tokens or self.max_tokens, **self.extra_params}
+        return self.client.chat([list(c) for c in conversations], **params)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ============================================================================================= Hugging Face
+class HFTeacher(Teacher):
+    """A local causal LM teacher, loaded by name or path (or given as ``model`` + ``tokenizer``).
+
+    Generation is greedy at ``temperature=0`` and plain sampling otherwise; prompts are left-padded in batches.
+    """
+
+    def __init__(self, model_name_or_path: str | None = None, *, model: Any = None, tokenizer: Any = None,
+                 device: str | None = None, temperature: float = 0.0, max_tokens: int = 256, batch_size: int = 8):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.name = model_name_or_path or getattr(getattr(model, "config", None), "_name_or_path", "model")
+        self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_name_or_path)
+        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        if device is not None:
+            self.model.to(device)
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise PluginConfigError(f"Teacher {self.name!r}: its tokenizer has no chat template.")
+
+    def _prompt_ids(self, conversation: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)
+        return list(out["input_ids"])
+
+    def continue_from(self, rows, prompts, prefixes, *, stop=None, max_tokens=None):
+        requests = []
+        for prompt, prefix in zip(prompts, prefixes):
+            messages = continuation_messages(prompt, prefix)[:-1]
+            ids = self._prompt_ids(messages) + list(self.tokenizer(prefix, add_special_tokens=False)["input_ids"])
+            requests.append(ids)
+        return [cut_at_stop(t, stop) for t in self._generate(requests, max_tokens or self.max_tokens)]
+
+    def chat(self, conversations, *, max_tokens=None):
+        return self._generate([self._prompt_ids(list(c)) for c in conversations], max_tokens or self.max_tokens)
+
+    def _generate(self, requests: list[list[int]], max_tokens: int) -> list[str]:
+        import torch
+
+        if not requests:
+            return []
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        device = next(self.model.parameters()).device
+        texts: list[str] = []
+        was_training = self.model.training
+        self.model.eval()
+        sampling = {"do_sample": False} if self.temperature <= 0 else {
+            "do_sample": True, "temperature": self.temperature, "top_k": 0, "top_p": 1.0}
+        for start in range(0, len(requests), self.batch_size):
+            chunk = requests[start : start + self.batch_size]
+            width = max(len(r) for r in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            attention = torch.zeros_like(input_ids)
+            for j, ids in enumerate(chunk):
+                input_ids[j, width - len(ids):] = torch.tensor(ids)
+                attention[j, width - len(ids):] = 1
+            with torch.no_grad():
+                out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                          max_new_tokens=max_tokens, pad_token_id=pad,
+                                          eos_token_id=tok.eos_token_id, **sampling)
+            texts.extend(tok.batch_decode(out[:, width:], skip_special_tokens=True))
+        self.model.train(was_training)
+        return texts
+
+
+# ============================================================================================= reference
+class ReferenceTeacher(Teacher):
+    """The dataset's reference solution as the corrector.
+
+    A prefix with ``k`` complete steps (split with ``separator``) is continued by the reference solution's steps
+    ``k, k+1, ...`` joined by ``separator`` (a separator is put first when the prefix does not end with one). With
+    ``stop``, only the text before the first stop string -- with ``stop=[separator]``, exactly the reference step ``k``.
+    """
+
+    def __init__(self, solution_column: str = "solution", separator: str = "\n\n"):
+        self.solution_column = solution_column
+        self.separator = separator
+
+    def continue_from(self, rows, prompts, prefixes, *, stop=None, max_tokens=None):
+        out = []
+        for row, prefix in zip(rows, prefixes):
+            solution = row.get(self.solution_column) if isinstance(row, Mapping) else None
+            if not isinstance(solution, str) or not solution.strip():
+                raise PluginConfigError(
+                    f"ReferenceTeacher: the row has no reference solution in column {self.solution_column!r}."
+                )
+            reference = [s.text for s in split_steps(solution, self.separator)]
+            done = len(split_steps(prefix, self.separator))
+            body = cut_at_stop(self.separator.join(reference[done:]), stop)
+            lead = self.separator if prefix.strip() and body and not prefix.endswith(self.separator) else ""
+            out.append(lead + body)
+        return out
+
+
+# ============================================================================================= factory
+_SHARED: dict[tuple, Teacher] = {}
+
+
+def build_teacher(
+    kind: str,
+    *,
+    model: str = "default",
+    base_url: str | None = None,
+    api_key_env: str | None = None,
+    device: str | None = None,
+    temperature: float = 0.0,
+    max_tokens: int = 1024,
+    solution_column: str = "solution",
+    separator: str = "\n\n",
+    timeout: float = 120.0,
+) -> Teacher:
+    """Build a teacher from plugin options: ``"endpoint"`` (``base_url``, ``model`` = served name), ``"hf"``
+    (``model`` = name or path) or ``"reference"`` (``solution_column``, ``separator``)."""
+    if kind == "reference":
+        return ReferenceTeacher(solution_column, separator)
+    if kind == "hf":
+        return HFTeacher(model, device=device, temperature=temperature, max_tokens=max_tokens)
+    if kind == "endpoint":
+        if not base_url:
+            raise PluginConfigError(
+                "A teacher endpoint needs a base URL (e.g. http://host:8000/v1); or use a local model ('hf') or the "
+                "dataset's reference solutions ('reference')."
+            )
+        key = None
+        if api_key_env is not None:
+            if api_key_env not in os.environ:
+                raise PluginConfigError(f"The API key environment variable {api_key_env!r} is not set.")
+            key = os.environ[api_key_env]
+        config = EndpointConfig(base_url=base_url, model=model, api_key=key, timeout=timeout)
+        return EndpointTeacher(config, temperature=temperature, max_tokens=max_tokens)
+    raise PluginConfigError(f"Unknown teacher kind {kind!r}; allowed: 'endpoint', 'hf', 'reference'.")
+
+
+def shared_teacher(kind: str, **kwargs: Any) -> Teacher:
+    """:func:`build_teacher`, built once per distinct configuration (one local model in memory)."""
+    key = (kind, tuple(sorted(kwargs.items())))
+    if key not in _SHARED:
+        _SHARED[key] = build_teacher(kind, **kwargs)
+    return _SHARED[key]
+
+
+def clear_shared_teachers() -> None:
+    for teacher in _SHARED.values():
+        teacher.close()
+    _SHARED.clear()

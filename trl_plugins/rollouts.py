@@ -1,0 +1,79 @@
+"""Helpers for sampling-stage plugins that work across processes (groups can straddle processes).
+
+A group's rows may live on different processes (TRL splits the generation batch without respecting group
+boundaries), so a plugin that moves a completion from one row of a group to another -- a refinement replacing slot
+0, a feedback-guided success copied onto the failed attempt it came from -- must gather the candidates first. Every
+function here is **collective**: call it on every process, the same number of times, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["check_offpolicy_gamma", "completion_text", "context_device", "gather_floats", "gather_id_lists"]
+
+
+def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
+    """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
+
+    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss is shared by every plugin of a run, so a plugin's
+    documented gamma (LUFFY: 0.1) is a check on the run setting, not a second knob.
+    """
+    import math
+
+    from .errors import IncompatiblePluginsError
+
+    run_gamma = getattr(args, "offpolicy_shaping_gamma", 0.1)
+    if not math.isclose(float(run_gamma), float(gamma)):
+        raise IncompatiblePluginsError(
+            f"{plugin}: gamma={gamma} but the run's offpolicy_shaping_gamma={run_gamma}. The shaped off-policy branch "
+            f"p/(p+gamma) is shared by every plugin of a run; set offpolicy_shaping_gamma: {gamma} in the config (or "
+            f"the plugin's gamma to {run_gamma})."
+        )
+
+
+def context_device(ctx: Any) -> torch.device:
+    """The device collectives need (the trainer's accelerator device; CPU for hand-built contexts)."""
+    trainer = getattr(ctx, "trainer", None)
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.device if accelerator is not None else torch.device("cpu")
+
+
+def gather_id_lists(ctx: Any, lists: Sequence[Sequence[int]]) -> list[list[int]]:
+    """All-gather one token-id list per local row into one per global row (N lists, global order).
+
+    Two collectives through ``ctx.gather`` (lengths, then the right-padded ids).
+
+    Args:
+        ctx: a context with ``gather`` ((B, ...) -> (N, ...)), e.g. :class:`~trl_plugins.RolloutContext`.
+        lists: B lists of ints (any length, possibly empty).
+    """
+    device = context_device(ctx)
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.long, device=device)
+    all_lengths = ctx.gather(lengths).cpu()
+    width = max(int(all_lengths.max().item()) if all_lengths.numel() else 0, 1)
+    padded = torch.full((len(lists), width), -1, dtype=torch.long)
+    for j, ids in enumerate(lists):
+        if ids:
+            padded[j, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+    all_ids = ctx.gather(padded.to(device)).cpu()
+    return [all_ids[n, : int(all_lengths[n])].tolist() for n in range(all_ids.size(0))]
+
+
+def gather_floats(ctx: Any, values: Sequence[float], fill: float = float("nan")) -> torch.Tensor:
+    """All-gather one float per local row into an (N,) tensor (one collective). ``None`` entries become ``fill``."""
+    local = torch.tensor([fill if v is None else float(v) for v in values], dtype=torch.float32)
+    return ctx.gather(local.to(context_device(ctx))).cpu()
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a TRL completion: a string, or the content of the last message of a list."""
+    if isinstance(completion, str):
+        return completion
+    if not completion:
+        return ""
+    content = completion[-1].get("content", "")
+    return content if isinstance(content, str) else ""
