@@ -1,4 +1,4 @@
-"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``."""
+"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``, ``new NAME``, ``docs``."""
 
 from __future__ import annotations
 
@@ -91,6 +91,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    """Scaffold a third-party plugin package (``trl_plugins.scaffold``)."""
+    from .scaffold import PackageNames, next_steps, scaffold
+
+    root = scaffold(args.name, args.dir, args.stage)
+    print(next_steps(root, PackageNames.from_name(args.name)))
+    return 0
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    """Regenerate (or, with --check, verify) the plugin reference pages (``trl_plugins.docs``)."""
+    from .docs import main as docs_main
+
+    return docs_main((["--out", args.out] if args.out else []) + (["--check"] if args.check else []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trl-plugins", description="Research methods for RL on LLMs as stackable plugins for TRL's GRPOTrainer."
@@ -108,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Warm-start a tiny model offline, train it with GRPO + plugins on CPU.")
     p.add_argument("demo_args", nargs=argparse.REMAINDER, help="Options of the demo (see `trl-plugins demo --help`).")
     p.set_defaults(func=cmd_demo)
+    from .scaffold import DEFAULT_STAGE, STAGES
+
+    p = sub.add_parser(
+        "new", help="Scaffold a plugin package (entry point, example plugin, tests with the testing kit, README)."
+    )
+    p.add_argument("name", help="Plugin name, e.g. my_method (the package is trl-plugins-my-method).")
+    p.add_argument("--dir", default=None, help="Directory to create (default: ./trl-plugins-<name>); must be new or empty.")
+    p.add_argument("--stage", choices=STAGES, default=DEFAULT_STAGE, help="Stage of the example plugin (default: %(default)s).")
+    p.set_defaults(func=cmd_new)
+    p = sub.add_parser("docs", help="Generate the plugin reference pages (docs/plugins/*.md, docs/hooks.md).")
+    p.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")
+    p.add_argument("--check", action="store_true", help="Only check that the pages are up to date (exit 1 if not).")
+    p.set_defaults(func=cmd_docs)
     return parser
 
 

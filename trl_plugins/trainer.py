@@ -191,11 +191,11 @@ class PluginGRPOTrainer(GRPOTrainer):
         differs_in_group = any(g != p for g, p in zip(pctx.generation_prompts, prompts))
         deferred = list(pctx.deferred) if pctx.deferred else [False] * B
         # Every process must take the same generation path (vLLM server mode gathers across processes)
-        flags = self.accelerator.gather(
-            torch.tensor([[int(differs_in_group), int(any(deferred))]], device=self.accelerator.device)
-        ).view(-1, 2)
-        any_deferred = bool(flags[:, 1].any().item())
-        self._per_row_generation = bool(flags.any().item())
+        # one (1,) code per process: bit 0 = prompts differ within a group, bit 1 = rows deferred to a later round
+        code = int(differs_in_group) | (2 if any(deferred) else 0)
+        codes = self.accelerator.gather(torch.tensor([code], device=self.accelerator.device))
+        self._per_row_generation = bool((codes != 0).any().item())
+        any_deferred = bool(((codes & 2) != 0).any().item())
         if any_deferred:
             generated = self._generate_first_round(pctx.generation_prompts, deferred)
         else:

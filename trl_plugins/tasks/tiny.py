@@ -201,6 +201,15 @@ def _sft_batch(
     return ids, mask, labels
 
 
+INFORMAL_ENDINGS: tuple[str, ...] = ("The answer is {}.", "The result is {}.")
+"""Last lines of the informal targets of :func:`warm_start` (rejected by the strict verifier)."""
+
+
+def _informal(problem: Problem, rng: random.Random) -> str:
+    ending = rng.choice(INFORMAL_ENDINGS).format(problem.answer)
+    return "\n".join([*problem.step_lines, ending])
+
+
 def _draw_problems(rng: random.Random, levels: Sequence[int], n: int, split: str | None = "train") -> list[Problem]:
     out: list[Problem] = []
     while len(out) < n:
@@ -232,7 +241,7 @@ def warm_start(
     lr: float = 3e-3,
     batch_size: int = 32,
     warmup_steps: int = 20,
-    direct_fraction: float = 0.0,
+    informal_fraction: float = 0.0,
     log_every: int = 0,
 ) -> PreTrainedModel:
     """Supervised fine-tuning on freshly drawn reference solutions (train split), in place.
@@ -241,16 +250,16 @@ def warm_start(
     only the assistant tokens (solution and ``<|end|>``). Deterministic given ``seed``. Returns
     ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps.
 
-    ``direct_fraction`` of the targets are *direct answers*: the bare ``"Answer: N"`` line (correct
-    ``N``) without the steps, as in pre-training data that skips the work. A tiny model cannot
-    compute ``N`` in one go, so it learns two modes: a step-by-step mode that is often right and a
-    direct mode that is mostly wrong. Which mode it picks is decided by the first completion token,
-    shared across all prompts -- exactly the kind of behaviour that RL with an outcome reward can
-    select in a few dozen steps (the demo's "accuracy rises" effect), on top of slower gains in the
-    arithmetic itself.
+    ``informal_fraction`` of the targets end with an informal last line, ``"The answer is N."`` or
+    ``"The result is N."`` (correct ``N``), instead of ``"Answer: N"``, as in pre-training data that
+    ignores the required format. The strict verifier rejects those, so the warm-started model
+    follows the format only part of the time; whether it does is decided at one token (the start of
+    the last line) in a context shared by all prompts -- the kind of behaviour that RL with an
+    outcome reward fixes within a few dozen steps, and that transfers to held-out prompts (the
+    demo's "accuracy rises" effect). The arithmetic itself improves far more slowly under RL.
     """
-    if not 0.0 <= direct_fraction <= 1.0:
-        raise ValueError(f"direct_fraction must be in [0, 1], got {direct_fraction!r}")
+    if not 0.0 <= informal_fraction <= 1.0:
+        raise ValueError(f"informal_fraction must be in [0, 1], got {informal_fraction!r}")
     levels = tuple(levels)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -267,7 +276,7 @@ def warm_start(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         problems = _draw_problems(rng, levels, batch_size)
-        targets = [f"Answer: {p.answer}" if rng.random() < direct_fraction else p.solution for p in problems]
+        targets = [_informal(p, rng) if rng.random() < informal_fraction else p.solution for p in problems]
         ids, mask, labels = _sft_batch(tokenizer, problems, targets)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -389,7 +398,7 @@ class DemoSettings:
     warm_start_steps: int = 300
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 32
-    warm_start_direct_fraction: float = 0.5
+    warm_start_informal_fraction: float = 0.5
     # GRPO on top of it
     grpo_steps: int = 40
     grpo_learning_rate: float = 2e-3
@@ -409,7 +418,7 @@ class DemoSettings:
             k: getattr(self, k)
             for k in (
                 "seed", "levels", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                "warm_start_steps", "warm_start_lr", "warm_start_batch_size", "warm_start_direct_fraction",
+                "warm_start_steps", "warm_start_lr", "warm_start_batch_size", "warm_start_informal_fraction",
             )
         }
         blob = json.dumps({"v": _CACHE_VERSION, **fields}, sort_keys=True, default=list)
@@ -453,7 +462,7 @@ def demo_model(
         seed=settings.seed,
         lr=settings.warm_start_lr,
         batch_size=settings.warm_start_batch_size,
-        direct_fraction=settings.warm_start_direct_fraction,
+        informal_fraction=settings.warm_start_informal_fraction,
         log_every=50 if verbose else 0,
     )
     if verbose:

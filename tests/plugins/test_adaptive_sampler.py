@@ -1,0 +1,254 @@
+"""adaptive_sampler: variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection.
+
+Pure scores and probabilities; the sampler's layout (TRL's repeat structure, identical on every process); simulated
+training loops in which solved prompts get pruned and high-variance prompts are drawn more; a resumed loop that draws
+what the unbroken loop drew; tiny-model runs: the neutral setting is vanilla, a seeded run is deterministic and the
+state round-trips through a real checkpoint."""
+
+import math
+import os
+
+import pytest
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import RepeatSampler
+
+from trl_plugins import PluginConfigError, RewardContext, build_plugins
+from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins.trainer import PLUGIN_STATE_FILE
+from trl_plugins_builtin.adaptive_sampler import (
+    AdaptiveRepeatSampler,
+    domain_weights_from_buffer,
+    sampling_probabilities,
+    variance_scores,
+)
+
+
+# ------------------------------------------------------------------------------------------ pure functions
+def test_variance_scores():
+    acc = torch.tensor([math.nan, 0.0, 0.5, 1.0, 0.25], dtype=torch.float64)
+    div = torch.tensor([math.nan, 1.0, 0.0, 0.0, 0.5], dtype=torch.float64)
+    torch.testing.assert_close(variance_scores(acc, div, 0.5, 1.0, 0.0),
+                               torch.tensor([1.0, 0.0, 1.0, 0.0, 0.75], dtype=torch.float64))
+    torch.testing.assert_close(variance_scores(acc, div, 0.5, 1.0, 1.0),
+                               torch.tensor([1.0, 0.5, 0.5, 0.0, 0.625], dtype=torch.float64))
+
+
+def test_domain_weights_follow_the_official_formula():
+    target = (1 + 1 / 2 + 1 / 3 + 1 / 4) / 4  # H(4) / 4 with target_base 1 and a buffer of 4
+    w = domain_weights_from_buffer([{"a": [1.0, 1.0], "b": [0.0, 0.0]}], ["a", "b", "c"], 1.0, 4, 0.1, 0.3)
+    logits = torch.tensor([0.1 / 0.3, (target + 0.1) / 0.3, (target + 0.1) / 0.3], dtype=torch.float64)
+    assert list(w) == ["a", "b", "c"]  # c never seen: value = target
+    torch.testing.assert_close(torch.tensor(list(w.values()), dtype=torch.float64), torch.softmax(logits, 0))
+    # two updates: the older one decays by 1/2; r_a = (1 * 0 + 0.5 * 1) / 2 counts
+    w2 = domain_weights_from_buffer([{"a": [1.0]}, {"a": [0.0]}], ["a"], 1.0, 4, 0.1, 0.3)
+    assert w2 == {"a": 1.0}
+    two = domain_weights_from_buffer([{"a": [1.0], "b": [1.0]}, {"a": [0.0], "b": [1.0]}], ["a", "b"], 1.0, 4, 0.1, 0.3)
+    v_a, v_b = max(0.0, target - 0.25), max(0.0, target - 0.75)
+    expected = torch.softmax(torch.tensor([(v_a + 0.1) / 0.3, (v_b + 0.1) / 0.3], dtype=torch.float64), 0)
+    torch.testing.assert_close(torch.tensor([two["a"], two["b"]], dtype=torch.float64), expected)
+
+
+def test_sampling_probabilities_pool_variance_and_domains():
+    vps = torch.tensor([1.0, 0.0, 1.0, 0.5], dtype=torch.float64)
+    pool = torch.tensor([True, True, True, False])
+    q0 = sampling_probabilities(vps, pool, 0.0)
+    torch.testing.assert_close(q0, torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0], dtype=torch.float64))
+    q1 = sampling_probabilities(vps, pool, 1.0)
+    torch.testing.assert_close(q1, torch.tensor([0.5, 0.0, 0.5, 0.0], dtype=torch.float64))
+    qh = sampling_probabilities(vps, pool, 0.5)
+    torch.testing.assert_close(qh, 0.5 * q0 + 0.5 * q1)
+    # domains: d0 = {0, 1}, d1 = {2, 3} (3 pruned) with weights 0.25 / 0.75 -> base 0.125, 0.125, 0.75, 0
+    qd = sampling_probabilities(vps, pool, 0.0, torch.tensor([0, 0, 1, 1]), torch.tensor([0.25, 0.75]))
+    torch.testing.assert_close(qd, torch.tensor([0.125, 0.125, 0.75, 0.0], dtype=torch.float64))
+    # no variance anywhere: the weighted part falls back to the base
+    torch.testing.assert_close(sampling_probabilities(torch.zeros(4, dtype=torch.float64), pool, 0.7), q0)
+
+
+# ------------------------------------------------------------------------------------------ sampler and loops
+def _plugin(n, seed=0, delay=2, **options):
+    plugin = build_plugins(["adaptive_sampler"], {"adaptive_sampler": options}).by_name["adaptive_sampler"]
+    plugin.reset_state(n, [])
+    plugin._seed, plugin._delay = seed, delay
+    return plugin
+
+
+def test_sampler_keeps_trl_repeat_layout_and_is_identical_on_every_process():
+    trl_sampler = RepeatSampler(list(range(10)), mini_repeat_count=3, batch_size=2, repeat_count=2, seed=0)
+    a, b = _plugin(10), _plugin(10)  # two processes with the same state and seed
+    sa = AdaptiveRepeatSampler(a, 10, mini_repeat_count=3, batch_size=2, repeat_count=2)
+    sb = AdaptiveRepeatSampler(b, 10, mini_repeat_count=3, batch_size=2, repeat_count=2)
+    seq = list(sa)
+    assert len(seq) == len(sa) == len(trl_sampler) == 5 * 2 * 3 * 2
+    assert seq == list(sb)
+    for c in range(5):
+        block = seq[c * 12:(c + 1) * 12]
+        chunk = a.chunks[c]
+        assert len(set(chunk)) == 2
+        assert block == [chunk[0]] * 3 + [chunk[1]] * 3 + [chunk[0]] * 3 + [chunk[1]] * 3
+    sa.set_epoch(1)
+    assert list(sa)[:6] == [a.chunks[5][0]] * 3 + [a.chunks[5][1]] * 3  # epoch 1 starts at chunk 5
+
+
+def _reward_ctx(chunk, G, success_of, k):
+    rows = []
+    for idx in chunk:
+        s = success_of(idx, k)
+        rows += [1.0 if j < round(s * G) else 0.0 for j in range(G)]
+    N = len(rows)
+    ctx = RewardContext(
+        rewards_per_func=torch.tensor(rows).unsqueeze(1), reward_func_names=["acc"], reward_weights=torch.tensor([1.0]),
+        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G,
+        local_rows=[{} for _ in range(N)], local_prompts=[None] * N, local_completions=[f"c{j}" for j in range(N)],
+        process_slice=slice(0, N), step=k,
+    )
+    ctx._object_gatherer = lambda values: values
+    ctx.metrics = {}
+    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
+    return ctx
+
+
+def simulate(plugin, start, stop, bs, G, success_of, lag=1):
+    """A training loop whose dataloader draws ``lag`` chunks ahead of the generation it reports (as TRL + accelerate)."""
+    drawn = {}
+    for c in range(start, stop):
+        for ahead in range(c, c + lag + 1):
+            if ahead not in drawn:
+                drawn[ahead] = plugin.draw_chunk(ahead, bs)
+        plugin.trl_plugins_transform_rewards(_reward_ctx(drawn[c], G, success_of, c))
+    return drawn
+
+
+def _success(idx, k):
+    """Prompts 0, 1 always solved; 2, 3 half solved; 4, 5 never solved."""
+    return 1.0 if idx < 2 else (0.5 if idx < 4 else 0.0)
+
+
+def test_solved_prompts_are_pruned_and_high_variance_prompts_drawn_more():
+    plugin = _plugin(6, variance_mix=0.5, prune_after=1)
+    drawn = simulate(plugin, 0, 80, bs=2, G=4, success_of=_success)
+    assert plugin.pruned.tolist() == [True, True, False, False, False, False]
+    # once an outcome is applied (chunk c + delay), a solved prompt is never drawn again
+    for idx in (0, 1):
+        first = min(c for c, chunk in drawn.items() if idx in chunk)
+        assert not any(idx in drawn[c] for c in drawn if c > first + plugin._delay)
+    late = [i for c, chunk in drawn.items() if c >= 10 for i in chunk]
+    variance_draws = late.count(2) + late.count(3)
+    zero_draws = late.count(4) + late.count(5)
+    assert variance_draws > 2 * zero_draws > 0  # q = 0.375 vs 0.125 each once everything has been seen
+    assert plugin.accuracy[2:].tolist() == [0.5, 0.5, 0.0, 0.0]
+    torch.testing.assert_close(plugin.probabilities(),
+                               torch.tensor([0.0, 0.0, 0.375, 0.375, 0.125, 0.125], dtype=torch.float64))
+
+
+def test_exhausted_pool_falls_back_to_all_prompts():
+    plugin = _plugin(3, prune_after=1, variance_mix=0.0)
+    simulate(plugin, 0, 40, bs=2, G=2, success_of=lambda idx, k: 1.0)
+    assert plugin.pruned.all()
+    assert len(set(plugin.draw_chunk(100, 2))) == 2
+
+
+def test_domain_weights_update_every_interval():
+    plugin = build_plugins(["adaptive_sampler"], {"adaptive_sampler": {
+        "domain_column": "d", "domain_update_interval": 2, "variance_mix": 0.0, "prune_solved": False}}
+    ).by_name["adaptive_sampler"]
+    plugin.reset_state(4, ["easy", "hard"], [0, 0, 1, 1])
+    plugin._delay = 2
+    assert plugin.domain_weights == {"easy": 0.5, "hard": 0.5}  # official "average" initialisation
+    simulate(plugin, 0, 6, bs=2, G=2, success_of=lambda idx, k: 1.0 if idx < 2 else 0.0)
+    assert len(plugin.domain_buffer) == 2  # outcomes of batches 1 and 3 (every second one); 5 is not applied yet
+    assert plugin.pending.keys() == {5}
+    assert plugin.domain_weights == domain_weights_from_buffer(plugin.domain_buffer, ["easy", "hard"], 1.0, 4, 0.1, 0.3)
+    assert plugin.domain_weights["hard"] > plugin.domain_weights["easy"]
+
+
+def test_resumed_loop_draws_what_the_unbroken_loop_drew():
+    unbroken = _plugin(8, seed=3, variance_mix=0.7)
+    drawn = simulate(unbroken, 0, 12, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
+
+    first = _plugin(8, seed=3, variance_mix=0.7)
+    simulate(first, 0, 6, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
+    state = first.trl_plugins_state_dict()  # what a checkpoint after 6 batches holds
+    resumed = _plugin(8, seed=3, variance_mix=0.7)
+    resumed.trl_plugins_load_state_dict(torch.load(_roundtrip(state), weights_only=False))
+    for c in range(6):  # the Trainer skips the consumed batches: the sampler draws (and drops) them again
+        resumed.draw_chunk(c, 2)
+    again = simulate(resumed, 6, 12, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
+    assert all(again[c] == drawn[c] for c in range(6, 13))
+    for key in ("accuracy", "draws", "streak", "pruned"):
+        torch.testing.assert_close(getattr(resumed, key), getattr(unbroken, key), equal_nan=True)
+
+
+def _roundtrip(state):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
+def test_lagging_feedback_warns():
+    plugin = _plugin(4, delay=1)
+    plugin.draw_chunk(0, 2)
+    with pytest.warns(UserWarning, match="feedback_delay"):
+        plugin.draw_chunk(1, 2)  # the outcome of chunk 0 is not in yet
+
+
+def test_option_validation():
+    with pytest.raises(PluginConfigError, match="variance_mix"):
+        build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"variance_mix": 1.5}})
+    with pytest.raises(PluginConfigError, match="prune_after"):
+        build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"prune_after": 0}})
+
+
+# ------------------------------------------------------------------------------------------ trainer runs
+def test_neutral_setting_keeps_trls_sampler_and_is_vanilla(tmp_path):
+    neutral = {"variance_mix": 0.0, "prune_solved": False}
+    common = dict(reward_funcs=[digit_fraction_reward], max_steps=1, log_level="error")
+    trainer = make_tiny_trainer(plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": neutral},
+                                output_dir=str(tmp_path / "a"), **common)
+    assert type(trainer._get_train_sampler()) is RepeatSampler
+    vanilla = record_run(make_tiny_trainer(trainer_cls=GRPOTrainer, output_dir=str(tmp_path / "b"), **common))
+    assert_runs_equal(record_run(trainer), vanilla)
+
+
+def _seeded_run(path, save):
+    def solved_by_level(completions, level, **kwargs):  # level-1 prompts always "solved", level-2 never
+        return [1.0 if lv == 1 else 0.0 for lv in level]
+
+    trainer = make_tiny_trainer(
+        plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": {"domain_column": "level",
+                                                                          "domain_update_interval": 1}},
+        reward_funcs=[solved_by_level], dataset=tiny_dataset(8, levels=(1, 2)),
+        per_device_train_batch_size=8, max_steps=4, log_level="error", output_dir=str(path),
+        **({"save_strategy": "steps", "save_steps": 4} if save else {}),
+    )
+    return trainer, record_run(trainer)
+
+
+def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(tmp_path):
+    trainer, run = _seeded_run(tmp_path / "a", save=True)
+    trainer2, run2 = _seeded_run(tmp_path / "b", save=False)
+    plugin, plugin2 = (t.plugin_stack.by_name["adaptive_sampler"] for t in (trainer, trainer2))
+    assert plugin.chunks == plugin2.chunks and len(plugin.chunks) >= 4
+    for a, b in zip(run.completion_ids, run2.completion_ids):
+        assert torch.equal(a, b)
+    # outcomes were learned from the gathered rewards: level-1 prompts (even indices) are solved and pruned
+    dataset = trainer.train_dataset
+    for idx in range(8):
+        if plugin.draws[idx] > 0:
+            assert plugin.accuracy[idx] == (1.0 if dataset[idx]["level"] == 1 else 0.0)
+            assert bool(plugin.pruned[idx]) == (dataset[idx]["level"] == 1)
+    logs = [log for log in run.logs if "loss" in log]
+    assert len(logs) == 4 and all("plugins/adaptive_sampler/pruned_fraction" in log for log in logs)
+    # the checkpoint holds the plugin's state, and loading it restores the same future draws
+    state = torch.load(os.path.join(str(tmp_path / "a"), "checkpoint-4", PLUGIN_STATE_FILE), weights_only=False)
+    fresh = build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"domain_column": "level"}}).by_name[
+        "adaptive_sampler"]
+    fresh.trl_plugins_load_state_dict(state["adaptive_sampler"])
+    fresh._seed, fresh._delay = plugin._seed, plugin._delay
+    for key in ("accuracy", "draws", "streak", "pruned", "domain_of"):
+        torch.testing.assert_close(getattr(fresh, key), getattr(plugin, key), equal_nan=True)
+    assert fresh.domain_weights == plugin.domain_weights and fresh.pending.keys() == plugin.pending.keys()
+    assert [fresh.draw_chunk(c, 2) for c in range(10, 14)] == [plugin.draw_chunk(c, 2) for c in range(10, 14)]

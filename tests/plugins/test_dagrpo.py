@@ -1,0 +1,338 @@
+"""DaGRPO (specs/methods_loss_adv.md section 2, "Test ideas"): the pair-masked advantage on hand-made groups (delta = 0
+is mean-centred GRPO, all-equal scores give zeros, a symmetric mask sums to zero), the three scorers, the anchors
+of the sampling stage, the scores carried from the reward stage to the advantage stage, and two end-to-end runs
+(neutral setting == trl.GRPOTrainer; anchors trained off-policy)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_plugins import AdvantageContext, PluginConfigError, PluginError, RewardContext, RolloutContext, build_plugins
+from trl_plugins.contexts import group_layout
+from trl_plugins.tasks.arithmetic import Problem
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_tiny_trainer,
+    record_run,
+    tiny_dataset,
+    tiny_tokenizer,
+)
+from trl_plugins_builtin.dagrpo import (
+    ANCHOR_ANNOTATION,
+    anchor_slots,
+    edit_similarity,
+    ngram_jaccard,
+    pairwise_advantages,
+    prm_score,
+    score_distinctiveness,
+    similarity_distinctiveness,
+)
+
+# ------------------------------------------------------------------------------------------ pair-masked advantage
+A = torch.tensor([1.5, 0.5, -0.5, -1.5])
+S = torch.tensor([1.0, 0.95, 0.2, 0.1])  # d01 = 0.05 < 0.1 is masked; d23 = 0.1 survives (>= delta)
+
+
+def _keep(scores, delta, G=4):
+    return score_distinctiveness(scores, G) >= delta
+
+
+def test_hand_computed_surviving_normaliser():
+    # S_0 = S_1 = {2, 3}, S_2 = {0, 1, 3}, S_3 = {0, 1, 2}: A_i = a_i - mean_{S_i}(a)
+    out = pairwise_advantages(A, _keep(S, 0.1), "surviving")
+    torch.testing.assert_close(out, torch.tensor([2.5, 1.5, -0.5 - 1 / 6, -2.0]))
+
+
+def test_hand_computed_group_normaliser():
+    # sum_{j in S_i} (a_i - a_j) / G = [5, 3, -2, -6] / 4
+    out = pairwise_advantages(A, _keep(S, 0.1), "group")
+    torch.testing.assert_close(out, torch.tensor([1.25, 0.75, -0.5, -1.5]))
+    assert float(out.sum()) == pytest.approx(0.0, abs=1e-6)  # symmetric mask
+
+
+@pytest.mark.parametrize("normalizer", ["surviving", "group"])
+@pytest.mark.parametrize("seed", range(5))
+def test_delta_zero_is_mean_centred_grpo(normalizer, seed):
+    g = torch.Generator().manual_seed(seed)
+    G = 2 + seed
+    rewards = torch.rand(3 * G, generator=g)
+    mean = rewards.view(-1, G).mean(1, keepdim=True)
+    std = rewards.view(-1, G).std(1, keepdim=True)
+    a = ((rewards.view(-1, G) - mean) / (std + 1e-4)).view(-1)  # TRL's advantages (scale_rewards="group")
+    keep = _keep(torch.rand(3 * G, generator=g), 0.0, G)
+    assert keep.all()
+    out = pairwise_advantages(a, keep, normalizer)
+    # (1/G) sum_j (R_i - R_j) / sigma, written out
+    R, sigma = rewards.view(-1, G), std + 1e-4
+    expected = ((R.unsqueeze(2) - R.unsqueeze(1)).sum(2) / G / sigma).view(-1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, a, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("normalizer", ["surviving", "group"])
+def test_all_equal_scores_give_zero(normalizer):
+    out = pairwise_advantages(A, _keep(torch.full((4,), 0.3), 0.05), normalizer)
+    assert torch.equal(out, torch.zeros(4))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_symmetric_mask_sums_to_zero(seed):
+    g = torch.Generator().manual_seed(seed)
+    G = 5
+    a = torch.randn(2 * G, generator=g)
+    upper = torch.rand(2, G, G, generator=g) > 0.5
+    keep = torch.triu(upper, diagonal=1)
+    keep = keep | keep.transpose(1, 2)  # symmetric, empty diagonal
+    torch.testing.assert_close(pairwise_advantages(a, keep, "group").view(2, G).sum(1), torch.zeros(2), atol=1e-6,
+                               rtol=0)
+    # the surviving-pairs normaliser sums to zero when every row keeps as many pairs (a regular mask)
+    ring = torch.zeros(1, G, G, dtype=torch.bool)
+    for i in range(G):
+        ring[0, i, (i + 1) % G] = ring[0, (i + 1) % G, i] = True
+    assert float(pairwise_advantages(a[:G], ring, "surviving").sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_token_level_advantages_are_masked_per_column():
+    a = torch.stack([A, 2 * A, -A], dim=1)  # (4, 3)
+    out = pairwise_advantages(a, _keep(S, 0.1), "surviving")
+    for t in range(3):
+        torch.testing.assert_close(out[:, t], pairwise_advantages(a[:, t].contiguous(), _keep(S, 0.1), "surviving"))
+
+
+# ------------------------------------------------------------------------------------------ scorers
+def test_ngram_jaccard_and_edit_similarity():
+    assert ngram_jaccard(list("abcd"), list("abce"), 2) == pytest.approx(2 / 4)  # {ab, bc} of {ab, bc, cd, ce}
+    assert ngram_jaccard(list("ab"), list("ab"), 3) == 1.0  # shorter than n: one gram
+    assert ngram_jaccard([], [], 2) == 1.0 and ngram_jaccard([], list("a"), 2) == 0.0
+    assert edit_similarity(list("kitten"), list("sitting")) == pytest.approx(1 - 3 / 7)
+    assert edit_similarity([], []) == 1.0 and edit_similarity(list("ab"), []) == 0.0
+
+
+def test_similarity_distinctiveness_is_symmetric_with_zero_diagonal():
+    tokens = [list("3+4=7"), list("3+4=7"), list("xyz"), list("3+4=8")]
+    d = similarity_distinctiveness(tokens, 4, "jaccard", 2)
+    assert torch.equal(d, d.transpose(1, 2)) and torch.all(torch.diagonal(d, dim1=1, dim2=2) == 0)
+    assert d[0, 0, 1] == 0.0 and d[0, 0, 2] == 1.0
+    assert d[0, 0, 3] == pytest.approx(1 - 3 / 5)  # bigrams {3+,+4,4=,=7} vs {3+,+4,4=,=8}
+
+
+PROBLEM = Problem.from_expression([3, 4, 2], ["+", "*"])  # 3+4=7, 7*2=14, Answer: 14
+
+
+def test_prm_score_is_the_mean_step_score():
+    assert prm_score(PROBLEM.to_json(), PROBLEM.solution) == 1.0
+    assert prm_score(PROBLEM.to_json(), "3+4=7\n7*2=15\nAnswer: 15") == pytest.approx(1 / 3)
+    assert prm_score(PROBLEM.to_json(), "") == 0.0
+
+
+def test_anchor_slots():
+    success = torch.tensor([[False, False, False], [True, False, False], [False, True, False], [True, True, True]])
+    assert anchor_slots(success, 1, 0) == [0, -1, -1, -1]
+    assert anchor_slots(success, 2, 1) == [1, 1, 2, -1]  # slot 1 failed -> 1; group 2: slot 1 succeeded -> next
+    assert anchor_slots(success, 1, 9) == [2, -1, -1, -1]  # clamped to G - 1
+
+
+# ------------------------------------------------------------------------------------------ reward -> advantage
+def _reward_ctx(texts, G, rows):
+    N = len(texts)
+    ctx = RewardContext(
+        rewards_per_func=torch.zeros(N, 1), reward_func_names=["r"], reward_weights=torch.ones(1),
+        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G, local_rows=rows,
+        local_prompts=["p"] * N, local_completions=[[{"role": "assistant", "content": t}] for t in texts],
+        process_slice=slice(0, N), step=0,
+    )
+    ctx._object_gatherer = lambda values: list(values)
+    return ctx
+
+
+def _adv_ctx(rewards, advantages, G):
+    N = rewards.numel()
+    sink = {}
+    ctx = AdvantageContext(
+        rewards_per_func=rewards[:, None], rewards=rewards, advantages=advantages,
+        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G,
+        completion_lengths=torch.ones(N), offpolicy_fraction=torch.zeros(N),
+        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=[{}] * N, process_slice=slice(0, N), step=0,
+    )
+    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
+    return ctx, sink
+
+
+TEXTS = [PROBLEM.solution, "3+4=7\n7*2=14\nAnswer: 15", "3+4=8", "garbage"]  # PRM: 1, 2/3, 0, 0
+
+
+def test_prm_scores_travel_from_the_reward_stage_to_the_advantage_stage():
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"delta": 0.5}})
+    rows = [{"problem": PROBLEM.to_json(), "solution": PROBLEM.solution}] * 4
+    stack.call("trl_plugins_transform_rewards", _reward_ctx(TEXTS, 4, rows))
+    ctx, sink = _adv_ctx(torch.tensor([1.0, 0.0, 0.0, 0.0]), A.clone(), 4)
+    stack.call("trl_plugins_transform_advantages", ctx)
+    scores = torch.tensor([1.0, 2 / 3, 0.0, 0.0])
+    torch.testing.assert_close(ctx.advantages, pairwise_advantages(A, _keep(scores, 0.5), "surviving"))
+    # masked: (0,1) with d = 1/3 and (2,3) with d = 0, i.e. 4 of the 12 ordered off-diagonal pairs
+    assert sink["plugins/dagrpo/masked_pair_fraction"] == [pytest.approx(4 / 12)]
+    assert sink["plugins/dagrpo/zero_advantage_row_fraction"] == [0.0]
+    assert sink["plugins/dagrpo/mean_score"] == [pytest.approx((1 + 2 / 3) / 4)]
+    with pytest.raises(PluginError, match="no fine-grained scores"):  # consumed: never reused for another batch
+        stack.call("trl_plugins_transform_advantages", _adv_ctx(torch.zeros(4), A.clone(), 4)[0])
+
+
+def test_similarity_scorer_without_trainer_uses_characters():
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "similarity", "delta": 0.5, "anchors": False}})
+    texts = ["3+4=7", "3+4=7", "xyz", "3+4=8"]
+    stack.call("trl_plugins_transform_rewards", _reward_ctx(texts, 4, [{}] * 4))
+    ctx, sink = _adv_ctx(torch.zeros(4), A.clone(), 4)
+    stack.call("trl_plugins_transform_advantages", ctx)
+    keep = similarity_distinctiveness([list(t) for t in texts], 4, "jaccard", 2) >= 0.5
+    torch.testing.assert_close(ctx.advantages, pairwise_advantages(A, keep, "surviving"))
+    assert "plugins/dagrpo/mean_pair_distinctiveness" in sink and "plugins/dagrpo/mean_score" not in sink
+
+
+def test_reward_scorer_and_reward_gap():
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    ctx, _ = _adv_ctx(rewards, A.clone(), 4)
+    build_plugins(["dagrpo"], {"dagrpo": {"scorer": "reward", "anchors": False}}).call(
+        "trl_plugins_transform_advantages", ctx)
+    # only the cross-class pairs survive: A_i = a_i - mean of the other class
+    torch.testing.assert_close(ctx.advantages, torch.tensor([2.5, 1.5, -1.5, -2.5]))
+    # include_reward_gap on the similarity scorer keeps the cross-class pairs of two identical texts
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "similarity", "delta": 0.5, "include_reward_gap": True,
+                                                  "anchors": False}})
+    stack.call("trl_plugins_transform_rewards", _reward_ctx(["same"] * 4, 4, [{}] * 4))
+    ctx, _ = _adv_ctx(rewards, A.clone(), 4)
+    stack.call("trl_plugins_transform_advantages", ctx)
+    torch.testing.assert_close(ctx.advantages, torch.tensor([2.5, 1.5, -1.5, -2.5]))
+
+
+def test_prm_scorer_needs_the_problem_json():
+    stack = build_plugins(["dagrpo"])
+    with pytest.raises(PluginConfigError, match="'problem'"):
+        stack.call("trl_plugins_transform_rewards", _reward_ctx(["x"] * 2, 2, [{"problem": None}] * 2))
+
+
+# ------------------------------------------------------------------------------------------ anchors (sampling stage)
+def _rollout_ctx(groups, G, solution=PROBLEM.solution, with_logprobs=True):
+    """``groups``: one list of G completion texts per group; texts starting with "OK" succeed."""
+    tok = tiny_tokenizer()
+    B = len(groups) * G
+    global_index, group_ids, index_in_group = group_layout(0, B, G)
+    prompts = [[{"role": "user", "content": f"Q{g}"}] for g in group_ids]
+    rows = [{"prompt": p, "solution": solution} for p in prompts]
+    texts = [t for grp in groups for t in grp]
+    ids = [tok(text=t, add_special_tokens=False)["input_ids"] for t in texts]
+    ctx = RolloutContext(
+        rows=rows, prompts=prompts, training_prompts=list(prompts), prompt_ids=[[5, 6]] * B, completion_ids=ids,
+        completions=[[{"role": "assistant", "content": t}] for t in texts],
+        sampling_logprobs=[[-1.0] * len(x) for x in ids] if with_logprobs else None,
+        offpolicy=[[False] * len(x) for x in ids], prompt_swapped=[False] * B, global_index=global_index,
+        group_ids=group_ids, index_in_group=index_in_group, num_generations=G, step=0,
+        annotations=[{} for _ in range(B)], trainer=SimpleNamespace(processing_class=tok),
+    )
+    ctx.score_calls = []
+
+    def scorer(rows_, prompts_, completions_):
+        ctx.score_calls.append(len(completions_))
+        return torch.tensor([1.0 if c[-1]["content"].startswith("OK") else 0.0 for c in completions_])
+
+    ctx._scorer = scorer
+    ctx._gatherer = lambda t: t
+    ctx._decoder = lambda ids_, row: [{"role": "assistant", "content": tok.decode(ids_, skip_special_tokens=True)}]
+    sink = {}
+    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
+    ctx.sink = sink
+    return ctx, tok
+
+
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_anchor_replaces_one_failed_rollout_of_each_all_fail_group(with_logprobs):
+    ctx, tok = _rollout_ctx([["no", "no", "no"], ["no", "OK", "no"]], 3, with_logprobs=with_logprobs)
+    before = [list(x) for x in ctx.completion_ids]
+    build_plugins(["dagrpo"], {"dagrpo": {"anchor_index": 1}}).call("trl_plugins_after_generation", ctx)
+    expected = tok(text=PROBLEM.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ctx.changed == {1}
+    assert ctx.completion_ids[1] == expected
+    assert ctx.completions[1] == [{"role": "assistant", "content": PROBLEM.solution}]
+    assert ctx.offpolicy[1] == [True] * len(expected)
+    assert ctx.training_prompts[1] == ctx.prompts[1] and ctx.prompt_swapped[1] is False  # no prompt swap
+    if with_logprobs:
+        assert all(math.isnan(x) for x in ctx.sampling_logprobs[1]) and len(ctx.sampling_logprobs[1]) == len(expected)
+    assert ctx.annotations[1] == {ANCHOR_ANNOTATION: True}
+    for i in (0, 2, 3, 4, 5):
+        assert ctx.completion_ids[i] == before[i] and not any(ctx.offpolicy[i])
+    assert ctx.sink["plugins/dagrpo/no_positive_group_fraction"] == [0.5]
+    assert ctx.sink["plugins/dagrpo/anchored_group_fraction"] == [0.5]
+
+
+def test_anchors_off_does_nothing():
+    ctx, _ = _rollout_ctx([["no", "no"]], 2)
+    build_plugins(["dagrpo"], {"dagrpo": {"anchors": False}}).call("trl_plugins_after_generation", ctx)
+    assert not ctx.changed and ctx.score_calls == [] and ctx.sink == {}
+
+
+def test_missing_solution_is_a_clear_error():
+    ctx, _ = _rollout_ctx([["no", "no"]], 2, solution="")
+    with pytest.raises(PluginConfigError, match=r"row 0 .*'solution'"):
+        build_plugins(["dagrpo"]).call("trl_plugins_after_generation", ctx)
+
+
+def test_required_columns_are_checked_at_construction(tmp_path):
+    data = tiny_dataset(4).remove_columns("problem")
+    with pytest.raises(PluginConfigError, match=r"'dagrpo'.*'problem'"):
+        make_tiny_trainer(plugins=["dagrpo"], dataset=data, output_dir=str(tmp_path))
+    make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": {"scorer": "reward"}}, dataset=data,
+                      output_dir=str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_neutral_setting_is_vanilla_grpo(tmp_path):
+    """delta = 0 and no anchors: every pair survives and the run matches trl.GRPOTrainer (completions, rewards,
+    advantages, losses, gradients, parameters) up to the rounding of the advantages' group mean."""
+    common = dict(reward_funcs=[digit_fraction_reward], max_steps=2, output_dir=str(tmp_path))
+    vanilla = record_run(make_tiny_trainer(GRPOTrainer, **common))
+    plugin = record_run(make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": {"delta": 0.0,
+                                                                                         "anchors": False}},
+                                          **common))
+    assert any(a.abs().max() > 0 for a in vanilla.advantages)
+    assert_runs_equal(plugin, vanilla, atol=1e-6, rtol=1e-5)
+    assert all(log.get("plugins/dagrpo/masked_pair_fraction") == 0.0 for log in plugin.logs if "loss" in log)
+
+
+def test_end_to_end_anchors_are_trained_off_policy(tmp_path):
+    """The untrained model never answers correctly: every group is all-fail, so slot 0 of each group becomes the
+    reference solution + EOS, flagged off-policy, rewarded 1 by the verifier, and the pair-masked advantages are
+    the PRM-scored ones."""
+    trainer = make_tiny_trainer(plugins=["dagrpo"], max_steps=2, output_dir=str(tmp_path))
+    batches = []
+    original = trainer._generate_and_score_completions
+
+    def gen(inputs):
+        out = original(inputs)
+        batches.append((inputs, out))
+        return out
+
+    trainer._generate_and_score_completions = gen
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    run = record_run(trainer)
+    tok = trainer.processing_class
+    G = trainer.num_generations
+    for (inputs, out), rewards in zip(batches, run.rewards):
+        anchor = tok(text=inputs[0]["solution"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        row = out["completion_ids"][0][out["completion_mask"][0].bool()].tolist()
+        assert row == anchor
+        assert out["offpolicy_mask"][0][: len(anchor)].all() and not out["offpolicy_mask"][1:].any()
+        assert rewards[:, 0].tolist() == [1.0] + [0.0] * (G - 1)
+        # PRM scores: anchor 1, failures (random text) 0 -> failure pairs masked, each failure compared to the anchor
+        a = out["advantages"]
+        assert a[0] > 0 and torch.all(a[1:] < 0)
+    assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+    logs = [log for log in run.logs if "loss" in log]
+    assert len(logs) == 2
+    for log in logs:
+        assert log["plugins/dagrpo/anchored_group_fraction"] == 1.0
+        assert log["plugins/framework/offpolicy_token_fraction"] > 0
+        for key in ("masked_pair_fraction", "zero_advantage_row_fraction", "mean_score"):
+            assert f"plugins/dagrpo/{key}" in log
