@@ -12,13 +12,15 @@ an earlier plugin changed them) ``(R_i - R_j)/sigma = a_i - a_j``. With a distin
 (``d_ii = 0``) and the surviving set ``S_i = {j : d_ij >= delta}`` (``i`` itself survives only when
 ``delta = 0``)::
 
-    A_i = (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving", the spec's formula)
-    A_i = (1/G)     sum_{j in S_i} (a_i - a_j)      (pair_normalizer="group")
-    A_i = 0 when S_i is empty.
+    A_i = m + (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving", the spec's formula)
+    A_i = m + (1/G)     sum_{j in S_i} (a_i - a_j)      (pair_normalizer="group")
+    A_i = 0 when S_i is empty,
 
-``delta = 0`` keeps every pair and gives ``a_i - mean_group(a)``: mean-centred GRPO (TRL's own advantages up to
-the rounding of their group mean). All-equal scores with ``delta > 0`` give all zeros. With a symmetric mask the
-"group" normaliser gives ``sum_i A_i = 0`` in every group; the "surviving" one only when every row keeps the
+where ``m`` is the group mean of the incoming advantages: 0 for TRL's own (centred per group), so the spec's
+formula; for an earlier plugin's uncentred advantages the group offset is kept and only the pairwise part is
+masked. ``delta = 0`` keeps every pair and returns the incoming advantages exactly: mean-centred GRPO, bit for bit
+TRL's run. All-equal scores with ``delta > 0`` give all zeros. With a symmetric mask the "group" normaliser gives
+``sum_i A_i = G m`` (0 for centred advantages) in every group; the "surviving" one only when every row keeps the
 same number of pairs.
 
 Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
@@ -120,7 +122,8 @@ def pairwise_advantages(advantages: torch.Tensor, keep: torch.Tensor, normalizer
         keep: (num_groups, G, G) bool, ``keep[g, i, j]`` = pair (i, j) survives (row i's set S_i).
         normalizer: "surviving" (divide by |S_i|) or "group" (divide by G).
     Returns:
-        same shape as ``advantages``: ``sum_{j in S_i} (a_i - a_j) / norm``, 0 where S_i is empty.
+        same shape as ``advantages``: ``mean_G(a) + sum_{j in S_i} (a_i - a_j) / norm``; 0 where S_i is empty;
+        exactly ``a_i`` where S_i is the whole group (the formula's value, without rounding).
     """
     n_groups, G, _ = keep.shape
     a = advantages.reshape(n_groups, G, -1).double()  # (n, G, T')
@@ -128,9 +131,12 @@ def pairwise_advantages(advantages: torch.Tensor, keep: torch.Tensor, normalizer
     count = k.sum(-1, keepdim=True)  # (n, G, 1)
     others = torch.einsum("gij,gjt->git", k, a)  # sum_j keep_ij a_j
     if normalizer == "surviving":
-        out = torch.where(count > 0, a - others / count.clamp(min=1.0), torch.zeros_like(a))
+        pair = a - others / count.clamp(min=1.0)
     else:
-        out = (count * a - others) / G
+        pair = (count * a - others) / G
+    out = a.mean(dim=1, keepdim=True) + pair
+    out = torch.where(count == 0, torch.zeros_like(out), out)
+    out = torch.where(count == G, a, out)
     return out.reshape(advantages.shape).to(advantages.dtype)
 
 
@@ -255,6 +261,7 @@ class DaGRPOPlugin(Plugin):
         "the whole method is reconstructed from the abstract (specs/methods_loss_adv.md section 2)",
         "fine-grained scorer: programmatic PRM, token similarity or reward instead of the paper's LLM judge",
         "delta = 0.1; pair normaliser |S_i| (spec) with a 1/G alternative",
+        "the incoming advantages' group mean (0 for TRL's) is kept; only their pairwise part is masked",
         "an anchor replaces one failed rollout (the group size is fixed) and is trained through the shaped "
         "off-policy branch f(p) = p/(p+gamma) (LUFFY), its reward computed by the reward functions",
     )

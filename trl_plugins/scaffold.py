@@ -7,7 +7,7 @@ The package is a complete, installable project that passes its own tests out of 
         README.md
         src/trl_plugins_NAME/__init__.py
         src/trl_plugins_NAME/plugin.py   a documented example plugin for the chosen stage
-        tests/conftest.py           enables the testing kit (``trl_plugins.testing``) as a pytest plugin
+        conftest.py                 enables the testing kit (``trl_plugins.testing``) as a pytest plugin
         tests/test_NAME.py          entry point, options, hook on a hand-made context, neutral setting ==
                                     trl.GRPOTrainer, a short run stacked with the built-in ``canon``
         examples/stacked.yaml       ``trl-plugins train examples/stacked.yaml`` (NAME stacked with ``canon``)
@@ -99,7 +99,7 @@ def render(names: PackageNames, stage: str = DEFAULT_STAGE) -> dict[str, str]:
         "README.md": sub(_README),
         f"src/{names.package}/__init__.py": sub(_INIT),
         f"src/{names.package}/plugin.py": sub(_PLUGINS[stage]),
-        "tests/conftest.py": sub(_CONFTEST),
+        "conftest.py": sub(_CONFTEST),
         f"tests/test_{names.name}.py": sub(_TESTS_HEAD) + sub(_TESTS[stage]),
         "examples/stacked.yaml": sub(_EXAMPLE_YAML),
     }
@@ -136,9 +136,8 @@ def next_steps(root: Path, names: PackageNames) -> str:
     return (
         f"Created {names.distribution} in {root} (plugin {names.name!r}, class {names.cls}).\n"
         "Next:\n"
-        f"  pip install -e {root}                       # registers the entry point\n"
-        f"  python -m pytest {root / 'tests'}            # its tests (testing kit: trl_plugins.testing)\n"
-        f"  trl-plugins train {root / 'examples' / 'stacked.yaml'}   # trains it stacked with the built-in canon\n"
+        f"  pip install -e {root} && python -m pytest {root}    # install (entry point) and run its tests\n"
+        f"  trl-plugins train {root / 'examples' / 'stacked.yaml'}    # a short run stacked with the built-in canon\n"
         f"Then edit {root / 'src' / names.package / 'plugin.py'}: the paper, the method, its options."
     )
 
@@ -169,6 +168,7 @@ where = ["src"]
 
 [tool.pytest.ini_options]
 testpaths = ["tests"]
+filterwarnings = ["ignore::DeprecationWarning", "ignore::FutureWarning"]
 '''
 
 _INIT = '''\
@@ -181,7 +181,9 @@ __all__ = ["${cls}", "${options_cls}"]
 
 _CONFTEST = '''\
 """Enables the trl-plugins testing kit as a pytest plugin: fixtures tiny_tokenizer, tiny_model, tiny_dataset,
-make_trainer and temporary_plugin (a tiny model and tasks built offline, CPU-friendly)."""
+make_trainer and temporary_plugin (a tiny model and tasks built offline, CPU-friendly).
+
+pytest only accepts ``pytest_plugins`` in a top-level conftest.py, hence this file at the project root."""
 
 pytest_plugins = ["trl_plugins.testing"]
 '''
@@ -556,7 +558,7 @@ _PLUGINS = {
 
 # ------------------------------------------------------------------------------------------------ tests
 _TESTS_HEAD = '''\
-"""Tests of ${name}, written with the trl-plugins testing kit (``trl_plugins.testing``; tests/conftest.py enables
+"""Tests of ${name}, written with the trl-plugins testing kit (``trl_plugins.testing``; conftest.py enables
 its fixtures). They run offline on a CPU in well under a minute: a tiny Llama and the bundled arithmetic tasks."""
 
 import pytest

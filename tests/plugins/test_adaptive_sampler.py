@@ -73,6 +73,7 @@ def _plugin(n, seed=0, delay=2, **options):
     return plugin
 
 
+@pytest.mark.filterwarnings("ignore:adaptive_sampler")  # no outcome is ever reported here
 def test_sampler_keeps_trl_repeat_layout_and_is_identical_on_every_process():
     trl_sampler = RepeatSampler(list(range(10)), mini_repeat_count=3, batch_size=2, repeat_count=2, seed=0)
     a, b = _plugin(10), _plugin(10)  # two processes with the same state and seed
@@ -145,7 +146,7 @@ def test_exhausted_pool_falls_back_to_all_prompts():
     plugin = _plugin(3, prune_after=1, variance_mix=0.0)
     simulate(plugin, 0, 40, bs=2, G=2, success_of=lambda idx, k: 1.0)
     assert plugin.pruned.all()
-    assert len(set(plugin.draw_chunk(100, 2))) == 2
+    assert len(set(plugin.draw_chunk(41, 2))) == 2
 
 
 def test_domain_weights_update_every_interval():
@@ -208,9 +209,10 @@ def test_neutral_setting_keeps_trls_sampler_and_is_vanilla(tmp_path):
     common = dict(reward_funcs=[digit_fraction_reward], max_steps=1, log_level="error")
     trainer = make_tiny_trainer(plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": neutral},
                                 output_dir=str(tmp_path / "a"), **common)
-    assert type(trainer._get_train_sampler()) is RepeatSampler
+    with_plugin = record_run(trainer)
     vanilla = record_run(make_tiny_trainer(trainer_cls=GRPOTrainer, output_dir=str(tmp_path / "b"), **common))
-    assert_runs_equal(record_run(trainer), vanilla)
+    assert_runs_equal(with_plugin, vanilla)
+    assert type(trainer._get_train_sampler()) is RepeatSampler
 
 
 def _seeded_run(path, save):
@@ -220,9 +222,9 @@ def _seeded_run(path, save):
     trainer = make_tiny_trainer(
         plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": {"domain_column": "level",
                                                                           "domain_update_interval": 1}},
-        reward_funcs=[solved_by_level], dataset=tiny_dataset(8, levels=(1, 2)),
-        per_device_train_batch_size=8, max_steps=4, log_level="error", output_dir=str(path),
-        **({"save_strategy": "steps", "save_steps": 4} if save else {}),
+        reward_funcs=[solved_by_level], dataset=tiny_dataset(8, levels=(1, 2)), num_generations=2,
+        max_completion_length=6, max_steps=3, log_level="error", output_dir=str(path),
+        **({"save_strategy": "steps", "save_steps": 3} if save else {}),
     )
     return trainer, record_run(trainer)
 
@@ -231,7 +233,7 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
     trainer, run = _seeded_run(tmp_path / "a", save=True)
     trainer2, run2 = _seeded_run(tmp_path / "b", save=False)
     plugin, plugin2 = (t.plugin_stack.by_name["adaptive_sampler"] for t in (trainer, trainer2))
-    assert plugin.chunks == plugin2.chunks and len(plugin.chunks) >= 4
+    assert plugin.chunks == plugin2.chunks and len(plugin.chunks) >= 3
     for a, b in zip(run.completion_ids, run2.completion_ids):
         assert torch.equal(a, b)
     # outcomes were learned from the gathered rewards: level-1 prompts (even indices) are solved and pruned
@@ -241,9 +243,9 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
             assert plugin.accuracy[idx] == (1.0 if dataset[idx]["level"] == 1 else 0.0)
             assert bool(plugin.pruned[idx]) == (dataset[idx]["level"] == 1)
     logs = [log for log in run.logs if "loss" in log]
-    assert len(logs) == 4 and all("plugins/adaptive_sampler/pruned_fraction" in log for log in logs)
+    assert len(logs) == 3 and all("plugins/adaptive_sampler/pruned_fraction" in log for log in logs)
     # the checkpoint holds the plugin's state, and loading it restores the same future draws
-    state = torch.load(os.path.join(str(tmp_path / "a"), "checkpoint-4", PLUGIN_STATE_FILE), weights_only=False)
+    state = torch.load(os.path.join(str(tmp_path / "a"), "checkpoint-3", PLUGIN_STATE_FILE), weights_only=False)
     fresh = build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"domain_column": "level"}}).by_name[
         "adaptive_sampler"]
     fresh.trl_plugins_load_state_dict(state["adaptive_sampler"])
@@ -251,4 +253,4 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
     for key in ("accuracy", "draws", "streak", "pruned", "domain_of"):
         torch.testing.assert_close(getattr(fresh, key), getattr(plugin, key), equal_nan=True)
     assert fresh.domain_weights == plugin.domain_weights and fresh.pending.keys() == plugin.pending.keys()
-    assert [fresh.draw_chunk(c, 2) for c in range(10, 14)] == [plugin.draw_chunk(c, 2) for c in range(10, 14)]
+    assert [fresh.draw_chunk(c, 2) for c in (4, 5)] == [plugin.draw_chunk(c, 2) for c in (4, 5)]

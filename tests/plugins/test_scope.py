@@ -246,8 +246,7 @@ def test_two_processes_choose_per_group_on_gathered_data():
     texts = [[ONE_SLIP, RIGHT], [TWO_OK, "junk"]]
     ctxs = []
     for r in range(2):
-        ctx = make_ctx([texts[r] + ["pad", "pad"]], service=services[r], process_index=r,
-                       gatherer=lambda t, r=r: coll.gather(r, t))
+        ctx = make_ctx([texts[r] + ["pad", "pad"]], service=services[r], gatherer=lambda t, r=r: coll.gather(r, t))
         for name in ("rows", "prompts", "training_prompts", "prompt_ids", "completion_ids", "completions",
                      "sampling_logprobs", "offpolicy", "prompt_swapped", "annotations"):
             setattr(ctx, name, getattr(ctx, name)[:2])

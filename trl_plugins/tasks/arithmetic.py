@@ -565,13 +565,15 @@ def rubric_score(items: Sequence[dict[str, Any]], verdicts: Sequence[bool]) -> f
 def hint(problem: Problem, fraction: float) -> str:
     """The first ``fraction`` of the reference solution, by lines (newline-joined).
 
-    ``floor(fraction * L)`` of the ``L`` solution lines, but at least one when ``fraction > 0``; the
-    answer line is only included when ``fraction == 1``. ``fraction == 0`` gives ``""``.
+    ``floor(fraction * L)`` of the ``L`` solution lines, but at least one when ``fraction > 0`` and
+    at most ``L - 1`` when ``fraction < 1``: the answer line is only included when ``fraction == 1``. ``fraction == 0`` gives ``""``.
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
     lines = problem.solution_lines
     if fraction == 0.0:
         return ""
-    k = max(1, math.floor(fraction * len(lines) + 1e-9))
+    k = max(1, math.floor(fraction * len(lines)))
+    if fraction < 1.0:
+        k = min(k, len(lines) - 1)  # the answer line only with the whole solution
     return "\n".join(lines[:k])

@@ -1,0 +1,162 @@
+"""rlpr: reference-answer probability reward (catalog RWD-01 / P7) and std filtering of low-variance groups.
+
+The reward is checked exactly against a direct forward of the tiny policy; the filter on a hand-built
+AdvantageContext; the neutral setting (weight 0, no filter) reproduces trl.GRPOTrainer; a short run trains."""
+
+import math
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_plugins import AdvantageContext, PluginConfigError, build_plugins
+from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins_builtin.rlpr import (
+    debiased_reward,
+    ema_update,
+    group_std,
+    left_right_batch,
+    mean_token_probability,
+    split_reasoning,
+)
+
+MARKER = r"(?i)answer\s*:"
+
+
+def test_pure_functions():
+    assert split_reasoning("1+2=3\nAnswer: 5\nAnswer: 6", MARKER, "\nAnswer:") == "1+2=3\nAnswer:"
+    assert split_reasoning("1+2=3", MARKER, "\nAnswer:") == "1+2=3\nAnswer:"
+    logps = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.2, 0.9, 0.9]]))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert mean_token_probability(logps, mask).tolist() == pytest.approx([0.375, 0.2])
+    assert debiased_reward(torch.tensor([0.5, 0.2, 0.9]), torch.tensor([0.3, 0.4, -0.5])).tolist() == pytest.approx(
+        [0.2, 0.0, 1.0]
+    )
+    std = group_std(torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, float("nan")]), 2)
+    assert std.tolist() == pytest.approx([math.sqrt(2), 0.0, 0.0])  # unbiased; a lone value has std 0
+    assert ema_update(None, 0.4, 0.9) == 0.4
+    assert ema_update(0.4, 0.2, 0.9) == pytest.approx(0.38)
+    ids, att, tmask, A = left_right_batch([[1, 2, 3], [4]], [[7], [8, 9]], pad_id=0)
+    assert A == 2
+    assert ids.tolist() == [[1, 2, 3, 7, 0], [0, 0, 4, 8, 9]]
+    assert att.tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
+    assert tmask.tolist() == [[1, 0], [1, 1]]
+
+
+def _manual_mean_prob(model, ids, n_answer):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    targets = torch.tensor(ids[1:])
+    token_lp = logp.gather(1, targets.unsqueeze(1)).squeeze(1)[-n_answer:]
+    return token_lp.exp().mean().item()
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_reward_is_the_mean_probability_of_the_reference_after_the_reasoning(tmp_path, debias):
+    trainer = make_tiny_trainer(plugins=["rlpr"], plugin_config={"rlpr": {"debias": debias}},
+                                reward_funcs=[digit_fraction_reward], output_dir=str(tmp_path), log_level="error")
+    func = trainer.reward_funcs[-1]
+    assert func.__name__ == "rlpr"
+    prompt = [{"role": "user", "content": "Compute 4+5 step by step (left to right)."}]
+    completions = [[{"role": "assistant", "content": "4+5=9\nAnswer: 9"}],
+                   [{"role": "assistant", "content": "4+5=8\nAnswer: 8"}],
+                   [{"role": "assistant", "content": "4+5=9 ok"}]]  # no marker: "\nAnswer:" is appended
+    rewards = func(prompts=[prompt] * 3, completions=completions, completion_ids=[[1]] * 3, answer=["9"] * 3)
+    tok = trainer.processing_class
+    p_ids = trainer.generation_service.tokenize([prompt])[0]
+    enc = lambda s: tok(text=s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    target = enc(" 9")
+    base = _manual_mean_prob(trainer.model, p_ids + enc("\nAnswer:") + target, len(target))
+    for reasoning, got in zip(["4+5=9\nAnswer:", "4+5=8\nAnswer:", "4+5=9 ok\nAnswer:"], rewards):
+        r = _manual_mean_prob(trainer.model, p_ids + enc(reasoning) + target, len(target))
+        expected = min(max(r - base, 0.0), 1.0) if debias else r
+        assert got == pytest.approx(expected, abs=1e-5)
+    if not debias:
+        assert len(set(round(r, 6) for r in rewards)) == 3 and all(0 < r < 1 for r in rewards)
+
+
+def _adv_ctx(rlpr_rewards, G, advantages=None):
+    N = len(rlpr_rewards)
+    rows = torch.arange(N)
+    rpf = torch.stack([torch.zeros(N), torch.tensor(rlpr_rewards)], dim=1)
+    ctx = AdvantageContext(
+        rewards_per_func=rpf, rewards=rpf.sum(1), advantages=advantages if advantages is not None else torch.ones(N),
+        group_ids=rows // G, index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N),
+        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
+        annotations=[{} for _ in range(N)], process_slice=slice(0, N), step=0,
+    )
+    ctx.metrics = {}
+    ctx._active_plugin = "rlpr"
+    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
+    return ctx
+
+
+def test_std_filter_fixed_threshold():
+    plugin = build_plugins(["rlpr"], {"rlpr": {"std_threshold": 0.1}}).plugins[0]
+    ctx = _adv_ctx([0.5, 0.52, 0.1, 0.9, 0.3, 0.3], G=2, advantages=torch.arange(6.0).unsqueeze(1).repeat(1, 3))
+    plugin.trl_plugins_transform_advantages(ctx)
+    # group stds: 0.0141, 0.566, 0 -> only group 1 is kept; (N, T) advantages are supported
+    assert ctx.advantages[:, 0].tolist() == [0, 0, 2, 3, 0, 0]
+    assert ctx.advantages.shape == (6, 3)
+    assert ctx.metrics["plugins/rlpr/kept_group_fraction"] == [pytest.approx(1 / 3)]
+
+
+def test_std_filter_ema_threshold_and_state():
+    plugin = build_plugins(["rlpr"], {"rlpr": {"ema_decay": 0.5}}).plugins[0]
+    ctx = _adv_ctx([0.0, 0.2, 0.0, 1.0], G=2)  # stds sqrt(.02)=0.1414, sqrt(.5)=0.7071 -> mean 0.4243
+    plugin.trl_plugins_transform_advantages(ctx)
+    first = (math.sqrt(0.02) + math.sqrt(0.5)) / 2
+    assert plugin.threshold == pytest.approx(first)
+    assert ctx.advantages.tolist() == [0, 0, 1, 1]
+    ctx = _adv_ctx([0.0, 0.0, 0.0, 0.3], G=2)  # stds 0, 0.2121 < threshold 0.5 * 0.4243 + 0.5 * 0.1061 = 0.2652
+    plugin.trl_plugins_transform_advantages(ctx)
+    assert plugin.threshold == pytest.approx(0.5 * first + 0.5 * math.sqrt(0.045) / 2)
+    assert ctx.advantages.tolist() == [0, 0, 0, 0]
+    fresh = build_plugins(["rlpr"]).plugins[0]
+    fresh.trl_plugins_load_state_dict(state=plugin.trl_plugins_state_dict())
+    assert fresh.threshold == plugin.threshold
+
+
+def test_options_and_conflicts_refused():
+    with pytest.raises(PluginConfigError, match="answer_template"):
+        build_plugins(["rlpr"], {"rlpr": {"answer_template": "no placeholder"}})
+    with pytest.raises(PluginConfigError, match="answer_marker"):
+        build_plugins(["rlpr"], {"rlpr": {"answer_marker": "("}})
+    with pytest.raises(Exception, match="empo"):
+        build_plugins(["rlpr", "empo"])
+
+
+RUN = dict(reward_funcs=[digit_fraction_reward], max_steps=2, log_level="error")
+
+
+def test_neutral_setting_is_vanilla(tmp_path):
+    vanilla = record_run(make_tiny_trainer(GRPOTrainer, output_dir=str(tmp_path / "v"), **RUN))
+    ours = record_run(make_tiny_trainer(plugins=["rlpr"],
+                                        plugin_config={"rlpr": {"reward_weight": 0.0, "std_filter": False}},
+                                        output_dir=str(tmp_path / "p"), **RUN))
+    assert any(a.abs().sum() > 0 for a in vanilla.advantages)
+    for x, y in zip(vanilla.completion_ids, ours.completion_ids):
+        assert torch.equal(x, y)
+    for x, y in zip(vanilla.rewards, ours.rewards):
+        torch.testing.assert_close(x, y[:, :1], rtol=0, atol=0)
+    for x, y in zip(vanilla.advantages, ours.advantages):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    torch.testing.assert_close(torch.tensor(vanilla.losses), torch.tensor(ours.losses), rtol=0, atol=0)
+    for key in vanilla.params:
+        torch.testing.assert_close(vanilla.params[key], ours.params[key], rtol=0, atol=0)
+
+
+def test_end_to_end(tmp_path):
+    trainer = make_tiny_trainer(plugins=["rlpr"], plugin_config={"rlpr": {"debias": False}},
+                                output_dir=str(tmp_path), **RUN)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    run = record_run(trainer)
+    assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+    assert all(r[:, 1].std() > 0 for r in run.rewards)  # the probability reward varies within the batch
+    logs = [log for log in run.logs if "loss" in log]
+    assert len(logs) == 2
+    for log in logs:
+        assert log["rewards/rlpr/mean"] > 0
+        assert "plugins/rlpr/kept_group_fraction" in log and "plugins/rlpr/std_threshold" in log
+        assert "plugins/rlpr/answer_probability" in log
