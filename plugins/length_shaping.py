@@ -291,6 +291,9 @@ class LengthShapingPlugin(Plugin):
     def trl_plugins_load_state_dict(self, state):
         self.targets = list(state.get("targets", [None, None, None]))
         self.history = deque(
-            [(torch.tensor(a), torch.tensor(b, dtype=torch.bool), torch.tensor(c)) for a, b, c in state.get("history", [])],
+            [
+                (torch.tensor(a), torch.tensor(b, dtype=torch.bool), torch.tensor(c))
+                for a, b, c in state.get("history", [])
+            ],
             maxlen=self.options.window,
         )

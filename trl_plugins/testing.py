@@ -1078,6 +1078,10 @@ def assert_offpolicy_logprobs_nan(obj: Any, prompt_swapped: Sequence[bool] | Non
     ``trainer._generate_and_score_completions`` (a dict with ``offpolicy_mask`` and, when the backend gives
     them, ``sampling_per_token_logps``; pass ``prompt_swapped`` per row to check swapped rows too). With HF
     generation there are no sampling log-probs: only the shapes are checked.
+
+    Inside an ``after_generation`` hook of a real run, rows swapped at the prompt stage still hold the backend's
+    log-probs (the trainer sets them to NaN once the sampling hooks are done); check such a context with
+    ``prompt_swapped=[False] * len(ctx)`` and the swapped rows on the generation batch.
     """
     if isinstance(obj, RolloutContext):
         swapped = obj.prompt_swapped if prompt_swapped is None else prompt_swapped

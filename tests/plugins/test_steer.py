@@ -164,8 +164,8 @@ def test_dual_clip_caps_negative_advantage_loss_with_zero_gradient():
     w = steer_weights(entropy_change(lp, lp_old, adv, torch.ones(1, 3)).abs(), mask, 0.8)
     assert weights[0].tolist() == pytest.approx([0.0, float(w[0, 1]), float(w[0, 2])])
     per_token = ctx.per_token_loss * weights + term
-    assert float(per_token[0, 0]) == pytest.approx(float(w[0, 0]) * 10.0)  # w * min(-A c, L) = w * 10
-    assert float(per_token[0, 1]) == pytest.approx(float(w[0, 1]) * 2.0)
+    assert float(per_token.detach()[0, 0]) == pytest.approx(float(w[0, 0]) * 10.0)  # w * min(-A c, L) = w * 10
+    assert float(per_token.detach()[0, 1]) == pytest.approx(float(w[0, 1]) * 2.0)
     (grad,) = torch.autograd.grad(per_token.sum(), lp)
     assert grad[0, 0] == 0 and grad[0, 1] != 0
 

@@ -31,6 +31,15 @@ def tokenizer():
     return build_tokenizer()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tensors this small are fastest on one thread (and two threads crawl when the other core is busy)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 # --------------------------------------------------------------------------------------------------- tokenizer
 
 
