@@ -56,8 +56,11 @@ class ClipCovOptions(PluginOptions):
         "microbatch",
         help="Where covariance and pick are computed: per loss micro-batch (official code) or once per generation "
         "batch over all processes from the pre-update log-probs (one extra no-grad forward).",
+        reconstructed=True,
     )
-    seed: int | None = option(None, help="Seed of the plugin's random pick; None uses the run's `seed`.")
+    seed: int | None = option(
+        None, help="Seed of the plugin's random pick; None uses the run's `seed`.", reconstructed=True
+    )
 
 
 # ------------------------------------------------------------------------------------------ pure functions

@@ -43,7 +43,9 @@ EOS. Its tokens are marked off-policy, so the loss trains them through the frame
 ``-A p/(p+gamma)`` (LUFFY, gamma = ``offpolicy_shaping_gamma``) with no importance ratio and no vLLM IS
 correction; its reward comes from the ordinary reward functions (the spec adds it "with R = 1"; a correct
 reference solution scores so under a verifier). The spec's "extra group member" becomes a replacement because
-the group size never changes. ``anchors=false`` switches them off.
+the group size never changes. ``anchors=false`` switches them off. Success is judged on the rows as the earlier
+sampling plugins left them, so listed after e.g. ``hint_scaffold`` DaGRPO anchors only the groups that plugin did
+not rescue (the precedence the catalog asks for).
 
 Defaults, all reconstructed: scorer ``prm``, delta = 0.1, pair_normalizer ``surviving``, similarity ``jaccard``
 on token bigrams, anchors on for groups with no success, slot 0.
@@ -92,7 +94,9 @@ class DaGRPOOptions(PluginOptions):
         False, help="Add |R_i - R_j| to the distinctiveness of each pair.", reconstructed=True
     )
     similarity: Literal["jaccard", "edit"] = option(
-        "jaccard", help="scorer='similarity': Jaccard of token n-grams, or 1 - normalised edit distance.",
+        "jaccard",
+        help="scorer='similarity': Jaccard of token n-grams, or 1 - normalised edit distance (quadratic in the "
+        "length, pure Python: slow for long completions).",
         reconstructed=True,
     )
     ngram: int = option(2, min=1, help="n of the token n-grams of the Jaccard similarity.", reconstructed=True)

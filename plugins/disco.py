@@ -190,8 +190,9 @@ class DiscoPlugin(Plugin):
             ]
             if before:
                 warnings.warn(
-                    f"disco: advantage plugin(s) {before} run before disco, whose sequence weights replace their "
-                    "advantages; list them after disco to transform DisCO's weights instead.",
+                    f"disco: advantage-stage plugin(s) {before} run before disco, which overwrites the advantages "
+                    "with its sequence weights (any advantages they set are lost); list them after disco to "
+                    "transform DisCO's weights instead.",
                     stacklevel=2,
                 )
 

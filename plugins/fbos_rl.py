@@ -47,7 +47,6 @@ from typing import Any, Literal
 import torch
 from trl_plugins import (
     AdvantageContext,
-    IncompatiblePluginsError,
     Plugin,
     PluginConfigError,
     PluginOptions,
@@ -58,7 +57,7 @@ from trl_plugins import (
 )
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, completion_text, context_device, gather_id_lists
+from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -348,12 +347,12 @@ class FbosRlPlugin(Plugin):
         }
         completions = ctx.service.generate(prompts=[faps.get(i, ctx.prompts[i]) for i in round2])  # collective
         for i, c in zip(round2, completions):
+            ids, lps = (c.completion_ids, c.logprobs) if c.completion_ids else ([tok.eos_token_id], None)
             if i in faps:
-                ctx.replace_row(i, c.completion_ids, logprobs=c.logprobs, training_prompt=faps[i],
-                                prompt_swapped=False)
+                ctx.replace_row(i, ids, logprobs=lps, training_prompt=faps[i], prompt_swapped=False)
                 ctx.annotations[i].update(fbos_role="ecc", fbos_source=sources[i] % G)
             else:  # no failure to learn from: an ordinary rollout under x
-                ctx.replace_row(i, c.completion_ids, logprobs=c.logprobs)
+                ctx.replace_row(i, ids, logprobs=lps)
                 ctx.annotations[i]["fbos_role"] = "round1"
 
         # round-2 rewards (FAP rows only), gathered with their sources
@@ -434,7 +433,8 @@ class FbosRlPlugin(Plugin):
         rescued = (all_fail & ((r2g > self.options.success_threshold) & r2_valid).any(dim=1)).float().mean().item()
         ctx.log_metric("round1_success_rate", (r1g > self.options.success_threshold).float().mean().item())
         if r2_valid.any():
-            ctx.log_metric("round2_success_rate", (r2g[r2_valid] > self.options.success_threshold).float().mean().item())
+            success2 = (r2g[r2_valid] > self.options.success_threshold).float().mean().item()
+            ctx.log_metric("round2_success_rate", success2)
         ctx.log_metric("rescued_group_fraction", rescued)
         ctx.log_metric("epa_fraction", n_epa / N)
         ctx.log_metric("ecc_fraction", r2_valid.sum().item() / N)

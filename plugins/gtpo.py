@@ -179,6 +179,11 @@ class GtpoPlugin(Plugin):
     Options = GtpoOptions
     conflicts_with = ("llds",)
     conflict_reason = LIKELIHOOD_PICK_ONE
+    reconstructed = (
+        "with (N, T) token advantages from an earlier plugin, a completion's sign is that of its masked-mean "
+        "advantage (the paper has one advantage per completion)",
+        "tokens are compared only at loss-mask positions (the official code compares every non-pad id)",
+    )
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

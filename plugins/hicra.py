@@ -31,6 +31,7 @@ semantic-entropy analysis is a diagnostic, not part of the update, and is not im
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -150,6 +151,15 @@ class HicraPlugin(Plugin):
         super().__init__(options)
         o = self.options
         self._patterns = phrase_patterns(o.phrases, o.case_sensitive, o.whole_words)
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        if args.top_entropy_quantile < 1.0:
+            warnings.warn(
+                f"hicra: top_entropy_quantile={args.top_entropy_quantile} also focuses the update on a token subset "
+                "(high-entropy tokens); together they focus twice (catalog section 3.5: compatible, but watch it).",
+                stacklevel=2,
+            )
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):

@@ -26,7 +26,7 @@ at the advantage stage, from the pre-update log-probs (one extra no-grad forward
 Off-policy (injected) tokens keep their shaped branch and are never selected.
 
 Incompatible: Lp-Reg, Clip-Cov, SIREN and TRL's entropy bonus ("pick one", catalog section 3.5). KL-Cov replaces
-the surrogate, so at most one other surrogate-replacing plugin may not be stacked with it either.
+the surrogate, so no other surrogate-replacing plugin can be stacked with it.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class KlCovOptions(PluginOptions):
         "microbatch",
         help="Where covariance and top-k are computed: per loss micro-batch (official code) or once per generation "
         "batch over all processes from the pre-update log-probs (one extra no-grad forward).",
+        reconstructed=True,
     )
 
 

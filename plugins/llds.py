@@ -100,6 +100,10 @@ class LldsPlugin(Plugin):
     Options = LldsOptions
     conflicts_with = ("gtpo",)
     conflict_reason = LIKELIHOOD_PICK_ONE
+    reconstructed = (
+        "the penalty is an additive token term aggregated like the surrogate (loss_type); the official code adds "
+        "the micro-batch token-mean (equal with loss_type='dapo' / 'bnpo' up to TRL's normaliser)",
+    )
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

@@ -297,7 +297,10 @@ class ScopePlugin(Plugin):
                 r.ids = ctx.completion_ids[r.row][: r.prefix_tokens] + new
             return
         separator = self.prm.separator
-        steps = self.teacher.continue_from(rows, prompts, prefixes, stop=[separator], max_tokens=max_tokens) if repairs else []
+        steps = (
+            self.teacher.continue_from(rows, prompts, prefixes, stop=[separator], max_tokens=max_tokens)
+            if repairs else []
+        )
         requests, step_ids = [], []
         for r, step in zip(repairs, steps):
             ids = list(tok(step + separator, add_special_tokens=False)["input_ids"]) if step.strip() else []

@@ -78,19 +78,27 @@ def peak_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> tor
     return m & (entropy.detach().float() > tau)
 
 
+def row_entropy(entropy: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """(B,) per-sequence token-mean ``sum_t M H / sum_t M`` (0 for a row with an empty mask), gradient kept.
+
+    Args:
+        entropy: (B, T). peak: (B, T) bool mask M.
+    """
+    m = peak.to(entropy.dtype)
+    counts = m.sum(-1)
+    row = (entropy * m).sum(-1) / counts.clamp(min=1.0)
+    return torch.where(counts > 0, row, torch.zeros_like(row))
+
+
 def aggregate_entropy(entropy: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
-    """Scalar seq-mean-token-mean ``mean_b(sum_t M H / sum_t M)`` (a row with an empty mask counts 0).
+    """Scalar seq-mean-token-mean ``mean_b(row_entropy)`` (a row with an empty mask counts 0).
 
     Args:
         entropy: (B, T), gradient kept. peak: (B, T) bool mask M.
     """
     if entropy.size(0) == 0:
         return entropy.sum()
-    m = peak.to(entropy.dtype)
-    counts = m.sum(-1)
-    row = (entropy * m).sum(-1) / counts.clamp(min=1.0)
-    row = torch.where(counts > 0, row, torch.zeros_like(row))
-    return row.mean()
+    return row_entropy(entropy, peak).mean()
 
 
 def anchored_term(h_agg: torch.Tensor, anchor: float, coef: float) -> torch.Tensor:
@@ -142,14 +150,13 @@ class SirenPlugin(Plugin):
         """Self-anchor H_0 from the rollout policy, once (first batch), over the whole global batch."""
         if self.anchor is not None:
             return
+        if ctx.trainer is not None and not ctx.trainer.model.training:
+            return  # the anchor comes from the first *training* batch
         o = self.options
         stats = ctx.policy_stats(head_stats=True)
         h = stats.head_stats.top_p_entropy(o.top_p, o.k_max, mode="siren")  # (B, T), no grad
-        peak = peak_mask(h, stats.mask, o.quantile)
-        m = peak.to(h.dtype)
-        counts = m.sum(-1)
-        row = torch.where(counts > 0, (h * m).sum(-1) / counts.clamp(min=1.0), torch.zeros_like(counts))
-        self.anchor = float(ctx.gather(row).mean())
+        row = row_entropy(h, peak_mask(h, stats.mask, o.quantile))  # (B,)
+        self.anchor = float(ctx.gather(row).mean())  # seq-mean over the whole global batch
 
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
@@ -157,14 +164,17 @@ class SirenPlugin(Plugin):
         h = ctx.head_stats().top_p_entropy_with_grad(o.top_p, o.k_max, mode="siren")  # (B, T), with grad
         peak = peak_mask(h, ctx.mask, o.quantile)
         h_agg = aggregate_entropy(h, peak)
-        if self.anchor is None:  # no advantage stage ran (e.g. hooks driven by hand): anchor on this batch
-            self.anchor = float(h_agg.detach())
-        term = anchored_term(h_agg, self.anchor, o.coef)
+        anchor = self.anchor
+        if anchor is None:  # no training advantage stage ran yet (hooks driven by hand, or eval first)
+            anchor = float(h_agg.detach())
+            if ctx.mode == "train":
+                self.anchor = anchor
+        term = anchored_term(h_agg, anchor, o.coef)
         trainer = ctx.trainer
         if ctx.mode == "train" and trainer is not None:
             term = term / trainer.current_gradient_accumulation_steps
         ctx.add_loss(term)
         ctx.log_metric("topp_entropy", float(h_agg.detach()))
-        ctx.log_metric("anchor", self.anchor)
-        ctx.log_metric("entropy_gap", float(h_agg.detach()) - self.anchor)
+        ctx.log_metric("anchor", anchor)
+        ctx.log_metric("entropy_gap", float(h_agg.detach()) - anchor)
         ctx.log_metric("peak_token_fraction", ctx.global_masked_mean(peak.float()))

@@ -62,6 +62,7 @@ class SteerOptions(PluginOptions):
         "auto",
         help="Entropy H in Omega: 'current' = sg(loss-forward entropies), 'old' = old policy via one advantage-stage "
         "no-grad forward, 'auto' = 'current' when the policy cannot have moved since the rollout, else 'old'.",
+        reconstructed=True,
     )
 
     def validate(self) -> None:

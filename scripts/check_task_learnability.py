@@ -24,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 
+def _fraction(text: str) -> float | dict[int, float]:
+    value = json.loads(text)
+    return {int(k): float(v) for k, v in value.items()} if isinstance(value, dict) else float(value)
+
+
 def _parse_args() -> argparse.Namespace:
     from trl_plugins.tasks.tiny import DemoSettings
 
@@ -36,7 +41,12 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--warm-start-steps", type=int, default=d.warm_start_steps)
     p.add_argument("--warm-start-lr", type=float, default=d.warm_start_lr)
     p.add_argument("--warm-start-batch-size", type=int, default=d.warm_start_batch_size)
-    p.add_argument("--informal-fraction", type=float, default=d.warm_start_informal_fraction)
+    p.add_argument(
+        "--informal-fraction",
+        type=_fraction,
+        default=d.warm_start_informal_fraction,
+        help='share of informal warm-start endings: a number or JSON per level, e.g. \'{"1": 0.2, "2": 0.7}\'',
+    )
     p.add_argument("--grpo-steps", type=int, default=d.grpo_steps)
     p.add_argument("--grpo-lr", type=float, default=d.grpo_learning_rate)
     p.add_argument("--num-generations", type=int, default=d.num_generations)

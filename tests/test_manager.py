@@ -53,7 +53,7 @@ def test_builtins_are_available_with_stages_and_papers():
 
 
 def test_unknown_plugin_suggests_close_match():
-    with pytest.raises(UnknownPluginError, match=r"Unknown plugin 'lp_rge'\. Did you mean 'lp_reg'\?"):
+    with pytest.raises(UnknownPluginError, match=r"Unknown plugin 'lp_rge'\. Did you mean 'lp_reg'( or '\w+')*\?"):
         build_plugins(["lp_rge"])
 
 

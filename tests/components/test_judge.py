@@ -156,3 +156,26 @@ def test_hf_judge_loads_by_path_and_fails_loudly_on_garbage(tmp_path):
     assert judge.grade(requests[:2]) == [False, False]
     with pytest.raises(EndpointError, match="could not load the judge model|Could not load the judge model"):
         HFJudge(str(tmp_path / "missing"))
+
+
+def test_verdict_cache_is_bounded_lru():
+    class Scripted(EndpointJudge.__mro__[1]):  # the shared parse-and-retry judge, answering without a server
+        location = "scripted"
+
+        def __init__(self):
+            super().__init__(parse_retries=0)
+            self.asked = []
+
+        def _ask(self, prompts):
+            self.asked.extend(prompts)
+            return ['{"criteria_met": true}'] * len(prompts)
+
+    judge = Scripted()
+    judge.cache_size = 2
+    requests, _ = _requests()
+    assert judge.grade(requests[:3]) == [True] * 3
+    assert len(judge._cache) == 2 and len(judge.asked) == 3
+    judge.grade(requests[1:3])  # the two most recent are cached
+    assert len(judge.asked) == 3
+    judge.grade(requests[:1])  # the oldest was dropped
+    assert len(judge.asked) == 4

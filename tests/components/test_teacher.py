@@ -66,7 +66,8 @@ def test_endpoint_teacher_continuation_and_chat_over_loopback():
         one = t.continue_from([ROW], [PROMPT], ["3+4=7\n"], stop=["\n"], max_tokens=5)
         answers = t.chat([[{"role": "user", "content": "x"}]])
         t.close()
-    assert out == ["7*2=14\n14-5=9\nAnswer: 9", "14-5=9\nAnswer: 9"] and one == ["7*2=14"] and answers == ["critique: x"]
+    assert out == ["7*2=14\n14-5=9\nAnswer: 9", "14-5=9\nAnswer: 9"]
+    assert one == ["7*2=14"] and answers == ["critique: x"]
     assert seen[0]["model"] == "teacher" and seen[0]["max_tokens"] == 77 and seen[0]["temperature"] == 0.0
     assert seen[0]["messages"] == continuation_messages(PROMPT, "3+4=7\n")
     assert seen[2]["stop"] == ["\n"] and seen[2]["max_tokens"] == 5

@@ -250,7 +250,7 @@ def test_configure_refuses_other_loss_types_and_warns():
         _configure(beta=0.04)
     with pytest.warns(UserWarning, match="top_entropy_quantile"):
         _configure(top_entropy_quantile=0.2)
-    with pytest.warns(UserWarning, match=r"\['canon'\] run before disco"):
+    with pytest.warns(UserWarning, match=r"\['canon'\] run before disco, which overwrites"):
         _configure(plugins=["canon", "disco"], loss_type="grpo")
 
 

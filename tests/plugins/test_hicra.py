@@ -136,6 +136,12 @@ def test_default_lexicon_and_option_validation():
         build_plugins(["hicra"], {"hicra": {"alpha": -0.1}})
 
 
+def test_configure_warns_about_double_focusing_with_top_entropy_quantile():
+    stack = build_plugins(["hicra"])
+    with pytest.warns(UserWarning, match="top_entropy_quantile"):
+        stack.call("trl_plugins_configure", trainer=None, args=SimpleNamespace(top_entropy_quantile=0.2))
+
+
 # ------------------------------------------------------------------------------------------ hooks
 def _adv_ctx(completion_ids, with_ids=True):
     B = completion_ids.size(0)

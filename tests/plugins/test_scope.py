@@ -278,8 +278,9 @@ def test_options_and_construction_checks(tmp_path):
         build_plugins(["scope"], {"scope": {"prm": "programmatic"}})
     with pytest.raises(PluginConfigError, match="prm_base_url"):
         build_plugins(["scope"], {"scope": {"mode": "reference_suffix", "prm": "endpoint"}})
-    with pytest.raises(IncompatiblePluginsError, match="offpolicy_shaping_gamma"):
-        make_tiny_trainer(plugins=["scope"], plugin_config={"scope": {**BASE, "gamma": 0.2}}, output_dir=str(tmp_path))
+    plugin = list(build_plugins(["scope"], {"scope": {**BASE, "gamma": 0.2}}))[0]
+    with pytest.raises(IncompatiblePluginsError, match="offpolicy_shaping_gamma"):  # refused at construction
+        plugin.trl_plugins_configure(trainer=None, args=SimpleNamespace(offpolicy_shaping_gamma=0.1))
     with pytest.raises(PluginConfigError, match="'problem'"):
         make_tiny_trainer(plugins=["scope"], plugin_config={"scope": BASE}, output_dir=str(tmp_path),
                           dataset=make_dataset(4).remove_columns("problem"))
@@ -354,7 +355,7 @@ def test_neutral_setting_reduces_to_vanilla_grpo(tmp_path):
     from trl_plugins.testing import digit_fraction_reward
 
     rewards = [accuracy_reward, digit_fraction_reward]
-    common = dict(max_steps=2, reward_funcs=rewards, output_dir=str(tmp_path), log_level="error")
+    common = dict(max_steps=1, reward_funcs=rewards, output_dir=str(tmp_path), log_level="error")
     vanilla = record_run(make_tiny_trainer(trainer_cls=trl.GRPOTrainer, **common))
     neutral = record_run(make_tiny_trainer(plugins=["scope"], plugin_config={"scope": {**BASE, "threshold": 0.0}},
                                            **common))

@@ -260,8 +260,18 @@ def test_prm_is_consistent_with_the_verifier(seed, level, text):
         ("3+4=7\n8*2=16", "Step 2 is wrong: it should start from the running value 7, not 8."),
         ("3+4=7\n7+2=9", "Step 2 is wrong: the next operation is *2, not +2."),
         ("3+4=7\n7 times 2", "Step 2 is malformed: it should have the form a op b=c, here 7*2=14."),
-        ("3+4=7\n7*2=14\n14-5=9\nThe answer is 9.", "Step 4 is superfluous: all 3 operations are done; write 'Answer: N' next."),
-        ("3+4=7\n7*2=14\n14-5=9\nAnswer: 9\n9+1=10", "Step 5 is superfluous: the solution should end after the answer line."),
+        (
+            "3+4=7\n7*2=14\n14-5=9\nThe answer is 9.",
+            "Step 4 is malformed: after the last operation, write the final line as 'Answer: N'.",
+        ),
+        (
+            "3+4=7\n7*2=14\n14-5=9\n9+1=10\nAnswer: 10",
+            "Step 4 is superfluous: all 3 operations are done; write 'Answer: N' next.",
+        ),
+        (
+            "3+4=7\n7*2=14\n14-5=9\nAnswer: 9\n9+1=10",
+            "Step 5 is superfluous: the solution should end after the answer line.",
+        ),
     ],
 )
 def test_feedback_messages(text, expected):

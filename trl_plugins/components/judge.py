@@ -26,10 +26,12 @@ real endpoint path against a judge that grades correctly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,13 +195,16 @@ class RubricJudge:
 class _RetryingJudge(RubricJudge):
     """Parse-and-retry loop shared by the model-backed judges (subclasses implement :meth:`_ask`)."""
 
+    #: Parsed verdicts kept (least recently used dropped first), keyed by the prompt's SHA-256.
+    cache_size: int = 65536
+
     def __init__(self, parse_retries: int = 10, on_unparsable: str = "error", cache: bool = True):
         if on_unparsable not in ("error", "false"):
             raise ValueError(f"on_unparsable={on_unparsable!r}; allowed: 'error', 'false'")
         self.parse_retries = int(parse_retries)
         self.on_unparsable = on_unparsable
         self.cache_enabled = cache
-        self._cache: dict[str, bool] = {}
+        self._cache: OrderedDict[str, bool] = OrderedDict()
         self._lock = threading.Lock()
         self.calls = 0
 
@@ -209,14 +214,17 @@ class _RetryingJudge(RubricJudge):
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[bool]:
         prompts = [build_judge_prompt(r.conversation, r.completion, r.item) for r in requests]
+        keys = [hashlib.sha256(p.encode()).hexdigest() for p in prompts]
         verdicts: list[bool | None] = [None] * len(prompts)
         todo = []
-        for i, p in enumerate(prompts):
-            cached = self._cache.get(p) if self.cache_enabled else None
-            if cached is None:
-                todo.append(i)
-            else:
-                verdicts[i] = cached
+        with self._lock:
+            for i, key in enumerate(keys):
+                cached = self._cache.get(key) if self.cache_enabled else None
+                if cached is None:
+                    todo.append(i)
+                else:
+                    self._cache.move_to_end(key)
+                    verdicts[i] = cached
         last_answer: dict[int, str] = {}
         for _attempt in range(self.parse_retries + 1):
             if not todo:
@@ -244,8 +252,11 @@ class _RetryingJudge(RubricJudge):
                 verdicts[i] = False
         if self.cache_enabled:
             with self._lock:
-                for p, v in zip(prompts, verdicts):
-                    self._cache[p] = bool(v)
+                for key, v in zip(keys, verdicts):
+                    self._cache[key] = bool(v)
+                    self._cache.move_to_end(key)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
         return [bool(v) for v in verdicts]
 
 

@@ -139,7 +139,9 @@ class ProcessRewardModel:
         """0-based index of each completion's first step scored below ``threshold`` (None: no such step)."""
         return [first_error(scores, threshold) for scores in self.score_steps(rows, completions)]
 
-    def _score_step_lists(self, questions: list[str], step_lists: list[list[str]], rows: list[Any]) -> list[list[float]]:
+    def _score_step_lists(
+        self, questions: list[str], step_lists: list[list[str]], rows: list[Any]
+    ) -> list[list[float]]:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -408,7 +410,9 @@ def _parse_pooling(body: Any, n_steps: int, positive_index: int, url: str) -> li
         data = body["data"][0]["data"]
         scores = [_score_value(entry, positive_index) for entry in data]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise EndpointError(f"{url} answered without per-step scores in data[0].data: {json.dumps(body)[:200]}") from exc
+        raise EndpointError(
+            f"{url} answered without per-step scores in data[0].data: {json.dumps(body)[:200]}"
+        ) from exc
     if len(scores) != n_steps:
         raise EndpointError(f"{url} returned {len(scores)} step scores for {n_steps} steps.")
     return scores
@@ -516,7 +520,8 @@ _EXPR_RE = re.compile(r"Compute\s+([0-9+\-*]+)\s+step by step")
 
 def arithmetic_row(question: str) -> dict:
     """A dataset row (``prompt`` + ``problem``) rebuilt from a bundled arithmetic question, e.g. ``"Compute 3+4*2
-    step by step (left to right)."`` -- lets a PRM server grade with :class:`ProgrammaticPRM` from the question alone."""
+    step by step (left to right)."`` -- lets a PRM server grade with :class:`ProgrammaticPRM` from the question
+    alone."""
     from ..tasks.arithmetic import Problem
 
     match = _EXPR_RE.search(question)

@@ -488,6 +488,8 @@ def feedback(problem: Problem, text: str) -> str:
     if any(_is_answer_line(x) for x in lines[:k]):
         return f"Step {n} is superfluous: the solution should end after the answer line."
     if k >= len(problem.steps):
+        if parse_step(line) is None:
+            return f"Step {n} is malformed: after the last operation, write the final line as 'Answer: N'."
         return f"Step {n} is superfluous: all {len(problem.steps)} operations are done; write 'Answer: N' next."
     lhs, op, rhs, result = problem.steps[k]
     parsed = parse_step(line)
@@ -511,7 +513,7 @@ def _kind(item: dict[str, Any]) -> str:
     raise ValueError(f"rubric item has no 'kind:...' tag, so the rule-based judge cannot grade it: {item!r}")
 
 
-def _is_well_formatted(problem: Problem, lines: list[str]) -> bool:
+def _is_well_formatted(lines: list[str]) -> bool:
     if not lines or not _ANSWER_RE.match(lines[-1]):
         return False
     body = lines[:-1]
@@ -542,7 +544,7 @@ def rubric_verdict(item: dict[str, Any], problem: Problem, text: str) -> bool:
         index = next(int(t[5:]) for t in item["tags"] if t.startswith("step:")) - 1
         return any(parse_step(line) == problem.steps[index] for line in lines)
     if kind == "format":
-        return _is_well_formatted(problem, lines)
+        return _is_well_formatted(lines)
     raise ValueError(
         f"unknown rubric kind {kind!r} in {item!r}; allowed: all_steps, step, wrong_answer, format, final_answer"
     )
@@ -566,7 +568,8 @@ def hint(problem: Problem, fraction: float) -> str:
     """The first ``fraction`` of the reference solution, by lines (newline-joined).
 
     ``floor(fraction * L)`` of the ``L`` solution lines, but at least one when ``fraction > 0`` and
-    at most ``L - 1`` when ``fraction < 1``: the answer line is only included when ``fraction == 1``. ``fraction == 0`` gives ``""``.
+    at most ``L - 1`` when ``fraction < 1``: the answer line is only included when ``fraction == 1``.
+    ``fraction == 0`` gives ``""``.
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")

@@ -30,7 +30,7 @@ import shutil
 import string
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,7 +241,7 @@ def warm_start(
     lr: float = 3e-3,
     batch_size: int = 32,
     warmup_steps: int = 20,
-    informal_fraction: float = 0.0,
+    informal_fraction: float | Mapping[int, float] = 0.0,
     log_every: int = 0,
 ) -> PreTrainedModel:
     """Supervised fine-tuning on freshly drawn reference solutions (train split), in place.
@@ -250,17 +250,23 @@ def warm_start(
     only the assistant tokens (solution and ``<|end|>``). Deterministic given ``seed``. Returns
     ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps.
 
-    ``informal_fraction`` of the targets end with an informal last line, ``"The answer is N."`` or
-    ``"The result is N."`` (correct ``N``), instead of ``"Answer: N"``, as in pre-training data that
-    ignores the required format. The strict verifier rejects those, so the warm-started model
-    follows the format only part of the time; whether it does is decided at one token (the start of
-    the last line) in a context shared by all prompts -- the kind of behaviour that RL with an
-    outcome reward fixes within a few dozen steps, and that transfers to held-out prompts (the
-    demo's "accuracy rises" effect). The arithmetic itself improves far more slowly under RL.
+    ``informal_fraction`` of the targets (a number, or a number per level) end with an informal
+    last line, ``"The answer is N."`` or ``"The result is N."`` (correct ``N``), instead of
+    ``"Answer: N"``, as in pre-training data that ignores the required format. The strict verifier
+    rejects those, so where the fraction is above one half greedy decoding drifts into prose and
+    scores 0 although the steps may be right. Whether the format is followed is decided at one
+    token (the start of the last line), so RL with an outcome reward corrects it within a few dozen
+    steps and the correction transfers to held-out prompts: this is what makes the demo's accuracy
+    rise fast. The arithmetic itself improves far more slowly under RL.
     """
-    if not 0.0 <= informal_fraction <= 1.0:
-        raise ValueError(f"informal_fraction must be in [0, 1], got {informal_fraction!r}")
     levels = tuple(levels)
+    if isinstance(informal_fraction, Mapping):
+        fractions = dict(informal_fraction)
+    else:
+        fractions = dict.fromkeys(levels, informal_fraction)
+    for level in levels:
+        if not 0.0 <= fractions.get(level, 0.0) <= 1.0:
+            raise ValueError(f"informal_fraction must be in [0, 1], got {fractions[level]!r} for level {level}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     model.train()
@@ -276,7 +282,7 @@ def warm_start(
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
         problems = _draw_problems(rng, levels, batch_size)
-        targets = [_informal(p, rng) if rng.random() < informal_fraction else p.solution for p in problems]
+        targets = [_informal(p, rng) if rng.random() < fractions.get(p.level, 0.0) else p.solution for p in problems]
         ids, mask, labels = _sft_batch(tokenizer, problems, targets)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
@@ -330,7 +336,12 @@ def generate_completions(
     for start in range(0, len(questions), batch_size):
         conversations = [[{"role": "user", "content": q}] for q in questions[start : start + batch_size]]
         enc = tokenizer.apply_chat_template(
-            conversations, add_generation_prompt=True, tokenize=True, return_dict=True, padding=True, return_tensors="pt"
+            conversations,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            padding=True,
+            return_tensors="pt",
         )
         out = model.generate(
             input_ids=enc["input_ids"].to(device),
@@ -395,15 +406,15 @@ class DemoSettings:
     num_heads: int = 4
     intermediate_size: int = 256
     # warm start (supervised, reference solutions)
-    warm_start_steps: int = 300
+    warm_start_steps: int = 600
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 32
-    warm_start_informal_fraction: float = 0.5
+    warm_start_informal_fraction: dict[int, float] = dataclasses.field(default_factory=lambda: {1: 0.2, 2: 0.7})
     # GRPO on top of it
     grpo_steps: int = 40
-    grpo_learning_rate: float = 2e-3
+    grpo_learning_rate: float = 1e-4
     num_generations: int = 8
-    per_device_train_batch_size: int = 16
+    per_device_train_batch_size: int = 32
     max_completion_length: int = 40
     temperature: float = 1.0
     train_size: int = 1024
@@ -421,7 +432,7 @@ class DemoSettings:
                 "warm_start_steps", "warm_start_lr", "warm_start_batch_size", "warm_start_informal_fraction",
             )
         }
-        blob = json.dumps({"v": _CACHE_VERSION, **fields}, sort_keys=True, default=list)
+        blob = json.dumps({"v": _CACHE_VERSION, **fields}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -1,0 +1,209 @@
+"""Posterior-GRPO — process rewards only for successful outcomes (arXiv:2508.05170); mode: SophiaVL-R1's
+Trust-GRPO trust-weighted, annealed thinking reward (arXiv:2505.17018).
+
+A process reward (here: a PRM's step scores, aggregated) invites reward hacking when it is paid regardless of the
+outcome: the policy learns to write convincing steps instead of right answers. Posterior-GRPO pays it **only to
+rollouts whose outcome is correct**::
+
+    R_i = R_outcome_i (+ other reward columns) + w * 1[R_outcome_i > outcome_threshold] * agg(PRM step scores of i)
+
+so among correct rollouts the better-reasoned ones are preferred, and a wrong answer can never earn process credit.
+
+``mode="trust"`` (Trust-GRPO, SophiaVL-R1) pays the process ("thinking") reward to every rollout, scaled by a
+per-group **trust weight** and an **annealing** factor::
+
+    mu_c, mu_w = mean process reward of the group's correct / incorrect rollouts
+    trust_g    = 1 if mu_c >= mu_w (or the group lacks correct or incorrect rollouts) else exp(mu_c - mu_w)
+    R_i        = R_outcome_i + w * trust_g * exp(-step / T) * agg(PRM step scores of i)
+
+The process reward is a named reward column (``posterior_process``; TRL's weights -- ``process_weight`` -- and
+logging apply). The column is filled at the reward-transform stage, where the gathered outcome column is in view:
+the PRM scores only the rows that need it (correct ones in ``posterior`` mode), batched, on the process holding them.
+
+The PRM is the shared component of :mod:`trl_plugins.components.prm` (same options as ``scope``: the two plugins get
+one instance -- SCOPE locates errors in failures, Posterior-GRPO rewards the process of successes). The papers train
+their own reasoning / thinking reward models; using a PRM's aggregated step scores is our reconstruction, as are the
+aggregation (mean), the weight (1.0), the outcome threshold (0.5), and in trust mode the annealing horizon T (the
+run's max_steps). Metrics: ``process_reward_mean`` (over paid rows), ``paid_fraction``, ``trust_weight_mean``,
+``anneal_factor``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from trl_plugins import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.components.prm import prm_from_options
+from trl_plugins.rollouts import completion_text
+
+COLUMN = "posterior_process"
+
+
+@dataclass
+class PosteriorGrpoOptions(PluginOptions):
+    mode: Literal["posterior", "trust"] = option(
+        "posterior", help="posterior: process reward only for correct outcomes (P-GRPO); trust: Trust-GRPO "
+        "(SophiaVL-R1) trust-weighted, annealed process reward for every rollout."
+    )
+    outcome_reward: str | None = option(
+        None, help="Name of the outcome reward column (None: the first reward function that is not this plugin's)."
+    )
+    outcome_threshold: float = option(
+        0.5, reconstructed=True, help="An outcome is correct when its reward is above this value."
+    )
+    process_weight: float = option(1.0, min=0.0, reconstructed=True, help="TRL reward weight of the process column.")
+    aggregate: Literal["mean", "min", "last", "prod"] = option(
+        "mean", reconstructed=True, help="How step scores become one process reward (mean step score by default)."
+    )
+    anneal: Literal["exp", "none"] = option(
+        "exp", help="trust mode: multiply the process reward by exp(-step / anneal_steps) (SophiaVL-R1) or not."
+    )
+    anneal_steps: float | None = option(
+        None, min=0.0, min_exclusive=True, reconstructed=True,
+        help="T of the annealing (None: the run's max_steps).",
+    )
+    prm: Literal["hf", "endpoint", "programmatic"] = option(
+        "hf", reconstructed=True, help="PRM (as in scope): HF model, endpoint, or the bundled programmatic verifier."
+    )
+    prm_model: str = option("Qwen/Qwen2.5-Math-PRM-7B", reconstructed=True, help="PRM name/path, or served name.")
+    prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint').")
+    prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
+    prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
+    prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
+    prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code.")
+    step_separator: str | None = option(None, help="Step separator (None: the PRM's convention).")
+    problem_column: str = option("problem", help="Dataset column read by the programmatic PRM.")
+
+    def validate(self) -> None:
+        if self.prm == "endpoint" and not self.prm_base_url:
+            raise PluginConfigError("Plugin 'posterior_grpo' with prm='endpoint' needs prm_base_url.")
+
+
+def aggregate_scores(scores: list[float], how: str) -> float:
+    """One process reward from step scores (0.0 for a completion without steps)."""
+    if not scores:
+        return 0.0
+    if how == "mean":
+        return sum(scores) / len(scores)
+    if how == "min":
+        return min(scores)
+    if how == "last":
+        return scores[-1]
+    return math.prod(scores)
+
+
+def trust_weights(process: torch.Tensor, correct: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Trust-GRPO weight per group (G,) -> repeated per row (N,): 1 if the correct rollouts' mean process reward is
+    at least the incorrect ones' (or one side is empty), else ``exp(mu_correct - mu_incorrect)`` (< 1)."""
+    P, C = process.view(-1, group_size), correct.view(-1, group_size)
+    out = torch.ones(P.size(0))
+    for g in range(P.size(0)):
+        if C[g].any() and (~C[g]).any():
+            mu_c, mu_w = P[g][C[g]].mean(), P[g][~C[g]].mean()
+            if mu_c < mu_w:
+                out[g] = torch.exp(mu_c - mu_w)
+    return out.repeat_interleave(group_size)
+
+
+def posterior_process_reward(prompts, completions, **kwargs) -> list[float]:
+    """Placeholder column: the plugin fills it at the reward-transform stage (the outcome must be known first)."""
+    return [0.0] * len(completions)
+
+
+class PosteriorGrpoPlugin(Plugin):
+    """Success-gated (or trust-weighted, annealed) PRM process reward as a reward column (reward stage)."""
+
+    name = "posterior_grpo"
+    version = "0.1.0"
+    paper = "Posterior-GRPO, arXiv:2508.05170; Trust-GRPO (SophiaVL-R1), arXiv:2505.17018"
+    summary = "PRM process reward paid only to correct rollouts (or trust-weighted and annealed, Trust-GRPO)."
+    Options = PosteriorGrpoOptions
+    reconstructed = (
+        "process reward = mean PRM step score (the papers train holistic reasoning/thinking reward models)",
+        "process_weight = 1.0, outcome_threshold = 0.5",
+        "trust mode: annealing horizon T = max_steps",
+        "PRM Qwen/Qwen2.5-Math-PRM-7B, shared with scope when configured alike",
+    )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.prm = None
+        self._max_steps = 1
+
+    def required_columns(self) -> list[str]:
+        return [self.options.problem_column] if self.options.prm == "programmatic" else []
+
+    @hookimpl
+    def trl_plugins_reward_functions(self, args):
+        func = _named(posterior_process_reward, COLUMN)
+        func.reward_weight = self.options.process_weight
+        return [func]
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        self._max_steps = max(int(getattr(args, "max_steps", 0) or 0), 1)
+        if self.prm is None:
+            self.prm = prm_from_options(self.options)
+        names = list(trainer.reward_func_names)
+        if self.options.outcome_reward is not None and self.options.outcome_reward not in names:
+            raise PluginConfigError(
+                f"posterior_grpo: outcome_reward={self.options.outcome_reward!r} is not a reward function of the run "
+                f"({', '.join(names)})."
+            )
+        if not [n for n in names if n != COLUMN]:
+            raise PluginConfigError("posterior_grpo needs an outcome reward function besides its own column.")
+
+    def anneal_factor(self, step: int) -> float:
+        o = self.options
+        if o.mode != "trust" or o.anneal == "none":
+            return 1.0
+        return math.exp(-step / (o.anneal_steps or self._max_steps))
+
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx: RewardContext):
+        o = self.options
+        names = ctx.reward_func_names
+        if COLUMN not in names:
+            return
+        col = names.index(COLUMN)
+        outcome_col = names.index(o.outcome_reward) if o.outcome_reward else next(
+            k for k, n in enumerate(names) if n != COLUMN)
+        if self.prm is None:
+            self.prm = prm_from_options(o)
+        outcome = ctx.rewards_per_func[:, outcome_col].float().cpu()
+        correct = torch.nan_to_num(outcome, nan=0.0) > o.outcome_threshold
+        local_correct = correct[ctx.process_slice].tolist()
+        rows = [j for j in range(len(ctx.local_rows)) if o.mode == "trust" or local_correct[j]]
+        local = [0.0] * len(ctx.local_rows)
+        if rows:
+            texts = [completion_text(ctx.local_completions[j]) for j in rows]
+            for j, scores in zip(rows, self.prm.score_steps([ctx.local_rows[j] for j in rows], texts)):
+                local[j] = aggregate_scores(scores, o.aggregate)
+        process = torch.tensor(ctx.gather_object(local), dtype=torch.float32)  # (N,) collective
+        if o.mode == "posterior":
+            values = torch.where(correct, process, torch.zeros_like(process))
+            paid = correct
+            ctx.log_metric("paid_fraction", paid.float().mean().item())
+        else:
+            trust = trust_weights(process, correct, ctx.num_generations)
+            factor = self.anneal_factor(ctx.step)
+            values = trust * factor * process
+            paid = torch.ones_like(correct)
+            ctx.log_metric("trust_weight_mean", trust.mean().item())
+            ctx.log_metric("anneal_factor", factor)
+        if paid.any():
+            ctx.log_metric("process_reward_mean", process[paid].mean().item())
+        matrix = ctx.rewards_per_func.clone()
+        matrix[:, col] = values.to(matrix)
+        ctx.rewards_per_func = matrix
+
+
+def _named(func, name):
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    wrapper.__name__ = name
+    return wrapper

@@ -1,0 +1,77 @@
+"""The ``trl-plugins`` command: list, show, new, docs, and the argument forwarding of train and demo."""
+
+from importlib import metadata
+
+import pytest
+
+from trl_plugins.cli import main
+from trl_plugins.docs import check
+
+
+def test_console_script_is_registered():
+    scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
+    assert scripts.get("trl-plugins") == "trl_plugins.cli:main"
+
+
+def test_list_shows_builtins_with_stages_papers_and_distribution(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "VERSION", "STAGES", "PAPER"] and lines[0].rstrip().endswith("DISTRIBUTION")
+    canon = next(line for line in lines if line.startswith("canon "))
+    assert "advantage" in canon and "arXiv:2509.23962" in canon and canon.rstrip().endswith("trl-plugins (built-in)")
+
+
+def test_show_prints_options_and_paper(capsys):
+    assert main(["show", "lp_reg"]) == 0
+    out = capsys.readouterr().out
+    assert "Paper:   Lp-Reg" in out and "Options:" in out and "kappa (float, default 0.02)" in out
+    assert "[reconstructed]" in out and "Method:" in out
+
+
+def test_show_unknown_plugin_suggests(capsys):
+    assert main(["show", "lp_rge"]) == 2
+    assert "Did you mean 'lp_reg'" in capsys.readouterr().err
+
+
+def test_new_scaffolds_and_prints_the_next_commands(tmp_path, capsys):
+    target = tmp_path / "pkg"
+    assert main(["new", "cli-probe", "--dir", str(target), "--stage", "loss"]) == 0
+    out = capsys.readouterr().out
+    assert "trl-plugins-cli-probe" in out and "pip install -e" in out and "trl-plugins train" in out
+    plugin = (target / "src" / "trl_plugins_cli_probe" / "plugin.py").read_text()
+    assert "def trl_plugins_loss(self, ctx: LossContext)" in plugin and 'name = "cli_probe"' in plugin
+    assert main(["new", "cli_probe", "--dir", str(target)]) == 2  # not empty
+    assert "not an empty directory" in capsys.readouterr().err
+    assert main(["new", "canon", "--dir", str(tmp_path / "other")]) == 2  # a built-in has that name
+    assert "already exists (trl-plugins (built-in))" in capsys.readouterr().err
+    assert main(["new", "Bad Name!", "--dir", str(tmp_path / "bad")]) == 2
+    assert "Invalid plugin name" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["new", "x", "--stage", "critic"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'critic'" in capsys.readouterr().err
+
+
+def test_new_defaults_to_the_advantage_stage_in_the_current_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["new", "cli_default"]) == 0
+    plugin = (tmp_path / "trl-plugins-cli-default" / "src" / "trl_plugins_cli_default" / "plugin.py").read_text()
+    assert "trl_plugins_transform_advantages" in plugin
+
+
+def test_docs_writes_and_checks(tmp_path, capsys):
+    assert main(["docs", "--out", str(tmp_path)]) == 0
+    assert "page(s) written" in capsys.readouterr().out
+    assert check(tmp_path) == []
+    assert main(["docs", "--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "hooks.md").write_text("stale\n")
+    assert main(["docs", "--out", str(tmp_path), "--check"]) == 1
+    assert "hooks.md: out of date" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_train_and_demo_forward_their_options(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -1,0 +1,136 @@
+"""Docs discipline: every hook documented, every option with help, every plugin citing its arXiv paper, the
+generated reference pages in docs/ identical to what the code generates now (regenerate them with
+``python -m trl_plugins.docs`` whenever a plugin, a hook spec or a context changes), and the examples of
+docs/writing-a-plugin.md run."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from trl_plugins import hookspecs
+from trl_plugins.docs import GENERATED, builtin_plugins, check, main, render_all, write
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+GUIDE = DOCS / "writing-a-plugin.md"
+ARXIV_ID = re.compile(r"arXiv:\d{4}\.\d{4,5}")
+REGENERATE = "regenerate them with `python -m trl_plugins.docs` (or `trl-plugins docs`) and commit docs/"
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return builtin_plugins()
+
+
+def test_every_hook_spec_is_known_and_documented():
+    specs = {name for name, value in vars(hookspecs).items() if callable(value) and hasattr(value, "trl_plugins_spec")}
+    assert specs == set(hookspecs.HOOK_STAGES), "every hook spec needs a stage in HOOK_STAGES (and vice versa)"
+    undocumented = [name for name in sorted(specs) if not (getattr(hookspecs, name).__doc__ or "").strip()]
+    assert not undocumented, f"hook specs without a docstring: {undocumented}"
+
+
+def test_every_option_has_help(plugins):
+    missing = [f"{name}.{info.name}" for name, cls in plugins.items() for info in cls.Options.describe()
+               if not (info.help or "").strip()]
+    assert not missing, f"options with an empty help text: {missing}"
+
+
+def test_every_plugin_cites_an_arxiv_id(plugins):
+    missing = {name: cls.paper for name, cls in plugins.items() if not ARXIV_ID.search(cls.paper or "")}
+    assert not missing, f"plugins whose `paper` has no arXiv id (arXiv:NNNN.NNNNN): {missing}"
+
+
+def test_generated_pages_are_up_to_date():
+    problems = check(DOCS)
+    assert not problems, f"docs/ is out of date with the code ({'; '.join(problems)}): {REGENERATE}."
+
+
+def test_catalogue_and_pages_cover_every_builtin(plugins):
+    pages = render_all(plugins)
+    index = pages["plugins/index.md"]
+    for name, cls in plugins.items():
+        assert f"[`{name}`]({name}.md)" in index
+        page = pages[f"plugins/{name}.md"]
+        assert page.startswith(GENERATED) and f"# `{name}`" in page
+        for info in cls.Options.describe():
+            assert f"| `{info.name}` |" in page
+        for hook in cls.hook_names():
+            assert f"`{hook}`" in page
+        for item in cls.reconstructed:
+            assert item.splitlines()[0][:40] in page.replace("<br>", " ")
+    for hook in hookspecs.HOOK_STAGES:
+        assert f"### `{hook}(" in pages["hooks.md"]
+
+
+def test_pages_render_metadata_of_a_plugin():
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from trl_plugins import Plugin, PluginOptions, hookimpl, option
+
+    @dataclass
+    class Opts(PluginOptions):
+        mode: Literal["a", "b"] = option("a", help="Which | mode.")
+        rate: float = option(0.1, min=0.0, max=1.0, help="A rate.", reconstructed=True)
+
+    class Documented(Plugin):
+        """A plugin."""
+
+        name = "documented"
+        paper = "Some Paper, arXiv:2501.01234; Other, arXiv:2502.00001"
+        summary = "Does things."
+        Options = Opts
+        conflicts_with = ("other",)
+        conflict_reason = "both do things"
+        reconstructed = ("a detail",)
+        needs_head_stats = True
+
+        @hookimpl
+        def trl_plugins_loss(self, ctx):
+            pass
+
+    pages = render_all({"documented": Documented})
+    page = pages["plugins/documented.md"]
+    assert "[arXiv:2501.01234](https://arxiv.org/abs/2501.01234)" in page
+    assert "| `mode` | str | `'a'` | `'a'`, `'b'` | Which \\| mode. |" in page
+    assert "| `rate` | float | `0.1` | [0.0, 1.0] | A rate. *(reconstructed: not stated by the paper)* |" in page
+    assert "Cannot be stacked with `other`: both do things." in page and "LM-head statistics" in page
+    assert "- a detail" in page and "option `rate`" in page
+    assert "plugin_config:\n  documented:\n    mode: a\n    rate: 0.1" in page
+    assert "`trl_plugins_loss` (loss)" in page
+    assert "| [`documented`](documented.md) | loss | Does things. |" in pages["plugins/index.md"]
+
+
+def test_write_check_and_stale_pages(tmp_path, plugins):
+    assert main(["--out", str(tmp_path)]) == 0
+    assert check(tmp_path) == []
+    assert main(["--out", str(tmp_path), "--check"]) == 0
+    some = tmp_path / "plugins" / f"{next(iter(plugins))}.md"
+    some.write_text(some.read_text() + "edited\n")
+    (tmp_path / "plugins" / "gone.md").write_text(GENERATED + "\n# `gone`\n")
+    (tmp_path / "plugins" / "handwritten.md").write_text("# notes kept by hand\n")
+    problems = check(tmp_path)
+    assert any("out of date" in p for p in problems) and "plugins/gone.md is stale (no such plugin any more)" in problems
+    assert main(["--out", str(tmp_path), "--check"]) == 1
+    changed = write(tmp_path)
+    assert "plugins/gone.md" in changed and not (tmp_path / "plugins" / "gone.md").exists()
+    assert (tmp_path / "plugins" / "handwritten.md").exists()  # only generated pages are managed
+    assert check(tmp_path) == []
+
+
+def test_writing_guide_walks_through_every_context_and_the_three_commands():
+    text = GUIDE.read_text()
+    for context in ("PromptContext", "RolloutContext", "RewardContext", "AdvantageContext", "LossContext"):
+        assert re.search(rf"^## \d\. `{context}`", text, flags=re.M), context
+    for command in ("trl-plugins new ", "python -m pytest", "trl-plugins train "):
+        assert command in text
+
+
+def test_writing_guide_examples_run():
+    """Every ```python block of the guide runs, in order, in one namespace (```py blocks are not run)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", GUIDE.read_text(), flags=re.S | re.M)
+    assert len(blocks) >= 6
+    namespace = {"__name__": "writing_a_plugin"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{GUIDE.name}[python block {i}]", "exec"), namespace)
