@@ -48,7 +48,8 @@ ENTROPY_PICK_ONE = "all of them steer entropy on overlapping token sets (pick on
 @dataclass
 class ClipCovOptions(PluginOptions):
     ratio: float = option(
-        2e-4, min=0.0, max=1.0, help="Fraction of valid tokens whose gradient is stopped: n = max(1, floor(ratio * tokens))."
+        2e-4, min=0.0, max=1.0,
+        help="Fraction of valid tokens whose gradient is stopped: n = max(1, floor(ratio * tokens)).",
     )
     lb: float = option(1.0, help="Lower bound of the covariance window (exclusive).")
     ub: float = option(5.0, help="Upper bound of the covariance window (exclusive); lb >= ub picks nothing.")

@@ -29,7 +29,8 @@ Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
   (:func:`trl_plugins.tasks.arithmetic.step_scores` on the row's ``problem`` JSON column; 0 for an empty
   completion), ``d_ij = |s_i - s_j|``. The paper uses an LLM judge; the PRM is the spec's cheaper proxy.
 * ``"similarity"``: ``d_ij = 1 - sim(i, j)``, a token-level similarity between the two completions (Jaccard of
-  token n-grams, or ``1 - normalised edit distance``), tokens from the trainer's tokenizer.
+  token n-grams, or ``1 - normalised edit distance``) on their generated token ids (or, when the framework does
+  not provide them, on the completion text re-tokenized by the trainer's tokenizer).
 * ``"reward"``: ``s_i = R_i`` (the combined reward), ``d_ij = |R_i - R_j|``.
 
 ``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij`` (the spec's "alternatively combined with" variant).
@@ -331,11 +332,13 @@ class DaGRPOPlugin(Plugin):
             scores = torch.tensor(ctx.gather_object(local), dtype=torch.float64)
             self._pending = {"scores": scores}
         elif o.scorer == "similarity":
-            texts = ctx.gather_object([_text(c) for c in ctx.local_completions])
-            if ctx.trainer is not None:
-                tokens = [_encode(ctx.trainer, t) for t in texts]
-            else:
-                tokens = [list(t) for t in texts]
+            local_ids = getattr(ctx, "local_completion_ids", None)
+            if local_ids is not None:  # the generated token ids
+                tokens = ctx.gather_object([list(ids) for ids in local_ids])
+            else:  # the completion text, re-tokenized (characters without a trainer)
+                texts = ctx.gather_object([_text(c) for c in ctx.local_completions])
+                encode = (lambda t: _encode(ctx.trainer, t)) if ctx.trainer is not None else list
+                tokens = [encode(t) for t in texts]
             self._pending = {"distinctiveness": similarity_distinctiveness(tokens, ctx.num_generations,
                                                                            o.similarity, o.ngram)}
 

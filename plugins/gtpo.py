@@ -58,7 +58,9 @@ LIKELIHOOD_PICK_ONE = (
 @dataclass
 class GtpoOptions(PluginOptions):
     positive_weight: float = option(2.0, min=0.0, help="Weight of a conflict token in a positive completion.")
-    negative_weight: float = option(0.0, min=0.0, help="Weight of a conflict token in a negative completion (0 = skip).")
+    negative_weight: float = option(
+        0.0, min=0.0, help="Weight of a conflict token in a negative completion (0 = skip its negative update)."
+    )
     terminal_run: bool = option(True, help="Also protect the conflict run aligned at the completions' end.")
     divide_by_conflicts: bool = option(
         True, help="Divide each completion's loss by max(number of its conflict tokens, 1), as the official code."
@@ -175,7 +177,7 @@ class GtpoPlugin(Plugin):
     name = "gtpo"
     version = "0.1.0"
     paper = "GTPO: Trajectory-Based Policy Optimization in Large Language Models, arXiv:2508.03772"
-    summary = "Skips negative / amplifies positive updates of tokens shared by good and bad completions; drops high-entropy completions."
+    summary = "Protects tokens shared by good and bad completions of a group; drops high-entropy completions."
     Options = GtpoOptions
     conflicts_with = ("llds",)
     conflict_reason = LIKELIHOOD_PICK_ONE
@@ -189,7 +191,8 @@ class GtpoPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         if args.beta != 0:
             warnings.warn(
-                f"gtpo: the method needs no KL term (the paper uses beta=0); beta={args.beta} keeps TRL's reference KL.",
+                f"gtpo: the method needs no KL term (the paper uses beta=0); beta={args.beta} keeps TRL's "
+                "reference KL.",
                 stacklevel=2,
             )
 
@@ -213,10 +216,13 @@ class GtpoPlugin(Plugin):
         if o.divide_by_conflicts:
             delta = delta / conflict.sum(-1, keepdim=True).clamp(min=1).to(delta.dtype)
         ctx.set_local_extra(WEIGHT_KEY, delta[ctx.process_slice, :local_width].clone())
-        ctx.advantages, dropped = entropy_filter(ctx.advantages, stats.mean_entropy, o.entropy_threshold, o.entropy_scale)
+        ctx.advantages, dropped = entropy_filter(
+            ctx.advantages, stats.mean_entropy, o.entropy_threshold, o.entropy_scale
+        )
         n_valid = max(1, int(mask.sum()))
         ctx.log_metric("conflict_token_fraction", float(conflict.sum()) / n_valid)
-        ctx.log_metric("negative_conflict_token_fraction", float((conflict & (row_adv < 0).unsqueeze(1)).sum()) / n_valid)
+        negative_conflicts = conflict & (row_adv < 0).unsqueeze(1)
+        ctx.log_metric("negative_conflict_token_fraction", float(negative_conflicts.sum()) / n_valid)
         ctx.log_metric("dropped_completion_fraction", float(dropped.float().mean()))
         ctx.log_metric("mean_entropy", float(stats.mean_entropy.mean()))
 

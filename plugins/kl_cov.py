@@ -38,7 +38,13 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 
-from .clip_cov import ENTROPY_PICK_ONE, check_entropy_and_loss_type, gather_padded, global_token_advantages, token_covariance
+from .clip_cov import (
+    ENTROPY_PICK_ONE,
+    check_entropy_and_loss_type,
+    gather_padded,
+    global_token_advantages,
+    token_covariance,
+)
 
 SELECT_KEY = "kl_cov_selected"
 
@@ -49,7 +55,9 @@ class KlCovOptions(PluginOptions):
         2e-3, min=0.0, max=1.0,
         help="Fraction of valid tokens penalised: k = max(1, floor(ratio * tokens)) (7B recipe 2e-3; 32B 2e-4).",
     )
-    beta_kl: float = option(1.0, min=0.0, help="Coefficient of |lp - lp_old| on the selected tokens (official recipes).")
+    beta_kl: float = option(
+        1.0, min=0.0, help="Coefficient of |lp - lp_old| on the selected tokens (official recipes)."
+    )
     scope: Literal["microbatch", "generation_batch"] = option(
         "microbatch",
         help="Where covariance and top-k are computed: per loss micro-batch (official code) or once per generation "
@@ -101,7 +109,7 @@ class KlCovPlugin(Plugin):
     name = "kl_cov"
     version = "0.1.0"
     paper = "KL-Cov, The Entropy Mechanism of RL for Reasoning Language Models, arXiv:2505.22617"
-    summary = "Replaces the clipped surrogate by unclipped PG plus a |logp - logp_old| penalty on top-covariance tokens."
+    summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."
     Options = KlCovOptions
     replaces_surrogate = True
     conflicts_with = ("lp_reg", "clip_cov", "siren")

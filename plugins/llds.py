@@ -50,7 +50,8 @@ LIKELIHOOD_PICK_ONE = (
 class LldsOptions(PluginOptions):
     lam: float = option(0.2, min=0.0, help="Weight of the likelihood-preserving penalty (NO_REDUCE_LAMBDA).")
     gate: Literal["action", "response"] = option(
-        "action", help="'action': gate each contiguous run of preserved tokens (A-gate, best); 'response': per response."
+        "action",
+        help="'action': gate each contiguous run of preserved tokens (A-gate, best); 'response': per response.",
     )
     threshold: float = option(
         0.0, help="A gate opens when the summed log-likelihood drop of its action/response exceeds this value."

@@ -126,7 +126,9 @@ class R3LOptions(PluginOptions):
         help="Advantage before amplification: r - group mean (OPMD, official R3L config), the GRPO z-score, or "
         "TRL's own advantages.",
     )
-    amplify: bool = option(True, help="Positive amplification: r >= success_reward -> A = 1; elif A >= 0 -> A *= scale.")
+    amplify: bool = option(
+        True, help="Positive amplification: r >= success_reward -> A = 1; elif A >= 0 -> A *= amplify_scale."
+    )
     amplify_scale: float = option(3.0, min=0.0, help="Multiplier of non-negative advantages (official: 3).")
     success_reward: float = option(1.0, help="Reward at or above which a rollout counts as a full success (A = 1).")
     loss: Literal["trl", "opmd"] = option(
@@ -153,7 +155,8 @@ class R3LOptions(PluginOptions):
             )
         if "{report}" not in self.guidance_template:
             raise PluginConfigError(
-                f"Option 'guidance_template' of plugin 'r3l' got {self.guidance_template!r}; it must contain {{report}}."
+                f"Option 'guidance_template' of plugin 'r3l' got {self.guidance_template!r}; it must contain "
+                "{report}."
             )
 
 
@@ -330,8 +333,9 @@ class R3LPlugin(Plugin):
             ctx.annotations[i]["r3l"] = "first" if ctx.index_in_group[i] < first_count else "slot"
         # every process needs the paired first attempt, which may live on another process
         all_ids = _gather_ragged(ctx, ctx.completion_ids)
-        local_scores = ctx.score(range(len(ctx)))
-        all_scores = ctx.gather(local_scores).cpu().tolist()
+        all_scores = None
+        if o.reflection_source == "policy":  # the reflection shows the attempt's correctness feedback
+            all_scores = ctx.gather(ctx.score(range(len(ctx)))).cpu().tolist()
         slots = [i for i in range(len(ctx)) if ctx.index_in_group[i] >= first_count]
         pairs = {i: ctx.group_ids[i] * G + (ctx.index_in_group[i] - first_count) for i in slots}
 

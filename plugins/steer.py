@@ -53,7 +53,9 @@ class SteerOptions(PluginOptions):
     lambda_min: float = option(
         0.8, min=0.0, max=1.0, min_exclusive=True, help="Smallest token weight (given to the largest |Omega|)."
     )
-    lambda_max: float = option(1.0, min=0.0, help="Largest token weight of the linear mapping (the exp mapping uses 1).")
+    lambda_max: float = option(
+        1.0, min=0.0, help="Largest token weight of the linear mapping (the exp mapping uses 1)."
+    )
     dual_clip: float | None = option(
         10.0, min=1.0, min_exclusive=True,
         help="Dual-clip constant c for A < 0: loss capped at -A c (paper: 10); None disables.",
@@ -68,7 +70,8 @@ class SteerOptions(PluginOptions):
     def validate(self) -> None:
         if self.mapping == "linear" and self.lambda_max < self.lambda_min:
             raise PluginConfigError(
-                f"steer: lambda_max ({self.lambda_max}) must be >= lambda_min ({self.lambda_min}) for the linear mapping."
+                f"steer: lambda_max ({self.lambda_max}) must be >= lambda_min ({self.lambda_min}) "
+                "for the linear mapping."
             )
 
 
@@ -148,7 +151,8 @@ class SteerPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        self._use_old_entropy = o.entropy_source == "old" or (o.entropy_source == "auto" and policy_moves(trainer, args))
+        moves = policy_moves(trainer, args)
+        self._use_old_entropy = o.entropy_source == "old" or (o.entropy_source == "auto" and moves)
         if args.loss_type not in DUAL_CLIP_LOSS_TYPES:
             self._dual_clip = None  # cispo / sapo have no clipped max(L1, L2) to dual-clip
 

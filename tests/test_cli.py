@@ -66,7 +66,7 @@ def test_docs_writes_and_checks(tmp_path, capsys):
     assert main(["docs", "--out", str(tmp_path), "--check"]) == 0
     (tmp_path / "hooks.md").write_text("stale\n")
     assert main(["docs", "--out", str(tmp_path), "--check"]) == 1
-    assert "hooks.md: out of date" in capsys.readouterr().out
+    assert "hooks.md is out of date" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["train", "demo"])

@@ -109,12 +109,17 @@ def _yaml_defaults(cls: type) -> str:
     def represent_str(dumper, data):  # multi-line strings on one line, double-quoted with \n escapes
         return dumper.represent_scalar("tag:yaml.org,2002:str", data, style='"' if "\n" in data else None)
 
+    def represent_seq(dumper, data):  # lists inline, mappings as blocks
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", list(data), flow_style=True)
+
     Dumper.add_representer(str, represent_str)
+    Dumper.add_representer(list, represent_seq)
+    Dumper.add_representer(tuple, represent_seq)
     defaults = {info.name: info.default for info in cls.Options.describe()}
     block = {"plugins": [cls.name]}
     if defaults:
         block["plugin_config"] = {cls.name: defaults}
-    return yaml.dump(block, Dumper=Dumper, sort_keys=False, default_flow_style=None, width=1000).rstrip()
+    return yaml.dump(block, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1000).rstrip()
 
 
 # ------------------------------------------------------------------------------------------------ pages
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         problems = check(out)
         for p in problems:
-            print(f"{out / p.split(' ')[0]}: {p.split(' ', 1)[1]}")
+            print(f"{out}/{p}")
         if problems:
             print("Regenerate with: python -m trl_plugins.docs")
         return 1 if problems else 0

@@ -110,7 +110,7 @@ def _reward_ctx(chunk, G, success_of, k):
 
 
 def simulate(plugin, start, stop, bs, G, success_of, lag=1):
-    """A training loop whose dataloader draws ``lag`` chunks ahead of the generation it reports (as TRL + accelerate)."""
+    """A training loop whose dataloader draws ``lag`` chunks ahead of the batch it reports (as TRL + accelerate)."""
     drawn = {}
     for c in range(start, stop):
         for ahead in range(c, c + lag + 1):

@@ -239,7 +239,8 @@ class _Recorder(Plugin):
             with torch.no_grad():
                 logits = ctx.trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1]
             reference.append(torch.distributions.Categorical(logits=logits.float() / ctx.trainer.temperature).entropy())
-        self.seen.append({"before": [list(c) for c in ctx.completion_ids], "prompt_ids": [list(p) for p in ctx.prompt_ids],
+        self.seen.append({"before": [list(c) for c in ctx.completion_ids],
+                          "prompt_ids": [list(p) for p in ctx.prompt_ids],
                           "entropies": ctx.policy_entropies(range(len(ctx))), "reference": reference})
 
 

@@ -202,6 +202,18 @@ def test_similarity_scorer_without_trainer_uses_characters():
     assert "plugins/dagrpo/mean_pair_distinctiveness" in sink and "plugins/dagrpo/mean_score" not in sink
 
 
+def test_similarity_scorer_prefers_the_generated_token_ids():
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "similarity", "delta": 0.5, "anchors": False}})
+    ctx = _reward_ctx(["a", "b", "c", "d"], 4, [{}] * 4)  # texts all differ ...
+    ctx.local_completion_ids = [[1, 2, 3], [1, 2, 3], [7, 8], [1, 2, 4]]  # ... the ids decide
+    stack.call("trl_plugins_transform_rewards", ctx)
+    actx, _ = _adv_ctx(torch.zeros(4), A.clone(), 4)
+    stack.call("trl_plugins_transform_advantages", actx)
+    keep = similarity_distinctiveness(ctx.local_completion_ids, 4, "jaccard", 2) >= 0.5
+    assert not keep[0, 0, 1] and keep[0, 0, 2]
+    torch.testing.assert_close(actx.advantages, pairwise_advantages(A, keep, "surviving"))
+
+
 def test_reward_scorer_and_reward_gap():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
     ctx, _ = _adv_ctx(rewards, A.clone(), 4)

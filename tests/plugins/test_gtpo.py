@@ -201,7 +201,8 @@ def test_neutral_setting_end_to_end_is_vanilla(tmp_path):
 
 
 def test_default_entropy_filter_drops_an_untrained_model_end_to_end(tmp_path):
-    """The untrained tiny model's completions have mean entropy ~ ln(102) > 0.7: all are dropped, A = 0, nothing moves."""
+    """The untrained tiny model's completions have mean entropy ~ ln(102) > 0.7: all are dropped (A = 0), and
+    nothing moves."""
     trainer = _trainer(tmp_path, "c", plugins=["gtpo"], max_steps=1)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     run = record_run(trainer)

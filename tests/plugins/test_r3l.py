@@ -105,7 +105,8 @@ def test_amplified_advantages_hand_computed():
     torch.testing.assert_close(plain[:4], torch.tensor([0.625, 0.125, -0.375, -0.375]))
     z = r3l_advantages(r[:4], 4, "zscore", amplify=True, scale=3.0, success=1.0)
     std = torch.tensor([1.0, 0.5, 0.0, 0.0]).std()
-    torch.testing.assert_close(z, torch.tensor([1.0, 3 * 0.125 / (std + 1e-6), -0.375 / (std + 1e-6), -0.375 / (std + 1e-6)]))
+    d = std + 1e-6
+    torch.testing.assert_close(z, torch.tensor([1.0, 3 * 0.125 / d, -0.375 / d, -0.375 / d]))
 
 
 def test_amplification_on_trl_advantages_per_token():
@@ -289,14 +290,16 @@ def _adv_ctx(rewards, annotations, G):
 
 def test_advantage_hook_pivots_both_trajectories_and_amplifies():
     anns = [{"r3l": "first"}, {"r3l": "first"},
-            {"r3l": "retry", "r3l_pair": 0, "r3l_pivot_tokens": 4, "r3l_first_pivot_tokens": 6}, {"r3l": "kept_invalid"}]
+            {"r3l": "retry", "r3l_pair": 0, "r3l_pivot_tokens": 4, "r3l_first_pivot_tokens": 6},
+            {"r3l": "kept_invalid"}]
     ctx = _adv_ctx([0.0, 0.0, 1.0, 0.5], anns, 4)
     build_plugins(["r3l"]).call("trl_plugins_transform_advantages", ctx)
     assert ctx.extras[PIVOT_KEY].tolist() == [6, 0, 4, 0]
     torch.testing.assert_close(ctx.advantages, torch.tensor([-0.375, -0.375, 1.0, 0.375]))
     assert ctx.metrics["plugins/r3l/retry_improved_fraction"] == [1.0]
     neutral = _adv_ctx([0.0, 0.0, 1.0, 0.5], [{}] * 4, 4)
-    build_plugins(["r3l"], {"r3l": {"baseline": "trl", "amplify": False}}).call("trl_plugins_transform_advantages", neutral)
+    stack = build_plugins(["r3l"], {"r3l": {"baseline": "trl", "amplify": False}})
+    stack.call("trl_plugins_transform_advantages", neutral)
     assert neutral.advantages.tolist() == [0.0] * 4 and neutral.extras == {}
 
 
@@ -330,7 +333,7 @@ def test_loss_hook_zeroes_the_pivot_tokens_and_opmd_replaces_the_surrogate():
     torch.testing.assert_close(values, -adv * lp / 2)
 
 
-def test_option_validation_and_retry_slots(tmp_path):
+def test_option_validation():
     with pytest.raises(PluginConfigError, match="retry_fraction"):
         build_plugins(["r3l"], {"r3l": {"retry_fraction": 0.75}})
     with pytest.raises(PluginConfigError, match="guidance_template"):

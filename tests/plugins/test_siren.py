@@ -91,7 +91,7 @@ def test_anchored_term():
     assert float(h.grad) == pytest.approx(2 * 0.1 * 0.5)
 
 
-# ------------------------------------------------------------------------------------------ nucleus (HeadStats, mode="siren")
+# ------------------------------------------------------------------------------------------ nucleus (mode="siren")
 def test_top_p_above_the_mass_is_the_entropy_restricted_to_the_top_k():
     hidden, W, mask = _head(1)
     k = 6  # the top-6 mass is < 1 everywhere, so p = 1 keeps all six candidates
@@ -215,7 +215,8 @@ def test_anchor_is_computed_once_from_the_rollout_policy_and_checkpointed():
     hidden, W, mask = _head(7, grad=False)
     head = HeadStats(hidden, C, mask, W, chunk_size=4)
     stats = PolicyStats(per_token_logps=torch.zeros(B, C), entropies=torch.zeros(B, C), mask=mask,
-                        completion_ids=torch.zeros(B, C, dtype=torch.long), mean_entropy=torch.zeros(B), head_stats=head)
+                        completion_ids=torch.zeros(B, C, dtype=torch.long), mean_entropy=torch.zeros(B),
+                        head_stats=head)
     stack = build_plugins(["siren"], {"siren": {"top_p": 0.9}})
     ctx, calls = _adv_ctx(stats, B)
     stack.call("trl_plugins_transform_advantages", ctx)

@@ -188,7 +188,8 @@ def test_entropy_source_old_uses_the_advantage_stage_entropy():
     assert torch.equal(actx.local_extras[OLD_ENTROPY_KEY], ent)
     ctx = _loss_ctx(lp, lp_old, adv, mask, entropies=torch.zeros(3, 6), extras={OLD_ENTROPY_KEY: ent})
     stack.call("trl_plugins_loss", ctx)
-    torch.testing.assert_close(ctx.token_weights[0], steer_weights(entropy_change(lp, lp_old, adv, ent).abs(), mask, 0.8))
+    expected = steer_weights(entropy_change(lp, lp_old, adv, ent).abs(), mask, 0.8)
+    torch.testing.assert_close(ctx.token_weights[0], expected)
 
     on_policy = build_plugins(["steer"])  # auto, one optimizer step per generation batch: current entropy, no forward
     on_policy.call("trl_plugins_configure", trainer=SimpleNamespace(num_iterations=1),
