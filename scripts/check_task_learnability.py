@@ -52,6 +52,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--num-generations", type=int, default=d.num_generations)
     p.add_argument("--batch-size", type=int, default=d.per_device_train_batch_size)
     p.add_argument("--max-completion-length", type=int, default=d.max_completion_length)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="GRPO sampling temperature")
     p.add_argument("--eval-size", type=int, default=d.eval_size)
     p.add_argument("--threads", type=int, default=d.torch_threads, help="torch intra-op threads")
     p.add_argument("--cache-dir", default=None, help="cache the warm-started model here (default: no cache)")
@@ -132,7 +133,7 @@ def main() -> None:
             warmup_steps=0,
             max_steps=args.grpo_steps,
             beta=0.0,
-            temperature=settings.temperature,
+            temperature=args.temperature,
             logging_steps=1,
             report_to="none",
             save_strategy="no",

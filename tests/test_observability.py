@@ -127,7 +127,7 @@ def test_plugin_metrics_and_completions_reach_trackio(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("TRACKIO_LOGS "))
     logs = json.loads(line[len("TRACKIO_LOGS "):])
-    scalars = [entry for entry in logs if "train/global_step" in entry]
+    scalars = [entry for entry in logs if "train/loss" in entry]  # the per-step logs (not the final summary)
     assert [entry["train/global_step"] for entry in scalars] == [1, 2]
     for key in ("train/plugins/canon/lam", "train/plugins/hint_scaffold/all_fail_group_fraction",
                 "train/plugins/framework/extra_rollouts"):

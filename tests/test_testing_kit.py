@@ -29,7 +29,6 @@ from trl_plugins.testing import (
     assert_offpolicy_logprobs_nan,
     assert_reduces_to_vanilla,
     build_stack,
-    char_decode,
     char_encode,
     digit_fraction_reward,
     group_normalized_advantages,
