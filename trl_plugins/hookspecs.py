@@ -131,7 +131,9 @@ def trl_plugins_generation_prompts(ctx: PromptContext) -> None:
     the loss conditions on (prompt swap when they differ). Rows of one group may get different prompts; the
     trainer then generates one completion per row (vLLM server mode would otherwise de-duplicate prompts).
     Rows whose two prompts differ get NaN sampling log-probs, so TRL's vLLM importance-sampling correction
-    leaves them alone. Only called in training mode.
+    leaves them alone. ``ctx.defer(i)`` skips row ``i`` in the first generation round: the plugin must fill it
+    in ``trl_plugins_after_generation`` (``ctx.replace_row``), so a two-round method keeps exactly G rollouts per
+    group. Only called in training mode.
     """
 
 
