@@ -111,7 +111,8 @@ def test_write_check_and_stale_pages(tmp_path, plugins):
     (tmp_path / "plugins" / "gone.md").write_text(GENERATED + "\n# `gone`\n")
     (tmp_path / "plugins" / "handwritten.md").write_text("# notes kept by hand\n")
     problems = check(tmp_path)
-    assert any("out of date" in p for p in problems) and "plugins/gone.md is stale (no such plugin any more)" in problems
+    assert any("out of date" in p for p in problems)
+    assert "plugins/gone.md is stale (no such plugin any more)" in problems
     assert main(["--out", str(tmp_path), "--check"]) == 1
     changed = write(tmp_path)
     assert "plugins/gone.md" in changed and not (tmp_path / "plugins" / "gone.md").exists()

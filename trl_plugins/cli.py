@@ -130,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         "new", help="Scaffold a plugin package (entry point, example plugin, tests with the testing kit, README)."
     )
     p.add_argument("name", help="Plugin name, e.g. my_method (the package is trl-plugins-my-method).")
-    p.add_argument("--dir", default=None, help="Directory to create (default: ./trl-plugins-<name>); must be new or empty.")
-    p.add_argument("--stage", choices=STAGES, default=DEFAULT_STAGE, help="Stage of the example plugin (default: %(default)s).")
+    p.add_argument("--dir", default=None, help="Directory to create (default: ./trl-plugins-<name>); new or empty.")
+    p.add_argument(
+        "--stage", choices=STAGES, default=DEFAULT_STAGE, help="Stage of the example plugin (default: %(default)s)."
+    )
     p.set_defaults(func=cmd_new)
     p = sub.add_parser("docs", help="Generate the plugin reference pages (docs/plugins/*.md, docs/hooks.md).")
     p.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")

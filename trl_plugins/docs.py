@@ -212,11 +212,14 @@ def index_page(plugins: Mapping[str, type]) -> str:
     for name, cls in plugins.items():
         papers = ", ".join(f"[arXiv:{i}](https://arxiv.org/abs/{i})" for i in arxiv_ids(cls.paper)) or _cell(cls.paper)
         lines.append(f"| [`{name}`]({name}.md) | {', '.join(cls.stages()) or '-'} | {_cell(cls.summary)} | {papers} |")
-    conflicts = sorted({tuple(sorted((n, c))) for n, cls in plugins.items() for c in cls.conflicts_with if c in plugins})
+    conflicts = sorted(
+        {tuple(sorted((n, c))) for n, cls in plugins.items() for c in cls.conflicts_with if c in plugins}
+    )
     replacers = [n for n, cls in plugins.items() if cls.replaces_surrogate]
     lines += ["", "## Stacking rules", ""]
     if conflicts:
-        lines.append("Pairs refused together (\"pick one\"): " + ", ".join(f"`{a}` + `{b}`" for a, b in conflicts) + ".")
+        pairs = ", ".join(f"`{a}` + `{b}`" for a, b in conflicts)
+        lines.append(f"Pairs refused together (\"pick one\"): {pairs}.")
         lines.append("")
     if len(replacers) > 1:
         lines.append("At most one of " + ", ".join(f"`{n}`" for n in replacers) + " (each replaces the surrogate "

@@ -105,7 +105,9 @@ def render(names: PackageNames, stage: str = DEFAULT_STAGE) -> dict[str, str]:
     }
 
 
-def scaffold(name: str, directory: str | Path | None = None, stage: str = DEFAULT_STAGE, *, check_taken: bool = True) -> Path:
+def scaffold(
+    name: str, directory: str | Path | None = None, stage: str = DEFAULT_STAGE, *, check_taken: bool = True
+) -> Path:
     """Write the package for plugin ``name`` into ``directory`` (default ``./trl-plugins-<name>``).
 
     Refuses an invalid name, a name an available plugin already uses (``check_taken``), and a directory that
@@ -174,9 +176,9 @@ filterwarnings = ["ignore::DeprecationWarning", "ignore::FutureWarning"]
 _INIT = '''\
 """${name}: a trl-plugins plugin (see plugin.py)."""
 
-from .plugin import ${cls}, ${options_cls}
+from .plugin import ${options_cls}, ${cls}
 
-__all__ = ["${cls}", "${options_cls}"]
+__all__ = ["${options_cls}", "${cls}"]
 '''
 
 _CONFTEST = '''\
@@ -500,7 +502,7 @@ SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 class ${options_cls}(PluginOptions):
     """Options of ``${name}`` (``plugin_config: {${name}: {...}}``), validated when the trainer is built."""
 
-    power: float = option(0.0, min=0.0, help="Exponent of the relative entropy in the token weight (0 = all weights 1).")
+    power: float = option(0.0, min=0.0, help="Exponent of the relative entropy in a token's weight (0 = weights 1).")
     max_weight: float = option(5.0, min=1.0, help="Upper clamp of a token's weight.")
 
 
@@ -564,13 +566,7 @@ its fixtures). They run offline on a CPU in well under a minute: a tiny Llama an
 import pytest
 import torch
 from trl_plugins import PluginConfigError, available_plugins
-from trl_plugins.testing import (
-    assert_group_sizes,
-    assert_reduces_to_vanilla,
-    build_stack,
-    digit_fraction_reward,
-    run_hook,
-)
+from trl_plugins.testing import assert_reduces_to_vanilla, build_stack, digit_fraction_reward, run_hook
 
 from ${package}.plugin import ${cls}
 
@@ -604,7 +600,7 @@ def test_options_are_validated():
 
 
 def test_hook_on_a_hand_made_context():
-    from trl_plugins.testing import make_advantage_context
+    from trl_plugins.testing import assert_group_sizes, make_advantage_context
 
     ctx = make_advantage_context([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0], num_generations=4)
     before = ctx.advantages.clone()  # TRL's group-normalised advantages
@@ -640,7 +636,7 @@ def test_options_are_validated():
 
 
 def test_hook_on_a_hand_made_context():
-    from trl_plugins.testing import make_reward_context
+    from trl_plugins.testing import assert_group_sizes, make_reward_context
 
     # group 0: one success out of 4 (rate 1/4); group 1: three out of 4 (rate 3/4); column 1 is left alone
     rewards = [[1.0, 7.0], [0.0, 7.0], [0.0, 7.0], [0.0, 7.0], [1.0, 7.0], [1.0, 7.0], [0.0, 7.0], [1.0, 7.0]]
@@ -679,7 +675,12 @@ def test_options_are_validated():
 
 
 def test_hook_on_a_hand_made_context():
-    from trl_plugins.testing import StubGenerationService, assert_offpolicy_logprobs_nan, make_rollout_context
+    from trl_plugins.testing import (
+        StubGenerationService,
+        assert_group_sizes,
+        assert_offpolicy_logprobs_nan,
+        make_rollout_context,
+    )
 
     # max_completion_length=4: "abcd" and "wxyz" hit the limit; the stub service answers "ok"
     service = StubGenerationService(respond=lambda prompt, j: "ok")

@@ -725,7 +725,8 @@ def make_advantage_context(
         index_in_group=idx % G,
         num_generations=G,
         completion_lengths=lengths,
-        offpolicy_fraction=torch.zeros(N) if offpolicy_fraction is None else torch.as_tensor(offpolicy_fraction).float(),
+        offpolicy_fraction=(torch.zeros(N) if offpolicy_fraction is None
+                            else torch.as_tensor(offpolicy_fraction).float()),
         prompt_swapped=(torch.zeros(N, dtype=torch.bool) if prompt_swapped is None
                         else torch.as_tensor(prompt_swapped, dtype=torch.bool)),
         annotations=annotations if annotations is not None else [{} for _ in range(N)],
@@ -898,7 +899,8 @@ def build_stack(
     trainer: Any = None,
     **config: Any,
 ) -> PluginStack:
-    """Enable plugins by name (or class, e.g. one defined in the test) with validated options, and call their ``trl_plugins_configure`` hooks with a tiny ``PluginGRPOConfig``
+    """Enable plugins by name (or class, e.g. one defined in the test) with validated options, and call their
+    ``trl_plugins_configure`` hooks with a tiny ``PluginGRPOConfig``
     (``config`` sets its fields, e.g. ``loss_type="dr_grpo"``) and ``trainer`` (default :func:`stub_trainer`).
 
     ``plugin_config`` is keyed by plugin name, as in ``PluginGRPOConfig``.
@@ -1104,7 +1106,9 @@ def assert_offpolicy_logprobs_nan(obj: Any, prompt_swapped: Sequence[bool] | Non
         mask = obj["completion_mask"].bool()
         off = obj.get(OFFPOLICY_KEY)
         if off is not None:
-            assert off.shape == mask.shape, f"{OFFPOLICY_KEY} has shape {tuple(off.shape)}; expected {tuple(mask.shape)}"
+            assert off.shape == mask.shape, (
+                f"{OFFPOLICY_KEY} has shape {tuple(off.shape)}; expected {tuple(mask.shape)}"
+            )
         lps = obj.get("sampling_per_token_logps")
         if lps is None:
             return
@@ -1114,7 +1118,9 @@ def assert_offpolicy_logprobs_nan(obj: Any, prompt_swapped: Sequence[bool] | Non
             assert not bad.any(), f"off-policy tokens with finite sampling log-probs at {bad.nonzero().tolist()}"
         for i, s in enumerate(prompt_swapped or []):
             if s:
-                assert torch.isnan(lps[i][mask[i]]).all(), f"row {i} is prompt-swapped but has finite sampling log-probs"
+                assert torch.isnan(lps[i][mask[i]]).all(), (
+                    f"row {i} is prompt-swapped but has finite sampling log-probs"
+                )
         return
     raise TypeError(f"assert_offpolicy_logprobs_nan: unsupported object {type(obj).__name__}")
 
