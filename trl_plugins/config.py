@@ -74,6 +74,19 @@ class PluginGRPOConfig(GRPOConfig):
             raise ValueError(f"head_stats_chunk_size must be >= 1; got {self.head_stats_chunk_size!r}.")
         if self.plugin_generation_budget is not None and self.plugin_generation_budget < 0:
             raise ValueError(f"plugin_generation_budget must be >= 0 or None; got {self.plugin_generation_budget!r}.")
+        if not self.use_vllm:  # vLLM-only settings that say "generate with vLLM" but would silently use HF generate
+            given = [
+                f"{name}={getattr(self, name)!r}"
+                for name, unset in (("vllm_mode", "colocate"), ("vllm_server_base_url", None))
+                if getattr(self, name) != unset
+            ]
+            if given:
+                from .errors import IncompatiblePluginsError
+
+                raise IncompatiblePluginsError(
+                    f"{', '.join(given)} only take effect with use_vllm=True; with use_vllm=False generation runs on "
+                    "transformers' generate and these settings would be ignored. Set use_vllm=True, or remove them."
+                )
         from .manager import build_plugins
 
         build_plugins(self.plugins, self.plugin_config)  # fail now, not at step 500

@@ -43,6 +43,7 @@ from .errors import PluginConfigError, PluginError
 from .generation import GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
+from .rewards_guard import check_reward_columns, guard_reward_funcs
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -87,6 +88,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
             self._check_columns(stack, train_dataset)
+            check_reward_columns(reward_funcs, train_dataset)
+            reward_funcs = guard_reward_funcs(reward_funcs)  # NaN / inf rewards: an error naming function, row, value
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
