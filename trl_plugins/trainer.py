@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,7 +259,9 @@ class PluginGRPOTrainer(GRPOTrainer):
                     ]
         state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, annotations
         self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in annotations])
-        self._metrics["train"]["plugins/framework/extra_rollouts"].append(float(self.generation_service.used_this_batch))
+        # summed over processes (every process runs this line once per batch), like TRL's gathered metrics
+        used = torch.tensor([self.generation_service.used_this_batch], device=self.accelerator.device)
+        self._metrics["train"]["plugins/framework/extra_rollouts"].append(float(self.accelerator.gather(used).sum().item()))
         return (
             rctx.prompt_ids,
             rctx.completion_ids,
@@ -571,12 +574,18 @@ class PluginGRPOTrainer(GRPOTrainer):
                 plugin.trl_plugins_load_state_dict(state=state[plugin.name])
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        # Plugin state first, written atomically: a run killed while saving never leaves a checkpoint that looks
+        # complete to transformers (trainer_state.json is written last) without its plugin state, and a hub push of
+        # the checkpoint (inside TRL's save) includes it.
         if self.plugin_stack and self.args.should_save:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            torch.save(self.plugin_state_dict(), os.path.join(folder, PLUGIN_STATE_FILE))
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, PLUGIN_STATE_FILE)
+            torch.save(self.plugin_state_dict(), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -584,6 +593,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             path = os.path.join(checkpoint, PLUGIN_STATE_FILE)
             if os.path.exists(path):
                 self.load_plugin_state_dict(torch.load(path, weights_only=False))
+            elif self.plugin_stack.has("trl_plugins_load_state_dict"):
+                names = [p.name for p in self.plugin_stack.implementers("trl_plugins_load_state_dict")]
+                warnings.warn(
+                    f"Checkpoint {checkpoint} has no {PLUGIN_STATE_FILE} (saved by a run without plugins, or interrupted "
+                    f"while saving): the state of plugins {names} starts fresh instead of being restored.",
+                    stacklevel=2,
+                )
 
 
 async def _await(awaitable):

@@ -38,7 +38,8 @@ class EndpointConfig:
         base_url: e.g. ``http://127.0.0.1:8000/v1``.
         model: the served model name sent in every request.
         api_key: sent as a bearer token when set.
-        timeout: seconds per request.
+        timeout: seconds per request phase (connect, each read, write); a request still not fully answered after
+            ``2 * timeout`` (e.g. a server trickling bytes) is abandoned too. Either counts as a failed attempt.
         max_retries: retries after the first attempt (so ``max_retries + 1`` attempts at most).
         backoff: first retry delay in seconds; doubles each retry (with jitter), capped at ``max_backoff``.
         max_concurrency: requests in flight at once.
@@ -112,7 +113,8 @@ class OpenAICompatibleClient:
         for attempt in range(self.config.max_retries + 1):
             try:
                 self.requests_sent += 1
-                response = await http.post(url, json=payload)
+                # httpx's timeouts are per phase (a server trickling bytes never trips them): bound the whole request
+                response = await asyncio.wait_for(http.post(url, json=payload), timeout=2 * self.config.timeout)
                 if response.status_code == 200:
                     try:
                         body = response.json()
@@ -126,6 +128,8 @@ class OpenAICompatibleClient:
                     raise EndpointError(f"{url} refused the request ({last}).")
             except (httpx.TransportError, httpx.TimeoutException) as exc:
                 last = f"{type(exc).__name__}: {exc}"
+            except asyncio.TimeoutError:
+                last = f"TotalTimeout: no complete answer within {2 * self.config.timeout:g}s"
             if attempt < self.config.max_retries:
                 delay = min(self.config.backoff * 2**attempt, self.config.max_backoff)
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
@@ -144,12 +148,18 @@ class OpenAICompatibleClient:
                     http, "chat/completions", {"model": self.config.model, "messages": messages, **params}
                 )
                 try:
-                    return body["choices"][0]["message"]["content"]
+                    content = body["choices"][0]["message"]["content"]
                 except (KeyError, IndexError, TypeError) as exc:
                     raise EndpointError(
                         f"{self.base_url}/chat/completions answered without choices[0].message.content: "
                         f"{json.dumps(body)[:200]}"
                     ) from exc
+                if not isinstance(content, str):  # e.g. null: everything went to reasoning_content or a tool call
+                    raise EndpointError(
+                        f"{self.base_url}/chat/completions answered with a non-text choices[0].message.content "
+                        f"({content!r}): {json.dumps(body)[:200]}"
+                    )
+                return content
 
             return call
 

@@ -56,7 +56,10 @@ def serve_openai_compatible(handler: Handler, delay: float = 0.0) -> Iterator[st
         def log_message(self, *args):  # keep test output clean
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RequestHandler)
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 256  # the default backlog of 5 resets connections under a judge's concurrency
+
+    server = Server(("127.0.0.1", 0), RequestHandler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -1,0 +1,254 @@
+"""Shared pieces of ``scripts/bench_overhead.py`` and ``scripts/bench_learning.py``.
+
+* the warm-started tiny model of the demo (cached on disk, see :func:`trl_plugins.tasks.tiny.demo_model`);
+* :data:`PLUGIN_SETTINGS`: per built-in plugin, the plugin options and GRPOConfig fields under which it *acts*
+  on the bundled arithmetic task (rule-based judge, programmatic PRM, reference solutions: nothing external);
+* trainer construction for ``trl.GRPOTrainer`` and ``PluginGRPOTrainer`` from the same settings;
+* process memory helpers (peak resident set size via ``/proc/self/status``, resettable on Linux).
+
+Nothing here downloads anything.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
+
+# Per plugin: (plugin options, GRPOConfig overrides) that make it act on the arithmetic task with the tiny model.
+# The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
+PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
+    "adaptive_sampler": ({}, {}),
+    "canon": ({}, {"loss_type": "dr_grpo"}),
+    # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
+    "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
+    "critique_grpo": ({"critique_type": "simple_gt"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
+    # character-level tokenizer: every token is one character
+    "cure": ({"branches_per_response": 3, "min_token_chars": 1}, {}),
+    "dagrpo": ({"scorer": "prm"}, {}),
+    "disco": ({}, {"loss_type": "grpo"}),
+    "empo": ({}, {}),
+    "fbos_rl": ({"feedback": "task"}, {}),
+    "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
+    # the default lexicon targets natural-language reasoning; the arithmetic completions say "Answer"
+    "hicra": ({"phrases": ["answer"]}, {}),
+    "hint_scaffold": ({}, {}),
+    "kl_cov": ({"ratio": 0.02}, {}),
+    "length_shaping": ({}, {}),
+    "llds": ({}, {}),
+    "lp_reg": ({"rho": 0.05}, {}),
+    "posterior_grpo": ({"prm": "programmatic"}, {}),
+    "r3l": ({"reflection_source": "task_feedback"}, {}),
+    "riskpo": ({"bundle_size": 2}, {}),
+    "rlpr": ({}, {}),
+    "ruscarl": ({"judge": "rule"}, {}),
+    "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
+    "seed_grpo": ({}, {}),
+    "siren": ({}, {}),
+    "steer": ({}, {}),
+}
+
+
+def stack_settings(names: list[str]) -> tuple[dict, dict]:
+    """Merged plugin options and GRPOConfig overrides of a stack (later plugins win on a GRPOConfig clash)."""
+    options, overrides = {}, {}
+    for name in names:
+        opts, over = PLUGIN_SETTINGS.get(name, ({}, {}))
+        if opts:
+            options[name] = dict(opts)
+        overrides.update(over)
+    return options, overrides
+
+
+def set_threads(n: int = 1) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def demo_settings():
+    from trl_plugins.tasks.tiny import DemoSettings
+
+    return DemoSettings()
+
+
+def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
+    """``(model, tokenizer)``: the demo's warm-started tiny model (built once, then loaded from the cache)."""
+    from trl_plugins.tasks.tiny import demo_model
+
+    return demo_model(cache_dir or DEFAULT_CACHE, demo_settings(), verbose=verbose)
+
+
+def base_config_fields(output_dir: str, seed: int = 0, **overrides: Any) -> dict:
+    """GRPOConfig fields of the demo's GRPO run (DemoSettings), quiet and checkpoint-free."""
+    s = demo_settings()
+    fields = dict(
+        output_dir=output_dir,
+        max_steps=4,
+        learning_rate=s.grpo_learning_rate,
+        num_generations=s.num_generations,
+        per_device_train_batch_size=s.per_device_train_batch_size,
+        max_completion_length=s.max_completion_length,
+        temperature=s.temperature,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=seed,
+        lr_scheduler_type="constant",
+        disable_tqdm=True,
+        log_level="error",
+    )
+    fields.update(overrides)
+    return fields
+
+
+def make_trainer(
+    kind: str,
+    model,
+    tokenizer,
+    train_dataset,
+    reward_funcs: list,
+    output_dir: str,
+    plugins: list[str] | None = None,
+    plugin_config: dict | None = None,
+    seed: int = 0,
+    **overrides: Any,
+):
+    """``kind="vanilla"``: ``trl.GRPOTrainer`` + ``GRPOConfig``; ``kind="plugin"``: ``PluginGRPOTrainer``.
+
+    The model is used as given (pass a copy). Console printing of logs is switched off.
+    """
+    import warnings
+
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_plugins import PluginGRPOConfig, PluginGRPOTrainer
+
+    fields = base_config_fields(output_dir, seed=seed, **overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "vanilla":
+            args = GRPOConfig(**fields)
+            trainer = GRPOTrainer(
+                model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
+                processing_class=tokenizer,
+            )
+        elif kind == "plugin":
+            args = PluginGRPOConfig(plugins=list(plugins or []), plugin_config=copy.deepcopy(plugin_config or {}), **fields)
+            trainer = PluginGRPOTrainer(
+                model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
+                processing_class=tokenizer,
+            )
+        else:
+            raise ValueError(f"kind must be 'vanilla' or 'plugin', got {kind!r}")
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    return trainer
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_mib() -> float | None:
+    """Current resident set size of this process (MiB), from ``/proc/self/status`` (Linux)."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib / 1024
+
+
+def peak_rss_mib() -> float | None:
+    """Peak resident set size (``VmHWM``, MiB) since the last :func:`reset_peak_rss`."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB, never reset
+    return kib / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def profiled_peak_mib(fn) -> dict:
+    """Run ``fn()`` under ``torch.profiler`` with ``profile_memory=True``; peak of live tensor bytes (MiB).
+
+    Every tensor allocation and free of torch's CPU allocator is an event (``[memory]``, signed bytes); their
+    running sum in time order, from 0 at the start of ``fn``, peaks at the returned ``peak_mib``.
+    ``largest_mib`` is the largest single allocation. Python objects are not counted.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    cur = peak = largest = 0
+    for _, n in events:
+        cur += n
+        peak = max(peak, cur)
+        largest = max(largest, n)
+    return {"peak_mib": peak / 2**20, "largest_mib": largest / 2**20, "net_mib": cur / 2**20}
+
+
+def machine_info() -> dict:
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_1_5_15": [round(x, 2) for x in load],
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def median(values: list[float]) -> float:
+    vals = sorted(v for v in values if v == v)
+    if not vals:
+        return float("nan")
+    n = len(vals)
+    return vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])
+
+
+def quantile(values: list[float], q: float) -> float:
+    vals = sorted(v for v in values if v == v)
+    if not vals:
+        return float("nan")
+    pos = q * (len(vals) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)

@@ -1,0 +1,522 @@
+"""Overhead and memory of ``PluginGRPOTrainer`` against ``trl.GRPOTrainer``, side by side in one process.
+
+Part 1 (trainer): for each configuration -- no plugins, eight no-op plugins implementing every hook, and each
+built-in plugin alone with settings that make it act (``bench_common.PLUGIN_SETTINGS``) -- a vanilla
+``trl.GRPOTrainer`` (A) and a ``PluginGRPOTrainer`` (B) are built on copies of the warm-started tiny model with
+the same GRPOConfig fields, then trained in interleaved blocks A B B A A B ... (``--repeats`` blocks each). Every
+block restores the initial weights, a fresh optimizer and the seed, and trains ``--steps`` optimizer steps; the
+first step of a block is a warm-up and is not counted. Per block we record
+
+* step time: wall time from ``on_step_begin`` to ``on_step_end`` (generation, scoring, plugin stages, loss,
+  backward and optimizer step), median over the block's counted steps; TRL's own ``step_time`` metric (time
+  inside ``training_step``, i.e. without the optimizer step) is recorded too;
+* peak memory: growth of the process's peak resident set size during the block (the kernel's ``VmHWM``, reset
+  through ``/proc/self/clear_refs`` at the start of the block, minus the RSS at that moment). It counts every
+  allocation the block touches (tensors, autograd buffers, Python objects), at page granularity.
+
+The ratio of a configuration is the median over block pairs of ``median step time B / median step time A``
+(pairs are adjacent blocks, so slow drifts of a shared machine cancel). Acting plugins change what is generated
+(extra rollouts, other prompts), so their ratio is the method's cost, not only the framework's; the extra
+completions each plugin requested per step (``trainer.generation_service.total``) are reported beside it.
+
+Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
+1024 valid completion tokens computes Lp-Reg's min-p proxy log-probs and SIREN's nucleus entropy (no grad, and
+with grad + backward) at chunk sizes 1024, 256 and 64; we measure the peak RSS growth and the largest tensor any
+op allocated, against the (T, V) float32 logits a full-logits implementation needs (586 MiB), and run that
+full-logits computation for reference.
+
+    python scripts/bench_overhead.py                 # everything (about 30 min on a quiet 2-core machine)
+    python scripts/bench_overhead.py --quick         # none, noop8 and a few plugins, fewer repeats
+    python scripts/bench_overhead.py --configs none noop8 lp_reg --repeats 12
+    python scripts/bench_overhead.py --profile noop8 # cProfile of the plugin path (top entries)
+    python scripts/bench_overhead.py --head-stats-only
+
+Results go to ``docs/benchmarks/overhead.json`` and (``--write-docs``) the overhead section of
+``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import shlex
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+
+QUICK_PLUGINS = ["canon", "lp_reg", "hint_scaffold", "fbos_rl", "scope"]
+NUM_NOOP = 8
+
+
+# ------------------------------------------------------------------------------------------------ no-op plugins
+
+
+def register_noop_plugins(n: int = NUM_NOOP) -> list[str]:
+    """Register ``n`` plugins ``bench_noop_0..n-1`` that implement every hook and change nothing."""
+    from trl_plugins import Plugin, hookimpl, register_plugin
+
+    class NoopPlugin(Plugin):
+        version = "0.0.0"
+        paper = "none (benchmark)"
+        summary = "Implements every hook and does nothing."
+
+        @hookimpl
+        def trl_plugins_configure(self, trainer, args):
+            return None
+
+        @hookimpl
+        def trl_plugins_on_step_end(self, trainer, step):
+            return None
+
+        @hookimpl
+        def trl_plugins_state_dict(self):
+            return {}
+
+        @hookimpl
+        def trl_plugins_load_state_dict(self, state):
+            return None
+
+        @hookimpl
+        def trl_plugins_reward_functions(self, args):
+            return []
+
+        @hookimpl
+        def trl_plugins_transform_rewards(self, ctx):
+            return None
+
+        @hookimpl
+        def trl_plugins_train_sampler(self, trainer, sampler, dataset):
+            return None
+
+        @hookimpl
+        def trl_plugins_generation_prompts(self, ctx):
+            return None
+
+        @hookimpl
+        def trl_plugins_after_generation(self, ctx):
+            return None
+
+        @hookimpl
+        def trl_plugins_transform_advantages(self, ctx):
+            return None
+
+        @hookimpl
+        def trl_plugins_loss_advantages(self, ctx):
+            return None
+
+        @hookimpl
+        def trl_plugins_loss(self, ctx):
+            return None
+
+    names = []
+    for i in range(n):
+        cls = type(f"BenchNoop{i}", (NoopPlugin,), {"name": f"bench_noop_{i}"})
+        register_plugin(cls)
+        names.append(cls.name)
+    return names
+
+
+# ------------------------------------------------------------------------------------------------ trainer part
+
+
+def config_plugins(name: str, noop_names: list[str]) -> tuple[list[str], dict, dict]:
+    """(plugins, plugin_config, GRPOConfig overrides) of a benchmark configuration."""
+    if name == "none":
+        return [], {}, {}
+    if name == "noop8":
+        return list(noop_names), {}, {}
+    options, overrides = bc.stack_settings(name.split("+"))
+    return name.split("+"), options, overrides
+
+
+class _StepTimer:
+    """TrainerCallback recording wall time per optimizer step (built lazily: transformers import is slow)."""
+
+    @staticmethod
+    def make():
+        from transformers import TrainerCallback
+
+        class StepTimer(TrainerCallback):
+            def __init__(self):
+                self.times: list[float] = []
+                self._t0 = None
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self._t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                self.times.append(time.perf_counter() - self._t0)
+
+        return StepTimer()
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
+    """Train ``steps`` steps from the initial weights; step times (first dropped), peak RSS growth, rollouts."""
+    from transformers import set_seed
+
+    trainer.model.load_state_dict(init_state)
+    trainer.optimizer, trainer.lr_scheduler = None, None
+    trainer.args.max_steps = steps
+    timer.times.clear()
+    service = getattr(trainer, "generation_service", None)
+    extra0 = service.total if service is not None else 0
+    _release_memory()
+    set_seed(seed)
+    bc.reset_peak_rss()
+    rss0 = bc.rss_mib()
+    trainer.train()
+    peak = bc.peak_rss_mib()
+    extra = (service.total - extra0) if service is not None else 0
+    trl_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    return {
+        "step_s": bc.median(timer.times[1:]),
+        "trl_step_s": bc.median(trl_times[1:]),
+        "peak_rss_growth_mib": None if peak is None or rss0 is None else max(0.0, peak - rss0),
+        "extra_rollouts_per_step": extra / max(1, steps),
+    }
+
+
+def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int, steps: int, seed: int) -> dict:
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+
+    plugins, options, overrides = config_plugins(name, noop_names)
+    out_dir = tempfile.mkdtemp(prefix="bench_overhead_")
+    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainers, timers = {}, {}
+    for kind in ("vanilla", "plugin"):
+        trainers[kind] = bc.make_trainer(
+            kind, copy.deepcopy(model), tokenizer, dataset, [accuracy_reward], out_dir,
+            plugins=plugins, plugin_config=options, seed=seed, **overrides,
+        )
+        timers[kind] = _StepTimer.make()
+        trainers[kind].add_callback(timers[kind])
+    blocks = {"vanilla": [], "plugin": []}
+    for r in range(repeats):
+        order = ("vanilla", "plugin") if r % 2 == 0 else ("plugin", "vanilla")
+        for kind in order:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                blocks[kind].append(run_block(trainers[kind], timers[kind], init_state, steps, seed))
+    memory = {}
+    for kind in ("vanilla", "plugin"):  # one profiled block each: peak of live tensor bytes (deterministic)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            memory[kind] = bc.profiled_peak_mib(
+                lambda: run_block(trainers[kind], timers[kind], init_state, min(steps, 2), seed)
+            )
+    del trainers, timers
+    _release_memory()
+    ratios = [b["step_s"] / a["step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
+    trl_ratios = [b["trl_step_s"] / a["trl_step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
+    mem_a = [b["peak_rss_growth_mib"] for b in blocks["vanilla"] if b["peak_rss_growth_mib"] is not None]
+    mem_b = [b["peak_rss_growth_mib"] for b in blocks["plugin"] if b["peak_rss_growth_mib"] is not None]
+    return {
+        "config": name,
+        "plugins": plugins if name != "noop8" else [f"{NUM_NOOP} no-op plugins"],
+        "plugin_config": options,
+        "grpo_overrides": overrides,
+        "repeats": repeats,
+        "steps_per_block": steps,
+        "step_s_vanilla": bc.median([b["step_s"] for b in blocks["vanilla"]]),
+        "step_s_plugin": bc.median([b["step_s"] for b in blocks["plugin"]]),
+        "ratio": bc.median(ratios),
+        "ratio_q25": bc.quantile(ratios, 0.25),
+        "ratio_q75": bc.quantile(ratios, 0.75),
+        "trl_step_time_ratio": bc.median(trl_ratios),
+        "peak_rss_growth_mib_vanilla": bc.median(mem_a),
+        "peak_rss_growth_mib_plugin": bc.median(mem_b),
+        "extra_rollouts_per_step": bc.median([b["extra_rollouts_per_step"] for b in blocks["plugin"]]),
+        "peak_tensor_mib_vanilla": memory["vanilla"]["peak_mib"],
+        "peak_tensor_mib_plugin": memory["plugin"]["peak_mib"],
+        "blocks": blocks,
+    }
+
+
+def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int, seed: int, top: int) -> str:
+    """cProfile of plugin-trainer blocks; top entries by cumulative time inside trl_plugins and the plugins."""
+    import cProfile
+    import io
+    import pstats
+
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+
+    plugins, options, overrides = config_plugins(name, noop_names)
+    out_dir = tempfile.mkdtemp(prefix="bench_profile_")
+    init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    report = []
+    for kind in ("vanilla", "plugin"):
+        trainer = bc.make_trainer(kind, copy.deepcopy(model), tokenizer, dataset, [accuracy_reward], out_dir,
+                                  plugins=plugins, plugin_config=options, seed=seed, **overrides)
+        timer = _StepTimer.make()
+        trainer.add_callback(timer)
+        run_block(trainer, timer, init_state, 1, seed)  # warm-up
+        prof = cProfile.Profile()
+        prof.enable()
+        run_block(trainer, timer, init_state, steps, seed)
+        prof.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
+        stats.print_stats(r"trl_plugins|plugins/|grpo_trainer", top)
+        report.append(f"===== {kind} ({name}), {steps} steps =====\n" + buf.getvalue())
+    return "\n".join(report)
+
+
+# ------------------------------------------------------------------------------------------------ head stats part
+
+
+def _measure(fn) -> dict:
+    """Peak RSS growth and wall time of one call, then the peak of live tensor bytes of a profiled call."""
+    _release_memory()
+    bc.reset_peak_rss()
+    rss0 = bc.rss_mib()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    peak = bc.peak_rss_mib()
+    _release_memory()
+    prof = bc.profiled_peak_mib(fn)
+    return {
+        "peak_tensor_mib": round(prof["peak_mib"], 1),
+        "largest_tensor_mib": round(prof["largest_mib"], 1),
+        "peak_rss_growth_mib": None if peak is None or rss0 is None else round(peak - rss0, 1),
+        "seconds": round(seconds, 2),
+    }
+
+
+def bench_head_stats(vocab: int, dim: int, tokens: int, chunks: list[int], seed: int = 0) -> dict:
+    import torch
+
+    from trl_plugins.head_stats import HeadStats
+
+    torch.manual_seed(seed)
+    B = 8
+    C = tokens // B
+    L = C + 17  # a short prompt before the completion
+    weight = torch.randn(vocab, dim) / dim**0.5
+    hidden_base = torch.randn(B, L, dim)
+    mask = torch.ones(B, C, dtype=torch.long)
+    labels = torch.randint(0, vocab, (B, C))
+    full_logits_mib = tokens * vocab * 4 / 2**20
+    rows = []
+
+    def stats(chunk, with_grad=False):
+        hidden = hidden_base.clone().requires_grad_(with_grad)
+        return hidden, HeadStats(hidden, C, mask, weight, chunk_size=chunk)
+
+    for chunk in chunks:
+        budget_mib = min(chunk, tokens) * vocab * 4 / 2**20
+
+        def lp_reg():
+            _, hs = stats(chunk)
+            hs.min_p_logprob(labels, kappa=0.02)
+
+        def siren_nograd():
+            _, hs = stats(chunk)
+            hs.top_p_entropy(0.8, k_max=2048, mode="siren")
+
+        def siren_grad():
+            hidden, hs = stats(chunk, with_grad=True)
+            hs.top_p_entropy_with_grad(0.8, k_max=2048, mode="siren").sum().backward()
+
+        for stat, fn in (("lp_reg min_p_logprob", lp_reg), ("siren top_p_entropy (no grad)", siren_nograd),
+                         ("siren top_p_entropy_with_grad + backward", siren_grad)):
+            m = _measure(fn)
+            m.update(statistic=stat, chunk=chunk, chunk_block_mib=round(budget_mib, 1),
+                     peak_over_chunk_block=round(m["peak_tensor_mib"] / budget_mib, 2))
+            rows.append(m)
+            print(f"  head stats  chunk {chunk:5d}  {stat:42s} peak tensors {m['peak_tensor_mib']:8.1f} MiB  "
+                  f"largest {m['largest_tensor_mib']:7.1f} MiB  peak RSS +{m['peak_rss_growth_mib']} MiB  "
+                  f"({m['seconds']:.1f}s)", flush=True)
+
+    def full_logits():  # what a full-logits implementation of the min-p proxy would do
+        with torch.no_grad():
+            h = hidden_base[:, -(C + 1):-1].reshape(-1, dim)
+            z = h @ weight.t()  # (T, V) float32
+            keep = z >= z.amax(-1, keepdim=True) + torch.log(torch.tensor(0.02))
+            lse = torch.logsumexp(z.masked_fill(~keep, float("-inf")), -1)
+            _ = z.gather(-1, labels.reshape(-1, 1)).squeeze(-1) - lse
+
+    ref = _measure(full_logits)
+    ref.update(statistic="full (T, V) logits, min-p proxy (reference)", chunk=None, chunk_block_mib=None,
+               peak_over_chunk_block=None)
+    rows.append(ref)
+    print(f"  full logits reference: peak tensors {ref['peak_tensor_mib']} MiB, largest {ref['largest_tensor_mib']} "
+          f"MiB, peak RSS +{ref['peak_rss_growth_mib']} MiB", flush=True)
+    return {"vocab": vocab, "dim": dim, "valid_tokens": tokens, "full_logits_fp32_mib": round(full_logits_mib, 1),
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    info = result["machine"]
+    lines.append(f"Measured {info['time']} on {info['cpu_count']} CPU cores (torch threads: {info['torch_threads']}), "
+                 f"load average at start {info['loadavg_1_5_15']}, at end {result.get('loadavg_end')}; "
+                 f"torch {info['torch']}, Python {info['python']}.")
+    lines.append("")
+    if result.get("trainer"):
+        t = result["trainer"]
+        lines.append(f"Trainer overhead: {t['repeats']} interleaved block pairs per configuration (A B B A ...), "
+                     f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
+                     f"G={t['num_generations']}, {t['batch']} completions per step, max {t['max_completion_length']} "
+                     "completion tokens. Step time = wall time of one optimizer step; ratio = median over block "
+                     "pairs of (plugin / vanilla) median step time, with its interquartile range. Peak tensor memory = "
+                     "peak of live tensor bytes (torch's CPU allocator, via `torch.profiler(profile_memory=True)`) "
+                     "above the start of a 2-step block: deterministic, Python objects not counted. Peak RSS growth = "
+                     "growth of the process's peak resident set during a block (median over blocks; noisier: "
+                     "allocator caching and page granularity).")
+        lines.append("")
+        lines.append("| configuration | vanilla step (s) | plugin step (s) | ratio | IQR | TRL step_time ratio | "
+                     "extra rollouts / step | peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for row in t["rows"]:
+            name = {"none": "no plugins", "noop8": f"{NUM_NOOP} no-op plugins (every hook)"}.get(row["config"],
+                                                                                              row["config"])
+            lines.append(
+                f"| {name} | {row['step_s_vanilla']:.3f} | {row['step_s_plugin']:.3f} | **{row['ratio']:.3f}** | "
+                f"{row['ratio_q25']:.3f}-{row['ratio_q75']:.3f} | {row['trl_step_time_ratio']:.3f} | "
+                f"{row['extra_rollouts_per_step']:.1f} | {row['peak_tensor_mib_vanilla']:.1f} / "
+                f"{row['peak_tensor_mib_plugin']:.1f} | {row['peak_rss_growth_mib_vanilla']:.1f} / "
+                f"{row['peak_rss_growth_mib_plugin']:.1f} |"
+            )
+        lines.append("")
+    if result.get("head_stats"):
+        h = result["head_stats"]
+        lines.append(f"LM-head statistics (`HeadStats`): random head V={h['vocab']:,} x d={h['dim']}, "
+                     f"{h['valid_tokens']} valid completion tokens; the (T, V) float32 logits a full-logits "
+                     f"implementation holds are {h['full_logits_fp32_mib']} MiB. Peak tensors = peak of live tensor "
+                     "bytes above the start of the call (torch profiler, `profile_memory=True`); chunk block = "
+                     "chunk x V float32; peak RSS growth = the process's peak resident set during the call.")
+        lines.append("")
+        lines.append("| statistic | chunk | chunk block (MiB) | peak tensors (MiB) | peak / chunk block | "
+                     "largest tensor (MiB) | peak RSS growth (MiB) | time (s) |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in h["rows"]:
+            lines.append(
+                f"| {r['statistic']} | {r['chunk'] or '-'} | {r['chunk_block_mib'] or '-'} | "
+                f"{r['peak_tensor_mib']} | {r['peak_over_chunk_block'] or '-'} | {r['largest_tensor_mib']} | "
+                f"{r['peak_rss_growth_mib']} | {r['seconds']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_docs_section(section: str, body: str, command: str) -> Path:
+    path = bc.ROOT / "docs" / "benchmarks.md"
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n" + f"{begin}\n{end}\n"
+    if begin not in text:
+        text += f"\n{begin}\n{end}\n"
+    block = f"{begin}\nCommand: `{command}`\n\n{body}\n{end}"
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(head + block + tail)
+    return path
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"none, noop8 and {', '.join(QUICK_PLUGINS)}; 4 repeats")
+    p.add_argument("--tiny", action="store_true", help="smoke mode: none + noop8, 1 repeat, 2 steps, small head")
+    p.add_argument("--configs", nargs="*", default=None,
+                   help="configurations: none, noop8, plugin names, or stacks a+b (default: all)")
+    p.add_argument("--repeats", type=int, default=None, help="block pairs per configuration (default 8; quick 4)")
+    p.add_argument("--baseline-repeats", type=int, default=None,
+                   help="block pairs for none and noop8 (default 16; quick 8)")
+    p.add_argument("--steps", type=int, default=4, help="steps per block; the first is not counted")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--cache-dir", default=None, help="warm-started model cache (default runs/bench_cache)")
+    p.add_argument("--head-stats-only", action="store_true")
+    p.add_argument("--skip-head-stats", action="store_true")
+    p.add_argument("--head-vocab", type=int, default=150_000)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--head-tokens", type=int, default=1024)
+    p.add_argument("--head-chunks", type=int, nargs="*", default=[1024, 256, 64])
+    p.add_argument("--profile", default=None, metavar="CONFIG", help="cProfile one configuration and exit")
+    p.add_argument("--json", default=str(bc.ROOT / "docs" / "benchmarks" / "overhead.json"))
+    p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python scripts/bench_overhead.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    bc.set_threads(args.threads)
+    result = {"command": command.strip(), "machine": bc.machine_info()}
+    if args.tiny:
+        configs, repeats, base_repeats, steps = ["none", "noop8"], 1, 1, 2
+        args.head_vocab, args.head_tokens, args.head_chunks = 20_000, 256, [256, 64]
+    elif args.quick:
+        configs, repeats, base_repeats, steps = ["none", "noop8", *QUICK_PLUGINS], 4, 8, args.steps
+    else:
+        configs, repeats, base_repeats, steps = ["none", "noop8", *bc.PLUGIN_SETTINGS], 8, 16, args.steps
+    if args.configs:
+        configs = args.configs
+    repeats = args.repeats or repeats
+    base_repeats = args.baseline_repeats or (args.repeats or base_repeats)
+
+    if not args.head_stats_only or args.profile:
+        from trl_plugins.tasks.arithmetic import make_dataset
+
+        noop_names = register_noop_plugins()
+        model, tokenizer = bc.load_demo_model(args.cache_dir)
+        s = bc.demo_settings()
+        dataset = make_dataset(256, levels=s.levels, seed=0, split="train")
+        if args.profile:
+            print(profile_config(args.profile, noop_names, model, tokenizer, dataset, max(2, args.steps), args.seed,
+                                 top=40))
+            return 0
+        rows = []
+        for name in configs:
+            reps = base_repeats if name in ("none", "noop8") else repeats
+            t0 = time.perf_counter()
+            row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed)
+            rows.append(row)
+            print(f"{name:18s} vanilla {row['step_s_vanilla']:.3f}s  plugin {row['step_s_plugin']:.3f}s  "
+                  f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  "
+                  f"trl step_time ratio {row['trl_step_time_ratio']:.3f}  extra/step "
+                  f"{row['extra_rollouts_per_step']:.1f}  peak RSS +{row['peak_rss_growth_mib_vanilla']:.1f} / "
+                  f"+{row['peak_rss_growth_mib_plugin']:.1f} MiB  tensors {row['peak_tensor_mib_vanilla']:.1f} / "
+                  f"{row['peak_tensor_mib_plugin']:.1f} MiB  ({time.perf_counter() - t0:.0f}s, "
+                  f"load {bc.machine_info()['loadavg_1_5_15'][0]})", flush=True)
+        result["trainer"] = {
+            "rows": rows, "repeats": repeats, "baseline_repeats": base_repeats, "steps": steps,
+            "num_generations": s.num_generations, "batch": s.per_device_train_batch_size,
+            "max_completion_length": s.max_completion_length,
+        }
+    if not args.skip_head_stats:
+        result["head_stats"] = bench_head_stats(args.head_vocab, args.head_dim, args.head_tokens, args.head_chunks,
+                                                args.seed)
+    result["loadavg_end"] = bc.machine_info()["loadavg_1_5_15"]
+    md = markdown(result)
+    print(md)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.write_docs:
+        print(f"wrote {write_docs_section('overhead', md, result['command'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
