@@ -11,9 +11,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_plugins.tasks.arithmetic import make_dataset, make_problem, verify
+from trl_plugins.tasks.arithmetic import (
+    feedback,
+    first_error_step,
+    make_dataset,
+    make_problem,
+    make_rubrics,
+    rubric_verdict,
+    verify,
+)
 from trl_plugins.tasks.tiny import (
     CHAT_TEMPLATE,
+    INFORMAL_ENDINGS,
     DemoSettings,
     build_and_save,
     build_tiny_model,
@@ -166,6 +175,21 @@ def test_warm_start_validates_informal_fraction(tokenizer):
     model = build_tiny_model(tokenizer, seed=0, hidden_size=16, num_layers=1)
     with pytest.raises(ValueError, match="informal_fraction"):
         warm_start(model, tokenizer, steps=1, informal_fraction=1.5)
+    with pytest.raises(ValueError, match="level 2"):
+        warm_start(model, tokenizer, levels=(1, 2), steps=1, informal_fraction={1: 0.5, 2: -0.1})
+
+
+@pytest.mark.parametrize("ending", INFORMAL_ENDINGS)
+def test_informal_endings_are_rejected_by_the_verifier_only_for_their_format(ending):
+    # The demo's warm start relies on this: right steps, informal last line => reward 0, and the PRM,
+    # feedback and rubric judge all point at the last line's format, not at the arithmetic.
+    p = make_problem(random.Random(0), 2)
+    text = "\n".join([*p.step_lines, ending.format(p.answer)])
+    assert not verify(text, p.answer)
+    assert first_error_step(p, text) == len(p.steps)
+    assert "Answer: N" in feedback(p, text)
+    verdicts = {it["tags"][0]: rubric_verdict(it, p, text) for it in make_rubrics(p)}
+    assert verdicts["kind:all_steps"] and not verdicts["kind:format"] and not verdicts["kind:final_answer"]
 
 
 class _Oracle(torch.nn.Module):

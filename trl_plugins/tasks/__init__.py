@@ -35,6 +35,7 @@ from .arithmetic import (
 
 _TINY_NAMES = (
     "CHAT_TEMPLATE",
+    "INFORMAL_ENDINGS",
     "DemoSettings",
     "build_and_save",
     "build_tiny_model",

@@ -2,7 +2,7 @@
 
 Nothing here downloads anything: the tokenizer is built with the ``tokenizers`` library, the model
 is a freshly initialised :class:`transformers.LlamaForCausalLM`, and the warm start is a short
-supervised fine-tuning on the reference solutions of :mod:`trl_plugins.tasks.arithmetic`. The result
+supervised fine-tuning on reference solutions of :mod:`trl_plugins.tasks.arithmetic`. The result
 can be saved with ``save_pretrained`` and loaded back **by path** with ``AutoTokenizer`` /
 ``AutoModelForCausalLM``, which is how the "load by name or path" code is exercised offline.
 
@@ -11,6 +11,16 @@ Chat format (one token per role marker, one token per character)::
     <|system|>{system}<|user|>{question}<|assistant|>{answer}<|end|>
 
 ``<|end|>`` is the EOS token; ``<pad>`` pads; any character outside the vocabulary becomes ``<unk>``.
+
+Why the demo's accuracy can rise within a minute of CPU RL: a model this small learns arithmetic
+facts one by one, far too slowly for a few dozen GRPO steps to teach it many new ones (with larger
+learning rates plain GRPO even erodes them). So the warm start (see :class:`DemoSettings`) also
+gives the model a *format habit*: on level-2 problems most of its training targets end with
+``"The answer is N."`` instead of ``"Answer: N"``, which the strict verifier rejects. Greedy
+decoding then answers level-1 problems in the required format and level-2 problems in prose
+(held-out accuracy ~30 %); sampling at temperature 1 still produces the right format a third of
+the time, so GRPO with the exact verifier quickly moves the model to the required format on level 2
+and held-out greedy accuracy rises to ~40-45 %.
 
 Typical use::
 
@@ -52,6 +62,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "DemoSettings",
     "EOS_TOKEN",
+    "INFORMAL_ENDINGS",
     "PAD_TOKEN",
     "ROLE_TOKENS",
     "UNK_TOKEN",
@@ -411,10 +422,10 @@ class DemoSettings:
     warm_start_batch_size: int = 32
     warm_start_informal_fraction: dict[int, float] = dataclasses.field(default_factory=lambda: {1: 0.2, 2: 0.7})
     # GRPO on top of it
-    grpo_steps: int = 40
-    grpo_learning_rate: float = 1e-4
+    grpo_steps: int = 60
+    grpo_learning_rate: float = 5e-5
     num_generations: int = 8
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int = 64
     max_completion_length: int = 40
     temperature: float = 1.0
     train_size: int = 1024

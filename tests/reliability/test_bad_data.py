@@ -1,0 +1,256 @@
+"""Bad data: NaN / inf rewards (the reward guard), empty completions, over-long prompts, empty rubric lists, missing
+reference solutions and missing dataset columns -- each is a clear error naming the row and the column / function,
+or documented handling (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import re
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_plugins import PluginConfigError
+from trl_plugins.rewards_guard import (
+    RewardValueError,
+    check_reward_values,
+    guard_reward_funcs,
+    is_guarded,
+)
+from trl_plugins.tasks.arithmetic import accuracy_reward
+from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
+
+# ============================================================================================ NaN / inf rewards
+
+
+def _poisoned(value, row=1, name="poisoned_reward"):
+    def reward(completions, **kwargs):
+        return [value if i == row else 0.5 for i in range(len(completions))]
+
+    reward.__name__ = name
+    return reward
+
+
+@pytest.mark.parametrize("value,shown", [(float("nan"), "nan"), (float("inf"), "inf"), (-math.inf, "-inf"),
+                                         ("0.7?", "'0.7?' (str), which is not a number")])
+def test_nan_or_inf_reward_is_an_error_naming_function_row_and_value(value, shown, tmp_path):
+    trainer = make_tiny_trainer(reward_funcs=[accuracy_reward, _poisoned(value)], output_dir=str(tmp_path),
+                                max_steps=1, log_level="error")
+    with pytest.raises(RewardValueError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert f"Reward function 'poisoned_reward' returned {shown} for row 1 of the 4 rows" in message, message
+    assert "prompt 'Compute " in message and "completion '" in message
+    assert "return None" in message
+    assert trainer.state.global_step == 0
+
+
+def test_none_stays_allowed_as_unscorable(tmp_path):
+    def sometimes_none(completions, **kwargs):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+
+    trainer = make_tiny_trainer(reward_funcs=[digit_fraction_reward, sometimes_none], output_dir=str(tmp_path),
+                                max_steps=1, log_level="error")
+    seen = []
+    original = trainer._calculate_rewards
+    trainer._calculate_rewards = lambda *a: seen.append(original(*a)) or seen[-1]
+    trainer.train()
+    column = seen[0][:, 1]
+    assert torch.isnan(column[1::2]).all() and (column[0::2] == 1.0).all()
+    assert trainer.state.global_step == 1
+
+
+def test_async_reward_functions_are_guarded_too(tmp_path):
+    async def async_judge(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [float("nan")] * len(completions)
+
+    trainer = make_tiny_trainer(reward_funcs=[async_judge], output_dir=str(tmp_path), max_steps=1, log_level="error")
+    assert trainer.reward_func_names == ["async_judge"]
+    with pytest.raises(RewardValueError, match=r"'async_judge' returned nan for row 0"):
+        trainer.train()
+
+
+def test_guard_keeps_names_weights_and_kinds():
+    from trl.trainer.utils import get_callable_name, is_async_callable
+
+    class Scorer:
+        def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    async def judge(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def weighted(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    weighted.reward_weight = 0.25
+    partial = functools.partial(lambda completions, scale, **kw: [scale] * len(completions), scale=2.0)
+    funcs = [accuracy_reward, Scorer(), judge, weighted, partial, "some/reward-model"]
+    guarded = guard_reward_funcs(list(funcs))
+    assert [get_callable_name(f) for f in guarded[:5]] == [get_callable_name(f) for f in funcs[:5]]
+    assert [get_callable_name(f) for f in guarded[:5]] == ["accuracy_reward", "Scorer", "judge", "weighted", "<lambda>"]
+    assert [is_async_callable(f) for f in guarded[:5]] == [False, False, True, False, False]
+    assert guarded[3].reward_weight == 0.25
+    assert guarded[5] == "some/reward-model"  # model ids and nn.Modules are left to TRL
+    assert guard_reward_funcs(guarded) == guarded and all(is_guarded(f) for f in guarded[:5])  # idempotent
+    assert guarded[4](completions=["a", "b"]) == [2.0, 2.0]
+    assert asyncio.run(guarded[2](completions=["a"])) == [1.0]
+    assert guard_reward_funcs(accuracy_reward).__name__ == "accuracy_reward" and guard_reward_funcs(None) is None
+
+
+def test_trainer_keeps_reward_names_and_plugin_weights(tmp_path):
+    trainer = make_tiny_trainer(
+        plugins=["ruscarl"], plugin_config={"ruscarl": {"judge": "rule", "reward_weight": 0.5, "scaffold": False}},
+        reward_funcs=[accuracy_reward, digit_fraction_reward], output_dir=str(tmp_path), log_level="error",
+    )
+    assert trainer.reward_func_names == ["accuracy_reward", "digit_fraction_reward", "ruscarl_rubric"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0, 0.5]
+    assert all(is_guarded(f) for f in trainer.reward_funcs)
+
+
+def test_check_reward_values_accepts_numbers_of_every_kind():
+    import numpy as np
+
+    check_reward_values("r", [1, 0.5, True, np.float32(0.25), torch.tensor(0.5), None])
+    with pytest.raises(RewardValueError, match="returned None instead of a list"):
+        check_reward_values("r", None)
+    with pytest.raises(RewardValueError, match=r"returned nan for row 2"):
+        check_reward_values("r", [0.0, 1.0, np.float64("nan")])
+
+
+def test_nan_reward_inside_a_sampling_plugin_scoring_is_the_same_error(tmp_path):
+    """hint_scaffold scores candidates through ctx.score before TRL's own reward pass: same guard, same message."""
+    trainer = make_tiny_trainer(
+        plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"success_threshold": 0.9}},
+        reward_funcs=[_poisoned(float("nan"), row=2)], output_dir=str(tmp_path), max_steps=1, log_level="error",
+    )
+    with pytest.raises(RewardValueError, match=r"'poisoned_reward' returned nan for row 2"):
+        trainer.train()
+
+
+# ============================================================================================ empty completions
+
+
+def _backend_with_empty_rows(trainer):
+    """Rows 0 mod 4: zero tokens; rows 1 mod 4: only EOS (empty text); the rest: a short digit string."""
+    tok = trainer.processing_class
+
+    def single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = []
+        for j in range(len(prompt_ids)):
+            if j % 4 == 0:
+                out.append([])
+            elif j % 4 == 1:
+                out.append([tok.eos_token_id])
+            else:
+                out.append(tok(f"{j}{j}x", add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        return out, None
+
+    return single_turn
+
+
+@pytest.mark.slow
+def test_empty_completions_train_with_a_full_stack(tmp_path):
+    trainer = make_tiny_trainer(
+        plugins=["hint_scaffold", "canon", "lp_reg"],
+        plugin_config={"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
+        reward_funcs=[accuracy_reward, digit_fraction_reward], output_dir=str(tmp_path), max_steps=2,
+        log_level="error", loss_type="dr_grpo",
+    )
+    trainer._generate_single_turn = _backend_with_empty_rows(trainer)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+# ============================================================================================ prompts over the limit
+
+
+def test_prompt_longer_than_the_context_is_refused_naming_the_row(tmp_path):
+    data = tiny_dataset(4).to_list()
+    data[2]["prompt"] = [{"role": "user", "content": "Compute 1+1 step by step. " + "x" * 600}]
+    trainer = make_tiny_trainer(dataset=Dataset.from_list(data), output_dir=str(tmp_path), max_steps=1,
+                                log_level="error", per_device_train_batch_size=16, num_generations=4)
+    with pytest.raises(ValueError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert re.search(r"prompt.*\d+ tokens.*512", message), message
+
+
+# ============================================================================================ plugin data columns
+
+
+def test_reward_function_needing_a_missing_column_is_refused_at_construction(tmp_path):
+    data = Dataset.from_list([{k: v for k, v in row.items() if k != "answer"} for row in tiny_dataset(4)])
+    with pytest.raises(PluginConfigError) as err:
+        make_tiny_trainer(reward_funcs=[accuracy_reward], dataset=data, output_dir=str(tmp_path))
+    message = str(err.value)
+    assert "'accuracy_reward'" in message and "'answer'" in message and "columns: prompt" in message
+
+
+@pytest.mark.parametrize(
+    "plugin,options,column",
+    [
+        ("ruscarl", {"judge": "rule"}, "rubrics"),
+        ("ruscarl", {"judge": "rule", "rubrics_column": "my_rubrics"}, "my_rubrics"),
+        ("scope", {"mode": "reference_suffix", "prm": "programmatic"}, "solution"),
+        ("scope", {"mode": "reference_suffix", "prm": "programmatic"}, "problem"),
+    ],
+)
+def test_missing_plugin_column_is_refused_at_construction(plugin, options, column, tmp_path):
+    data = Dataset.from_list([{k: v for k, v in row.items() if k != column} for row in tiny_dataset(4)])
+    with pytest.raises(PluginConfigError) as err:
+        make_tiny_trainer(plugins=[plugin], plugin_config={plugin: options}, dataset=data, output_dir=str(tmp_path))
+    assert f"'{plugin}'" in str(err.value) and f"'{column}'" in str(err.value)
+
+
+def test_empty_rubric_list_scores_zero_and_shows_no_scaffold():
+    """Documented handling: a row without rubric items gets reward 0.0 (no positive points to earn) and its
+    generation prompt is left untouched."""
+    from trl_plugins.testing import build_stack, make_prompt_context
+
+    stack = build_stack("ruscarl", {"ruscarl": {"judge": "rule"}})
+    plugin = stack.by_name["ruscarl"]
+    rows = tiny_dataset(2).to_list()
+    rows[1]["rubrics"] = []
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    completions = ["Answer: 1", rows[1]["solution"]]
+    scores = plugin.score([r["prompt"] for r in rows], completions, columns)
+    assert scores[1] == 0.0
+    ctx = make_prompt_context([rows[1]] * 2, num_generations=2)
+    stack.call("trl_plugins_generation_prompts", ctx)
+    assert ctx.generation_prompts == ctx.prompts and ctx.annotations[0]["rubric_items"] == 0
+
+
+@pytest.mark.parametrize("solution", ["", None])
+def test_hint_scaffold_row_without_reference_solution_names_row_and_column(solution, tmp_path):
+    data = tiny_dataset(4).to_list()
+    for row in data:
+        row["solution"] = solution if row is data[1] else row["solution"]
+    trainer = make_tiny_trainer(
+        plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"success_threshold": 0.9}},
+        dataset=Dataset.from_list(data), reward_funcs=[digit_fraction_reward], output_dir=str(tmp_path),
+        max_steps=2, log_level="error", per_device_train_batch_size=16, num_generations=4,
+    )
+    with pytest.raises(PluginConfigError, match=r"hint_scaffold: row \d+ has no reference solution in column 'solution'"):
+        trainer.train()
+
+
+def test_scope_reference_without_solution_names_the_column(tmp_path):
+    data = tiny_dataset(4).to_list()
+    for row in data:
+        row["solution"] = ""
+    trainer = make_tiny_trainer(
+        plugins=["scope"],
+        plugin_config={"scope": {"mode": "reference_suffix", "prm": "programmatic", "min_prefix_steps": 0,
+                                 "accept": "any"}},
+        dataset=Dataset.from_list(data), reward_funcs=[digit_fraction_reward], output_dir=str(tmp_path),
+        max_steps=1, log_level="error",
+    )
+    with pytest.raises(PluginConfigError, match=r"no reference solution in column 'solution'"):
+        trainer.train()
