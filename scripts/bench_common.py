@@ -89,6 +89,19 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
     return demo_model(cache_dir or DEFAULT_CACHE, demo_settings(), verbose=verbose)
 
 
+def load_model(cache_dir: str | Path | None = None, untrained: bool = False):
+    """The warm-started demo model, or (``untrained``) a freshly initialised one of the same shape (smoke runs)."""
+    if not untrained:
+        return load_demo_model(cache_dir)
+    from trl_plugins.tasks.tiny import build_tiny_model, build_tokenizer
+
+    s = demo_settings()
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, seed=s.seed, hidden_size=s.hidden_size, num_layers=s.num_layers,
+                             num_heads=s.num_heads, intermediate_size=s.intermediate_size)
+    return model, tokenizer
+
+
 def base_config_fields(output_dir: str, seed: int = 0, **overrides: Any) -> dict:
     """GRPOConfig fields of the demo's GRPO run (DemoSettings), quiet and checkpoint-free."""
     s = demo_settings()

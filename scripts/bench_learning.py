@@ -2,15 +2,15 @@
 
 Task: the bundled chained-arithmetic task at the demo's levels (1, 2), with the demo's warm-started tiny model
 (``DemoSettings``): its sampled pass rate at temperature 1 is about 15 % (greedy held-out accuracy about 23 %).
-Training: ``PluginGRPOTrainer`` with the demo's GRPO settings (G=8, 32 completions per step, lr 1e-4, constant
-schedule, beta 0) and the exact verifier ``accuracy_reward``; "grpo" is the same trainer with no plugins (identical
+Training: ``PluginGRPOTrainer`` with the demo's GRPO settings (``DemoSettings``: G=8, 64 completions per step,
+lr 5e-5, constant schedule, beta 0, at most 40 completion tokens) and the exact verifier ``accuracy_reward``; "grpo" is the same trainer with no plugins (identical
 to ``trl.GRPOTrainer``, invariant 1). Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS``
 (overridden by ``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
 
 Equal rollouts: every run has the same budget of policy rollouts (completions sampled from the policy: TRL's own
 generation round plus every completion a plugin asks the generation service for, counted at the backend,
 ``_generate_single_turn``); a run stops at the first optimizer step where its cumulative rollouts reach the budget.
-Vanilla GRPO spends 32 rollouts per step; a plugin that asks for extra completions takes fewer optimizer steps.
+Vanilla GRPO spends 64 rollouts per step; a plugin that asks for extra completions takes fewer optimizer steps.
 Reference solutions spliced in by a plugin (SCOPE's reference_suffix, DaGRPO's anchors) cost no rollouts.
 
 Measured per run: held-out greedy accuracy (``--eval-size`` test problems) every ``--eval-every`` rollouts, the
@@ -18,9 +18,9 @@ rollouts needed to reach ``--target`` held-out accuracy (linear interpolation be
 accuracy, and per step from ``trainer.state.log_history`` the policy entropy, gradient norm, training reward, and
 our own per-group statistics (distinct completions per group, correct rollouts per step) plus every plugin metric.
 
-    python scripts/bench_learning.py --quick --write-docs      # < 5 min on 2 quiet cores: 6 methods x 3 seeds
+    python scripts/bench_learning.py --quick --write-docs      # ~5 min on 2 quiet cores: 5 methods x 3 seeds
     python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (< 60 min)
-    python scripts/bench_learning.py --methods grpo fbos_rl --seeds 0 1 2 --budget 1920
+    python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
 
 Runs are cached as JSON under ``--run-dir`` (``--fresh`` discards them), so an interrupted table resumes.
 Outputs: ``docs/benchmarks/learning.json``, ``docs/benchmarks/learning_*.png`` and (``--write-docs``) the learning
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
-QUICK_METHODS = ["grpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold", "scope+lp_reg"]
+QUICK_METHODS = ["grpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 ALL_METHODS = ["grpo", *bc.PLUGIN_SETTINGS, *STACKS]
 
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
@@ -93,7 +93,7 @@ def run_one(job: dict) -> dict:
     bc.set_threads(1)
     method, seed, budget = job["method"], job["seed"], job["budget"]
     s = bc.demo_settings()
-    model, tokenizer = bc.load_demo_model(job["cache_dir"])
+    model, tokenizer = bc.load_model(job["cache_dir"], untrained=job.get("untrained", False))
     train_set = make_dataset(s.train_size, levels=s.levels, seed=0, split="train")
     eval_set = make_dataset(job["eval_size"], levels=s.levels, seed=1, split="test")
     plugins, options, overrides = method_settings(method)
@@ -286,7 +286,7 @@ def markdown(result: dict) -> str:
     info = result["machine"]
     out = [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
-        f"{result['budget']} per run ({result['budget'] // 32} vanilla GRPO steps of 32 rollouts), held-out greedy "
+        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} rollouts), held-out greedy "
         f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
         f"before RL: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) {result['base_pass_rate']:.3f}. "
         f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
@@ -386,14 +386,17 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"methods {', '.join(QUICK_METHODS)}, budget 640")
-    p.add_argument("--tiny", action="store_true", help="smoke mode: grpo + hint_scaffold, 1 seed, 2 steps")
+    p.add_argument("--quick", action="store_true", help=f"methods {', '.join(QUICK_METHODS)}; budget 1920")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps")
     p.add_argument("--methods", nargs="*", default=None, help="grpo, plugin names or stacks a+b (default: all)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    p.add_argument("--budget", type=int, default=None, help="policy rollouts per run (default 1600; quick 640)")
-    p.add_argument("--eval-every", type=int, default=None, help="rollouts between evaluations (default 160)")
-    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 256; quick 128)")
-    p.add_argument("--target", type=float, default=None, help="target held-out accuracy (default: base + 0.15)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="policy rollouts per run (default 3840 = the demo's 60 steps of 64; quick 1920)")
+    p.add_argument("--eval-every", type=int, default=None, help="rollouts between evaluations (default 640)")
+    p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 128)")
+    p.add_argument("--target", type=float, default=None,
+                   help="target held-out accuracy (default: base + 0.15; quick: base + 0.08)")
     p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: DemoSettings, 1e-4)")
     p.add_argument("--grpo-config", default="{}", help="extra GRPOConfig fields for every method, as JSON")
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes (one torch thread each)")
@@ -411,11 +414,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     info = bc.machine_info()
     if args.tiny:
-        methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 64, 32, 16, args.seeds[:1]
+        methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 128, 64, 16, args.seeds[:1]
+        gain = 0.05
     elif args.quick:
-        methods, budget, eval_every, eval_size, seeds = QUICK_METHODS, 640, 160, 128, args.seeds
+        methods, budget, eval_every, eval_size, seeds = QUICK_METHODS, 1920, 640, 128, args.seeds
+        gain = 0.08
     else:
-        methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 1600, 160, 256, args.seeds
+        methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 3840, 640, 128, args.seeds
+        gain = 0.15
     methods = args.methods or methods
     budget = args.budget or budget
     eval_every = args.eval_every or eval_every
@@ -434,12 +440,12 @@ def main(argv=None) -> int:
     from trl_plugins.tasks.tiny import evaluate_accuracy
 
     s = bc.demo_settings()
-    model, tokenizer = bc.load_demo_model(args.cache_dir)
+    model, tokenizer = bc.load_model(args.cache_dir, untrained=args.tiny)
     eval_set = make_dataset(eval_size, levels=s.levels, seed=1, split="test")
     base_acc = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=s.max_completion_length)
     base_pass = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=s.max_completion_length,
                                   temperature=s.temperature, num_samples=4)
-    target = args.target if args.target is not None else round(base_acc + 0.15, 2)
+    target = args.target if args.target is not None else round(base_acc + gain, 2)
     print(f"base held-out greedy accuracy {base_acc:.3f}, sampled pass rate {base_pass:.3f}, target {target:.2f}",
           flush=True)
 
@@ -452,7 +458,7 @@ def main(argv=None) -> int:
                 continue
             jobs.append({"method": method, "seed": seed, "budget": budget, "eval_every": eval_every,
                          "eval_size": eval_size, "cache_dir": args.cache_dir, "path": str(path),
-                         "grpo_config": grpo_config})
+                         "grpo_config": grpo_config, "untrained": args.tiny})
     print(f"{len(records)} cached runs, {len(jobs)} to run with {args.workers} workers", flush=True)
     failed = []
     if jobs:
@@ -479,6 +485,8 @@ def main(argv=None) -> int:
         "command": command.strip(), "quick": args.quick or args.tiny, "mode": mode, "machine": info,
         "seeds": seeds, "budget": budget, "grpo_config": grpo_config, "eval_every": eval_every, "eval_size": eval_size, "target": target,
         "base_accuracy": base_acc, "base_pass_rate": base_pass, "workers": args.workers,
+        "batch": s.per_device_train_batch_size, "num_generations": s.num_generations,
+        "learning_rate": grpo_config.get("learning_rate", s.grpo_learning_rate),
         "wall_seconds": time.perf_counter() - start, "loadavg_end": bc.machine_info()["loadavg_1_5_15"],
         "summary": summary, "failed": failed, "runs": records,
     }

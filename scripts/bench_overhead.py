@@ -31,8 +31,8 @@ full-logits computation for reference.
     python scripts/bench_overhead.py --profile noop8 # cProfile of the plugin path (top entries)
     python scripts/bench_overhead.py --head-stats-only
 
-Results go to ``docs/benchmarks/overhead.json`` and (``--write-docs``) the overhead section of
-``docs/benchmarks.md``.
+Results go to ``docs/benchmarks/overhead.json`` (``head_stats.json`` with ``--head-stats-only``) and
+(``--write-docs``) the overhead / head-stats sections of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -366,14 +366,15 @@ def bench_head_stats(vocab: int, dim: int, tokens: int, chunks: list[int], seed:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, part: str) -> str:
+    """Markdown of one part of the result: ``"trainer"`` or ``"head_stats"``."""
     lines = []
     info = result["machine"]
     lines.append(f"Measured {info['time']} on {info['cpu_count']} CPU cores (torch threads: {info['torch_threads']}), "
                  f"load average at start {info['loadavg_1_5_15']}, at end {result.get('loadavg_end')}; "
                  f"torch {info['torch']}, Python {info['python']}.")
     lines.append("")
-    if result.get("trainer"):
+    if part == "trainer" and result.get("trainer"):
         t = result["trainer"]
         lines.append(f"Trainer overhead: {t['repeats']} interleaved block pairs per configuration (A B B A ...), "
                      f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
@@ -399,7 +400,7 @@ def markdown(result: dict) -> str:
                 f"{row['peak_rss_growth_mib_plugin']:.1f} |"
             )
         lines.append("")
-    if result.get("head_stats"):
+    if part == "head_stats" and result.get("head_stats"):
         h = result["head_stats"]
         lines.append(f"LM-head statistics (`HeadStats`): random head V={h['vocab']:,} x d={h['dim']}, "
                      f"{h['valid_tokens']} valid completion tokens; the (T, V) float32 logits a full-logits "
@@ -436,7 +437,7 @@ def write_docs_section(section: str, body: str, command: str) -> Path:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"none, noop8 and {', '.join(QUICK_PLUGINS)}; 4 repeats")
-    p.add_argument("--tiny", action="store_true", help="smoke mode: none + noop8, 1 repeat, 2 steps, small head")
+    p.add_argument("--tiny", action="store_true", help="smoke mode: untrained model, none + noop8, 1 repeat, 2 steps, small head")
     p.add_argument("--configs", nargs="*", default=None,
                    help="configurations: none, noop8, plugin names, or stacks a+b (default: all)")
     p.add_argument("--repeats", type=int, default=None, help="block pairs per configuration (default 8; quick 4)")
@@ -453,7 +454,8 @@ def parse_args(argv=None):
     p.add_argument("--head-tokens", type=int, default=1024)
     p.add_argument("--head-chunks", type=int, nargs="*", default=[1024, 256, 64])
     p.add_argument("--profile", default=None, metavar="CONFIG", help="cProfile one configuration and exit")
-    p.add_argument("--json", default=str(bc.ROOT / "docs" / "benchmarks" / "overhead.json"))
+    p.add_argument("--json", default=None,
+                   help="result file (default docs/benchmarks/overhead.json; head_stats.json with --head-stats-only)")
     p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
     return p.parse_args(argv)
 
@@ -463,6 +465,9 @@ def main(argv=None) -> int:
     command = "python scripts/bench_overhead.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     bc.set_threads(args.threads)
     result = {"command": command.strip(), "machine": bc.machine_info()}
+    if args.json is None:
+        name = "head_stats.json" if args.head_stats_only else "overhead.json"
+        args.json = str(bc.ROOT / "docs" / "benchmarks" / name)
     if args.tiny:
         configs, repeats, base_repeats, steps = ["none", "noop8"], 1, 1, 2
         args.head_vocab, args.head_tokens, args.head_chunks = 20_000, 256, [256, 64]
@@ -479,7 +484,7 @@ def main(argv=None) -> int:
         from trl_plugins.tasks.arithmetic import make_dataset
 
         noop_names = register_noop_plugins()
-        model, tokenizer = bc.load_demo_model(args.cache_dir)
+        model, tokenizer = bc.load_model(args.cache_dir, untrained=args.tiny)
         s = bc.demo_settings()
         dataset = make_dataset(256, levels=s.levels, seed=0, split="train")
         if args.profile:
@@ -508,13 +513,15 @@ def main(argv=None) -> int:
         result["head_stats"] = bench_head_stats(args.head_vocab, args.head_dim, args.head_tokens, args.head_chunks,
                                                 args.seed)
     result["loadavg_end"] = bc.machine_info()["loadavg_1_5_15"]
-    md = markdown(result)
-    print(md)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    if args.write_docs:
-        print(f"wrote {write_docs_section('overhead', md, result['command'])}")
+    for part, section in (("trainer", "overhead"), ("head_stats", "head_stats")):
+        if result.get(part):
+            md = markdown(result, part)
+            print(md)
+            if args.write_docs:
+                print(f"wrote {write_docs_section(section, md, result['command'])}")
     return 0
 
 

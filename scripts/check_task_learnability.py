@@ -59,6 +59,7 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument(
         "--grpo-config", default="{}", help='extra GRPOConfig fields as JSON, e.g. \'{"loss_type": "grpo"}\''
     )
+    p.add_argument("--save-dir", default=None, help="save the GRPO-trained model and tokenizer here")
     p.add_argument("--json", default=None, help="write the measurements to this file")
     return p.parse_args()
 
@@ -158,6 +159,9 @@ def main() -> None:
     results["train_reward_last10"] = sum(rewards[-10:]) / max(1, len(rewards[-10:]))
 
     results["after"] = _measure(trainer.model, tokenizer, held_out)
+    if args.save_dir:
+        trainer.model.save_pretrained(args.save_dir)
+        tokenizer.save_pretrained(args.save_dir)
     results["total_s"] = round(time.perf_counter() - t0, 1)
     results["total_cpu_s"] = round(time.process_time() - c0, 1)
 

@@ -199,7 +199,7 @@ class RolloutContext(_MetricsMixin):
         """Replace local row ``i``'s completion in place (the group keeps exactly G rows).
 
         Args:
-            completion_ids: the new completion's token ids.
+            completion_ids: the new completion's token ids (at least one; ``[eos_token_id]`` for an empty answer).
             offpolicy: per-token provenance (a bool for all tokens, or one bool per token).
             logprobs: sampling log-probs of the new tokens (NaN is forced on off-policy tokens); None = unknown.
             training_prompt: train this row under another prompt (prompt swap); None keeps the current one.
@@ -207,12 +207,18 @@ class RolloutContext(_MetricsMixin):
                 (their sampling log-probs are then set to NaN). Defaults to the row's current flag.
         """
         n = len(completion_ids)
+        if n == 0:  # TRL cannot pad or score a row without completion tokens (it fails later, far from the cause)
+            raise PluginError(
+                f"replace_row({i}): the new completion has no tokens; a row needs at least one (use [eos_token_id] "
+                "for an empty answer)."
+            )
         flags = [bool(offpolicy)] * n if isinstance(offpolicy, bool) else [bool(x) for x in offpolicy]
         if len(flags) != n:
             raise PluginError(f"replace_row({i}): {len(flags)} provenance flags for {n} tokens.")
         lps = None
         if self.sampling_logprobs is not None:  # validate before touching the row (a failed call changes nothing)
-            lps = [float("nan")] * n if logprobs is None else [float(x) for x in logprobs]
+            # None = unknown (vLLM reports a NaN log-prob as None): NaN, as TRL maps it
+            lps = [float("nan")] * n if logprobs is None else [float("nan") if x is None else float(x) for x in logprobs]
             if len(lps) != n:
                 raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
             swapped = self.prompt_swapped[i] if prompt_swapped is None else prompt_swapped

@@ -99,7 +99,8 @@ class GenerationService:
         results = []
         for j in range(n_local):
             new_ids = list(completion_ids[j])
-            new_lps = list(logprobs[j]) if logprobs is not None else None
+            # vLLM reports a NaN log-prob as None: NaN here, as TRL maps it
+            new_lps = [math.nan if x is None else x for x in logprobs[j]] if logprobs is not None else None
             out_ids = (prefixes[j] + new_ids)[:limit]
             out_lps = None if new_lps is None else ([math.nan] * len(prefixes[j]) + new_lps)[:limit]
             text = self.trainer.processing_class.batch_decode([out_ids], skip_special_tokens=True)[0]

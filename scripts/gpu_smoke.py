@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""GPU smoke test: every built-in plugin, and the recommended stacks, for a few steps in bf16 and QLoRA.
+
+Offline by construction (GPU machines here reach nothing outside): the model is the bundled character-level tiny
+Llama, built and saved locally, then **loaded by path** exactly as a hub model is loaded by name (4-bit NF4 through
+bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher) use their offline backends (rule
+judge, programmatic PRM, reference teacher).
+
+Runs (each a fresh trainer, ``--steps`` optimizer steps):
+
+* ``qlora/<plugin>``: each built-in plugin alone on a 4-bit base model with LoRA adapters, bf16 compute;
+* ``bf16/<stack>``: full fine-tuning in bf16 of the recommended stacks (``STACKS``).
+
+For each run the JSON records: ok / error (with the traceback tail), seconds, the losses (finite?), whether trainable
+weights changed, the ``plugins/...`` metrics logged, and peak GPU memory. The summary lists the failures; the exit
+status is 1 when any run failed.
+
+Usage (on a machine with a CUDA GPU and bitsandbytes)::
+
+    python scripts/gpu_smoke.py --out gpu_smoke.json                 # everything, 3 steps each
+    python scripts/gpu_smoke.py --only lp_reg,scope --steps 5        # a subset
+    python scripts/gpu_smoke.py --device cpu --precision fp32 --quant none --steps 1   # dry run of the configs on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+#: Options that let a plugin run offline on the bundled tasks (everything else: the plugin's defaults).
+SMOKE_CONFIG: dict[str, dict[str, Any]] = {
+    "ruscarl": {"judge": "rule"},
+    "scope": {"mode": "reference_suffix", "prm": "programmatic", "min_prefix_steps": 0},
+    "posterior_grpo": {"prm": "programmatic"},
+    "hint_scaffold": {"success_threshold": 0.9},
+    "lp_reg": {"kappa": 0.45, "rho": 0.5},
+}
+#: Run settings a plugin requires (refused at construction otherwise).
+SMOKE_ARGS: dict[str, dict[str, Any]] = {
+    "disco": {"loss_type": "grpo"},
+}
+#: Recommended stacks (one plugin per stage where possible), trained with full fine-tuning in bf16.
+STACKS: dict[str, list[str]] = {
+    "hint_scaffold+canon+lp_reg": ["hint_scaffold", "canon", "lp_reg"],
+    "scope+lp_reg": ["scope", "lp_reg"],
+    "ruscarl+kl_cov": ["ruscarl", "kl_cov"],
+    "adaptive_sampler+length_shaping+clip_cov": ["adaptive_sampler", "length_shaping", "clip_cov"],
+}
+
+
+def environment(device: str) -> dict:
+    import torch
+    import transformers
+    import trl
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "device": device,
+    }
+    if device == "cuda":
+        info.update(cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0),
+                    bf16_supported=torch.cuda.is_bf16_supported())
+    try:
+        import bitsandbytes
+
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except ImportError:
+        info["bitsandbytes"] = None
+    return info
+
+
+def build_model(root: Path, hidden_size: int, num_layers: int) -> Path:
+    from trl_plugins.tasks.tiny import build_and_save
+
+    return build_and_save(root / "tiny-llama", hidden_size=hidden_size, num_layers=num_layers,
+                          num_heads=max(1, hidden_size // 32))
+
+
+def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, steps: int, device: str,
+            precision: str, quant: str) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from trl_plugins import PluginGRPOTrainer
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+    from trl_plugins.testing import digit_fraction_reward, tiny_config, tiny_dataset
+
+    record: dict[str, Any] = {"name": name, "plugins": plugins, "quant": quant, "precision": precision}
+    start = time.monotonic()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
+        for p in plugins:
+            overrides.update(SMOKE_ARGS.get(p, {}))
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        args = tiny_config(
+            output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
+            plugin_config={p: SMOKE_CONFIG[p] for p in plugins if p in SMOKE_CONFIG},
+            max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+            learning_rate=1e-3 if quant == "4bit" else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
+            log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"}, **overrides,
+        )
+        kwargs: dict[str, Any] = {}
+        if quant == "4bit":
+            from peft import LoraConfig
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                bnb_4bit_use_double_quant=True,
+            )
+            kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        trainer = PluginGRPOTrainer(
+            model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
+            train_dataset=tiny_dataset(64, levels=(1, 2)), processing_class=AutoTokenizer.from_pretrained(model_path),
+            **kwargs,
+        )
+        if quant == "4bit":
+            import bitsandbytes as bnb
+
+            record["linear4bit_modules"] = sum(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
+        before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        after = {n: p.detach().float() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        logs: dict[str, Any] = {}
+        for entry in trainer.state.log_history:
+            logs.update(entry)
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        record.update(
+            status="ok",
+            steps=trainer.state.global_step,
+            losses=losses,
+            losses_finite=all(math.isfinite(x) for x in losses),
+            trainable_changed=any(not torch.equal(before[n], after[n]) for n in before),
+            trainable_parameters=sum(v.numel() for v in before.values()),
+            plugin_metrics={k: v for k, v in logs.items() if k.startswith("plugins/")},
+            reward=logs.get("reward"),
+        )
+        if not record["losses_finite"] or not record["trainable_changed"] or record["steps"] != steps:
+            record["status"] = "suspect"
+        del trainer
+    except Exception as exc:  # one broken run must not hide the others
+        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                      traceback=traceback.format_exc()[-4000:])
+    record["seconds"] = round(time.monotonic() - start, 2)
+    if device == "cuda":
+        record["peak_gpu_memory_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        torch.cuda.empty_cache()
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_smoke.json", help="Where to write the JSON result.")
+    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run.")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--quant", choices=["4bit", "none"], default="4bit",
+                        help="Per-plugin runs: QLoRA on a 4-bit base (default) or full fine-tuning.")
+    parser.add_argument("--only", default=None, help="Comma-separated plugins (default: every built-in).")
+    parser.add_argument("--no-stacks", action="store_true", help="Skip the recommended-stack runs.")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device; use --device cpu --precision fp32 --quant none for a CPU dry run")
+    from trl_plugins.manager import available_plugins
+
+    builtins = sorted(n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)")
+    selected = builtins if args.only is None else [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = sorted(set(selected) - set(builtins))
+    if unknown:
+        parser.error(f"unknown built-in plugins: {unknown}; built-ins: {builtins}")
+
+    result: dict[str, Any] = {"environment": environment(args.device), "settings": vars(args), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="trl_plugins_gpu_smoke_") as tmp:
+        root = Path(tmp)
+        model_path = build_model(root, args.hidden_size, args.num_layers)
+        common = dict(model_path=model_path, out_dir=root / "runs", steps=args.steps, device=args.device,
+                      precision=args.precision)
+        label = "qlora" if args.quant == "4bit" else args.precision
+        for plugin in selected:
+            record = run_one(f"{label}/{plugin}", [plugin], quant=args.quant, **common)
+            result["runs"].append(record)
+            print(f"{record['name']:<40} {record['status']:<8} {record['seconds']:>7.1f}s", flush=True)
+        if not args.no_stacks:
+            for name, stack in STACKS.items():
+                if args.only is not None and not set(stack) <= set(selected):
+                    continue
+                record = run_one(f"{args.precision}/{name}", stack, quant="none", **common)
+                result["runs"].append(record)
+                print(f"{record['name']:<40} {record['status']:<8} {record['seconds']:>7.1f}s", flush=True)
+    failed = [r["name"] for r in result["runs"] if r["status"] != "ok"]
+    result["summary"] = {"runs": len(result["runs"]), "ok": len(result["runs"]) - len(failed), "not_ok": failed}
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    print(f"{result['summary']['ok']}/{result['summary']['runs']} runs ok; wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
