@@ -11,9 +11,10 @@ Runs (each a fresh trainer, ``--steps`` optimizer steps):
 * ``qlora/<plugin>``: each built-in plugin alone on a 4-bit base model with LoRA adapters, bf16 compute;
 * ``bf16/<stack>``: full fine-tuning in bf16 of the recommended stacks (``STACKS``).
 
-For each run the JSON records: ok / error (with the traceback tail), seconds, the losses (finite?), whether trainable
-weights changed, the ``plugins/...`` metrics logged, and peak GPU memory. The summary lists the failures; the exit
-status is 1 when any run failed.
+For each run the JSON records: ``status`` ("ok"; "error" with the traceback tail; "bad" when a loss is not finite or
+fewer steps ran), seconds, the losses, whether trainable weights changed (a ``note`` when they did not: an untrained
+tiny model can give a method no learning signal in a few steps), the ``plugins/...`` metrics logged, and peak GPU
+memory. The summary lists the runs that are not ok; the exit status is 1 when there is any.
 
 Usage (on a machine with a CUDA GPU and bitsandbytes)::
 
@@ -112,7 +113,8 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
             plugin_config={p: SMOKE_CONFIG[p] for p in plugins if p in SMOKE_CONFIG},
             max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
             learning_rate=1e-3 if quant == "4bit" else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
-            log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"}, **overrides,
+            log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
+            **overrides,
         )
         kwargs: dict[str, Any] = {}
         if quant == "4bit":
@@ -153,8 +155,10 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
             plugin_metrics={k: v for k, v in logs.items() if k.startswith("plugins/")},
             reward=logs.get("reward"),
         )
-        if not record["losses_finite"] or not record["trainable_changed"] or record["steps"] != steps:
-            record["status"] = "suspect"
+        if not record["losses_finite"] or record["steps"] != steps:
+            record["status"] = "bad"
+        elif not record["trainable_changed"]:  # e.g. zero advantages everywhere on an untrained model: not an error
+            record["note"] = "trainable weights unchanged (no learning signal in these steps?)"
         del trainer
     except Exception as exc:  # one broken run must not hide the others
         record.update(status="error", error=f"{type(exc).__name__}: {exc}",

@@ -218,7 +218,10 @@ class RolloutContext(_MetricsMixin):
         lps = None
         if self.sampling_logprobs is not None:  # validate before touching the row (a failed call changes nothing)
             # None = unknown (vLLM reports a NaN log-prob as None): NaN, as TRL maps it
-            lps = [float("nan")] * n if logprobs is None else [float("nan") if x is None else float(x) for x in logprobs]
+            if logprobs is None:
+                lps = [float("nan")] * n
+            else:
+                lps = [float("nan") if x is None else float(x) for x in logprobs]
             if len(lps) != n:
                 raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
             swapped = self.prompt_swapped[i] if prompt_swapped is None else prompt_swapped

@@ -261,7 +261,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in annotations])
         # summed over processes (every process runs this line once per batch), like TRL's gathered metrics
         used = torch.tensor([self.generation_service.used_this_batch], device=self.accelerator.device)
-        self._metrics["train"]["plugins/framework/extra_rollouts"].append(float(self.accelerator.gather(used).sum().item()))
+        extra_rollouts = float(self.accelerator.gather(used).sum().item())
+        self._metrics["train"]["plugins/framework/extra_rollouts"].append(extra_rollouts)
         return (
             rctx.prompt_ids,
             rctx.completion_ids,
@@ -596,8 +597,8 @@ class PluginGRPOTrainer(GRPOTrainer):
             elif self.plugin_stack.has("trl_plugins_load_state_dict"):
                 names = [p.name for p in self.plugin_stack.implementers("trl_plugins_load_state_dict")]
                 warnings.warn(
-                    f"Checkpoint {checkpoint} has no {PLUGIN_STATE_FILE} (saved by a run without plugins, or interrupted "
-                    f"while saving): the state of plugins {names} starts fresh instead of being restored.",
+                    f"Checkpoint {checkpoint} has no {PLUGIN_STATE_FILE} (saved by a run without plugins, or "
+                    f"interrupted while saving): the state of plugins {names} starts fresh instead of being restored.",
                     stacklevel=2,
                 )
 
