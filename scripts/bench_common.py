@@ -59,6 +59,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
 }
 
 
+# Smaller steps for the smoke modes (--tiny): they check the plumbing, not the numbers.
+SMOKE_OVERRIDES = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 12}
+
+
 def stack_settings(names: list[str]) -> tuple[dict, dict]:
     """Merged plugin options and GRPOConfig overrides of a stack (later plugins win on a GRPOConfig clash)."""
     options, overrides = {}, {}

@@ -193,10 +193,12 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
     }
 
 
-def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int, steps: int, seed: int) -> dict:
+def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int, steps: int, seed: int,
+                 base_overrides: dict | None = None) -> dict:
     from trl_plugins.tasks.arithmetic import accuracy_reward
 
     plugins, options, overrides = config_plugins(name, noop_names)
+    overrides = {**(base_overrides or {}), **overrides}
     out_dir = tempfile.mkdtemp(prefix="bench_overhead_")
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainers, timers = {}, {}
@@ -219,7 +221,7 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             memory[kind] = bc.profiled_peak_mib(
-                lambda: run_block(trainers[kind], timers[kind], init_state, min(steps, 2), seed)
+                lambda: run_block(trainers[kind], timers[kind], init_state, 1, seed)
             )
     del trainers, timers
     _release_memory()
@@ -376,28 +378,30 @@ def markdown(result: dict, part: str) -> str:
     lines.append("")
     if part == "trainer" and result.get("trainer"):
         t = result["trainer"]
-        lines.append(f"Trainer overhead: {t['repeats']} interleaved block pairs per configuration (A B B A ...), "
+        lines.append(f"Trainer overhead: interleaved block pairs (A B B A ...; count per row), "
                      f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
                      f"G={t['num_generations']}, {t['batch']} completions per step, max {t['max_completion_length']} "
                      "completion tokens. Step time = wall time of one optimizer step; ratio = median over block "
                      "pairs of (plugin / vanilla) median step time, with its interquartile range. Peak tensor memory = "
                      "peak of live tensor bytes (torch's CPU allocator, via `torch.profiler(profile_memory=True)`) "
-                     "above the start of a 2-step block: deterministic, Python objects not counted. Peak RSS growth = "
+                     "above the start of a 1-step block: deterministic, Python objects not counted. Peak RSS growth = "
                      "growth of the process's peak resident set during a block (median over blocks; noisier: "
                      "allocator caching and page granularity).")
         lines.append("")
-        lines.append("| configuration | vanilla step (s) | plugin step (s) | ratio | IQR | TRL step_time ratio | "
-                     "extra rollouts / step | peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("| configuration | pairs | vanilla step (s) | plugin step (s) | ratio | IQR | TRL step_time ratio | "
+                     "extra rollouts / step | peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin | "
+                     "load after |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in t["rows"]:
             name = {"none": "no plugins", "noop8": f"{NUM_NOOP} no-op plugins (every hook)"}.get(row["config"],
                                                                                               row["config"])
+            load = row.get("loadavg_after")
             lines.append(
-                f"| {name} | {row['step_s_vanilla']:.3f} | {row['step_s_plugin']:.3f} | **{row['ratio']:.3f}** | "
+                f"| {name} | {row['repeats']} | {row['step_s_vanilla']:.3f} | {row['step_s_plugin']:.3f} | **{row['ratio']:.3f}** | "
                 f"{row['ratio_q25']:.3f}-{row['ratio_q75']:.3f} | {row['trl_step_time_ratio']:.3f} | "
                 f"{row['extra_rollouts_per_step']:.1f} | {row['peak_tensor_mib_vanilla']:.1f} / "
                 f"{row['peak_tensor_mib_plugin']:.1f} | {row['peak_rss_growth_mib_vanilla']:.1f} / "
-                f"{row['peak_rss_growth_mib_plugin']:.1f} |"
+                f"{row['peak_rss_growth_mib_plugin']:.1f} | {load[0] if load else '-'} |"
             )
         lines.append("")
     if part == "head_stats" and result.get("head_stats"):
@@ -457,6 +461,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None,
                    help="result file (default docs/benchmarks/overhead.json; head_stats.json with --head-stats-only)")
     p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
+    p.add_argument("--append", action="store_true",
+                   help="keep the configurations already in --json (measured earlier) and add the others")
     return p.parse_args(argv)
 
 
@@ -470,7 +476,7 @@ def main(argv=None) -> int:
         args.json = str(bc.ROOT / "docs" / "benchmarks" / name)
     if args.tiny:
         configs, repeats, base_repeats, steps = ["none", "noop8"], 1, 1, 2
-        args.head_vocab, args.head_tokens, args.head_chunks = 20_000, 256, [256, 64]
+        args.head_vocab, args.head_tokens, args.head_chunks = 20_000, 128, [64]
     elif args.quick:
         configs, repeats, base_repeats, steps = ["none", "noop8", *QUICK_PLUGINS], 4, 8, args.steps
     else:
@@ -492,10 +498,20 @@ def main(argv=None) -> int:
                                  top=40))
             return 0
         rows = []
+        previous = {}
+        if args.append and Path(args.json).exists():
+            old = json.loads(Path(args.json).read_text())
+            previous = {r["config"]: r for r in (old.get("trainer") or {}).get("rows", [])}
+            result["previous_commands"] = old.get("previous_commands", []) + [old.get("command")]
+            result["previous_machine"] = old.get("previous_machine", []) + [old.get("machine")]
         for name in configs:
+            if name in previous:
+                rows.append(previous.pop(name))
+                continue
             reps = base_repeats if name in ("none", "noop8") else repeats
             t0 = time.perf_counter()
-            row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed)
+            row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed,
+                               base_overrides=bc.SMOKE_OVERRIDES if args.tiny else None)
             rows.append(row)
             print(f"{name:18s} vanilla {row['step_s_vanilla']:.3f}s  plugin {row['step_s_plugin']:.3f}s  "
                   f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  "
@@ -504,10 +520,18 @@ def main(argv=None) -> int:
                   f"+{row['peak_rss_growth_mib_plugin']:.1f} MiB  tensors {row['peak_tensor_mib_vanilla']:.1f} / "
                   f"{row['peak_tensor_mib_plugin']:.1f} MiB  ({time.perf_counter() - t0:.0f}s, "
                   f"load {bc.machine_info()['loadavg_1_5_15'][0]})", flush=True)
+            row["loadavg_after"] = bc.machine_info()["loadavg_1_5_15"]
+            partial = {**result, "trainer": {"rows": rows + list(previous.values()), "partial": True}}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(partial, indent=1, default=str))
+        rows += list(previous.values())  # configurations measured before and not asked for now
         result["trainer"] = {
             "rows": rows, "repeats": repeats, "baseline_repeats": base_repeats, "steps": steps,
-            "num_generations": s.num_generations, "batch": s.per_device_train_batch_size,
-            "max_completion_length": s.max_completion_length,
+            "num_generations": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("num_generations", s.num_generations),
+            "batch": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("per_device_train_batch_size",
+                                                                  s.per_device_train_batch_size),
+            "max_completion_length": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("max_completion_length",
+                                                                                  s.max_completion_length),
         }
     if not args.skip_head_stats:
         result["head_stats"] = bench_head_stats(args.head_vocab, args.head_dim, args.head_tokens, args.head_chunks,
