@@ -97,8 +97,8 @@ def run_one(job: dict) -> dict:
     train_set = make_dataset(s.train_size, levels=s.levels, seed=0, split="train")
     eval_set = make_dataset(job["eval_size"], levels=s.levels, seed=1, split="test")
     plugins, options, overrides = method_settings(method)
-    overrides = {**job.get("grpo_config", {}), **overrides}
-    batch = s.per_device_train_batch_size
+    overrides = {**(bc.SMOKE_OVERRIDES if job.get("untrained") else {}), **job.get("grpo_config", {}), **overrides}
+    batch = overrides.get("per_device_train_batch_size", s.per_device_train_batch_size)
     max_steps = math.ceil(budget / batch)
     out_dir = tempfile.mkdtemp(prefix="bench_learning_")
     trainer = bc.make_trainer(
@@ -156,11 +156,11 @@ def run_one(job: dict) -> dict:
             return control
 
     trainer.add_callback(Budget())
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     logs = {}
     for h in trainer.state.log_history:
         if "step" in h and "loss" in h:
@@ -170,7 +170,7 @@ def run_one(job: dict) -> dict:
     record = {
         "method": method, "seed": seed, "budget": budget, "plugins": plugins, "plugin_config": options,
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
-        "seconds": round(seconds, 1), "evals": evals, "per_step": per_step,
+        "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
     }
     Path(job["path"]).write_text(json.dumps(record, default=float))
     return record
@@ -354,12 +354,15 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
                         if not pts:
                             continue
                         xs, vs = zip(*pts)
+                        k = 3  # moving average over 3 steps: per-step values are noisy
+                        vs = [sum(vs[max(0, i - k + 1) : i + 1]) / len(vs[max(0, i - k + 1) : i + 1])
+                              for i in range(len(vs))]
                     ys.append(np.interp(grid, xs, vs, right=np.nan))
                 if not ys:
                     continue
                 ys = np.array(ys)
                 mean, sd = np.nanmean(ys, 0), np.nanstd(ys, 0)
-                style = {"color": "black", "lw": 2} if m == "grpo" else {}
+                style = {"color": "black", "lw": 2, "zorder": 10} if m == "grpo" else {}
                 line, = ax.plot(grid, mean, label=m, **style)
                 ax.fill_between(grid, mean - sd, mean + sd, alpha=0.12, color=line.get_color())
             if from_evals:
@@ -376,8 +379,8 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
         paths.append(path)
 
     curves("accuracy", "held-out greedy accuracy", "learning_accuracy.png", True)
-    curves("entropy", "policy entropy (nats/token)", "learning_entropy.png", False)
-    curves("grad_norm", "gradient norm", "learning_grad_norm.png", False)
+    curves("entropy", "policy entropy (nats/token, 3-step mean)", "learning_entropy.png", False)
+    curves("grad_norm", "gradient norm (3-step mean)", "learning_grad_norm.png", False)
     return paths
 
 
@@ -414,7 +417,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     info = bc.machine_info()
     if args.tiny:
-        methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 128, 64, 16, args.seeds[:1]
+        methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 16, 8, 8, args.seeds[:1]
         gain = 0.05
     elif args.quick:
         methods, budget, eval_every, eval_size, seeds = QUICK_METHODS, 1920, 640, 128, args.seeds

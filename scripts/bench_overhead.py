@@ -147,14 +147,16 @@ class _StepTimer:
 
         class StepTimer(TrainerCallback):
             def __init__(self):
-                self.times: list[float] = []
-                self._t0 = None
+                self.times: list[float] = []  # wall seconds
+                self.cpu_times: list[float] = []  # CPU seconds of this process
+                self._t0 = self._c0 = None
 
             def on_step_begin(self, args, state, control, **kwargs):
-                self._t0 = time.perf_counter()
+                self._t0, self._c0 = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args, state, control, **kwargs):
                 self.times.append(time.perf_counter() - self._t0)
+                self.cpu_times.append(time.process_time() - self._c0)
 
         return StepTimer()
 
@@ -175,6 +177,7 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
     trainer.optimizer, trainer.lr_scheduler = None, None
     trainer.args.max_steps = steps
     timer.times.clear()
+    timer.cpu_times.clear()
     service = getattr(trainer, "generation_service", None)
     extra0 = service.total if service is not None else 0
     _release_memory()
@@ -187,6 +190,7 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
     trl_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     return {
         "step_s": bc.median(timer.times[1:]),
+        "step_cpu_s": bc.median(timer.cpu_times[1:]),
         "trl_step_s": bc.median(trl_times[1:]),
         "peak_rss_growth_mib": None if peak is None or rss0 is None else max(0.0, peak - rss0),
         "extra_rollouts_per_step": extra / max(1, steps),
@@ -225,7 +229,8 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
             )
     del trainers, timers
     _release_memory()
-    ratios = [b["step_s"] / a["step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
+    ratios = [b["step_cpu_s"] / a["step_cpu_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
+    wall_ratios = [b["step_s"] / a["step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
     trl_ratios = [b["trl_step_s"] / a["trl_step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
     mem_a = [b["peak_rss_growth_mib"] for b in blocks["vanilla"] if b["peak_rss_growth_mib"] is not None]
     mem_b = [b["peak_rss_growth_mib"] for b in blocks["plugin"] if b["peak_rss_growth_mib"] is not None]
@@ -238,6 +243,9 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
         "steps_per_block": steps,
         "step_s_vanilla": bc.median([b["step_s"] for b in blocks["vanilla"]]),
         "step_s_plugin": bc.median([b["step_s"] for b in blocks["plugin"]]),
+        "step_cpu_s_vanilla": bc.median([b["step_cpu_s"] for b in blocks["vanilla"]]),
+        "step_cpu_s_plugin": bc.median([b["step_cpu_s"] for b in blocks["plugin"]]),
+        "wall_ratio": bc.median(wall_ratios),
         "ratio": bc.median(ratios),
         "ratio_q25": bc.quantile(ratios, 0.25),
         "ratio_q75": bc.quantile(ratios, 0.75),
@@ -269,7 +277,7 @@ def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int,
         timer = _StepTimer.make()
         trainer.add_callback(timer)
         run_block(trainer, timer, init_state, 1, seed)  # warm-up
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: robust on a shared machine
         prof.enable()
         run_block(trainer, timer, init_state, steps, seed)
         prof.disable()
@@ -381,24 +389,28 @@ def markdown(result: dict, part: str) -> str:
         lines.append(f"Trainer overhead: interleaved block pairs (A B B A ...; count per row), "
                      f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
                      f"G={t['num_generations']}, {t['batch']} completions per step, max {t['max_completion_length']} "
-                     "completion tokens. Step time = wall time of one optimizer step; ratio = median over block "
-                     "pairs of (plugin / vanilla) median step time, with its interquartile range. Peak tensor memory = "
+                     "completion tokens. Step time = CPU time of the process for one optimizer step (one torch thread, so "
+                     "this is the work done; on a shared machine it is far less noisy than wall time, which is given "
+                     "too); ratio = median over block pairs of (plugin / vanilla) median step CPU time, with its "
+                     "interquartile range. Peak tensor memory = "
                      "peak of live tensor bytes (torch's CPU allocator, via `torch.profiler(profile_memory=True)`) "
                      "above the start of a 1-step block: deterministic, Python objects not counted. Peak RSS growth = "
                      "growth of the process's peak resident set during a block (median over blocks; noisier: "
                      "allocator caching and page granularity).")
         lines.append("")
-        lines.append("| configuration | pairs | vanilla step (s) | plugin step (s) | ratio | IQR | TRL step_time ratio | "
+        lines.append("| configuration | pairs | vanilla step CPU (s) | plugin step CPU (s) | ratio (CPU) | IQR | "
+                     "wall-time ratio | TRL step_time ratio (wall) | "
                      "extra rollouts / step | peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin | "
                      "load after |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in t["rows"]:
             name = {"none": "no plugins", "noop8": f"{NUM_NOOP} no-op plugins (every hook)"}.get(row["config"],
                                                                                               row["config"])
             load = row.get("loadavg_after")
             lines.append(
-                f"| {name} | {row['repeats']} | {row['step_s_vanilla']:.3f} | {row['step_s_plugin']:.3f} | **{row['ratio']:.3f}** | "
-                f"{row['ratio_q25']:.3f}-{row['ratio_q75']:.3f} | {row['trl_step_time_ratio']:.3f} | "
+                f"| {name} | {row['repeats']} | {row['step_cpu_s_vanilla']:.3f} | {row['step_cpu_s_plugin']:.3f} | "
+                f"**{row['ratio']:.3f}** | {row['ratio_q25']:.3f}-{row['ratio_q75']:.3f} | {row['wall_ratio']:.3f} | "
+                f"{row['trl_step_time_ratio']:.3f} | "
                 f"{row['extra_rollouts_per_step']:.1f} | {row['peak_tensor_mib_vanilla']:.1f} / "
                 f"{row['peak_tensor_mib_plugin']:.1f} | {row['peak_rss_growth_mib_vanilla']:.1f} / "
                 f"{row['peak_rss_growth_mib_plugin']:.1f} | {load[0] if load else '-'} |"
@@ -461,6 +473,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None,
                    help="result file (default docs/benchmarks/overhead.json; head_stats.json with --head-stats-only)")
     p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
+    p.add_argument("--render-only", action="store_true", help="only render --json into markdown (and the docs)")
     p.add_argument("--append", action="store_true",
                    help="keep the configurations already in --json (measured earlier) and add the others")
     return p.parse_args(argv)
@@ -486,6 +499,20 @@ def main(argv=None) -> int:
     repeats = args.repeats or repeats
     base_repeats = args.baseline_repeats or (args.repeats or base_repeats)
 
+    if args.render_only:  # re-render the docs sections from an earlier (possibly partial) result file
+        result = json.loads(Path(args.json).read_text())
+        for part, section in (("trainer", "overhead"), ("head_stats", "head_stats")):
+            if result.get(part) and result[part].get("rows"):
+                t = result[part]
+                if part == "trainer" and "steps" not in t:
+                    t.update(steps=t["rows"][0]["steps_per_block"], num_generations=bc.demo_settings().num_generations,
+                             batch=bc.demo_settings().per_device_train_batch_size,
+                             max_completion_length=bc.demo_settings().max_completion_length)
+                md = markdown(result, part)
+                print(md)
+                if args.write_docs:
+                    print(f"wrote {write_docs_section(section, md, result['command'])}")
+        return 0
     if not args.head_stats_only or args.profile:
         from trl_plugins.tasks.arithmetic import make_dataset
 
@@ -513,8 +540,9 @@ def main(argv=None) -> int:
             row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed,
                                base_overrides=bc.SMOKE_OVERRIDES if args.tiny else None)
             rows.append(row)
-            print(f"{name:18s} vanilla {row['step_s_vanilla']:.3f}s  plugin {row['step_s_plugin']:.3f}s  "
-                  f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  "
+            print(f"{name:18s} CPU/step vanilla {row['step_cpu_s_vanilla']:.3f}s  plugin {row['step_cpu_s_plugin']:.3f}s  "
+                  f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  wall ratio "
+                  f"{row['wall_ratio']:.3f}  "
                   f"trl step_time ratio {row['trl_step_time_ratio']:.3f}  extra/step "
                   f"{row['extra_rollouts_per_step']:.1f}  peak RSS +{row['peak_rss_growth_mib_vanilla']:.1f} / "
                   f"+{row['peak_rss_growth_mib_plugin']:.1f} MiB  tensors {row['peak_tensor_mib_vanilla']:.1f} / "

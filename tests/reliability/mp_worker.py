@@ -14,15 +14,15 @@ Phases:
     group fails and hint_scaffold re-generates it within the step from hinted prompts, where the first row of each
     group answers correctly. Rewards, advantages, completions, losses and final parameters are written out and must
     match between 1 and 2 processes.
-``nan_on_one_rank`` (last: it ends the launch)
-    A reward function returns NaN on rank 1 only. Rank 1 raises the reward guard's error (naming the function, row and
-    value) while rank 0 waits in a collective; the launcher must then stop rank 0 too -- the launch fails, it does
-    not hang.
 ``asymmetric``
     Real HF generation, and a test plugin that makes the ranks ask for different things within the step: rank 0 defers
     a row to a second generation round and fills it from the generation service, asks for policy entropies, and asks
     the service for one extra completion; rank 1 asks for nothing. Plus hint_scaffold in ``replace="one"`` mode (one
     request per failing group: 2 on rank 0, 1 on rank 1). It must finish (no deadlock) with exactly G rows per group.
+``nan_on_one_rank`` (last: it ends the launch)
+    A reward function returns NaN on rank 1 only. Rank 1 raises the reward guard's error (naming the function, row and
+    value) while rank 0 waits in a collective; the launcher must then stop rank 0 too -- the launch fails, it does
+    not hang.
 
 Usage: ``python mp_worker.py OUT_DIR [PHASE ...]`` (one JSON file per phase and rank: ``PHASE-rank{R}.json``; rank 0
 also saves ``PHASE-params.pt``).
@@ -232,7 +232,8 @@ def run_phase(phase: str, out_dir: str) -> dict:
     with open(os.path.join(out_dir, f"{phase}-rank{acc.process_index}.json"), "w") as f:
         json.dump(record, f)
     if acc.is_main_process:
-        params = {n: p.detach().cpu().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         torch.save(params, os.path.join(out_dir, f"{phase}-params.pt"))
     acc.wait_for_everyone()
     return record

@@ -256,7 +256,8 @@ def test_hint_scaffold_row_without_reference_solution_names_row_and_column(solut
         dataset=Dataset.from_list(data), reward_funcs=[digit_fraction_reward], output_dir=str(tmp_path),
         max_steps=2, log_level="error", per_device_train_batch_size=16, num_generations=4,
     )
-    with pytest.raises(PluginConfigError, match=r"hint_scaffold: row \d+ has no reference solution in column 'solution'"):
+    with pytest.raises(PluginConfigError, match=r"hint_scaffold: row \d+ has no reference solution in column "
+                                                r"'solution'"):
         trainer.train()
 
 

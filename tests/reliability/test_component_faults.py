@@ -152,7 +152,9 @@ def test_connection_dropped_without_an_answer_is_retried_then_reported():
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     try:
         client = OpenAICompatibleClient(EndpointConfig(base_url=url, max_retries=2, backoff=FAST, timeout=5))
-        with pytest.raises(EndpointError, match=rf"{url}/chat/completions failed after 3 attempts.*RemoteProtocolError"):
+        # a FIN reads as RemoteProtocolError, a reset (the handler closed with unread data) as ReadError
+        with pytest.raises(EndpointError, match=rf"{url}/chat/completions failed after 3 attempts.*"
+                                                r"(RemoteProtocolError|ReadError)"):
             client.chat([[{"role": "user", "content": "x"}]])
         client.close()
     finally:
@@ -161,7 +163,7 @@ def test_connection_dropped_without_an_answer_is_retried_then_reported():
     assert len(calls) == 3
 
 
-# ============================================================================================ judge (ruscarl) in training
+# ================================================================================ judge (ruscarl) in training
 
 
 def _ruscarl_trainer(url: str, tmp_path, **judge_options):

@@ -104,7 +104,8 @@ class PerRowPrompts(Plugin):
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx):
         for i, prompt in enumerate(ctx.prompts):
-            ctx.generation_prompts[i] = _with_content(prompt, f"{prompt[-1]['content']} [variant {ctx.index_in_group[i]}]")
+            variant = f"{prompt[-1]['content']} [variant {ctx.index_in_group[i]}]"
+            ctx.generation_prompts[i] = _with_content(prompt, variant)
 
 
 def test_rows_of_a_group_with_different_prompts_get_one_completion_each():
