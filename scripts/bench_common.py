@@ -1,6 +1,7 @@
 """Shared pieces of ``scripts/bench_overhead.py`` and ``scripts/bench_learning.py``.
 
-* the warm-started tiny model of the demo (cached on disk, see :func:`trl_plugins.tasks.tiny.demo_model`);
+* the warm-started tiny model of the demo (cached on disk, see :func:`trl_plugins.tasks.tiny.demo_model`), built
+  with the pinned :data:`BENCH_SETTINGS`;
 * :data:`PLUGIN_SETTINGS`: per built-in plugin, the plugin options and GRPOConfig fields under which it *acts*
   on the bundled arithmetic task (rule-based judge, programmatic PRM, reference solutions: nothing external);
 * trainer construction for ``trl.GRPOTrainer`` and ``PluginGRPOTrainer`` from the same settings;
@@ -80,10 +81,38 @@ def set_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
+# The benchmarks pin the demo's settings (warm start and GRPO run) as they were when the published numbers were
+# taken, so that tuning ``DemoSettings`` for the demo does not silently change what the benchmarks measure. With these
+# the warm-started model's sampled pass rate (T=1) on held-out level-1/2 problems is about 15 %.
+BENCH_SETTINGS: dict[str, Any] = {
+    "seed": 0,
+    "levels": (1, 2),
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "intermediate_size": 256,
+    "warm_start_steps": 600,
+    "warm_start_lr": 3e-3,
+    "warm_start_batch_size": 32,
+    "warm_start_informal_fraction": {1: 0.2, 2: 0.7},
+    "grpo_learning_rate": 5e-5,
+    "num_generations": 8,
+    "per_device_train_batch_size": 64,
+    "max_completion_length": 40,
+    "temperature": 1.0,
+    "train_size": 1024,
+    "eval_size": 128,
+}
+
+
 def demo_settings():
+    """``DemoSettings`` with the benchmark's pinned values (:data:`BENCH_SETTINGS`)."""
+    import dataclasses
+
     from trl_plugins.tasks.tiny import DemoSettings
 
-    return DemoSettings()
+    names = {f.name for f in dataclasses.fields(DemoSettings)}
+    return dataclasses.replace(DemoSettings(), **{k: v for k, v in BENCH_SETTINGS.items() if k in names})
 
 
 def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):

@@ -46,8 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
-QUICK_METHODS = ["grpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
-ALL_METHODS = ["grpo", *bc.PLUGIN_SETTINGS, *STACKS]
+QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
+# Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
+CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
+ALL_METHODS = ["grpo", *CONTROLS, *bc.PLUGIN_SETTINGS, *STACKS]
 
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
 LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
@@ -61,6 +63,8 @@ LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
 def method_settings(method: str) -> tuple[list[str], dict, dict]:
     if method == "grpo":
         return [], {}, {}
+    if method in CONTROLS:
+        return [], {}, dict(CONTROLS[method])
     names = method.split("+")
     options, overrides = {}, {}
     for name in names:
@@ -290,8 +294,10 @@ def markdown(result: dict) -> str:
         f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
         f"before RL: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) {result['base_pass_rate']:.3f}. "
         f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
-        f"{info['loadavg_1_5_15']}, wall time {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker "
-        "processes.",
+        f"{info['loadavg_1_5_15']}. {len(result['runs'])} runs; the sum of their wall times is "
+        f"{sum(r['seconds'] for r in result['runs']) / 60:.1f} min (each run shared 2 cores with other processes), "
+        f"this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes "
+        "(runs found in the run cache are not re-run).",
         "",
         "| method | steps | final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
         "train reward (last 5 steps) | entropy first 5 → last 5 steps | grad norm | distinct / group | "
@@ -335,6 +341,8 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
     panels = [methods[i : i + per_panel] for i in range(0, len(methods), per_panel)]
     # keep GRPO in every panel as the reference
     panels = [p if "grpo" in p or "grpo" not in methods else ["grpo", *p] for p in panels]
+    panels = [p if all(c in p for c in CONTROLS if c in methods) else [*p, *[c for c in CONTROLS if c in methods]]
+              for p in panels]
 
     def curves(key: str, ylabel: str, fname: str, from_evals: bool):
         ncols = min(3, len(panels))
@@ -363,6 +371,8 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
                 ys = np.array(ys)
                 mean, sd = np.nanmean(ys, 0), np.nanstd(ys, 0)
                 style = {"color": "black", "lw": 2, "zorder": 10} if m == "grpo" else {}
+                if m in CONTROLS:
+                    style = {"color": "grey", "lw": 1.5, "ls": "--", "zorder": 9}
                 line, = ax.plot(grid, mean, label=m, **style)
                 ax.fill_between(grid, mean - sd, mean + sd, alpha=0.12, color=line.get_color())
             if from_evals:

@@ -206,22 +206,33 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
     out_dir = tempfile.mkdtemp(prefix="bench_overhead_")
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainers, timers = {}, {}
-    for kind in ("vanilla", "plugin"):
+
+    def build(kind):
         trainers[kind] = bc.make_trainer(
             kind, copy.deepcopy(model), tokenizer, dataset, [accuracy_reward], out_dir,
             plugins=plugins, plugin_config=options, seed=seed, **overrides,
         )
         timers[kind] = _StepTimer.make()
         trainers[kind].add_callback(timers[kind])
+
+    for kind in ("vanilla", "plugin"):
+        build(kind)
+    # A plugin that replaces the training sampler keeps per-run state tied to that sampler: such a trainer is
+    # rebuilt before each block (construction is not timed) instead of calling train() on it again.
+    rebuild = trainers["plugin"].plugin_stack.has("trl_plugins_train_sampler") and name != "noop8"
     blocks = {"vanilla": [], "plugin": []}
     for r in range(repeats):
         order = ("vanilla", "plugin") if r % 2 == 0 else ("plugin", "vanilla")
         for kind in order:
+            if rebuild and kind == "plugin" and r > 0:
+                build(kind)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 blocks[kind].append(run_block(trainers[kind], timers[kind], init_state, steps, seed))
     memory = {}
     for kind in ("vanilla", "plugin"):  # one profiled block each: peak of live tensor bytes (deterministic)
+        if rebuild and kind == "plugin":
+            build(kind)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             memory[kind] = bc.profiled_peak_mib(
@@ -283,7 +294,18 @@ def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int,
         prof.disable()
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
-        stats.print_stats(r"trl_plugins|plugins/|grpo_trainer", top)
+        # self time (tottime) of Python frames in the framework, plugin and pluggy files: the layer's own Python work
+        layer = {k: v for k, v in stats.stats.items() if any(p in k[0] for p in ("/trl_plugins/", "/plugins/", "/pluggy/"))}
+        layer_self = sum(v[2] for v in layer.values())
+        total = stats.total_tt
+        buf.write(f"profiled CPU time {total:.3f}s; self time in trl_plugins/ + plugins/ + pluggy frames {layer_self:.4f}s "
+                  f"({100 * layer_self / total:.2f}% of the profiled steps)\n")
+        top_self = sorted(layer.items(), key=lambda kv: -kv[1][2])[:15]
+        buf.write("top self-time entries of the plugin layer:\n")
+        for (fname, line, func), v in top_self:
+            buf.write(f"  {v[2]:8.4f}s self  {v[3]:8.4f}s cum  {v[1]:6d} calls  {fname.split('/work/main/')[-1]}:{line}"
+                      f"({func})\n")
+        stats.print_stats(r"trl_plugins|plugins/", top)
         report.append(f"===== {kind} ({name}), {steps} steps =====\n" + buf.getvalue())
     return "\n".join(report)
 
@@ -415,6 +437,13 @@ def markdown(result: dict, part: str) -> str:
                 f"{row['peak_tensor_mib_plugin']:.1f} | {row['peak_rss_growth_mib_vanilla']:.1f} / "
                 f"{row['peak_rss_growth_mib_plugin']:.1f} | {load[0] if load else '-'} |"
             )
+        if result.get("errors"):
+            lines.append("")
+            lines.append("Configurations that failed: " + "; ".join(f"{k}: {v}" for k, v in result["errors"].items()))
+        if result.get("previous_commands"):
+            lines.append("")
+            lines.append("Rows kept from earlier runs of this script (`--append`): "
+                         + "; ".join(f"`{c}`" for c in result["previous_commands"] if c))
         lines.append("")
     if part == "head_stats" and result.get("head_stats"):
         h = result["head_stats"]
@@ -525,6 +554,7 @@ def main(argv=None) -> int:
                                  top=40))
             return 0
         rows = []
+        errors: dict[str, str] = {}
         previous = {}
         if args.append and Path(args.json).exists():
             old = json.loads(Path(args.json).read_text())
@@ -537,8 +567,16 @@ def main(argv=None) -> int:
                 continue
             reps = base_repeats if name in ("none", "noop8") else repeats
             t0 = time.perf_counter()
-            row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed,
-                               base_overrides=bc.SMOKE_OVERRIDES if args.tiny else None)
+            try:
+                row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed,
+                                   base_overrides=bc.SMOKE_OVERRIDES if args.tiny else None)
+            except Exception as exc:  # noqa: BLE001 -- reported in the table, the other configurations go on
+                import traceback
+
+                traceback.print_exc()
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                result["errors"] = errors
+                continue
             rows.append(row)
             print(f"{name:18s} CPU/step vanilla {row['step_cpu_s_vanilla']:.3f}s  plugin {row['step_cpu_s_plugin']:.3f}s  "
                   f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  wall ratio "

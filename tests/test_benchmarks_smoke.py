@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark scripts: each one's tiniest mode runs end to end and writes its JSON."""
+"""Smoke test of the benchmark scripts: each one's tiniest mode (``--tiny``: an untrained tiny model, a few
+small steps) runs end to end and writes a well-formed result file. The numbers themselves are not checked."""
 
 import json
 import subprocess
@@ -11,14 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 
 
-def _run(args, tmp_path, timeout=120):
-    env_cache = tmp_path / "cache"
-    cmd = [sys.executable, *args, "--cache-dir", str(env_cache)]
-    # the warm-started model is built on first use; reuse the benchmarks' cache when it is there
-    shared = ROOT / "runs" / "bench_cache"
-    if shared.exists():
-        cmd[-1] = str(shared)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(args, timeout=180):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -26,25 +21,24 @@ def _run(args, tmp_path, timeout=120):
 @pytest.mark.slow
 def test_bench_overhead_tiny(tmp_path):
     out = tmp_path / "overhead.json"
-    _run([str(SCRIPTS / "bench_overhead.py"), "--tiny", "--json", str(out)], tmp_path)
+    _run([str(SCRIPTS / "bench_overhead.py"), "--tiny", "--json", str(out)])
     result = json.loads(out.read_text())
     rows = {r["config"]: r for r in result["trainer"]["rows"]}
     assert set(rows) == {"none", "noop8"}
     for row in rows.values():
-        assert row["ratio"] > 0 and row["step_s_vanilla"] > 0
+        assert row["ratio"] > 0 and row["step_cpu_s_vanilla"] > 0
         assert row["peak_tensor_mib_plugin"] > 0
     head = result["head_stats"]["rows"]
-    assert {r["chunk"] for r in head} >= {256, 64}
+    assert {r["chunk"] for r in head} >= {64}
     assert all(r["peak_tensor_mib"] > 0 for r in head)
 
 
 @pytest.mark.slow
 def test_bench_learning_tiny(tmp_path):
     _run([str(SCRIPTS / "bench_learning.py"), "--tiny", "--workers", "1", "--fresh", "--out-dir", str(tmp_path),
-          "--run-dir", str(tmp_path / "runs")], tmp_path)
+          "--run-dir", str(tmp_path / "runs")])
     result = json.loads((tmp_path / "learning_tiny.json").read_text())
-    methods = {r["method"]: r for r in result["summary"]}
-    assert set(methods) == {"grpo", "hint_scaffold"}
+    assert {r["method"] for r in result["summary"]} == {"grpo", "hint_scaffold"}
     for run in result["runs"]:
         assert run["rollouts"] >= run["budget"]
         assert run["evals"] and 0.0 <= run["evals"][-1]["accuracy"] <= 1.0

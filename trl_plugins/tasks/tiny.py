@@ -18,9 +18,9 @@ learning rates plain GRPO even erodes them). So the warm start (see :class:`Demo
 gives the model a *format habit*: on level-2 problems most of its training targets end with
 ``"The answer is N."`` instead of ``"Answer: N"``, which the strict verifier rejects. Greedy
 decoding then answers level-1 problems in the required format and level-2 problems in prose
-(held-out accuracy ~30 %); sampling at temperature 1 still produces the right format a third of
-the time, so GRPO with the exact verifier quickly moves the model to the required format on level 2
-and held-out greedy accuracy rises to ~40-45 %.
+(held-out accuracy ~40 %); sampling at temperature 1 still produces the required format 40 % of
+the time, so GRPO with the exact verifier quickly moves the model to it on level 2 and held-out
+greedy accuracy rises to ~65-85 % (see :class:`DemoSettings` for the measurements).
 
 Typical use::
 
@@ -405,8 +405,28 @@ def evaluate_accuracy(
 class DemoSettings:
     """Tuned defaults of the offline demo: tiny model, warm start, and the GRPO run on top of it.
 
-    Tuned on 2 CPU cores so that warm start + GRPO takes a few minutes and held-out accuracy rises
-    clearly (see ``scripts/check_task_learnability.py``).
+    Tuned with ``scripts/check_task_learnability.py`` (plain ``trl.GRPOTrainer``, ``accuracy_reward``,
+    ``beta=0``, 1 torch thread). Measured on 128 held-out level-1/2 problems, greedy decoding:
+
+    ==========  ==================  ===================  ========================
+    seed        after warm start    after 60 GRPO steps  sampled (T=1) before/after
+    ==========  ==================  ===================  ========================
+    0           44.5 %              86.7 %               43 % / 60 %
+    1           37.5 %              67.2 %               36 % / 47 %
+    ==========  ==================  ===================  ========================
+
+    CPU time on one core: warm start ~75-150 s, GRPO ~35 s (wall time on a busy machine is larger).
+
+    Why these values:
+
+    * ``warm_start_steps=900``: with 600 steps the model solves too few problems when sampling
+      (~15 %) and plain GRPO, dominated by negative samples, erodes its arithmetic; at 900 steps
+      sampling solves ~40 % and GRPO improves it cleanly.
+    * ``warm_start_informal_fraction``: the format habit that GRPO fixes fast (see the module
+      docstring); level 2 above one half so greedy decoding starts in prose there.
+    * ``grpo_learning_rate=5e-5`` with 64 completions (8 prompts x 8) per step: 1e-4 and above
+      (or 16-32 completions per step) make the run noisy enough to erode the arithmetic; 2e-3
+      destroys the model within a few steps (Adam moves every weight by ~lr per step).
     """
 
     seed: int = 0
@@ -417,10 +437,10 @@ class DemoSettings:
     num_heads: int = 4
     intermediate_size: int = 256
     # warm start (supervised, reference solutions)
-    warm_start_steps: int = 600
+    warm_start_steps: int = 900
     warm_start_lr: float = 3e-3
     warm_start_batch_size: int = 32
-    warm_start_informal_fraction: dict[int, float] = dataclasses.field(default_factory=lambda: {1: 0.2, 2: 0.7})
+    warm_start_informal_fraction: dict[int, float] = dataclasses.field(default_factory=lambda: {1: 0.1, 2: 0.6})
     # GRPO on top of it
     grpo_steps: int = 60
     grpo_learning_rate: float = 5e-5
