@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.rollouts import context_device, gather_id_lists
 
 
 @dataclass
@@ -180,8 +181,8 @@ class CurePlugin(Plugin):
             if ent is not None and cands:
                 chosen_entropy.append(float(ent[positions[i]]))
         # 3. every process learns every original's completion and t* (a group may straddle processes)
-        all_ids = _gather_ragged(ctx, ctx.completion_ids)
-        all_pos = ctx.gather(torch.tensor(positions, dtype=torch.long, device=_device(ctx))).tolist()
+        all_ids = gather_id_lists(ctx, ctx.completion_ids)
+        all_pos = ctx.gather(torch.tensor(positions, dtype=torch.long, device=context_device(ctx))).tolist()
 
         branch_rows, requests, prefixes = [], [], []
         for i in range(len(ctx)):
@@ -226,22 +227,5 @@ def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) 
 def _text(completion: Any) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
-
-def _device(ctx: RolloutContext) -> torch.device:
-    trainer = ctx.trainer
-    return trainer.accelerator.device if trainer is not None else torch.device("cpu")
-
-
-def _gather_ragged(ctx: RolloutContext, rows: list[list[int]]) -> list[list[int]]:
-    """All-gather B variable-length id lists into N lists in global row order (two collectives)."""
-    device = _device(ctx)
-    lengths = ctx.gather(torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)).cpu()
-    width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
-    padded = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    for j, r in enumerate(rows):
-        if r:
-            padded[j, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
-    gathered = ctx.gather(padded).cpu()
-    return [gathered[g, : int(lengths[g])].tolist() for g in range(gathered.size(0))]
 
 

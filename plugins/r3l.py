@@ -73,6 +73,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.rollouts import context_device, gather_id_lists
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"
@@ -332,7 +333,7 @@ class R3LPlugin(Plugin):
         for i in range(len(ctx)):
             ctx.annotations[i]["r3l"] = "first" if ctx.index_in_group[i] < first_count else "slot"
         # every process needs the paired first attempt, which may live on another process
-        all_ids = _gather_ragged(ctx, ctx.completion_ids)
+        all_ids = gather_id_lists(ctx, ctx.completion_ids)
         all_scores = None
         if o.reflection_source == "policy":  # the reflection shows the attempt's correctness feedback
             all_scores = ctx.gather(ctx.score(range(len(ctx)))).cpu().tolist()
@@ -499,21 +500,4 @@ def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) 
         return [tokenizer.decode([int(t)]) for t in ids]
     return [_text(ctx.decode([int(t)], row)) for t in ids]
 
-
-def _device(ctx: RolloutContext) -> torch.device:
-    trainer = ctx.trainer
-    return trainer.accelerator.device if trainer is not None else torch.device("cpu")
-
-
-def _gather_ragged(ctx: RolloutContext, rows: list[list[int]]) -> list[list[int]]:
-    """All-gather B variable-length id lists into N lists in global row order (two collectives)."""
-    device = _device(ctx)
-    lengths = ctx.gather(torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)).cpu()
-    width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
-    padded = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    for j, r in enumerate(rows):
-        if r:
-            padded[j, : len(r)] = torch.tensor(r, dtype=torch.long, device=device)
-    gathered = ctx.gather(padded).cpu()
-    return [gathered[g, : int(lengths[g])].tolist() for g in range(gathered.size(0))]
 
