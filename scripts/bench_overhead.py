@@ -504,7 +504,7 @@ def parse_args(argv=None):
     p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
     p.add_argument("--render-only", action="store_true", help="only render --json into markdown (and the docs)")
     p.add_argument("--append", action="store_true",
-                   help="keep the configurations already in --json (measured earlier) and add the others")
+                   help="keep the rows already in --json for configurations not measured in this invocation")
     return p.parse_args(argv)
 
 
@@ -562,9 +562,7 @@ def main(argv=None) -> int:
             result["previous_commands"] = old.get("previous_commands", []) + [old.get("command")]
             result["previous_machine"] = old.get("previous_machine", []) + [old.get("machine")]
         for name in configs:
-            if name in previous:
-                rows.append(previous.pop(name))
-                continue
+            previous.pop(name, None)  # measured again now
             reps = base_repeats if name in ("none", "noop8") else repeats
             t0 = time.perf_counter()
             try:
