@@ -18,8 +18,8 @@ rollouts needed to reach ``--target`` held-out accuracy (linear interpolation be
 accuracy, and per step from ``trainer.state.log_history`` the policy entropy, gradient norm, training reward, and
 our own per-group statistics (distinct completions per group, correct rollouts per step) plus every plugin metric.
 
-    python scripts/bench_learning.py --quick --write-docs      # ~5 min on 2 quiet cores: 5 methods x 3 seeds
-    python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (< 60 min)
+    python scripts/bench_learning.py --quick --write-docs      # 6 methods x 3 seeds, ~6-7 min on 2 quiet cores
+    python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (~50 min, estimated)
     python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
 
 Runs are cached as JSON under ``--run-dir`` (``--fresh`` discards them), so an interrupted table resumes.
@@ -405,11 +405,11 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="*", default=None, help="grpo, plugin names or stacks a+b (default: all)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--budget", type=int, default=None,
-                   help="policy rollouts per run (default 3840 = the demo's 60 steps of 64; quick 1920)")
+                   help="policy rollouts per run (default 2560 = 40 vanilla steps of 64; quick 1920)")
     p.add_argument("--eval-every", type=int, default=None, help="rollouts between evaluations (default 640)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 128)")
     p.add_argument("--target", type=float, default=None,
-                   help="target held-out accuracy (default: base + 0.15; quick: base + 0.08)")
+                   help="target held-out accuracy (default: base + 0.12; quick: base + 0.08)")
     p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: DemoSettings, 1e-4)")
     p.add_argument("--grpo-config", default="{}", help="extra GRPOConfig fields for every method, as JSON")
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes (one torch thread each)")
@@ -433,8 +433,8 @@ def main(argv=None) -> int:
         methods, budget, eval_every, eval_size, seeds = QUICK_METHODS, 1920, 640, 128, args.seeds
         gain = 0.08
     else:
-        methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 3840, 640, 128, args.seeds
-        gain = 0.15
+        methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 2560, 640, 128, args.seeds
+        gain = 0.12
     methods = args.methods or methods
     budget = args.budget or budget
     eval_every = args.eval_every or eval_every

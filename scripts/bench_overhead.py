@@ -305,7 +305,7 @@ def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int,
         for (fname, line, func), v in top_self:
             buf.write(f"  {v[2]:8.4f}s self  {v[3]:8.4f}s cum  {v[1]:6d} calls  {fname.split('/work/main/')[-1]}:{line}"
                       f"({func})\n")
-        stats.print_stats(r"trl_plugins|plugins/", top)
+        stats.print_stats(r"trl_plugins|plugins/|grpo_trainer", top)
         report.append(f"===== {kind} ({name}), {steps} steps =====\n" + buf.getvalue())
     return "\n".join(report)
 
