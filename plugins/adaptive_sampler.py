@@ -236,6 +236,7 @@ class AdaptiveSamplerPlugin(Plugin):
         self._delay = self.options.feedback_delay or 2
         self._dataset = None
         self._lag_warned = False
+        self._restored = False  # set by load_state_dict: a resumed run must bring the sampler's state
         self.reset_state(0, [])
 
     def required_columns(self) -> list[str]:
@@ -285,6 +286,7 @@ class AdaptiveSamplerPlugin(Plugin):
         self.chunks = {int(k): list(v) for k, v in state["chunks"].items()}
         self.batches_seen = int(state["batches_seen"])
         self.applied = int(state["applied"])
+        self._restored = True
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @hookimpl
@@ -399,6 +401,14 @@ class AdaptiveSamplerPlugin(Plugin):
         if not self.options.active or (trainer is not None and not trainer.model.training):
             return
         k = self.batches_seen
+        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        if k == 0 and step > 0 and not self._restored:
+            raise PluginError(
+                f"adaptive_sampler: training resumed at step {step} without this plugin's saved state (the checkpoint "
+                "was saved by a run without adaptive_sampler, or its trl_plugins_state.pt is missing), so the "
+                "sampler's draws no longer line up with the batches. Resume from a checkpoint saved with "
+                "adaptive_sampler enabled, or start a new run (resume_from_checkpoint unset) from those weights."
+            )
         chunk = self.chunks.get(k)
         if chunk is None:
             return  # not drawn by this plugin's sampler (e.g. a custom loop); nothing to learn from
@@ -453,7 +463,8 @@ class AdaptiveSamplerPlugin(Plugin):
         if not all(ctx.gather_object(flags)):
             raise PluginError(
                 "adaptive_sampler: the generation batch does not hold the prompts its sampler drew (another plugin "
-                "or a custom dataloader changed the order?)."
+                "or a custom dataloader changed the order, or train() was called again on the same trainer: build "
+                "a new trainer for a new run)."
             )
 
 

@@ -26,6 +26,8 @@ code (IANNXANG/RuscaRL; specs/methods_sampling.md section 2):
 6. Reward: one judge call per rubric item on the **original** conversation (system messages removed; the judge
    never sees the scaffold) plus the completion; ``S = sum_j met_j p_j / sum_{p_j > 0} p_j`` (0 without positive
    items), not clipped (``S < 0`` when penalties are met). It is added as the reward column ``ruscarl_rubric``.
+   A row with an *empty* rubric list is refused when training starts (``empty_rubrics='error'``) or, with
+   ``empty_rubrics='skip'``, scored ``None`` (TRL leaves it out of the weighted sum) -- never a silent 0.
 
 Defaults are the paper's launch script (linear group decay, step_sigmoid, x0 = 0.2, s = 125,
 ``add_base_when_zero=False``, warning on, no participation in training; judge sampling temperature 0.7, top-p 0.8,
@@ -97,6 +99,11 @@ class RuscaRLOptions(PluginOptions):
     )
     rubrics_column: str = option("rubrics", help="Dataset column with the HealthBench-style rubric items.")
     reward_weight: float = option(1.0, help="TRL reward weight of the ruscarl_rubric column.")
+    empty_rubrics: Literal["error", "skip"] = option(
+        "error",
+        help="Rows whose rubric list is empty or missing: refuse the dataset when training starts (error), or give "
+        "them no scaffold and no rubric reward (skip: None, which TRL leaves out of the weighted reward sum).",
+    )
     judge: Literal["endpoint", "hf", "rule"] = option(
         "endpoint", help="Judge backend: OpenAI-compatible endpoint, local HF model, or the bundled rule-based judge."
     )
@@ -300,10 +307,28 @@ class RuscaRLPlugin(Plugin):
         if self.judge is None:
             self.judge = self.build_judge()
         self._total_steps = max(int(getattr(args, "max_steps", 0) or 0), 1)
+        self.check_dataset(getattr(trainer, "train_dataset", None))
+
+    def check_dataset(self, dataset: Any) -> None:
+        """With ``empty_rubrics='error'``, refuse a (map-style) dataset with rows without rubric items up front."""
+        column = self.options.rubrics_column
+        if self.options.empty_rubrics != "error" or dataset is None or not hasattr(dataset, "__len__"):
+            return
+        names = getattr(dataset, "column_names", None)
+        if names is not None and column not in names:
+            return  # required_columns() reports a missing column
+        empty = [i for i, items in enumerate(dataset[column]) if not items]
+        if empty:
+            raise PluginConfigError(
+                f"ruscarl: {len(empty)} of {len(dataset)} rows have no rubric items in column {column!r} (first: row "
+                f"{empty[0]}); they would get no scaffold and no reward. Fix the data, or set empty_rubrics: skip to "
+                "leave those rows out of the rubric reward."
+            )
 
     # ------------------------------------------------------------------------------------------ reward
-    def score(self, prompts: list, completions: list, columns: dict) -> list[float]:
-        """Rubric reward of each row: one judge request per rubric item, all rows' items in one batch."""
+    def score(self, prompts: list, completions: list, columns: dict) -> list[float | None]:
+        """Rubric reward of each row: one judge request per rubric item, all rows' items in one batch (``None`` for
+        a row without items, with ``empty_rubrics='skip'``)."""
         if self.judge is None:
             self.judge = self.build_judge()
         rubrics = columns.get(self.options.rubrics_column)
@@ -317,16 +342,22 @@ class RuscaRLPlugin(Plugin):
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             row = {k: columns[k][i] for k in keys}
             items = list(rubrics[i] or [])
+            if not items and self.options.empty_rubrics == "error":
+                raise PluginConfigError(
+                    f"ruscarl: row {i} of the reward batch has no rubric items in column "
+                    f"{self.options.rubrics_column!r}; fix the data or set empty_rubrics: skip."
+                )
             start = len(requests)
             conversation = original_conversation(prompt)
             text = completion_text(completion)
             requests.extend(JudgeRequest(conversation, text, item, row) for item in items)
             spans.append((start, len(requests), items))
         verdicts = self.judge.grade(requests) if requests else []
-        scores = [rubric_reward_value(items, verdicts[a:b]) for a, b, items in spans]
+        scores = [rubric_reward_value(items, verdicts[a:b]) if items else None for a, b, items in spans]
+        scored = [s for s in scores if s is not None]
         log_metric = columns.get("log_metric")
-        if callable(log_metric) and scores:
-            log_metric("plugins/ruscarl/rubric_score_clipped", sum(min(max(s, 0.0), 1.0) for s in scores) / len(scores))
+        if callable(log_metric) and scored:
+            log_metric("plugins/ruscarl/rubric_score_clipped", sum(min(max(s, 0.0), 1.0) for s in scored) / len(scored))
             log_metric("plugins/ruscarl/judge_requests", float(len(requests)))
         return scores
 

@@ -56,7 +56,7 @@ from trl_plugins import (
 from trl_plugins.components.prm import prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device
+from trl_plugins.rollouts import check_offpolicy_gamma, context_device, run_together
 
 
 @dataclass
@@ -255,10 +255,11 @@ class ScopePlugin(Plugin):
     def _locate(self, ctx: RolloutContext, rows: list[int], tok) -> tuple[list[_Repair], int]:
         """PRM step scores of the candidates (local, batched) -> first error -> token-exact prefix length."""
         o = self.options
-        if not rows:
-            return [], 0
         texts = [self._decode(tok, ctx.completion_ids[i]) for i in rows]
-        step_scores = self.prm.score_steps([ctx.rows[i] for i in rows], texts)
+        # collective: a PRM failure on one process (dead endpoint, bad row) stops every process together
+        step_scores = run_together(
+            ctx, "scope", lambda: self.prm.score_steps([ctx.rows[i] for i in rows], texts) if rows else []
+        )
         repairs, no_error = [], 0
         for i, text, scores in zip(rows, texts, step_scores):
             spans = self.prm.steps(text)
@@ -287,7 +288,10 @@ class ScopePlugin(Plugin):
         prefixes = [r.prefix_text for r in repairs]
         max_tokens = o.teacher_max_tokens or max_len
         if o.mode != "teacher_step":
-            texts = self.teacher.continue_from(rows, prompts, prefixes, max_tokens=max_tokens) if repairs else []
+            texts = run_together(
+                ctx, "scope",
+                lambda: self.teacher.continue_from(rows, prompts, prefixes, max_tokens=max_tokens) if repairs else [],
+            )
             for r, text in zip(repairs, texts):
                 new = list(tok(text, add_special_tokens=False)["input_ids"]) + eos
                 new = new[: max(max_len - r.prefix_tokens, 0)]
@@ -297,9 +301,10 @@ class ScopePlugin(Plugin):
                 r.ids = ctx.completion_ids[r.row][: r.prefix_tokens] + new
             return
         separator = self.prm.separator
-        steps = (
-            self.teacher.continue_from(rows, prompts, prefixes, stop=[separator], max_tokens=max_tokens)
-            if repairs else []
+        steps = run_together(  # collective: a missing reference solution on one process stops every process
+            ctx, "scope",
+            lambda: self.teacher.continue_from(rows, prompts, prefixes, stop=[separator], max_tokens=max_tokens)
+            if repairs else [],
         )
         requests, step_ids = [], []
         for r, step in zip(repairs, steps):

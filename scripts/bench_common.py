@@ -195,7 +195,9 @@ def make_trainer(
                 processing_class=tokenizer,
             )
         elif kind == "plugin":
-            args = PluginGRPOConfig(plugins=list(plugins or []), plugin_config=copy.deepcopy(plugin_config or {}), **fields)
+            args = PluginGRPOConfig(
+                plugins=list(plugins or []), plugin_config=copy.deepcopy(plugin_config or {}), **fields
+            )
             trainer = PluginGRPOTrainer(
                 model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
                 processing_class=tokenizer,

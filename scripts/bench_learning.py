@@ -1,11 +1,12 @@
 """Learning efficiency of the built-in plugins against vanilla GRPO at an equal rollout budget.
 
 Task: the bundled chained-arithmetic task at the demo's levels (1, 2), with the demo's warm-started tiny model
-(``DemoSettings``): its sampled pass rate at temperature 1 is about 15 % (greedy held-out accuracy about 23 %).
-Training: ``PluginGRPOTrainer`` with the demo's GRPO settings (``DemoSettings``: G=8, 64 completions per step,
-lr 5e-5, constant schedule, beta 0, at most 40 completion tokens) and the exact verifier ``accuracy_reward``; "grpo" is the same trainer with no plugins (identical
-to ``trl.GRPOTrainer``, invariant 1). Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS``
-(overridden by ``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
+(settings pinned in ``bench_common.BENCH_SETTINGS``): its sampled pass rate at temperature 1 is about 15 % (greedy
+held-out accuracy about 23 %). Training: ``PluginGRPOTrainer`` with the demo's GRPO settings (G=8, 64 completions
+per step, lr 5e-5, constant schedule, beta 0, at most 40 completion tokens) and the exact verifier
+``accuracy_reward``; "grpo" is the same trainer with no plugins (identical to ``trl.GRPOTrainer``, invariant 1).
+Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS`` (overridden by
+``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
 
 Equal rollouts: every run has the same budget of policy rollouts (completions sampled from the policy: TRL's own
 generation round plus every completion a plugin asks the generation service for, counted at the backend,
@@ -18,13 +19,13 @@ rollouts needed to reach ``--target`` held-out accuracy (linear interpolation be
 accuracy, and per step from ``trainer.state.log_history`` the policy entropy, gradient norm, training reward, and
 our own per-group statistics (distinct completions per group, correct rollouts per step) plus every plugin metric.
 
-    python scripts/bench_learning.py --quick --write-docs      # 6 methods x 3 seeds, ~6-7 min on 2 quiet cores
+    python scripts/bench_learning.py --quick --write-docs      # 6 methods x 3 seeds, a few minutes on 2 quiet cores
     python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (~50 min, estimated)
     python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
 
 Runs are cached as JSON under ``--run-dir`` (``--fresh`` discards them), so an interrupted table resumes.
-Outputs: ``docs/benchmarks/learning.json``, ``docs/benchmarks/learning_*.png`` and (``--write-docs``) the learning
-section of ``docs/benchmarks.md``.
+Outputs: ``docs/benchmarks/learning.json`` and ``learning_*.png`` (``learning_full*`` without ``--quick``) and
+(``--write-docs``) the ``learning`` (``learning_full``) section of ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def run_one(job: dict) -> dict:
             pending["distinct_per_group"] = _distinct_fraction(completions, G)
             acc = torch.tensor(accuracy_reward(completions, [r["answer"] for r in inputs]))
             pending["correct_rollouts"] = float(acc.sum())
-            pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean()) if len(acc) % G == 0 else float("nan")
+            if len(acc) % G == 0:
+                pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
         return rewards
 
     trainer._calculate_rewards = recording_rewards
@@ -236,7 +238,25 @@ CLAIM_METRICS = {
     "hint_scaffold+seed_grpo": ("plugins/hint_scaffold/rescued_group_fraction", "all-fail groups rescued by hints"),
     "lp_reg": ("plugins/lp_reg/regularised_token_fraction", "tokens regularised"),
     "critique_grpo": ("plugins/critique_grpo/refinement_success_rate", "refinement success rate"),
-    "dagrpo": ("plugins/dagrpo/anchor_fraction", "anchored rows"),
+    "dagrpo": ("plugins/dagrpo/anchored_group_fraction", "groups anchored with the reference"),
+    "cure": ("plugins/cure/critical_token_entropy", "entropy at the critical tokens"),
+    "r3l": ("plugins/r3l/retry_improved_fraction", "retries that beat the first attempt"),
+    "ruscarl": ("plugins/ruscarl/rubric_score_clipped", "rubric score"),
+    "empo": ("plugins/empo/answered_fraction", "completions with an answer"),
+    "hicra": ("plugins/hicra/planning_token_fraction", "amplified (planning) tokens"),
+    "gtpo": ("plugins/gtpo/conflict_token_fraction", "conflict tokens"),
+    "siren": ("plugins/siren/peak_token_fraction", "tokens regularised"),
+    "rlpr": ("plugins/rlpr/answer_probability", "reference-answer probability"),
+    "seed_grpo": ("plugins/seed_grpo/semantic_entropy", "semantic entropy"),
+    "fbos_rl+canon": ("plugins/fbos_rl/rescued_group_fraction", "groups rescued by feedback round"),
+    "clip_cov": ("plugins/clip_cov/clipped_token_fraction", "tokens clipped"),
+    "kl_cov": ("plugins/kl_cov/selected_token_fraction", "tokens penalised"),
+    "llds": ("plugins/llds/regularised_token_fraction", "tokens regularised"),
+    "steer": ("plugins/steer/reweighted_token_fraction", "tokens reweighted"),
+    "adaptive_sampler": ("plugins/adaptive_sampler/pruned_fraction", "prompts pruned"),
+    "length_shaping": ("plugins/length_shaping/bonus", "length bonus"),
+    "posterior_grpo": ("plugins/posterior_grpo/paid_fraction", "rollouts paid a process reward"),
+    "disco": ("plugins/disco/mixed_group_fraction", "groups with both signs"),
 }
 
 
@@ -290,7 +310,8 @@ def markdown(result: dict) -> str:
     info = result["machine"]
     out = [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
-        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} rollouts), held-out greedy "
+        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
+        "rollouts), held-out greedy "
         f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
         f"before RL: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) {result['base_pass_rate']:.3f}. "
         f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
@@ -316,8 +337,9 @@ def markdown(result: dict) -> str:
             f"{_fmt(r['distinct_per_group'], 3)} | {_fmt(r['correct_rollouts_per_step'], 1)} | {claim} |"
         )
     out.append("")
-    out.append("Plots: `docs/benchmarks/learning_accuracy.png` (held-out accuracy against rollouts), "
-               "`docs/benchmarks/learning_entropy.png`, `docs/benchmarks/learning_grad_norm.png` (mean over seeds; "
+    prefix = "learning" if result["mode"] == "quick" else f"learning_{result['mode']}"
+    out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` (held-out accuracy against rollouts), "
+               f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png` (mean over seeds; "
                "shaded: ± one std).")
     if result.get("failed"):
         out.append("")
@@ -325,7 +347,8 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float, target: float) -> list[Path]:
+def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float, target: float,
+         prefix: str = "learning") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -388,9 +411,9 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
         plt.close(fig)
         paths.append(path)
 
-    curves("accuracy", "held-out greedy accuracy", "learning_accuracy.png", True)
-    curves("entropy", "policy entropy (nats/token, 3-step mean)", "learning_entropy.png", False)
-    curves("grad_norm", "gradient norm (3-step mean)", "learning_grad_norm.png", False)
+    curves("accuracy", "held-out greedy accuracy", f"{prefix}_accuracy.png", True)
+    curves("entropy", "policy entropy (nats/token, 3-step mean)", f"{prefix}_entropy.png", False)
+    curves("grad_norm", "gradient norm (3-step mean)", f"{prefix}_grad_norm.png", False)
     return paths
 
 
@@ -496,7 +519,8 @@ def main(argv=None) -> int:
     summary = summarize(records, base_acc, target)
     result = {
         "command": command.strip(), "quick": args.quick or args.tiny, "mode": mode, "machine": info,
-        "seeds": seeds, "budget": budget, "grpo_config": grpo_config, "eval_every": eval_every, "eval_size": eval_size, "target": target,
+        "seeds": seeds, "budget": budget, "grpo_config": grpo_config, "eval_every": eval_every,
+        "eval_size": eval_size, "target": target,
         "base_accuracy": base_acc, "base_pass_rate": base_pass, "workers": args.workers,
         "batch": s.per_device_train_batch_size, "num_generations": s.num_generations,
         "learning_rate": grpo_config.get("learning_rate", s.grpo_learning_rate),
@@ -507,12 +531,14 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(result)
     print(md)
-    (out_dir / f"learning{'' if mode != 'tiny' else '_tiny'}.json").write_text(json.dumps(result, default=float))
-    plot(records, methods, out_dir, base_acc, target) if mode != "tiny" else None
+    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny"}[mode]
+    (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
+    if mode != "tiny":
+        plot(records, methods, out_dir, base_acc, target, prefix=prefix)
     if args.write_docs:
         from bench_overhead import write_docs_section
 
-        print(f"wrote {write_docs_section('learning', md, result['command'])}")
+        print(f"wrote {write_docs_section(prefix, md, result['command'])}")
     return 0 if not failed else 1
 
 

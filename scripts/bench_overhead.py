@@ -7,25 +7,29 @@ the same GRPOConfig fields, then trained in interleaved blocks A B B A A B ... (
 block restores the initial weights, a fresh optimizer and the seed, and trains ``--steps`` optimizer steps; the
 first step of a block is a warm-up and is not counted. Per block we record
 
-* step time: wall time from ``on_step_begin`` to ``on_step_end`` (generation, scoring, plugin stages, loss,
-  backward and optimizer step), median over the block's counted steps; TRL's own ``step_time`` metric (time
-  inside ``training_step``, i.e. without the optimizer step) is recorded too;
-* peak memory: growth of the process's peak resident set size during the block (the kernel's ``VmHWM``, reset
-  through ``/proc/self/clear_refs`` at the start of the block, minus the RSS at that moment). It counts every
-  allocation the block touches (tensors, autograd buffers, Python objects), at page granularity.
+* step time: CPU time of the process (``time.process_time``; one torch thread, so this is the work done, and it is
+  far less sensitive than wall time to other processes on a shared machine) and wall time from ``on_step_begin``
+  to ``on_step_end`` (generation, scoring, plugin stages, loss, backward and optimizer step), median over the
+  block's counted steps; TRL's own ``step_time`` metric (wall time inside ``training_step``, i.e. without the
+  optimizer step) is recorded too;
+* peak memory, two ways: (a) the peak of live tensor bytes above the start of one extra 1-step block run under
+  ``torch.profiler`` with ``profile_memory=True`` (every allocation and free of torch's CPU allocator, summed in
+  time order: deterministic, but Python objects are not counted); (b) the growth of the process's peak resident
+  set size during each timed block (the kernel's ``VmHWM``, reset through ``/proc/self/clear_refs`` at the start
+  of the block, minus the RSS at that moment): everything the block touches, at page granularity.
 
-The ratio of a configuration is the median over block pairs of ``median step time B / median step time A``
+The ratio of a configuration is the median over block pairs of ``median step CPU time B / median of A``
 (pairs are adjacent blocks, so slow drifts of a shared machine cancel). Acting plugins change what is generated
 (extra rollouts, other prompts), so their ratio is the method's cost, not only the framework's; the extra
 completions each plugin requested per step (``trainer.generation_service.total``) are reported beside it.
 
 Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
 1024 valid completion tokens computes Lp-Reg's min-p proxy log-probs and SIREN's nucleus entropy (no grad, and
-with grad + backward) at chunk sizes 1024, 256 and 64; we measure the peak RSS growth and the largest tensor any
-op allocated, against the (T, V) float32 logits a full-logits implementation needs (586 MiB), and run that
-full-logits computation for reference.
+with grad + backward) at chunk sizes 1024, 256 and 64; we measure the peak of live tensor bytes (profiler, as
+above), the largest single allocation and the peak RSS growth, against the (T, V) float32 logits a full-logits
+implementation needs (586 MiB), and run that full-logits computation for reference.
 
-    python scripts/bench_overhead.py                 # everything (about 30 min on a quiet 2-core machine)
+    python scripts/bench_overhead.py                 # everything (about 25-30 min on a quiet 2-core machine)
     python scripts/bench_overhead.py --quick         # none, noop8 and a few plugins, fewer repeats
     python scripts/bench_overhead.py --configs none noop8 lp_reg --repeats 12
     python scripts/bench_overhead.py --profile noop8 # cProfile of the plugin path (top entries)
@@ -295,10 +299,12 @@ def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int,
         buf = io.StringIO()
         stats = pstats.Stats(prof, stream=buf).sort_stats("cumulative")
         # self time (tottime) of Python frames in the framework, plugin and pluggy files: the layer's own Python work
-        layer = {k: v for k, v in stats.stats.items() if any(p in k[0] for p in ("/trl_plugins/", "/plugins/", "/pluggy/"))}
+        layer_dirs = ("/trl_plugins/", "/plugins/", "/pluggy/")
+        layer = {k: v for k, v in stats.stats.items() if any(p in k[0] for p in layer_dirs)}
         layer_self = sum(v[2] for v in layer.values())
         total = stats.total_tt
-        buf.write(f"profiled CPU time {total:.3f}s; self time in trl_plugins/ + plugins/ + pluggy frames {layer_self:.4f}s "
+        buf.write(f"profiled CPU time {total:.3f}s; self time in trl_plugins/ + plugins/ + pluggy frames "
+                  f"{layer_self:.4f}s "
                   f"({100 * layer_self / total:.2f}% of the profiled steps)\n")
         top_self = sorted(layer.items(), key=lambda kv: -kv[1][2])[:15]
         buf.write("top self-time entries of the plugin layer:\n")
@@ -411,7 +417,8 @@ def markdown(result: dict, part: str) -> str:
         lines.append(f"Trainer overhead: interleaved block pairs (A B B A ...; count per row), "
                      f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
                      f"G={t['num_generations']}, {t['batch']} completions per step, max {t['max_completion_length']} "
-                     "completion tokens. Step time = CPU time of the process for one optimizer step (one torch thread, so "
+                     "completion tokens. Step time = CPU time of the process for one optimizer step (one torch "
+                     "thread, so "
                      "this is the work done; on a shared machine it is far less noisy than wall time, which is given "
                      "too); ratio = median over block pairs of (plugin / vanilla) median step CPU time, with its "
                      "interquartile range. Peak tensor memory = "
@@ -422,7 +429,8 @@ def markdown(result: dict, part: str) -> str:
         lines.append("")
         lines.append("| configuration | pairs | vanilla step CPU (s) | plugin step CPU (s) | ratio (CPU) | IQR | "
                      "wall-time ratio | TRL step_time ratio (wall) | "
-                     "extra rollouts / step | peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin | "
+                     "extra rollouts / step | peak tensor MiB vanilla / plugin | "
+                     "peak RSS growth MiB vanilla / plugin | "
                      "load after |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in t["rows"]:
@@ -482,7 +490,8 @@ def write_docs_section(section: str, body: str, command: str) -> Path:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"none, noop8 and {', '.join(QUICK_PLUGINS)}; 4 repeats")
-    p.add_argument("--tiny", action="store_true", help="smoke mode: untrained model, none + noop8, 1 repeat, 2 steps, small head")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke mode: untrained model, none + noop8, 1 repeat, 2 steps, small head")
     p.add_argument("--configs", nargs="*", default=None,
                    help="configurations: none, noop8, plugin names, or stacks a+b (default: all)")
     p.add_argument("--repeats", type=int, default=None, help="block pairs per configuration (default 8; quick 4)")
@@ -576,7 +585,8 @@ def main(argv=None) -> int:
                 result["errors"] = errors
                 continue
             rows.append(row)
-            print(f"{name:18s} CPU/step vanilla {row['step_cpu_s_vanilla']:.3f}s  plugin {row['step_cpu_s_plugin']:.3f}s  "
+            print(f"{name:18s} CPU/step vanilla {row['step_cpu_s_vanilla']:.3f}s  "
+                  f"plugin {row['step_cpu_s_plugin']:.3f}s  "
                   f"ratio {row['ratio']:.3f} [{row['ratio_q25']:.3f}, {row['ratio_q75']:.3f}]  wall ratio "
                   f"{row['wall_ratio']:.3f}  "
                   f"trl step_time ratio {row['trl_step_time_ratio']:.3f}  extra/step "

@@ -803,3 +803,41 @@ def test_plugins_on_different_stages_compose():
     assert not seen["swapped"].any()
     # the annotation reaches TRL's completions table
     assert list(trainer._logs["extra"]["plugin_annotations"])[:2] == ["spliced=True", ""]
+
+
+# ============================================================================================ checkpoints
+
+
+class Counter(Plugin):
+    """A plugin with resumable state (a counter)."""
+
+    name = "test_counter"
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.count = 0
+
+    @hookimpl
+    def trl_plugins_state_dict(self):
+        return {"count": self.count}
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_missing_plugin_state_on_resume_warns_and_starts_fresh(tmp_path):
+    """A checkpoint without the state file, or whose file lacks a plugin, says so (the plugin starts fresh)."""
+    from trl_plugins.trainer import PLUGIN_STATE_FILE
+
+    with temporary_plugin(Counter):
+        trainer = make_tiny_trainer(plugins=["test_counter"], reward_funcs=[digit_fraction_reward], log_level="error")
+        plugin = trainer.plugin_stack.by_name["test_counter"]
+        with pytest.warns(UserWarning, match=r"has no trl_plugins_state.pt .*\['test_counter'\] starts fresh"):
+            trainer._load_optimizer_and_scheduler(str(tmp_path))
+        torch.save({"__framework__": {}, "other_plugin": {}}, tmp_path / PLUGIN_STATE_FILE)
+        with pytest.warns(UserWarning, match=r"holds no state for plugins \['test_counter'\]"):
+            trainer._load_optimizer_and_scheduler(str(tmp_path))
+        torch.save({"__framework__": {}, "test_counter": {"count": 7}}, tmp_path / PLUGIN_STATE_FILE)
+        trainer._load_optimizer_and_scheduler(str(tmp_path))
+        assert plugin.count == 7

@@ -393,7 +393,8 @@ class LossContext(_MetricsMixin):
         ref_per_token_logps: (B, T) or None (only when ``beta != 0``).
         sampling_per_token_logps: (B, T) or None (vLLM only; NaN on off-policy tokens).
         entropies: (B, T) full-vocabulary entropies, with grad.
-        advantages: (B, T) token advantages (broadcast from (B,) when the advantage stage gave one per row).
+        advantages: token advantages: (B, T) when the advantage stage gave token-level ones or a
+            ``loss_advantages`` hook is present (it always sees (B, T)); otherwise (B, 1), broadcasting over T.
         mask: (B, T) loss mask (completion mask times tool mask).
         offpolicy_mask: (B, T) bool, tokens trained through the shaped off-policy branch.
         log_ratio: (B, T) or (B, 1) ``log pi_theta - log pi_old`` at TRL's importance-sampling level.

@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_offpolicy_gamma", "completion_text", "context_device", "gather_floats", "gather_id_lists"]
+__all__ = [
+    "check_offpolicy_gamma", "completion_text", "context_device", "fail_together", "gather_floats", "gather_id_lists",
+    "run_together",
+]
 
 
 def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
@@ -67,6 +70,38 @@ def gather_floats(ctx: Any, values: Sequence[float], fill: float = float("nan"))
     """All-gather one float per local row into an (N,) tensor (one collective). ``None`` entries become ``fill``."""
     local = torch.tensor([fill if v is None else float(v) for v in values], dtype=torch.float32)
     return ctx.gather(local.to(context_device(ctx))).cpu()
+
+
+def fail_together(ctx: Any, plugin: str, error: BaseException | None) -> None:
+    """Raise on every process when any process failed (one collective); return when none did.
+
+    A plugin that calls a collective (``ctx.gather``, ``ctx.service.generate``) after a step that can fail on one
+    process only -- a row without a reference solution, a judge that timed out -- must not let that process leave
+    alone: the others would wait in the next collective forever. The failing process re-raises its own ``error``;
+    the others raise a :class:`~trl_plugins.errors.PluginError` naming the process that failed.
+    """
+    from .errors import PluginError
+
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=context_device(ctx))
+    flags = ctx.gather(flag).cpu().tolist()
+    if error is not None:
+        raise error
+    failed = [p for p, f in enumerate(flags) if f]
+    if failed:
+        raise PluginError(
+            f"{plugin}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
+        )
+
+
+def run_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on this process, then :func:`fail_together` with its exception (collective)."""
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as exc:  # re-raised below, on every process
+        fail_together(ctx, plugin, exc)
+        raise  # unreachable: fail_together re-raises exc
+    fail_together(ctx, plugin, None)
+    return result
 
 
 def completion_text(completion: Any) -> str:

@@ -570,9 +570,18 @@ class PluginGRPOTrainer(GRPOTrainer):
 
     def load_plugin_state_dict(self, state: dict) -> None:
         self.generation_service.load_state_dict(state.get("__framework__", {}).get("generation_service", {}))
+        missing = []
         for plugin in self.plugin_stack.implementers("trl_plugins_load_state_dict"):
             if plugin.name in state:
                 plugin.trl_plugins_load_state_dict(state=state[plugin.name])
+            else:
+                missing.append(plugin.name)
+        if missing:
+            warnings.warn(
+                f"The checkpoint's {PLUGIN_STATE_FILE} holds no state for plugins {missing} (saved by a run without "
+                "them): their state starts fresh instead of being restored.",
+                stacklevel=2,
+            )
 
     def _save_checkpoint(self, model, trial):
         # Plugin state first, written atomically: a run killed while saving never leaves a checkpoint that looks

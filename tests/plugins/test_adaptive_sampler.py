@@ -7,13 +7,14 @@ state round-trips through a real checkpoint."""
 
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from trl_plugins import PluginConfigError, RewardContext, build_plugins
+from trl_plugins import PluginConfigError, PluginError, RewardContext, build_plugins
 from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_dataset
 from trl_plugins.trainer import PLUGIN_STATE_FILE
 from trl_plugins_builtin.adaptive_sampler import (
@@ -254,3 +255,18 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
         torch.testing.assert_close(getattr(fresh, key), getattr(plugin, key), equal_nan=True)
     assert fresh.domain_weights == plugin.domain_weights and fresh.pending.keys() == plugin.pending.keys()
     assert [fresh.draw_chunk(c, 2) for c in (3, 4)] == [plugin.draw_chunk(c, 2) for c in (3, 4)]
+
+
+def test_resume_without_the_plugin_state_is_refused_with_the_cause():
+    """A run resumed at step > 0 whose checkpoint brought no adaptive_sampler state stops at its first outcome
+    with the real cause (not 'the batch does not hold the prompts its sampler drew'); restored state passes."""
+    trainer = SimpleNamespace(model=SimpleNamespace(training=True), state=SimpleNamespace(global_step=5))
+    ctx = SimpleNamespace(trainer=trainer)
+    plugin = _plugin(8)
+    with pytest.raises(PluginError, match="resumed at step 5 without this plugin's saved state"):
+        plugin.trl_plugins_transform_rewards(ctx)
+    restored = _plugin(8)
+    restored.trl_plugins_load_state_dict(plugin.trl_plugins_state_dict())
+    assert restored.trl_plugins_transform_rewards(ctx) is None  # no chunk 0 drawn yet: nothing to record
+    trainer.state.global_step = 0  # a fresh run starts at step 0 without state
+    assert _plugin(8).trl_plugins_transform_rewards(ctx) is None

@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from datasets import Dataset
 from trl import GRPOTrainer
 
 from trl_plugins import PluginConfigError, PromptContext, build_plugins
@@ -208,6 +209,30 @@ def test_reward_function_one_call_per_item_and_the_judge_never_sees_the_scaffold
     assert judge.requests[3].conversation == [{"role": "user", "content": "plain"}]
     assert [r.completion for r in judge.requests] == ["R1"] * 3 + ["R2"] * 2
     assert logged["plugins/ruscarl/judge_requests"] == 5.0
+
+
+def test_empty_rubric_list_is_refused_or_left_out_of_the_reward():
+    """An empty rubric list is a data error by default (not a silent 0.0); with empty_rubrics='skip' the row's
+    rubric reward is None (TRL leaves it out of the weighted sum) and the score metric ignores it."""
+    kwargs = dict(prompts=["Q1", "Q2"], completions=["R1", "R2"], completion_ids=[[1], [2]], trainer_state=None)
+    strict = build_plugins(["ruscarl"], {"ruscarl": {"judge": "rule"}}).plugins[0]
+    strict.judge = RecordingJudge({"Mentions A": True, "Mentions B": True, "Claims C": False})
+    (func,) = strict.trl_plugins_reward_functions(args=None)
+    with pytest.raises(PluginConfigError, match="row 1 .*no rubric items.*empty_rubrics"):
+        func(rubrics=[ITEMS, []], **kwargs)
+    with pytest.raises(PluginConfigError, match="1 of 3 rows have no rubric items .*first: row 2"):
+        strict.check_dataset(Dataset.from_dict({"rubrics": [ITEMS, ITEMS[:1], []]}))
+    strict.check_dataset(Dataset.from_dict({"rubrics": [ITEMS, ITEMS[:1]]}))  # complete data passes
+
+    lenient = build_plugins(["ruscarl"], {"ruscarl": {"judge": "rule", "empty_rubrics": "skip"}}).plugins[0]
+    lenient.judge = strict.judge
+    lenient.check_dataset(Dataset.from_dict({"rubrics": [ITEMS, []]}))
+    (func,) = lenient.trl_plugins_reward_functions(args=None)
+    logged = {}
+    scores = func(rubrics=[ITEMS, None], log_metric=lambda k, v: logged.setdefault(k, v), **kwargs)
+    assert scores == [1.0, None]
+    assert logged["plugins/ruscarl/rubric_score_clipped"] == 1.0
+    assert logged["plugins/ruscarl/judge_requests"] == 3.0
 
 
 def test_options_refused():

@@ -12,7 +12,9 @@ import pytest
 import torch
 import trl
 
-from trl_plugins import Completion, IncompatiblePluginsError, PluginConfigError, RolloutContext, build_plugins
+from trl_plugins import (
+    Completion, IncompatiblePluginsError, PluginConfigError, PluginError, RolloutContext, build_plugins,
+)
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, arithmetic_row
 from trl_plugins.components.teacher import ReferenceTeacher
 from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
@@ -237,13 +239,8 @@ class _Collective:
         return out
 
 
-def test_two_processes_choose_per_group_on_gathered_data():
-    """A group split over two processes: each holds one repairable row; only the longer prefix is repaired, on
-    whichever process holds it, and both processes make the same collective calls."""
-    coll = _Collective(2)
-    services = [ReferenceService(), ReferenceService()]
-    # G = 4, B = 2 per process: rows 0,1 on rank 0 and 2,3 on rank 1 form one group
-    texts = [[ONE_SLIP, RIGHT], [TWO_OK, "junk"]]
+def _two_process_contexts(texts, services, coll):
+    """One group of G = 4 split over two processes: rows 0,1 on rank 0 and rows 2,3 on rank 1."""
     ctxs = []
     for r in range(2):
         ctx = make_ctx([texts[r] + ["pad", "pad"]], service=services[r], gatherer=lambda t, r=r: coll.gather(r, t))
@@ -252,24 +249,49 @@ def test_two_processes_choose_per_group_on_gathered_data():
             setattr(ctx, name, getattr(ctx, name)[:2])
         ctx.global_index, ctx.group_ids, ctx.index_in_group = group_layout(r, 2, 4)
         ctxs.append(ctx)
-    errors = []
+    return ctxs
+
+
+def _run_threads(ctxs, **options):
+    errors = [None, None]
 
     def work(r):
         try:
-            run(ctxs[r], prm=ProgrammaticPRM(), corrector=ReferenceTeacher(separator="\n"), mode="teacher_step",
-                teacher="hf")
-        except Exception as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+            run(ctxs[r], prm=ProgrammaticPRM(), corrector=ReferenceTeacher(separator="\n"), **options)
+        except Exception as exc:  # reported to the caller
+            errors[r] = exc
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors
+    return errors
+
+
+def test_two_processes_choose_per_group_on_gathered_data():
+    """A group split over two processes: each holds one repairable row; only the longer prefix is repaired, on
+    whichever process holds it, and both processes make the same collective calls."""
+    coll = _Collective(2)
+    services = [ReferenceService(), ReferenceService()]
+    ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], services, coll)
+    assert _run_threads(ctxs, mode="teacher_step", teacher="hf") == [None, None]
     assert [len(s.calls) for s in services] == [1, 1]
     assert not ctxs[0].changed and ctxs[1].changed == {0}  # TWO_OK (global row 2) wins over ONE_SLIP (row 0)
     assert ctxs[0].metrics["plugins/scope/rectified_fraction"] == ctxs[1].metrics["plugins/scope/rectified_fraction"]
+
+
+@pytest.mark.parametrize("mode", ["teacher_step", "reference_suffix"])
+def test_missing_solution_on_one_process_stops_every_process(mode):
+    """Rank 1's repairable row has no reference solution: rank 1 raises the config error and rank 0 raises too
+    (naming process 1) instead of waiting in the next collective forever."""
+    coll = _Collective(2)
+    ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], [ReferenceService(), ReferenceService()], coll)
+    ctxs[1].rows[0] = {**ctxs[1].rows[0], "solution": ""}
+    errors = _run_threads(ctxs, mode=mode, teacher="hf")
+    assert isinstance(errors[1], PluginConfigError) and "no reference solution" in str(errors[1])
+    assert isinstance(errors[0], PluginError) and "process 1 failed" in str(errors[0])
+    assert not isinstance(errors[0], threading.BrokenBarrierError)
 
 
 # ------------------------------------------------------------------------------------------ options
