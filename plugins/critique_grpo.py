@@ -58,6 +58,10 @@ class CritiqueGrpoOptions(PluginOptions):
     critic_model: str = option("default", help="Critic: served model name (endpoint) or name/path (hf).")
     critic_base_url: str | None = option(None, help="Critic endpoint, e.g. http://127.0.0.1:8000/v1.")
     critic_api_key_env: str | None = option(None, help="Environment variable holding the critic endpoint's key.")
+    critic_timeout: float = option(
+        120.0, min=0.0, min_exclusive=True, help="Seconds per critic endpoint request before it counts as failed."
+    )
+    critic_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed critic endpoint request.")
     critic_max_tokens: int = option(1024, min=1, help="Longest critique in tokens.")
     refinement_system_prompt: str | None = option(DEFAULT_SYSTEM, help="System message of the refinement chat.")
     refinement_template: str = option(
@@ -156,7 +160,8 @@ class CritiqueGrpoPlugin(Plugin):
             )
         if o.critique_type == "text" and self.critic is None:
             self.critic = shared_teacher(o.critic, model=o.critic_model, base_url=o.critic_base_url,
-                                         api_key_env=o.critic_api_key_env, max_tokens=o.critic_max_tokens)
+                                         api_key_env=o.critic_api_key_env, max_tokens=o.critic_max_tokens,
+                                         timeout=o.critic_timeout, max_retries=o.critic_max_retries)
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):

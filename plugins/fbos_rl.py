@@ -89,6 +89,10 @@ class FbosRlOptions(PluginOptions):
     judge_model: str = option("default", help="Judge: served model name (endpoint) or name/path (hf).")
     judge_base_url: str | None = option(None, help="Judge endpoint, e.g. http://127.0.0.1:8000/v1.")
     judge_api_key_env: str | None = option(None, help="Environment variable holding the judge endpoint's key.")
+    judge_timeout: float = option(
+        120.0, min=0.0, min_exclusive=True, help="Seconds per judge endpoint request before it counts as failed."
+    )
+    judge_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed judge endpoint request.")
     judge_max_tokens: int = option(256, min=1, help="Longest judge feedback in tokens.")
     all_success: Literal["original", "feedback"] = option(
         "original", reconstructed=True,
@@ -294,7 +298,8 @@ class FbosRlPlugin(Plugin):
             )
         if o.feedback == "judge" and self.judge is None:
             self.judge = shared_teacher(o.judge, model=o.judge_model, base_url=o.judge_base_url,
-                                        api_key_env=o.judge_api_key_env, max_tokens=o.judge_max_tokens)
+                                        api_key_env=o.judge_api_key_env, max_tokens=o.judge_max_tokens,
+                                        timeout=o.judge_timeout, max_retries=o.judge_max_retries)
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl

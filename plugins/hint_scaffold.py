@@ -18,7 +18,7 @@ trains its tokens through the shaped off-policy branch ``-A p/(p+gamma)``.
 A group "fails" when no rollout's weighted reward exceeds ``success_threshold``. The hint is introduced, as in
 GHPO, by a sentence saying it is the beginning of the answer. Scaf-GRPO's first 50 steps are plain GRPO:
 ``warmup_steps`` (default 0, GHPO) reproduces that. Extra rollouts count in the rollout budget and are logged
-(``plugins/hint_scaffold/extra_rollouts``), as are the all-fail and rescued group fractions.
+(``plugins/hint_scaffold/extra_rollouts``, summed over processes), as are the all-fail and rescued group fractions.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.rollouts import context_device
 
 DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"
 
@@ -150,7 +151,8 @@ class HintScaffoldPlugin(Plugin):
             if not (failing - rescued):
                 break
         ctx.log_metric("rescued_group_fraction", len(rescued) / success.size(0))
-        ctx.log_metric("extra_rollouts", extra)
+        device = context_device(ctx)
+        ctx.log_metric("extra_rollouts", float(ctx.gather(torch.tensor([extra], device=device)).sum()))  # all processes
 
     def _check_solutions(self, ctx: RolloutContext, failing: set[int]) -> None:
         """Every process raises together when a row to hint has no solution (no process left in a collective)."""

@@ -72,6 +72,10 @@ class PosteriorGrpoOptions(PluginOptions):
     prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint').")
     prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
     prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
+    prm_timeout: float = option(
+        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
+    )
+    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
     prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
     prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code.")
     step_separator: str | None = option(None, help="Step separator (None: the PRM's convention).")

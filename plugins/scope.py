@@ -74,6 +74,10 @@ class ScopeOptions(PluginOptions):
     teacher_model: str = option("default", help="Teacher: served model name (endpoint) or model name/path (hf).")
     teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
     teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
+    teacher_timeout: float = option(
+        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
+    )
+    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
     teacher_temperature: float = option(0.0, min=0.0, reconstructed=True, help="Teacher sampling temperature.")
     teacher_max_tokens: int | None = option(
         None, min=1, help="Longest correction in tokens (None: the run's max_completion_length)."
@@ -87,6 +91,10 @@ class ScopeOptions(PluginOptions):
     prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint'), e.g. http://127.0.0.1:8000/v1.")
     prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
     prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
+    prm_timeout: float = option(
+        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
+    )
+    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
     prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
     prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code (Qwen2.5-Math-PRM-7B needs it).")
     step_separator: str | None = option(
@@ -207,7 +215,8 @@ class ScopePlugin(Plugin):
         max_tokens = o.teacher_max_tokens or getattr(trainer, "max_completion_length", None) or 1024
         return shared_teacher(
             o.teacher, model=o.teacher_model, base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env,
-            temperature=o.teacher_temperature, max_tokens=max_tokens,
+            temperature=o.teacher_temperature, max_tokens=max_tokens, timeout=o.teacher_timeout,
+            max_retries=o.teacher_max_retries,
         )
 
     # ------------------------------------------------------------------------------------------ sampling

@@ -626,12 +626,13 @@ def test_generation_service_pads_collectively_and_returns_local_results(monkeypa
     assert [r.completion_ids for r in results] == [p[-3:] for p in real]  # only local results, in order
     assert results[0].text == trainer.processing_class.decode(real[0][-3:], skip_special_tokens=True)
     assert results[0].logprobs == [-1.0, -2.0, -3.0]
-    assert service.used_this_batch == 2 and service.total == 2  # dummies are not counted
+    # dummies are not counted; the total counts every process's real requests (2 here + 5 there)
+    assert service.used_this_batch == 2 and service.total == 7
 
-    # nothing to ask locally: still one call with 5 dummy prompts, no result, nothing counted
+    # nothing to ask locally: still one call with 5 dummy prompts, no result, nothing counted here
     assert service.generate(prompt_ids=[]) == []
     assert calls[1][0] == [dummy] * 5
-    assert service.used_this_batch == 2
+    assert service.used_this_batch == 2 and service.total == 12
 
     # nobody asks: no call at all
     _other_process_requests(monkeypatch, trainer, 0)
@@ -682,7 +683,7 @@ def test_generation_service_budget(monkeypatch):
     service.begin_batch([1])
     _other_process_requests(monkeypatch, trainer, 0)
     assert len(service.generate(prompt_ids=[[5, 6], [7, 8], [9, 9]])) == 3
-    assert service.total == 6
+    assert service.total == 2 + (1 + 1) + 3  # every process's real completions, refused requests not counted
 
 
 class AsksForMore(Plugin):

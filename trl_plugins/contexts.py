@@ -116,7 +116,9 @@ class RolloutContext(_MetricsMixin):
         prompt_ids: token ids of each row's training prompt (B lists).
         completion_ids: token ids of each row's completion (B lists, unpadded).
         completions: decoded completions (B,), TRL's format (string or assistant message list).
-        sampling_logprobs: per-token sampling log-probs (B lists) or None (HF generation).
+        sampling_logprobs: per-token sampling log-probs (B lists) or None (HF generation). Rows with
+            ``prompt_swapped`` still hold the log-probs under their *generation* prompt here; the trainer sets
+            them to NaN after the last ``after_generation`` hook (they are not log-probs of the training prompt).
         offpolicy: per-token provenance (B lists of bool; True = off-policy token, trained through the shaped
             branch ``-A f(p)`` with ``f(p) = p/(p+gamma)``, NaN sampling log-prob).
         prompt_swapped: (B,) True where the generation prompt differs from the training prompt.

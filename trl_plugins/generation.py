@@ -21,7 +21,9 @@ class GenerationService:
       with dummy prompts, so every process issues the same number of calls with the same number of prompts
       (vLLM server mode slices results by process, ZeRO-3/FSDP gather parameters). Dummy results are dropped.
       Call :meth:`generate` on every process the same number of times (decide from gathered data).
-    * **Budget.** Real (non-dummy) completions are counted per generation batch and in total;
+    * **Budget.** Real (non-dummy) completions are counted per generation batch and process
+      (``used_this_batch``) and in total over all processes (``total``, identical on every process and saved
+      in checkpoints);
       ``PluginGRPOConfig.plugin_generation_budget`` caps them per batch and process. The decision to refuse is
       taken on the gathered counts, so every process raises together rather than deadlocking.
     """
@@ -94,7 +96,7 @@ class GenerationService:
         padded = full + [dummy] * (max_n - n_local)
         completion_ids, logprobs = self.trainer._generate_single_turn(padded, None, {}, num_generations=1)
         self.used_this_batch += n_local
-        self.total += n_local
+        self.total += int(counts.sum().item())  # all processes: the same on every process, so rank 0 saves it
         limit = self.trainer.max_completion_length
         results = []
         for j in range(n_local):

@@ -221,21 +221,33 @@ class _GatheredLogits(torch.autograd.Function):
     """Raw logits ``h[n] . W[ids[n, k]] (+ bias[ids[n, k]])`` for selected ids only, in float32.
 
     Inputs: ``h (N, d)``, ``W (V, d)``, ``bias (V,)`` or ``None``, ``ids (N, K)`` (all in ``[0, V)``), ``rows`` =
-    rows processed per block. Output ``(N, K)`` float32. Both passes gather ``W[ids]`` one row-block at a time, so the
-    peak extra memory is ``rows * K * d`` and nothing of that size is saved for backward (only ``ids``). The weight
-    gradient is accumulated into a single dense ``(V, d)`` float32 buffer with ``index_add_``.
+    rows processed per block, ``dense``: how a block is computed. Output ``(N, K)`` float32. Nothing of block size is
+    saved for backward (only ``ids``); the weight gradient is accumulated into one dense ``(V, d)`` float32 buffer.
+
+    * ``dense=False`` (``K * d < V``: few candidates, large vocabulary): gather ``W[ids]``, a ``(rows, K, d)`` block.
+    * ``dense=True`` (otherwise): the block's full logits ``h W^T``, a ``(rows, V)`` block (one matrix product),
+      then pick the ``K`` columns; backward scatters the gradient into ``(rows, V)`` and uses two matrix products.
+      Same extra memory for ``rows * V <= chunk * V`` and far faster than gathering ``K * d > V`` weights per row.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, rows):
+    def forward(ctx, h, weight, bias, ids, rows, dense=False):
         out = torch.empty(ids.shape, device=h.device, dtype=torch.float32)
+        w32 = weight.float() if dense else None
         for s in range(0, ids.shape[0], rows):
-            w_sel = weight[ids[s : s + rows]].float()  # (n, K, d)
+            idx = ids[s : s + rows]
+            if dense:
+                block = h[s : s + rows].float() @ w32.T  # (n, V)
+                if bias is not None:
+                    block += bias.float()
+                out[s : s + rows] = block.gather(1, idx)
+                continue
+            w_sel = weight[idx].float()  # (n, K, d)
             out[s : s + rows] = torch.einsum("nd,nkd->nk", h[s : s + rows].float(), w_sel)
             if bias is not None:
-                out[s : s + rows] += bias[ids[s : s + rows]].float()
+                out[s : s + rows] += bias[idx].float()
         ctx.save_for_backward(h, weight, bias, ids)
-        ctx.rows = rows
+        ctx.rows, ctx.dense = rows, dense
         return out
 
     @staticmethod
@@ -250,9 +262,18 @@ class _GatheredLogits(torch.autograd.Function):
         if need_b:
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
             grad_b.index_add_(0, ids.reshape(-1), grad_out.reshape(-1))
+        w32 = weight.float() if ctx.dense and need_h else None
         for s in range(0, ids.shape[0], rows):
             g = grad_out[s : s + rows]  # (n, K)
             idx = ids[s : s + rows]
+            if ctx.dense:
+                g_full = torch.zeros(g.shape[0], weight.shape[0], device=g.device, dtype=torch.float32)
+                g_full.scatter_add_(1, idx, g)  # (n, V): duplicate ids add up, as in the gathered path
+                if need_h:
+                    grad_h[s : s + rows] = g_full @ w32
+                if need_w:
+                    grad_w += g_full.T @ h[s : s + rows].float()
+                continue
             if need_h:
                 grad_h[s : s + rows] = torch.einsum("nk,nkd->nd", g, weight[idx].float())
             if need_w:
@@ -262,6 +283,7 @@ class _GatheredLogits(torch.autograd.Function):
             None if grad_h is None else grad_h.to(h.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            None,
             None,
             None,
         )
@@ -521,7 +543,8 @@ class HeadStats:
         return self.to_bc(self.map_chunks(fn))
 
     def nucleus_ids(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
-        """``(N, k_max)`` int64, no grad: nucleus token ids per valid position, most likely first, padded with -1.
+        """``(N, min(k_max, V))`` int64, no grad: nucleus token ids per valid position, most likely first, padded
+        with -1.
 
         Row ``n`` is the ``n``-th valid position in row-major order (see :meth:`to_bc`). The nucleus is chosen as in
         :meth:`top_p_entropy` among the ``k_max`` most likely tokens, so a nucleus larger than ``k_max`` is truncated.
@@ -529,29 +552,28 @@ class HeadStats:
 
         def fn(z, rows):
             _, ids, probs = self._top(z, k_max)
-            ids = ids.masked_fill(~self._nucleus_keep(probs, top_p, mode), -1)
-            if ids.shape[1] < k_max:  # V < k_max
-                ids = torch.cat([ids, ids.new_full((ids.shape[0], k_max - ids.shape[1]), -1)], dim=1)
-            return ids
+            return ids.masked_fill(~self._nucleus_keep(probs, top_p, mode), -1)
 
         return self.map_chunks(fn)
 
     def top_p_entropy_with_grad(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
         """``(B, C)`` float32: nucleus entropy WITH autograd through the hidden states (and the head).
 
-        The nucleus ids come from :meth:`nucleus_ids` (no grad). Only those logits are then recomputed with grad,
-        ``h[b,t] . W[ids]`` (+ bias), transformed as usual, renormalised over the nucleus, and ``-sum q log q`` is
-        returned; invalid positions and empty nuclei give 0 with zero gradient. Memory: ``N * k_max`` for the
-        gathered logits (kept for backward) plus a transient ``rows * k_max * d`` block, with ``rows`` chosen so
-        that block stays within ``chunk_size * V`` elements. Gradients reach ``hidden`` (thus the model),
+        The nucleus ids come from :meth:`nucleus_ids` (no grad), cut to the widest nucleus ``K <= k_max``. Only those
+        logits are then recomputed with grad, ``h[b,t] . W[ids]`` (+ bias), transformed as usual, renormalised over
+        the nucleus, and ``-sum q log q`` is returned; invalid positions and empty nuclei give 0 with zero gradient.
+        Memory: ``N * K`` for the selected logits (kept for backward) plus a transient block of at most
+        ``chunk_size * V`` elements (``chunk_size`` rows of full logits when ``K * d >= V``, else gathered weights). Gradients reach ``hidden`` (thus the model),
         ``weight`` and ``bias`` when those require grad.
         """
-        ids = self.nucleus_ids(top_p, k_max, mode)  # (N, k_max)
+        ids = self.nucleus_ids(top_p, k_max, mode)  # (N, K), K = min(k_max, V)
+        ids = ids[:, : max(1, int((ids >= 0).sum(-1).max().item()) if ids.numel() else 1)]  # widest nucleus
         pad = ids < 0
         h = self._valid(self.hidden_c)  # (N, d), graph kept
-        d = h.shape[-1]
-        rows = max(1, (self.chunk_size * self.vocab_size) // max(1, ids.shape[1] * d))
-        raw = _GatheredLogits.apply(h, self.weight, self.bias, ids.clamp(min=0), rows)  # (N, k_max)
+        d, K = h.shape[-1], ids.shape[1]
+        dense = K * d >= self.vocab_size
+        rows = self.chunk_size if dense else max(1, (self.chunk_size * self.vocab_size) // max(1, K * d))
+        raw = _GatheredLogits.apply(h, self.weight, self.bias, ids.clamp(min=0), rows, dense)  # (N, K)
         z = transform_logits(raw, self.logit_scale, self.softcap, self.temperature)
         empty = pad.all(-1, keepdim=True)
         # Empty rows get finite zeros everywhere (no NaN in backward); their entropy is zeroed below.

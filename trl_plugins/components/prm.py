@@ -450,6 +450,7 @@ def build_prm(
     separator: str | None = None,
     problem_column: str = "problem",
     timeout: float = 60.0,
+    max_retries: int = 4,
 ) -> ProcessRewardModel:
     """Build a PRM from plugin options.
 
@@ -458,6 +459,8 @@ def build_prm(
             ``protocol``), or ``"programmatic"`` (the bundled tasks, column ``problem_column``).
         separator: step separator (default: ``"\\n\\n"`` for hf/endpoint, one line for programmatic).
         api_key_env: name of an environment variable holding the endpoint's API key.
+        timeout, max_retries: per-request timeout in seconds and retries with backoff (endpoint only; see
+            :class:`~trl_plugins.components.client.EndpointConfig`).
     """
     if kind == "programmatic":
         prm = ProgrammaticPRM(problem_column)
@@ -470,7 +473,8 @@ def build_prm(
     if kind == "endpoint":
         if not base_url:
             raise PluginConfigError("A PRM endpoint needs a base URL (option prm_base_url, e.g. http://host:8000/v1).")
-        config = EndpointConfig(base_url=base_url, model=model, api_key=_api_key(api_key_env), timeout=timeout)
+        config = EndpointConfig(base_url=base_url, model=model, api_key=_api_key(api_key_env), timeout=timeout,
+                                max_retries=max_retries)
         return EndpointPRM(config, protocol=protocol, separator=sep)
     raise PluginConfigError(f"Unknown PRM kind {kind!r}; allowed: 'hf', 'endpoint', 'programmatic'.")
 
@@ -494,8 +498,9 @@ def shared_prm(kind: str, **kwargs: Any) -> ProcessRewardModel:
 
 def prm_from_options(o: Any) -> ProcessRewardModel:
     """The shared PRM described by plugin options named ``prm`` (kind), ``prm_model``, ``prm_base_url``,
-    ``prm_protocol``, ``prm_api_key_env``, ``prm_device``, ``prm_trust_remote_code``, ``step_separator`` and
-    ``problem_column`` -- plugins with equal PRM options get the same instance (SCOPE and Posterior-GRPO)."""
+    ``prm_protocol``, ``prm_api_key_env``, ``prm_timeout``, ``prm_max_retries``, ``prm_device``,
+    ``prm_trust_remote_code``, ``step_separator`` and ``problem_column`` -- plugins with equal PRM options get the
+    same instance (SCOPE and Posterior-GRPO)."""
     kwargs: dict[str, Any] = {"separator": o.step_separator}
     if o.prm == "programmatic":
         kwargs["problem_column"] = o.problem_column
@@ -503,7 +508,8 @@ def prm_from_options(o: Any) -> ProcessRewardModel:
         kwargs.update(model=o.prm_model, device=o.prm_device, trust_remote_code=o.prm_trust_remote_code)
     else:
         kwargs.update(model=o.prm_model, base_url=o.prm_base_url, protocol=o.prm_protocol,
-                      api_key_env=o.prm_api_key_env)
+                      api_key_env=o.prm_api_key_env, timeout=getattr(o, "prm_timeout", 60.0),
+                      max_retries=getattr(o, "prm_max_retries", 4))
     return shared_prm(o.prm, **kwargs)
 
 

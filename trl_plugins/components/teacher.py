@@ -231,9 +231,11 @@ def build_teacher(
     solution_column: str = "solution",
     separator: str = "\n\n",
     timeout: float = 120.0,
+    max_retries: int = 4,
 ) -> Teacher:
     """Build a teacher from plugin options: ``"endpoint"`` (``base_url``, ``model`` = served name), ``"hf"``
-    (``model`` = name or path) or ``"reference"`` (``solution_column``, ``separator``)."""
+    (``model`` = name or path) or ``"reference"`` (``solution_column``, ``separator``). ``timeout`` (seconds per
+    request) and ``max_retries`` (retries with backoff on 429/5xx/connection errors) apply to endpoints."""
     if kind == "reference":
         return ReferenceTeacher(solution_column, separator)
     if kind == "hf":
@@ -249,7 +251,7 @@ def build_teacher(
             if api_key_env not in os.environ:
                 raise PluginConfigError(f"The API key environment variable {api_key_env!r} is not set.")
             key = os.environ[api_key_env]
-        config = EndpointConfig(base_url=base_url, model=model, api_key=key, timeout=timeout)
+        config = EndpointConfig(base_url=base_url, model=model, api_key=key, timeout=timeout, max_retries=max_retries)
         return EndpointTeacher(config, temperature=temperature, max_tokens=max_tokens)
     raise PluginConfigError(f"Unknown teacher kind {kind!r}; allowed: 'endpoint', 'hf', 'reference'.")
 
