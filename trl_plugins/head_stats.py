@@ -409,7 +409,8 @@ class HeadStats:
         """Apply ``fn`` to the logits of each chunk of valid tokens and concatenate the results.
 
         ``fn(z, rows)`` receives ``z (n, V)``, the transformed float32 logits of valid tokens ``rows`` (a ``slice``
-        into ``0..N-1``, ``n <= chunk_size``), and returns a tensor ``(n, ...)`` or a tuple of them. The result is the
+        into ``0..N-1``, ``n <= chunk_size``; ``fn`` may modify it in place), and returns a tensor ``(n, ...)`` or a
+        tuple of them. The result is the
         concatenation over chunks, ``(N, ...)`` (or a tuple). Runs under ``torch.no_grad()``; each ``z`` is dropped
         before the next chunk, so peak memory is one chunk's logits plus ``fn``'s workspace.
         """
@@ -489,10 +490,10 @@ class HeadStats:
 
         def fn(z, rows):
             ref = z.amax(-1, keepdim=True) if mode == "minp" else torch.logsumexp(z, -1, keepdim=True)
-            keep = z >= ref + log_kappa  # (n, V)
-            lse_keep = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)
             z_lab = z.gather(-1, lab[rows, None]).squeeze(-1)
-            in_keep = keep.gather(-1, lab[rows, None]).squeeze(-1)
+            in_keep = z_lab >= ref.squeeze(-1) + log_kappa
+            # in place (z is this chunk's own block): logits + one bool mask + logsumexp's workspace
+            lse_keep = torch.logsumexp(z.masked_fill_(z < ref + log_kappa, -math.inf), dim=-1)
             return torch.where(in_keep, z_lab - lse_keep, torch.full_like(z_lab, OUT_OF_KEEP_SET))
 
         return self.to_bc(self.map_chunks(fn))
