@@ -217,6 +217,19 @@ def transform_logits(
     return z / temperature
 
 
+def transform_logits_(z: torch.Tensor, logit_scale: float = 1.0, softcap: float | None = None,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """:func:`transform_logits` in place on ``z`` (no grad; no second block of logits), returning ``z``."""
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
+    if softcap is not None:
+        cap = softcap or 1.0
+        z.div_(cap).tanh_().mul_(cap)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
 class _GatheredLogits(torch.autograd.Function):
     """Raw logits ``h[n] . W[ids[n, k]] (+ bias[ids[n, k]])`` for selected ids only, in float32.
 
@@ -305,8 +318,9 @@ class HeadStats:
         weight: ``(V, d)`` LM-head weight. bias: ``(V,)`` or ``None``.
         logit_scale, softcap, temperature: TRL's logit transform (see module docstring).
         chunk_size: valid tokens projected at once. Peak extra memory of the no-grad path is a small constant
-            number (1 to 3, depending on the statistic) of ``(chunk_size, V)`` float32 blocks plus, for the top-p
-            methods, the top-k workspace; it never grows with the number of tokens.
+            number (1.25 for the min-p proxy, about 2 for the top-p entropy; docs/benchmarks.md section 2) of
+            ``(chunk_size, V)`` float32 blocks, including the top-k workspace of the top-p methods; it never grows
+            with the number of tokens.
         vocab_tile: when ``weight`` is not float32, it is cast to float32 ``vocab_tile`` rows at a time, so no full
             float32 copy of the head is made.
 
@@ -401,7 +415,7 @@ class HeadStats:
                 torch.mm(h, W[s : s + self.vocab_tile].float().t(), out=z[:, s : s + self.vocab_tile])
         if self.bias is not None:
             z += self.bias.float()
-        return transform_logits(z, self.logit_scale, self.softcap, self.temperature)
+        return transform_logits_(z, self.logit_scale, self.softcap, self.temperature)  # z is ours: in place
 
     def map_chunks(
         self, fn: Callable[[torch.Tensor, slice], torch.Tensor | tuple[torch.Tensor, ...]]
@@ -492,8 +506,11 @@ class HeadStats:
             ref = z.amax(-1, keepdim=True) if mode == "minp" else torch.logsumexp(z, -1, keepdim=True)
             z_lab = z.gather(-1, lab[rows, None]).squeeze(-1)
             in_keep = z_lab >= ref.squeeze(-1) + log_kappa
-            # in place (z is this chunk's own block): logits + one bool mask + logsumexp's workspace
-            lse_keep = torch.logsumexp(z.masked_fill_(z < ref + log_kappa, -math.inf), dim=-1)
+            # in place (z is this chunk's own block): the logits plus one transient bool mask, no other block
+            z.masked_fill_(z < ref + log_kappa, -math.inf)
+            top = z.amax(-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # "fixed" may keep nothing: -inf
+            lse_keep = z.sub_(top).exp_().sum(-1).log_() + top.squeeze(-1)
             return torch.where(in_keep, z_lab - lse_keep, torch.full_like(z_lab, OUT_OF_KEEP_SET))
 
         return self.to_bc(self.map_chunks(fn))
