@@ -228,19 +228,23 @@ def test_missing_plugin_column_is_refused_at_construction(plugin, options, colum
     assert f"'{plugin}'" in str(err.value) and f"'{column}'" in str(err.value)
 
 
-def test_empty_rubric_list_scores_zero_and_shows_no_scaffold():
-    """Documented handling: a row without rubric items gets reward 0.0 (no positive points to earn) and its
-    generation prompt is left untouched."""
+def test_empty_rubric_list_is_refused_at_construction_or_skipped(tmp_path):
+    """Documented handling: a dataset row without rubric items is refused before training starts (default); with
+    empty_rubrics='skip' its rubric reward is None (unscored, not 0.0) and its generation prompt is untouched."""
     from trl_plugins.testing import build_stack, make_prompt_context
 
-    stack = build_stack("ruscarl", {"ruscarl": {"judge": "rule"}})
-    plugin = stack.by_name["ruscarl"]
     rows = tiny_dataset(2).to_list()
     rows[1]["rubrics"] = []
+    with pytest.raises(PluginConfigError, match=r"1 of 2 rows have no rubric items in column 'rubrics' \(first: row 1\)"):
+        make_tiny_trainer(plugins=["ruscarl"], plugin_config={"ruscarl": {"judge": "rule"}},
+                          dataset=Dataset.from_list(rows), reward_funcs=[digit_fraction_reward],
+                          output_dir=str(tmp_path), log_level="error")
+    stack = build_stack("ruscarl", {"ruscarl": {"judge": "rule", "empty_rubrics": "skip"}})
+    plugin = stack.by_name["ruscarl"]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     completions = ["Answer: 1", rows[1]["solution"]]
     scores = plugin.score([r["prompt"] for r in rows], completions, columns)
-    assert scores[1] == 0.0
+    assert scores[0] is not None and scores[1] is None
     ctx = make_prompt_context([rows[1]] * 2, num_generations=2)
     stack.call("trl_plugins_generation_prompts", ctx)
     assert ctx.generation_prompts == ctx.prompts and ctx.annotations[0]["rubric_items"] == 0
