@@ -137,6 +137,8 @@ def load_model(cache_dir: str | Path | None = None, untrained: bool = False):
 
 def base_config_fields(output_dir: str, seed: int = 0, **overrides: Any) -> dict:
     """GRPOConfig fields of the demo's GRPO run (DemoSettings), quiet and checkpoint-free."""
+    from trl_plugins.config import checkpointing_off
+
     s = demo_settings()
     fields = dict(
         output_dir=output_dir,
@@ -152,7 +154,7 @@ def base_config_fields(output_dir: str, seed: int = 0, **overrides: Any) -> dict
         report_to="none",
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        **checkpointing_off(),
         seed=seed,
         lr_scheduler_type="constant",
         disable_tqdm=True,

@@ -90,3 +90,17 @@ class PluginGRPOConfig(GRPOConfig):
         from .manager import build_plugins
 
         build_plugins(self.plugins, self.plugin_config)  # fail now, not at step 500
+
+
+def checkpointing_off() -> dict[str, bool]:
+    """Config fields that switch activation checkpointing off without transformers' deprecation warning.
+
+    TRL's ``GRPOConfig`` defaults ``gradient_checkpointing=True``; transformers 5 renamed the field
+    ``activation_checkpointing`` and warns whenever only the old name is set. Returns the field the installed
+    transformers knows.
+    """
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    key = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+    return {key: False}

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .config import PluginGRPOConfig
+    from .config import PluginGRPOConfig, checkpointing_off
     from .tasks.arithmetic import accuracy_reward, make_dataset
     from .tasks.tiny import DemoSettings, demo_model, evaluate_accuracy
     from .trainer import PluginGRPOTrainer
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         report_to="none",
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
+        **checkpointing_off(),
         seed=args.seed,
         lr_scheduler_type="constant",
     )

@@ -88,7 +88,7 @@ def default_reward_funcs() -> list[Callable]:
 
 def tiny_config(output_dir: str | None = None, config_cls=None, **overrides):
     """A ``PluginGRPOConfig`` sized for seconds-long CPU runs; ``overrides`` set any field."""
-    from .config import PluginGRPOConfig
+    from .config import PluginGRPOConfig, checkpointing_off
 
     config_cls = config_cls or PluginGRPOConfig
     values = dict(
@@ -105,7 +105,7 @@ def tiny_config(output_dir: str | None = None, config_cls=None, **overrides):
         seed=0,
         temperature=1.0,
         save_strategy="no",
-        gradient_checkpointing=False,
+        **checkpointing_off(),
         disable_tqdm=True,
     )
     values.update(overrides)
