@@ -1,0 +1,63 @@
+"""trl_plugins.rollouts: collective helpers for sampling plugins, on simulated processes (threads with a working
+all-gather, ``trl_plugins.testing.run_on_processes``)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trl_plugins.errors import PluginConfigError, PluginError
+from trl_plugins.rollouts import fail_together, gather_floats, gather_id_lists, run_together
+from trl_plugins.testing import run_on_processes
+
+
+def _ctx(gather):
+    return SimpleNamespace(gather=gather)  # no trainer: collectives run on CPU
+
+
+def _outcome(fn):
+    """Run ``fn(ctx, rank)`` on 2 processes; per rank, its result or the exception it raised."""
+
+    def work(rank, gather):
+        try:
+            return fn(_ctx(gather), rank)
+        except Exception as exc:  # returned, so every rank's outcome can be checked
+            return exc
+
+    return run_on_processes(2, work, timeout=10)
+
+
+def test_run_together_returns_each_process_result_when_none_fails():
+    assert _outcome(lambda ctx, rank: run_together(ctx, "probe", lambda: rank * 10)) == [0, 10]
+
+
+def test_a_failure_on_one_process_stops_both_without_a_hang():
+    def fn(ctx, rank):
+        def step():
+            if rank == 1:
+                raise PluginConfigError("row 3 has no reference solution")
+            return "ok"
+
+        result = run_together(ctx, "probe", step)
+        ctx.gather(torch.zeros(1))  # the next collective: must never be reached by one rank alone
+        return result
+
+    first, second = _outcome(fn)
+    assert isinstance(second, PluginConfigError) and "row 3" in str(second)
+    assert isinstance(first, PluginError) and "probe: process 1 failed" in str(first)
+
+
+def test_fail_together_with_errors_on_both_processes_raises_each_its_own():
+    errors = [ValueError("a"), KeyError("b")]
+    outcome = _outcome(lambda ctx, rank: fail_together(ctx, "probe", errors[rank]))
+    assert outcome == errors
+
+
+@pytest.mark.parametrize("fill", [float("nan"), -1.0])
+def test_gather_helpers_concatenate_in_rank_order(fill):
+    lists = [[[1, 2], []], [[3], [4, 5, 6]]]
+    out = _outcome(lambda ctx, rank: gather_id_lists(ctx, lists[rank]))
+    assert out[0] == out[1] == [[1, 2], [], [3], [4, 5, 6]]
+    floats = _outcome(lambda ctx, rank: gather_floats(ctx, [None, 0.5 + rank], fill=fill))
+    for got in floats:  # None becomes ``fill``
+        torch.testing.assert_close(got, torch.tensor([fill, 0.5, fill, 1.5]), equal_nan=True)
