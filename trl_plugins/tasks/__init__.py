@@ -8,30 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arithmetic import (
-    LEVELS,
-    OPERATORS,
-    LevelSpec,
-    Problem,
-    Step,
-    accuracy_reward,
-    apply_op,
-    completion_text,
-    extract_answer,
-    feedback,
-    first_error_step,
-    hint,
-    in_split,
-    make_dataset,
-    make_problem,
-    make_rubrics,
-    parse_step,
-    rubric_score,
-    rubric_verdict,
-    split_steps,
-    step_scores,
-    verify,
-)
+from . import arithmetic as _arithmetic
+from .arithmetic import *  # noqa: F403 -- exactly the names of arithmetic.__all__
 
 _TINY_NAMES = (
     "CHAT_TEMPLATE",
@@ -47,31 +25,7 @@ _TINY_NAMES = (
     "warm_start",
 )
 
-__all__ = [
-    "LEVELS",
-    "OPERATORS",
-    "LevelSpec",
-    "Problem",
-    "Step",
-    "accuracy_reward",
-    "apply_op",
-    "completion_text",
-    "extract_answer",
-    "feedback",
-    "first_error_step",
-    "hint",
-    "in_split",
-    "make_dataset",
-    "make_problem",
-    "make_rubrics",
-    "parse_step",
-    "rubric_score",
-    "rubric_verdict",
-    "split_steps",
-    "step_scores",
-    "verify",
-    *_TINY_NAMES,
-]
+__all__ = [*_arithmetic.__all__, *_TINY_NAMES]
 
 
 def __getattr__(name: str) -> Any:
