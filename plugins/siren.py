@@ -24,9 +24,9 @@ in ``ray_trainer.py``; restated, not copied):
    result is not invariant to gradient accumulation (as in the original).
 
 Defaults (``exp_scripts/siren.sh``): top_p = 0.8, quantile = 0.8, coef = ``entropy_coeff`` = 0.005. The official
-code considers the top 10000 candidates; ``k_max`` = 2048 caps them here for memory (the peak extra memory of
-the gradient path is ``N_tokens * k_max`` floats), which only matters when a 0.8-nucleus has more than 2048
-tokens. Recommended PG settings of the paper: ``loss_type="dr_grpo"``, ``scale_rewards="none"``, symmetric clip
+code considers the top 10000 candidates; ``k_max`` = 2048 caps them here for memory (the gradient path keeps
+``N_tokens * K`` floats, ``K`` = the widest nucleus of the batch, at most ``k_max``), which only matters when a
+0.8-nucleus has more than 2048 tokens. Recommended PG settings of the paper: ``loss_type="dr_grpo"``, ``scale_rewards="none"``, symmetric clip
 0.28. TRL's ``entropy_coef`` (a global bonus) and ``top_entropy_quantile`` (a global mask on the PG loss, a
 different thing) must stay off. ``coef = 0`` is exactly TRL's loss.
 
@@ -56,7 +56,7 @@ class SirenOptions(PluginOptions):
     )
     k_max: int = option(
         2048, min=1,
-        help="Most likely candidates the nucleus is chosen from (official: 10000); memory N_tokens * k_max.",
+        help="Most likely candidates the nucleus is chosen from (official: 10000); memory at most N_tokens * k_max.",
         reconstructed=True,
     )
     anchor: float | None = option(
