@@ -15,6 +15,7 @@ from trl import GRPOTrainer
 from trl_plugins import Completion, Plugin, PluginConfigError, RolloutContext, build_plugins, hookimpl
 from trl_plugins.contexts import group_layout
 from trl_plugins.testing import (
+    SimulatedCollective,
     assert_runs_equal,
     digit_fraction_reward,
     make_tiny_trainer,
@@ -181,22 +182,9 @@ def test_indivisible_group_is_refused():
         run(make_ctx([_ids("a")] * 6, 6))
 
 
-class _Collective:
-    def __init__(self, world):
-        self.slots = [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
-
-    def gather(self, rank, tensor):
-        self.slots[rank] = tensor
-        self.barrier.wait()
-        out = torch.cat(self.slots)
-        self.barrier.wait()
-        return out
-
-
 def test_group_straddling_two_processes():
     """G = 4 over 2 processes of 2 rows: the original lives on rank 0, two of its branches on rank 1."""
-    coll = _Collective(2)
+    coll = SimulatedCollective(2)
     comps = [[_ids("5+5=10"), _ids("aa")], [_ids("bb"), _ids("cc")]]
     ctxs = [make_ctx(comps[r], 4, process_index=r, entropy_fn=peak_at(2), gatherer=lambda t, r=r: coll.gather(r, t))
             for r in range(2)]

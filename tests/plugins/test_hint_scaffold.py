@@ -11,7 +11,7 @@ import torch
 
 from trl_plugins import Completion, PluginConfigError, RolloutContext, build_plugins
 from trl_plugins.contexts import group_layout
-from trl_plugins.testing import make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins.testing import SimulatedCollective, make_tiny_trainer, record_run, tiny_dataset
 from trl_plugins_builtin.hint_scaffold import DEFAULT_TEMPLATE, hint_text, hinted_prompt
 
 SOLUTION = "ABCDEFGH"  # 25 % -> "AB", 50 % -> "ABCD", 75 % -> "ABCDEF"
@@ -336,25 +336,10 @@ def test_option_validation():
 
 
 # ------------------------------------------------------------------------------------------ two processes
-class _Collective:
-    """All-gather across threads standing for processes (a barrier timeout turns a deadlock into an error)."""
-
-    def __init__(self, world):
-        self.slots = [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
-
-    def gather(self, rank, tensor):
-        self.slots[rank] = tensor
-        self.barrier.wait()
-        out = torch.cat(self.slots)
-        self.barrier.wait()
-        return out
-
-
 @pytest.mark.parametrize("replace", ["group", "one"])
 def test_two_processes_issue_the_same_generation_calls(replace):
     """Rank 0 holds a group with a success, rank 1 an all-fail group: both call the service once per level."""
-    coll = _Collective(2)
+    coll = SimulatedCollective(2)
     services = [ScriptedService(need={"Q1": 4}), ScriptedService(need={"Q1": 4})]
     groups = [[["OK", "no"]], [["no", "no"]]]
     ctxs = [make_ctx(groups[r], 2, service=services[r], process_index=r,

@@ -17,7 +17,9 @@ from trl import GRPOTrainer
 from trl_plugins import AdvantageContext, Completion, LossContext, PluginConfigError, RolloutContext, build_plugins
 from trl_plugins.contexts import group_layout
 from trl_plugins.tasks.arithmetic import Problem
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_tokenizer
+from trl_plugins.testing import (
+    SimulatedCollective, assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_tokenizer,
+)
 from trl_plugins_builtin.r3l import (
     GUIDANCE_HEADER,
     PIVOT_KEY,
@@ -230,23 +232,10 @@ def test_no_retry_slots_means_no_calls():
     assert service.calls == [] and not ctx.changed and ctx.annotations == [{}, {}]
 
 
-class _Collective:
-    def __init__(self, world):
-        self.slots = [None] * world
-        self.barrier = threading.Barrier(world, timeout=20)
-
-    def gather(self, rank, tensor):
-        self.slots[rank] = tensor
-        self.barrier.wait()
-        out = torch.cat(self.slots)
-        self.barrier.wait()
-        return out
-
-
 @pytest.mark.parametrize("source", ["task_feedback", "policy"])
 def test_two_processes_same_calls_and_pairs_across_processes(source):
     """G = 4 over 2 processes: first attempts on rank 0, their retry slots on rank 1."""
-    coll = _Collective(2)
+    coll = SimulatedCollective(2)
     valid = json.dumps(_report("failure", improvement_suggestion="x", retry_from_step=1))
     services = [ScriptedService(), ScriptedService(reflections=[valid, valid])]
     texts = [[WRONG, WRONG], ["a", "b"]]

@@ -19,7 +19,9 @@ from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, arithmetic_
 from trl_plugins.components.teacher import ReferenceTeacher
 from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
-from trl_plugins.testing import assert_runs_equal, make_tiny_trainer, record_run, tiny_model, tiny_tokenizer
+from trl_plugins.testing import (
+    SimulatedCollective, assert_runs_equal, make_tiny_trainer, record_run, tiny_model, tiny_tokenizer,
+)
 
 TOK = tiny_tokenizer()
 EOS = TOK.eos_token_id
@@ -225,20 +227,6 @@ class ReferenceService(ScriptedService):
         return out
 
 
-class _Collective:
-    """All-gather across threads standing for processes."""
-
-    def __init__(self, world):
-        self.slots, self.barrier = [None] * world, threading.Barrier(world, timeout=20)
-
-    def gather(self, rank, tensor):
-        self.slots[rank] = tensor
-        self.barrier.wait()
-        out = torch.cat(self.slots)
-        self.barrier.wait()
-        return out
-
-
 def _two_process_contexts(texts, services, coll):
     """One group of G = 4 split over two processes: rows 0,1 on rank 0 and rows 2,3 on rank 1."""
     ctxs = []
@@ -272,7 +260,7 @@ def _run_threads(ctxs, **options):
 def test_two_processes_choose_per_group_on_gathered_data():
     """A group split over two processes: each holds one repairable row; only the longer prefix is repaired, on
     whichever process holds it, and both processes make the same collective calls."""
-    coll = _Collective(2)
+    coll = SimulatedCollective(2)
     services = [ReferenceService(), ReferenceService()]
     ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], services, coll)
     assert _run_threads(ctxs, mode="teacher_step", teacher="hf") == [None, None]
@@ -285,7 +273,7 @@ def test_two_processes_choose_per_group_on_gathered_data():
 def test_missing_solution_on_one_process_stops_every_process(mode):
     """Rank 1's repairable row has no reference solution: rank 1 raises the config error and rank 0 raises too
     (naming process 1) instead of waiting in the next collective forever."""
-    coll = _Collective(2)
+    coll = SimulatedCollective(2)
     ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], [ReferenceService(), ReferenceService()], coll)
     ctxs[1].rows[0] = {**ctxs[1].rows[0], "solution": ""}
     errors = _run_threads(ctxs, mode=mode, teacher="hf")
