@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.answers import completion_text
 
 
 @dataclass
@@ -428,7 +429,7 @@ class AdaptiveSamplerPlugin(Plugin):
         accuracy = correct.mean(dim=1).tolist()
         diversity: list[float | None] = [None] * len(chunk)
         if o.diversity_weight > 0:
-            texts = ctx.gather_object([_text(c) for c in ctx.local_completions])  # collective
+            texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])  # collective
             diversity = [
                 (len(set(texts[j * G:(j + 1) * G])) - 1) / max(G - 1, 1) for j in range(len(chunk))
             ]
@@ -466,7 +467,3 @@ class AdaptiveSamplerPlugin(Plugin):
                 "or a custom dataloader changed the order, or train() was called again on the same trainer: build "
                 "a new trainer for a new run)."
             )
-
-
-def _text(completion: Any) -> str:
-    return completion if isinstance(completion, str) else completion[-1]["content"]

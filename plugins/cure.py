@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.answers import completion_text
 from trl_plugins.rollouts import context_device, gather_id_lists
 
 
@@ -221,11 +222,4 @@ def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) 
     """Decoded text of each token on its own (special tokens kept, as the official check decodes them)."""
     if tokenizer is not None:
         return [tokenizer.decode([int(t)]) for t in ids]
-    return [_text(ctx.decode([int(t)], row)) for t in ids]
-
-
-def _text(completion: Any) -> str:
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
-
+    return [completion_text(ctx.decode([int(t)], row)) for t in ids]

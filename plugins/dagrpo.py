@@ -70,6 +70,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.answers import completion_text
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 
@@ -232,15 +233,6 @@ def anchor_slots(success: torch.Tensor, min_positives: int, anchor_index: int) -
     return slots
 
 
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
-    return content if isinstance(content, str) else ""
-
-
 def _tokenizer_of(trainer: Any) -> Any:
     processing_class = trainer.processing_class
     return getattr(processing_class, "tokenizer", processing_class)
@@ -328,7 +320,7 @@ class DaGRPOPlugin(Plugin):
                     raise PluginConfigError(
                         f"dagrpo: scorer='prm' needs the problem JSON in column {o.problem_column!r}; got {problem!r}."
                     )
-                local.append(prm_score(problem, _text(completion)))
+                local.append(prm_score(problem, completion_text(completion)))
             scores = torch.tensor(ctx.gather_object(local), dtype=torch.float64)
             self._pending = {"scores": scores}
         elif o.scorer == "similarity":
@@ -336,7 +328,7 @@ class DaGRPOPlugin(Plugin):
             if local_ids is not None:  # the generated token ids
                 tokens = ctx.gather_object([list(ids) for ids in local_ids])
             else:  # the completion text, re-tokenized (characters without a trainer)
-                texts = ctx.gather_object([_text(c) for c in ctx.local_completions])
+                texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
                 encode = (lambda t: _encode(ctx.trainer, t)) if ctx.trainer is not None else list
                 tokens = [encode(t) for t in texts]
             self._pending = {"distinctiveness": similarity_distinctiveness(tokens, ctx.num_generations,

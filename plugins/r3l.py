@@ -73,7 +73,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.rollouts import context_device, gather_id_lists
+from trl_plugins.answers import completion_text
+from trl_plugins.rollouts import gather_id_lists
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"
@@ -342,7 +343,7 @@ class R3LPlugin(Plugin):
 
         tokenizer = _tokenizer(ctx)
         firsts = {i: all_ids[pairs[i]] for i in slots}
-        first_texts = {i: _text(ctx.decode(firsts[i], i)) for i in slots}
+        first_texts = {i: completion_text(ctx.decode(firsts[i], i)) for i in slots}
         steps = {i: split_lines_as_steps(first_texts[i]) for i in slots}
 
         # 1. reflection reports (one collective generation call when the policy writes them)
@@ -483,10 +484,6 @@ def _question(prompt: Any) -> str:
     return ""
 
 
-def _text(completion: Any) -> str:
-    return completion if isinstance(completion, str) else completion[-1]["content"]
-
-
 def _tokenizer(ctx: RolloutContext) -> Any:
     trainer = ctx.trainer
     if trainer is None:
@@ -498,6 +495,4 @@ def _tokenizer(ctx: RolloutContext) -> Any:
 def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) -> list[str]:
     if tokenizer is not None:
         return [tokenizer.decode([int(t)]) for t in ids]
-    return [_text(ctx.decode([int(t)], row)) for t in ids]
-
-
+    return [completion_text(ctx.decode([int(t)], row)) for t in ids]

@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import tempfile

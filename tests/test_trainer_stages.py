@@ -8,7 +8,7 @@ import torch
 import trl
 
 from trl_plugins import GenerationBudgetExceeded, Plugin, PluginConfigError, PluginError, hookimpl
-from trl_plugins.contexts import EXTRA_PREFIX, OFFPOLICY_KEY
+from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, temporary_plugin
 
 G = 4

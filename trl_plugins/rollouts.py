@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .answers import completion_text
+
 __all__ = [
     "check_offpolicy_gamma", "completion_text", "context_device", "fail_together", "gather_floats", "gather_id_lists",
     "run_together",
@@ -102,13 +104,3 @@ def run_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs: Any) -> A
         raise  # unreachable: fail_together re-raises exc
     fail_together(ctx, plugin, None)
     return result
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a TRL completion: a string, or the content of the last message of a list."""
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
-    return content if isinstance(content, str) else ""

@@ -68,8 +68,10 @@ def test_endpoint_teacher_continuation_and_chat_over_loopback():
         t.close()
     assert out == ["7*2=14\n14-5=9\nAnswer: 9", "14-5=9\nAnswer: 9"]
     assert one == ["7*2=14"] and answers == ["critique: x"]
-    assert seen[0]["model"] == "teacher" and seen[0]["max_tokens"] == 77 and seen[0]["temperature"] == 0.0
-    assert seen[0]["messages"] == continuation_messages(PROMPT, "3+4=7\n")
+    first_two = seen[:2]  # sent concurrently: their arrival order is not fixed
+    assert all(p["model"] == "teacher" and p["max_tokens"] == 77 and p["temperature"] == 0.0 for p in first_two)
+    assert continuation_messages(PROMPT, "3+4=7\n") in [p["messages"] for p in first_two]
+    assert continuation_messages(PROMPT, "3+4=7\n7*2=14\n") in [p["messages"] for p in first_two]
     assert seen[2]["stop"] == ["\n"] and seen[2]["max_tokens"] == 5
     assert "continue_final_message" not in seen[3]
 

@@ -48,6 +48,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..answers import completion_text
 from ..errors import PluginConfigError
 from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
 from .steps import StepSpan, first_error, question_text, split_steps
@@ -81,15 +82,6 @@ CHAT_PRM_INSTRUCTIONS = (
 )
 
 
-def _completion_text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
-    return content if isinstance(content, str) else ""
-
-
 def _question(row: Any) -> str:
     if isinstance(row, str):
         return row
@@ -113,7 +105,7 @@ class ProcessRewardModel:
 
     def steps(self, completion: Any) -> list[StepSpan]:
         """The steps of a completion (string or assistant-message list) as this PRM sees them."""
-        return split_steps(_completion_text(completion), self.separator)
+        return split_steps(completion_text(completion), self.separator)
 
     def score_steps(self, rows: Sequence[Any], completions: Sequence[Any]) -> list[list[float]]:
         """One score in [0, 1] per step of each completion (batched; ``len(rows) == len(completions)``)."""

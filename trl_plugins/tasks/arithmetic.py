@@ -51,6 +51,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..answers import completion_text  # re-exported: the bundled reward functions read it
+
 __all__ = [
     "LEVELS",
     "OPERATORS",
@@ -375,16 +377,6 @@ def verify(text: str, answer: int | str) -> bool:
     """Exact verifier: the first ``Answer:`` line of ``text`` states ``answer``."""
     got = extract_answer(text)
     return got is not None and got == int(answer)
-
-
-def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
-    """The text of a TRL completion: a string, or the content of the last message of a list."""
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
-    return content if isinstance(content, str) else ""
 
 
 def accuracy_reward(completions: Sequence[Any], answer: Sequence[int | str], **kwargs: Any) -> list[float]:
