@@ -17,7 +17,7 @@ upstream verl's ``kl_cov_ratio`` defaults to 2e-4), beta_kl = 1 (official recipe
 **On-policy subtlety.** ``d|x|/dx`` at exactly ``x = 0`` is 0 in torch. When TRL skips ``old_per_token_logps``
 (``num_iterations = 1`` and one optimizer step per generation batch) ``lp_old = sg(lp)``: the penalty is 0 in
 value and gradient, and since ``r = 1`` the unclipped ``-A r`` equals TRL's clipped surrogate, so KL-Cov is then
-exactly vanilla GRPO (a test checks it). In verl ``lp_old`` comes from a separate forward, so ``lp - lp_old`` is
+exactly vanilla GRPO (a test checks it; configure warns). In verl ``lp_old`` comes from a separate forward, so ``lp - lp_old`` is
 tiny but non-zero and the gradient is ``+-beta_kl``. The penalty bites when the policy moves between rollout and
 update (``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``).
 
@@ -32,11 +32,13 @@ the surrogate, so no other surrogate-replacing plugin can be stacked with it.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.loss import policy_moves_before_loss
 
 from .clip_cov import (
     ENTROPY_PICK_ONE,
@@ -122,6 +124,15 @@ class KlCovPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         check_entropy_and_loss_type(self.name, args)
+        iterations = getattr(trainer, "num_iterations", getattr(args, "num_iterations", 1))
+        if self.options.beta_kl > 0 and not policy_moves_before_loss(args, iterations):
+            warnings.warn(
+                "kl_cov: with num_iterations=1 and one optimizer step per generation batch the policy never moves "
+                "between rollout and update (lp_old = lp), so the |lp - lp_old| penalty is zero and KL-Cov trains "
+                "exactly like vanilla GRPO; use num_iterations > 1 or steps_per_generation > "
+                "gradient_accumulation_steps (the paper: 256-prompt rollout batches in mini-batches of 32, 8 updates).",
+                stacklevel=2,
+            )
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):

@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 from trl_plugins import LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.loss import policy_moves_before_loss
 
 LIKELIHOOD_PICK_ONE = (
     "both protect the likelihood of tokens in good responses (pick one, catalog section 3.5; LLDS is preferable "
@@ -108,8 +109,7 @@ class LldsPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        generate_every = args.steps_per_generation * trainer.num_iterations
-        if args.gradient_accumulation_steps % generate_every == 0 and self.options.lam > 0:
+        if not policy_moves_before_loss(args, trainer.num_iterations) and self.options.lam > 0:
             warnings.warn(
                 "llds: with num_iterations=1 and one optimizer step per generation batch the policy never moves "
                 "between rollout and update (lp_old = lp), so LLDS never activates; use num_iterations > 1 or "

@@ -29,6 +29,18 @@ from .errors import IncompatiblePluginsError
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
 
 
+def policy_moves_before_loss(args: Any, num_iterations: int | None = None) -> bool:
+    """Whether the policy is updated between a generation batch's rollout and some of its loss computations.
+
+    TRL computes ``old_per_token_logps`` only then (``gradient_accumulation_steps`` not a multiple of
+    ``steps_per_generation * num_iterations``); otherwise ``lp_old = sg(lp)`` at the loss, ratios are 1, and
+    terms built on ``lp - lp_old`` (KL-Cov's penalty, LLDS's likelihood-drop gate) are exactly zero.
+    """
+    iterations = num_iterations if num_iterations is not None else getattr(args, "num_iterations", 1)
+    generate_every = getattr(args, "steps_per_generation", 1) * iterations
+    return args.gradient_accumulation_steps % generate_every != 0
+
+
 def check_loss_type(loss_type: str) -> None:
     """Refuse loss types the plugin loss path does not implement (at construction)."""
     if loss_type not in SUPPORTED_LOSS_TYPES:

@@ -3,6 +3,7 @@ the top-k of the manual covariance, the KL term vanishes when lp == lp_old, the 
 -A r + beta_kl sign(lp - lp_old); the generation-batch scope; the on-policy subtlety end to end."""
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -182,6 +183,18 @@ def test_configure_and_conflicts():
         build_plugins(["kl_cov"], {"kl_cov": {"beta_kl": -1.0}})
 
 
+@pytest.mark.parametrize("num_iterations, steps_per_generation, warns", [(1, 2, True), (2, 2, False), (1, 4, False)])
+def test_configure_warns_when_the_policy_cannot_move(num_iterations, steps_per_generation, warns):
+    """With lp_old = lp at every loss (one update per generation batch) the penalty is zero: say so."""
+    args = SimpleNamespace(entropy_coef=0.0, loss_type="dapo", gradient_accumulation_steps=2,
+                           steps_per_generation=steps_per_generation)
+    trainer = SimpleNamespace(num_iterations=num_iterations)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build_plugins(["kl_cov"]).call("trl_plugins_configure", trainer=trainer, args=args)
+    assert any("penalty is zero" in str(w.message) for w in caught) == warns
+
+
 # ------------------------------------------------------------------------------------------ end to end (tiny model)
 def _trainer(tmp_path, name, **config):
     return make_tiny_trainer(reward_funcs=[digit_fraction_reward], max_steps=2, output_dir=str(tmp_path / name),
@@ -193,7 +206,9 @@ def test_on_policy_end_to_end_is_vanilla(tmp_path):
     its defaults equals TRL's clipped GRPO exactly."""
     from trl import GRPOTrainer
 
-    run = record_run(_trainer(tmp_path, "a", plugins=["kl_cov"], plugin_config={"kl_cov": {"ratio": 0.5}}))
+    with pytest.warns(UserWarning, match="penalty is zero"):  # the user is told the run is vanilla GRPO
+        trainer = _trainer(tmp_path, "a", plugins=["kl_cov"], plugin_config={"kl_cov": {"ratio": 0.5}})
+    run = record_run(trainer)
     vanilla = record_run(_trainer(tmp_path, "b", trainer_cls=GRPOTrainer))
     assert_runs_equal(run, vanilla)
     assert all(log["plugins/kl_cov/selected_token_fraction"] > 0 for log in run.logs if "loss" in log)
