@@ -35,7 +35,9 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, completion_text, context_device, gather_id_lists
+from trl_plugins.rollouts import (
+    check_offpolicy_gamma, completion_text, context_device, gather_id_lists, run_together,
+)
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (
@@ -174,7 +176,8 @@ class CritiqueGrpoPlugin(Plugin):
         correct = (initial > o.success_threshold).tolist()
         rows = [i for i in range(B) if o.refine == "all" or not correct[i]]
         texts = [completion_text(ctx.completions[i]) for i in rows]
-        critiques = self._critiques(ctx, rows, texts, [correct[i] for i in rows])
+        # collective: a critic failure on one process (endpoint down, timeout) stops every process together
+        critiques = run_together(ctx, self.name, self._critiques, ctx, rows, texts, [correct[i] for i in rows])
         prompts = [
             refinement_prompt(ctx.prompts[i], text, critique, o.refinement_template, o.refinement_system_prompt)
             for i, text, critique in zip(rows, texts, critiques)

@@ -57,7 +57,7 @@ from trl_plugins import (
 )
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists
+from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists, run_together
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -345,7 +345,8 @@ class FbosRlPlugin(Plugin):
         fap_rows = [i for i in round2 if i in sources]
         texts = [tok.decode(attempts[sources[i]], skip_special_tokens=True) for i in fap_rows]
         correct = [bool(r1[sources[i]] > o.success_threshold) for i in fap_rows]
-        feedbacks = self._feedback(ctx, fap_rows, texts, correct)
+        # collective: a judge failure or a row without its problem column on one process stops every process
+        feedbacks = run_together(ctx, self.name, self._feedback, ctx, fap_rows, texts, correct)
         faps = {
             i: feedback_prompt(ctx.prompts[i], text, fb, o.fap_format, o.revise_instruction, o.single_turn_template)
             for i, text, fb in zip(fap_rows, texts, feedbacks)

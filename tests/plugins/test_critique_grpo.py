@@ -208,3 +208,30 @@ def test_neutral_setting_reduces_to_vanilla_grpo(tmp_path):
     neutral = record_run(make_tiny_trainer(plugins=["critique_grpo"],
                                            plugin_config={"critique_grpo": {"warmup_steps": 10}}, **common))
     assert_runs_equal(vanilla, neutral)
+
+
+class _FailingCritic:
+    def chat(self, conversations):
+        raise RuntimeError("critic endpoint timed out")
+
+
+def test_a_critic_failing_on_one_process_stops_both():
+    """G = 4 over 2 processes: only rank 1 holds wrong responses, so only its critic call fails; rank 0 must not
+    wait in the refinement collective alone."""
+    from trl_plugins import PluginError
+    from trl_plugins.testing import run_on_processes
+
+    def work(rank, gather):
+        texts = [PROBLEM.solution, PROBLEM.solution] if rank == 0 else [WRONG, WRONG]
+        ctx = make_ctx(texts, 4, ScriptedService([PROBLEM.solution] * 2))
+        ctx.global_index, ctx.group_ids, ctx.index_in_group = group_layout(rank, 2, 4)
+        ctx._gatherer = gather
+        try:
+            run(ctx, critic=_FailingCritic(), critique_type="text", critic_base_url="http://127.0.0.1:9/v1")
+        except Exception as exc:  # returned: both ranks' outcomes are checked
+            return exc
+        return None
+
+    first, second = run_on_processes(2, work, timeout=10)
+    assert isinstance(second, RuntimeError) and "timed out" in str(second)
+    assert isinstance(first, PluginError) and "critique_grpo: process 1 failed" in str(first)
