@@ -11,7 +11,7 @@ from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record
 # Options that make each plugin act on the untrained tiny model within one optimizer step.
 STACKS = {
     "clip_cov": ({"lb": 0.0, "ratio": 0.1}, {}, "clipped_token_fraction"),
-    "kl_cov": ({"ratio": 0.2}, {}, "selected_token_fraction"),
+    "kl_cov": ({"ratio": 0.2}, {"steps_per_generation": 2}, "selected_token_fraction"),  # policy moves: penalty acts
     "gtpo": ({"entropy_threshold": None}, {}, "conflict_token_fraction"),  # the tiny model's entropy is ~4.6
     "llds": ({}, {"steps_per_generation": 2}, "gated_token_fraction"),
     "siren": ({"coef": 1.0}, {"scale_rewards": "none"}, "topp_entropy"),
