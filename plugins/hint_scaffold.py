@@ -30,7 +30,6 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
-from trl_plugins.rollouts import context_device
 
 DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"
 
@@ -137,7 +136,7 @@ class HintScaffoldPlugin(Plugin):
                 ]
             prompts = [self._hinted(ctx, i, level) for i in rows]
             completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none
-            extra += len(completions)
+            extra += len(open_groups) * (G if o.replace == "group" else 1)  # all processes: open_groups is global
             new_scores = ctx.score(rows, [self._as_completion(ctx, i, c) for i, c in zip(rows, completions)])
             marks = torch.full_like(local_scores, -math.inf)
             if rows:
@@ -151,8 +150,7 @@ class HintScaffoldPlugin(Plugin):
             if not (failing - rescued):
                 break
         ctx.log_metric("rescued_group_fraction", len(rescued) / success.size(0))
-        device = context_device(ctx)
-        ctx.log_metric("extra_rollouts", float(ctx.gather(torch.tensor([extra], device=device)).sum()))  # all processes
+        ctx.log_metric("extra_rollouts", extra)
 
     def _check_solutions(self, ctx: RolloutContext, failing: set[int]) -> None:
         """Every process raises together when a row to hint has no solution (no process left in a collective)."""

@@ -124,8 +124,7 @@ class KlCovPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         check_entropy_and_loss_type(self.name, args)
-        iterations = getattr(trainer, "num_iterations", getattr(args, "num_iterations", 1))
-        if self.options.beta_kl > 0 and not policy_moves_before_loss(args, iterations):
+        if self.options.beta_kl > 0 and not policy_moves_before_loss(args, getattr(trainer, "num_iterations", None)):
             warnings.warn(
                 "kl_cov: with num_iterations=1 and one optimizer step per generation batch the policy never moves "
                 "between rollout and update (lp_old = lp), so the |lp - lp_old| penalty is zero and KL-Cov trains "

@@ -32,18 +32,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.components.prm import prm_from_options
+from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.rollouts import completion_text
 
 COLUMN = "posterior_process"
 
 
 @dataclass
-class PosteriorGrpoOptions(PluginOptions):
+class PosteriorGrpoOptions(PRMOptions):
+    plugin_name: ClassVar[str] = "posterior_grpo"
+
     mode: Literal["posterior", "trust"] = option(
         "posterior", help="posterior: process reward only for correct outcomes (P-GRPO); trust: Trust-GRPO "
         "(SophiaVL-R1) trust-weighted, annealed process reward for every rollout."
@@ -65,25 +67,9 @@ class PosteriorGrpoOptions(PluginOptions):
         None, min=0.0, min_exclusive=True, reconstructed=True,
         help="T of the annealing (None: the run's max_steps).",
     )
-    prm: Literal["hf", "endpoint", "programmatic"] = option(
-        "hf", reconstructed=True, help="PRM (as in scope): HF model, endpoint, or the bundled programmatic verifier."
-    )
-    prm_model: str = option("Qwen/Qwen2.5-Math-PRM-7B", reconstructed=True, help="PRM name/path, or served name.")
-    prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint').")
-    prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
-    prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
-    prm_timeout: float = option(
-        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
-    )
-    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
-    prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
-    prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code.")
     step_separator: str | None = option(None, help="Step separator (None: the PRM's convention).")
     problem_column: str = option("problem", help="Dataset column read by the programmatic PRM.")
 
-    def validate(self) -> None:
-        if self.prm == "endpoint" and not self.prm_base_url:
-            raise PluginConfigError("Plugin 'posterior_grpo' with prm='endpoint' needs prm_base_url.")
 
 
 def aggregate_scores(scores: list[float], how: str) -> float:

@@ -42,25 +42,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from trl_plugins import (
     Plugin,
     PluginConfigError,
-    PluginOptions,
     RolloutContext,
     hookimpl,
     option,
 )
-from trl_plugins.components.prm import prm_from_options
+from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
 from trl_plugins.rollouts import check_offpolicy_gamma, context_device, run_together
 
 
 @dataclass
-class ScopeOptions(PluginOptions):
+class ScopeOptions(PRMOptions):
+    plugin_name: ClassVar[str] = "scope"
+
     mode: Literal["teacher_suffix", "teacher_step", "reference_suffix"] = option(
         "teacher_suffix", reconstructed=True,
         help="Rectification: the teacher continues to the end (teacher_suffix), writes only the wrong step and the "
@@ -82,21 +83,6 @@ class ScopeOptions(PluginOptions):
     teacher_max_tokens: int | None = option(
         None, min=1, help="Longest correction in tokens (None: the run's max_completion_length)."
     )
-    prm: Literal["hf", "endpoint", "programmatic"] = option(
-        "hf", reconstructed=True,
-        help="PRM: an HF model by name/path (Qwen2.5-Math-PRM convention), an endpoint, or the bundled tasks' "
-        "programmatic step verifier.",
-    )
-    prm_model: str = option("Qwen/Qwen2.5-Math-PRM-7B", reconstructed=True, help="PRM name/path, or served name.")
-    prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint'), e.g. http://127.0.0.1:8000/v1.")
-    prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
-    prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
-    prm_timeout: float = option(
-        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
-    )
-    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
-    prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
-    prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code (Qwen2.5-Math-PRM-7B needs it).")
     step_separator: str | None = option(
         None, reconstructed=True,
         help="Step separator of completions (None: the PRM's convention, '\\n\\n'; one line for 'programmatic').",
@@ -140,8 +126,7 @@ class ScopeOptions(PluginOptions):
                 "Plugin 'scope' with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible server); or set "
                 "teacher='hf' with teacher_model, teacher='reference', or mode='reference_suffix'."
             )
-        if self.prm == "endpoint" and not self.prm_base_url:
-            raise PluginConfigError("Plugin 'scope' with prm='endpoint' needs prm_base_url.")
+        super().validate()
         if self.step_separator == "":
             raise PluginConfigError("Option 'step_separator' of plugin 'scope' must not be empty.")
 

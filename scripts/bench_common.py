@@ -136,30 +136,9 @@ def load_model(cache_dir: str | Path | None = None, untrained: bool = False):
 
 
 def base_config_fields(output_dir: str, seed: int = 0, **overrides: Any) -> dict:
-    """GRPOConfig fields of the demo's GRPO run (DemoSettings), quiet and checkpoint-free."""
-    from trl_plugins.config import checkpointing_off
-
-    s = demo_settings()
-    fields = dict(
-        output_dir=output_dir,
-        max_steps=4,
-        learning_rate=s.grpo_learning_rate,
-        num_generations=s.num_generations,
-        per_device_train_batch_size=s.per_device_train_batch_size,
-        max_completion_length=s.max_completion_length,
-        temperature=s.temperature,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        **checkpointing_off(),
-        seed=seed,
-        lr_scheduler_type="constant",
-        disable_tqdm=True,
-        log_level="error",
-    )
+    """GRPOConfig fields of the demo's GRPO run (``DemoSettings.grpo_config_fields``), quiet; 4 steps by default."""
+    fields = demo_settings().grpo_config_fields(output_dir, seed=seed)
+    fields.update(max_steps=4, disable_tqdm=True, log_level="error")
     fields.update(overrides)
     return fields
 

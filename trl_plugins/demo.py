@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from .config import PluginGRPOConfig, checkpointing_off
+    from .config import PluginGRPOConfig
     from .tasks.arithmetic import accuracy_reward, make_dataset
     from .tasks.tiny import DemoSettings, demo_model, evaluate_accuracy
     from .trainer import PluginGRPOTrainer
@@ -79,25 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"      accuracy before: {before:.3f}", flush=True)
 
     print(f"[3/4] GRPO with plugins {args.plugins} ...", flush=True)
-    config = PluginGRPOConfig(
-        output_dir=str(out / "trainer"),
-        plugins=list(args.plugins),
-        max_steps=args.steps or settings.grpo_steps,
-        learning_rate=settings.grpo_learning_rate,
-        num_generations=settings.num_generations,
-        per_device_train_batch_size=settings.per_device_train_batch_size,
-        max_completion_length=settings.max_completion_length,
-        temperature=settings.temperature,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        **checkpointing_off(),
-        seed=args.seed,
-        lr_scheduler_type="constant",
-    )
+    fields = settings.grpo_config_fields(str(out / "trainer"), seed=args.seed)
+    fields["max_steps"] = args.steps or settings.grpo_steps
+    config = PluginGRPOConfig(plugins=list(args.plugins), **fields)
     trainer = PluginGRPOTrainer(
         model=model, reward_funcs=[accuracy_reward], args=config, train_dataset=train_set, processing_class=tokenizer
     )

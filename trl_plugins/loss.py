@@ -78,7 +78,6 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     logits_to_keep = completion_ids.size(1)
     mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
 
-    capture = None
     capture_ctx = contextlib.nullcontext()
     if stack.needs_head_stats:
         from .head_stats import capture_hidden_states

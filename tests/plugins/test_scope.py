@@ -5,7 +5,6 @@ tasks' reward and programmatic PRM, stub teachers / generation service); trainer
 generation backend that returns vLLM-style log-probs; one end-to-end run stacks scope with lp_reg on the tiny model."""
 
 import math
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +19,7 @@ from trl_plugins.components.teacher import ReferenceTeacher
 from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
 from trl_plugins.testing import (
-    SimulatedCollective, assert_runs_equal, make_tiny_trainer, record_run, tiny_model, tiny_tokenizer,
+    assert_runs_equal, make_tiny_trainer, record_run, run_on_processes, tiny_model, tiny_tokenizer,
 )
 
 TOK = tiny_tokenizer()
@@ -227,43 +226,38 @@ class ReferenceService(ScriptedService):
         return out
 
 
-def _two_process_contexts(texts, services, coll):
-    """One group of G = 4 split over two processes: rows 0,1 on rank 0 and rows 2,3 on rank 1."""
-    ctxs = []
-    for r in range(2):
-        ctx = make_ctx([texts[r] + ["pad", "pad"]], service=services[r], gatherer=lambda t, r=r: coll.gather(r, t))
+TWO_PROCESS_TEXTS = [[ONE_SLIP, RIGHT], [TWO_OK, "junk"]]
+
+
+def _on_two_processes(services, edit=None, **options):
+    """One group of G = 4 split over two simulated processes (rows 0,1 on rank 0, rows 2,3 on rank 1), scope run on
+    each; ``edit(rank, ctx)`` may change a context first. Returns the contexts and each rank's exception (or None)."""
+    ctxs = [None, None]
+
+    def work(rank, gather):
+        ctx = make_ctx([TWO_PROCESS_TEXTS[rank] + ["pad", "pad"]], service=services[rank], gatherer=gather)
         for name in ("rows", "prompts", "training_prompts", "prompt_ids", "completion_ids", "completions",
                      "sampling_logprobs", "offpolicy", "prompt_swapped", "annotations"):
             setattr(ctx, name, getattr(ctx, name)[:2])
-        ctx.global_index, ctx.group_ids, ctx.index_in_group = group_layout(r, 2, 4)
-        ctxs.append(ctx)
-    return ctxs
-
-
-def _run_threads(ctxs, **options):
-    errors = [None, None]
-
-    def work(r):
+        ctx.global_index, ctx.group_ids, ctx.index_in_group = group_layout(rank, 2, 4)
+        if edit is not None:
+            edit(rank, ctx)
+        ctxs[rank] = ctx
         try:
-            run(ctxs[r], prm=ProgrammaticPRM(), corrector=ReferenceTeacher(separator="\n"), **options)
-        except Exception as exc:  # reported to the caller
-            errors[r] = exc
+            run(ctx, prm=ProgrammaticPRM(), corrector=ReferenceTeacher(separator="\n"), **options)
+        except Exception as exc:  # returned: both ranks' outcomes are checked
+            return exc
+        return None
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return errors
+    return ctxs, run_on_processes(2, work, timeout=20)
 
 
 def test_two_processes_choose_per_group_on_gathered_data():
     """A group split over two processes: each holds one repairable row; only the longer prefix is repaired, on
     whichever process holds it, and both processes make the same collective calls."""
-    coll = SimulatedCollective(2)
     services = [ReferenceService(), ReferenceService()]
-    ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], services, coll)
-    assert _run_threads(ctxs, mode="teacher_step", teacher="hf") == [None, None]
+    ctxs, errors = _on_two_processes(services, mode="teacher_step", teacher="hf")
+    assert errors == [None, None]
     assert [len(s.calls) for s in services] == [1, 1]
     assert not ctxs[0].changed and ctxs[1].changed == {0}  # TWO_OK (global row 2) wins over ONE_SLIP (row 0)
     assert ctxs[0].metrics["plugins/scope/rectified_fraction"] == ctxs[1].metrics["plugins/scope/rectified_fraction"]
@@ -273,13 +267,14 @@ def test_two_processes_choose_per_group_on_gathered_data():
 def test_missing_solution_on_one_process_stops_every_process(mode):
     """Rank 1's repairable row has no reference solution: rank 1 raises the config error and rank 0 raises too
     (naming process 1) instead of waiting in the next collective forever."""
-    coll = SimulatedCollective(2)
-    ctxs = _two_process_contexts([[ONE_SLIP, RIGHT], [TWO_OK, "junk"]], [ReferenceService(), ReferenceService()], coll)
-    ctxs[1].rows[0] = {**ctxs[1].rows[0], "solution": ""}
-    errors = _run_threads(ctxs, mode=mode, teacher="hf")
+
+    def drop_solution(rank, ctx):
+        if rank == 1:
+            ctx.rows[0] = {**ctx.rows[0], "solution": ""}
+
+    _, errors = _on_two_processes([ReferenceService(), ReferenceService()], drop_solution, mode=mode, teacher="hf")
     assert isinstance(errors[1], PluginConfigError) and "no reference solution" in str(errors[1])
     assert isinstance(errors[0], PluginError) and "process 1 failed" in str(errors[0])
-    assert not isinstance(errors[0], threading.BrokenBarrierError)
 
 
 # ------------------------------------------------------------------------------------------ options

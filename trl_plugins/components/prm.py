@@ -46,10 +46,12 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from ..answers import completion_text
 from ..errors import PluginConfigError
+from ..options import PluginOptions, option
 from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
 from .steps import StepSpan, first_error, question_text, split_steps
 
@@ -58,6 +60,7 @@ __all__ = [
     "STEP_TOKEN",
     "EndpointPRM",
     "FunctionPRM",
+    "PRMOptions",
     "HFProcessRewardModel",
     "ProcessRewardModel",
     "ProgrammaticPRM",
@@ -488,7 +491,35 @@ def shared_prm(kind: str, **kwargs: Any) -> ProcessRewardModel:
     return _SHARED[key]
 
 
-def prm_from_options(o: Any) -> ProcessRewardModel:
+@dataclass
+class PRMOptions(PluginOptions):
+    """The PRM options shared by the plugins that score steps (scope, posterior_grpo); their option dataclasses
+    derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
+
+    plugin_name: ClassVar[str] = "?"
+
+    prm: Literal["hf", "endpoint", "programmatic"] = option(
+        "hf", reconstructed=True,
+        help="PRM: an HF model by name/path (Qwen2.5-Math-PRM convention), an endpoint, or the bundled tasks' "
+        "programmatic step verifier.",
+    )
+    prm_model: str = option("Qwen/Qwen2.5-Math-PRM-7B", reconstructed=True, help="PRM name/path, or served name.")
+    prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint'), e.g. http://127.0.0.1:8000/v1.")
+    prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
+    prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
+    prm_timeout: float = option(
+        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
+    )
+    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
+    prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
+    prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code (Qwen2.5-Math-PRM-7B needs it).")
+
+    def validate(self) -> None:
+        if self.prm == "endpoint" and not self.prm_base_url:
+            raise PluginConfigError(f"Plugin {self.plugin_name!r} with prm='endpoint' needs prm_base_url.")
+
+
+def prm_from_options(o: PRMOptions) -> ProcessRewardModel:
     """The shared PRM described by plugin options named ``prm`` (kind), ``prm_model``, ``prm_base_url``,
     ``prm_protocol``, ``prm_api_key_env``, ``prm_timeout``, ``prm_max_retries``, ``prm_device``,
     ``prm_trust_remote_code``, ``step_separator`` and ``problem_column`` -- plugins with equal PRM options get the
@@ -500,8 +531,7 @@ def prm_from_options(o: Any) -> ProcessRewardModel:
         kwargs.update(model=o.prm_model, device=o.prm_device, trust_remote_code=o.prm_trust_remote_code)
     else:
         kwargs.update(model=o.prm_model, base_url=o.prm_base_url, protocol=o.prm_protocol,
-                      api_key_env=o.prm_api_key_env, timeout=getattr(o, "prm_timeout", 60.0),
-                      max_retries=getattr(o, "prm_max_retries", 4))
+                      api_key_env=o.prm_api_key_env, timeout=o.prm_timeout, max_retries=o.prm_max_retries)
     return shared_prm(o.prm, **kwargs)
 
 

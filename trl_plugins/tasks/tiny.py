@@ -454,6 +454,29 @@ class DemoSettings:
     # spin-waiting collapse when the other core is busy (e.g. the generation loop of another process)
     torch_threads: int = 1
 
+    def grpo_config_fields(self, output_dir: str, seed: int) -> dict:
+        """GRPOConfig fields of the GRPO run on the warm-started model (CPU, no checkpoints, no reporting)."""
+        from ..config import checkpointing_off
+
+        return dict(
+            output_dir=output_dir,
+            max_steps=self.grpo_steps,
+            learning_rate=self.grpo_learning_rate,
+            num_generations=self.num_generations,
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            max_completion_length=self.max_completion_length,
+            temperature=self.temperature,
+            beta=0.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            **checkpointing_off(),
+            seed=seed,
+            lr_scheduler_type="constant",
+        )
+
     def cache_key(self) -> str:
         """A short hash of the fields that determine the warm-started model."""
         fields = {
