@@ -14,14 +14,14 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
 
 from trl_plugins.components import EndpointConfig, EndpointError, OpenAICompatibleClient, serve_openai_compatible
 from trl_plugins.components.judge import rule_judge_handler
-from trl_plugins.components.local_server import chat_response
+from trl_plugins.components.local_server import LoopbackHTTPServer, chat_response
 from trl_plugins.components.prm import ProgrammaticPRM, clear_shared_prms, prm_handler
 from trl_plugins.components.teacher import clear_shared_teachers
 from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
@@ -66,8 +66,7 @@ def trickling_server(seconds_per_byte: float = 0.1):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    server = LoopbackHTTPServer(("127.0.0.1", 0), Handler)  # backlog for the judge's burst of connections
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -147,7 +146,7 @@ def test_connection_dropped_without_an_answer_is_retried_then_reported():
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Dropper)
+    server = LoopbackHTTPServer(("127.0.0.1", 0), Dropper)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     try:
@@ -273,9 +272,7 @@ def test_judge_fault_stops_training_with_an_error_naming_the_url(fault, tmp_path
                 yield url
 
     with endpoint() as url:
-        # trickle: a longer connect allowance, so that a loaded machine (many trickling server threads sharing the
-        # GIL with the client) cannot turn the expected total-deadline abort into a connect timeout
-        trainer = _ruscarl_trainer(url, tmp_path, judge_timeout=1.0 if fault == "trickle" else 0.4)
+        trainer = _ruscarl_trainer(url, tmp_path, judge_timeout=0.4)
         with Clock() as clock, pytest.raises(EndpointError) as err:
             trainer.train()
     message = str(err.value)
