@@ -72,8 +72,10 @@ def test_cache_avoids_repeated_requests():
 
 
 def test_timeout_is_retried_then_reported():
-    with serve_openai_compatible(lambda p, q: chat_response("late"), delay=0.5) as url:
-        c = client(url, timeout=0.1, max_retries=1)
+    # read deadline 0.5 s after the request is written, whole-request deadline 1.0 s after it starts: the read timeout
+    # comes first unless connecting and writing on loopback took over half a second
+    with serve_openai_compatible(lambda p, q: chat_response("late"), delay=2.0) as url:
+        c = client(url, timeout=0.5, max_retries=1)
         with pytest.raises(EndpointError, match="ReadTimeout"):
             c.chat([[{"role": "user", "content": "x"}]])
         c.close()
