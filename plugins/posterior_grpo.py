@@ -37,7 +37,7 @@ from typing import ClassVar, Literal
 import torch
 from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.components.prm import PRMOptions, prm_from_options
-from trl_plugins.rollouts import completion_text
+from trl_plugins.rollouts import completion_text, gather_objects_together
 
 COLUMN = "posterior_process"
 
@@ -152,6 +152,15 @@ class PosteriorGrpoPlugin(Plugin):
             return 1.0
         return math.exp(-step / (o.anneal_steps or self._max_steps))
 
+    def _local_process_rewards(self, ctx: RewardContext, rows: list[int]) -> list[float]:
+        """(B,) aggregated PRM score of this process's ``rows`` (0.0 for the other rows; one PRM batch)."""
+        local = [0.0] * len(ctx.local_rows)
+        if rows:
+            texts = [completion_text(ctx.local_completions[j]) for j in rows]
+            for j, scores in zip(rows, self.prm.score_steps([ctx.local_rows[j] for j in rows], texts)):
+                local[j] = aggregate_scores(scores, self.options.aggregate)
+        return local
+
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         o = self.options
@@ -167,12 +176,10 @@ class PosteriorGrpoPlugin(Plugin):
         correct = torch.nan_to_num(outcome, nan=0.0) > o.outcome_threshold
         local_correct = correct[ctx.process_slice].tolist()
         rows = [j for j in range(len(ctx.local_rows)) if o.mode == "trust" or local_correct[j]]
-        local = [0.0] * len(ctx.local_rows)
-        if rows:
-            texts = [completion_text(ctx.local_completions[j]) for j in rows]
-            for j, scores in zip(rows, self.prm.score_steps([ctx.local_rows[j] for j in rows], texts)):
-                local[j] = aggregate_scores(scores, o.aggregate)
-        process = torch.tensor(ctx.gather_object(local), dtype=torch.float32)  # (N,) collective
+        # (N,) collective; a PRM failing on one process stops every process together
+        process = torch.tensor(
+            gather_objects_together(ctx, self.name, self._local_process_rewards, ctx, rows), dtype=torch.float32
+        )
         if o.mode == "posterior":
             values = torch.where(correct, process, torch.zeros_like(process))
             paid = correct

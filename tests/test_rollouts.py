@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from trl_plugins.errors import PluginConfigError, PluginError
-from trl_plugins.rollouts import fail_together, gather_floats, gather_id_lists, run_together
+from trl_plugins.rollouts import (
+    fail_together, gather_floats, gather_id_lists, gather_objects_together, raise_together, run_together,
+)
 from trl_plugins.testing import run_on_processes
 
 
 def _ctx(gather):
-    return SimpleNamespace(gather=gather)  # no trainer: collectives run on CPU
+    # no trainer: collectives run on CPU; two local rows per process for the reward-stage helper
+    return SimpleNamespace(gather=gather, gather_object=gather.objects, local_rows=[{}, {}])
 
 
 def _outcome(fn):
@@ -61,3 +64,37 @@ def test_gather_helpers_concatenate_in_rank_order(fill):
     floats = _outcome(lambda ctx, rank: gather_floats(ctx, [None, 0.5 + rank], fill=fill))
     for got in floats:  # None becomes ``fill``
         torch.testing.assert_close(got, torch.tensor([fill, 0.5, fill, 1.5]), equal_nan=True)
+
+
+def test_raise_together_on_a_bare_gather_names_the_failing_process():
+    outcome = _outcome(lambda ctx, rank: raise_together(ctx.gather, torch.device("cpu"), "reward functions",
+                                                        KeyError("x") if rank == 0 else None))
+    assert isinstance(outcome[0], KeyError)
+    assert isinstance(outcome[1], PluginError) and "reward functions: process 0 failed" in str(outcome[1])
+
+
+def test_gather_objects_together_gathers_rows_in_rank_order_in_one_collective():
+    calls = []
+
+    def fn(ctx, rank):
+        values = gather_objects_together(ctx, "probe", lambda: [f"r{rank}a", f"r{rank}b"])
+        calls.append(rank)
+        return values
+
+    assert _outcome(fn) == [["r0a", "r0b", "r1a", "r1b"]] * 2 and sorted(calls) == [0, 1]
+
+
+def test_gather_objects_together_stops_every_process_when_one_fails():
+    def fn(ctx, rank):
+        def local():
+            if rank == 1:
+                raise TimeoutError("judge timed out")
+            return [1.0, 2.0]
+
+        values = gather_objects_together(ctx, "probe", local)
+        ctx.gather(torch.zeros(1))  # the next collective: must never be reached by one rank alone
+        return values
+
+    first, second = _outcome(fn)
+    assert isinstance(second, TimeoutError)
+    assert isinstance(first, PluginError) and "probe: process 1 failed" in str(first)

@@ -11,6 +11,8 @@ TRL converts ``None``:
 * a number (Python, NumPy or 0-d tensor; ``bool`` counts as 0/1) must be finite;
 * anything else (a string, a list ...) is refused too.
 
+A list of the wrong length is refused the same way (TRL would raise too, but after the call, out of the guard's reach).
+
 The error (:class:`RewardValueError`) names the reward function as TRL logs it, the row of the call (its index in the
 batch the function received, with the process index when several run), the value, and the beginning of the prompt
 and completion. :func:`guard_reward_funcs` wraps callables (sync and async alike) and leaves reward models
@@ -20,18 +22,28 @@ and completion. :func:`guard_reward_funcs` wraps callables (sync and async alike
 :func:`check_reward_columns` is the construction-time half: a reward function with a required parameter that is not a
 dataset column (and not one of the arguments TRL passes itself) is refused before training starts, naming the
 function, the parameter and the dataset's columns -- instead of a ``TypeError`` at the first step.
+
+With several processes a reward function may fail on one of them only (a NaN for one row, a judge timing out), while
+the others go on to TRL's gather of the reward matrix and would wait there until the collective's timeout. The
+trainer therefore hands the guards a :class:`HeldRewardErrors`: while it is holding, a failing call records its error
+and returns placeholder zeros, TRL's gather completes on every process, and the trainer then raises on every process
+together (the failing one its own error, the others a ``PluginError`` naming it).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import PluginConfigError, PluginError
 
-__all__ = ["RewardValueError", "check_reward_columns", "check_reward_values", "guard_reward_funcs", "is_guarded"]
+__all__ = [
+    "HeldRewardErrors", "RewardValueError", "check_reward_columns", "check_reward_values", "guard_reward_funcs",
+    "is_guarded",
+]
 
 #: Arguments TRL passes to every reward function besides the dataset columns.
 TRL_REWARD_ARGUMENTS = frozenset(
@@ -62,11 +74,17 @@ def _process_note() -> str:
 
 
 def check_reward_values(name: str, values: Any, prompts: Sequence | None = None, completions: Sequence | None = None):
-    """Raise :class:`RewardValueError` for the first NaN, inf or non-numeric value in ``values`` (None is skipped)."""
+    """Raise :class:`RewardValueError` for the first NaN, inf or non-numeric value in ``values`` (None is skipped),
+    or when ``values`` does not hold one value per prompt."""
     if values is None:
         raise RewardValueError(
             f"Reward function {name!r} returned None instead of a list of rewards (one per completion; use None "
             "inside the list for completions it cannot score)."
+        )
+    if prompts is not None and hasattr(values, "__len__") and len(values) != len(prompts):
+        raise RewardValueError(
+            f"Reward function {name!r} returned {len(values)} rewards for {len(prompts)} completions"
+            f"{_process_note()}; it must return exactly one value (or None) per completion."
         )
     for i, value in enumerate(values):
         if value is None:
@@ -96,14 +114,42 @@ def check_reward_values(name: str, values: Any, prompts: Sequence | None = None,
         )
 
 
+class HeldRewardErrors:
+    """Reward-function errors of this process, held back while :attr:`holding` (see the module docstring).
+
+    Thread-safe: TRL runs async reward functions on its own event-loop thread.
+    """
+
+    def __init__(self):
+        self.holding = False
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def hold(self, error: BaseException) -> bool:
+        """Record ``error`` and return True while holding; return False (the caller raises) otherwise."""
+        if not self.holding:
+            return False
+        with self._lock:
+            self._errors.append(error)
+        return True
+
+    def take(self) -> BaseException | None:
+        """The first held error (None when every call succeeded); forgets all of them."""
+        with self._lock:
+            first = self._errors[0] if self._errors else None
+            self._errors.clear()
+        return first
+
+
 class _GuardedReward:
     """A reward callable that checks what the wrapped one returns (see the module docstring)."""
 
-    def __init__(self, func: Any, name: str):
+    def __init__(self, func: Any, name: str, held: HeldRewardErrors | None = None):
         self.__wrapped__ = func
         self.__name__ = name
         self.__qualname__ = name
         self.__doc__ = getattr(func, "__doc__", None)
+        self._held = held
         for key, value in getattr(func, "__dict__", {}).items():  # reward_weight and other plugin attributes
             if not key.startswith("__"):
                 self.__dict__.setdefault(key, value)
@@ -113,9 +159,18 @@ class _GuardedReward:
         return inspect.signature(self.__wrapped__)
 
     def __call__(self, *args, **kwargs):
-        values = self.__wrapped__(*args, **kwargs)
-        check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
+        try:
+            values = self.__wrapped__(*args, **kwargs)
+            check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
+        except Exception as exc:
+            return self._placeholder_or_raise(exc, kwargs)
         return values
+
+    def _placeholder_or_raise(self, error: Exception, kwargs: dict) -> list[float]:
+        """Zeros for every row when the error is held (the trainer raises it after the reward gather)."""
+        if self._held is None or not self._held.hold(error):
+            raise error
+        return [0.0] * len(kwargs.get("prompts") or ())
 
     def __repr__(self) -> str:
         return f"<guarded reward {self.__name__}: {self.__wrapped__!r}>"
@@ -123,8 +178,11 @@ class _GuardedReward:
 
 class _AsyncGuardedReward(_GuardedReward):
     async def __call__(self, *args, **kwargs):
-        values = await self.__wrapped__(*args, **kwargs)
-        check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
+        try:
+            values = await self.__wrapped__(*args, **kwargs)
+            check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
+        except Exception as exc:
+            return self._placeholder_or_raise(exc, kwargs)
         return values
 
 
@@ -132,21 +190,23 @@ def is_guarded(func: Any) -> bool:
     return isinstance(func, _GuardedReward)
 
 
-def guard_reward_funcs(reward_funcs: Any) -> Any:
+def guard_reward_funcs(reward_funcs: Any, held: HeldRewardErrors | None = None) -> Any:
     """Wrap every callable reward function (sync or async) with the NaN / inf check; keep the container's shape.
 
     Strings (reward model ids) and ``nn.Module`` reward models are returned unchanged; already guarded callables
-    are not wrapped twice.
+    are not wrapped twice. ``held``: where the guards hold their errors while it is holding (the trainer's).
     """
     from torch import nn
     from trl.trainer.utils import get_callable_name, is_async_callable
 
     def guard(func):
-        if func is None or isinstance(func, (str, nn.Module)) or is_guarded(func) or not callable(func):
+        if is_guarded(func):  # guarded before (e.g. by another trainer): keep the check, hold for this caller
+            return func if held is None or func._held is held else type(func)(func.__wrapped__, func.__name__, held)
+        if func is None or isinstance(func, (str, nn.Module)) or not callable(func):
             return func
         name = get_callable_name(func)
         cls = _AsyncGuardedReward if is_async_callable(func) else _GuardedReward
-        return cls(func, name)
+        return cls(func, name, held)
 
     if reward_funcs is None:
         return None

@@ -17,7 +17,7 @@ from .answers import completion_text
 
 __all__ = [
     "check_offpolicy_gamma", "completion_text", "context_device", "fail_together", "gather_floats", "gather_id_lists",
-    "run_together",
+    "gather_objects_together", "raise_together", "run_together",
 ]
 
 
@@ -82,16 +82,20 @@ def fail_together(ctx: Any, plugin: str, error: BaseException | None) -> None:
     alone: the others would wait in the next collective forever. The failing process re-raises its own ``error``;
     the others raise a :class:`~trl_plugins.errors.PluginError` naming the process that failed.
     """
+    raise_together(ctx.gather, context_device(ctx), plugin, error)
+
+
+def raise_together(gather: Any, device: torch.device, what: str, error: BaseException | None) -> None:
+    """:func:`fail_together` on a bare tensor all-gather (``gather``: (1,) tensor -> (P,) tensor; collective)."""
     from .errors import PluginError
 
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.long, device=context_device(ctx))
-    flags = ctx.gather(flag).cpu().tolist()
+    flags = gather(torch.tensor([0 if error is None else 1], dtype=torch.long, device=device)).cpu().tolist()
     if error is not None:
         raise error
     failed = [p for p, f in enumerate(flags) if f]
     if failed:
         raise PluginError(
-            f"{plugin}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
+            f"{what}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
         )
 
 
@@ -104,3 +108,30 @@ def run_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs: Any) -> A
         raise  # unreachable: fail_together re-raises exc
     fail_together(ctx, plugin, None)
     return result
+
+
+def gather_objects_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs: Any) -> list:
+    """``fn(*args, **kwargs)`` -> this process's (B,) list, gathered into the (N,) list (``ctx.gather_object``).
+
+    For reward-stage plugins, whose context gathers Python lists: when ``fn`` fails on some process, every process
+    raises together as with :func:`fail_together` -- the failure flag rides in the same collective, so this costs
+    nothing over a plain ``ctx.gather_object``. ``ctx.local_rows`` gives B (the same on every process).
+    """
+    from .errors import PluginError
+
+    rows = len(ctx.local_rows)
+    try:
+        local, error = list(fn(*args, **kwargs)), None
+    except Exception as exc:  # re-raised below, on every process
+        local, error = [None] * rows, exc
+    if error is None and len(local) != rows:
+        raise PluginError(f"{plugin}: {len(local)} values for {rows} rows")  # a bug of the plugin, same everywhere
+    gathered = ctx.gather_object([(error is not None, value) for value in local])
+    if error is not None:
+        raise error
+    failed = sorted({i // rows for i, (flag, _) in enumerate(gathered) if flag})
+    if failed:
+        raise PluginError(
+            f"{plugin}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
+        )
+    return [value for _, value in gathered]

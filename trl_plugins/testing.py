@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import os
 import tempfile
@@ -959,12 +960,22 @@ class SimulatedCollective:
         self._barrier.wait()
         return out
 
+    def gather_object(self, rank: int, values: list) -> list:
+        """Concatenate every process's Python list in rank order (like ``accelerate.utils.gather_object``)."""
+        self.calls[rank] += 1
+        self._slots[rank] = list(values)
+        self._barrier.wait()
+        out = [value for slot in self._slots for value in slot]
+        self._barrier.wait()
+        return out
+
 
 def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], timeout: float = 30.0) -> list[Any]:
     """Run ``fn(rank, gather)`` on ``num_processes`` simulated processes (threads) and return their results.
 
     ``gather`` is that process's all-gather; pass it as ``make_rollout_context(..., process_index=rank,
-    gather=gather)``. The first exception of any process is re-raised (a collective left by one process raises
+    gather=gather)``. ``gather.objects`` gathers Python lists the same way (a reward context's ``gather_object``:
+    ``ctx._object_gatherer = gather.objects``). The first exception of any process is re-raised (a collective left by one process raises
     ``threading.BrokenBarrierError`` in the others)."""
     collective = SimulatedCollective(num_processes, timeout=timeout)
     results: list[Any] = [None] * num_processes
@@ -972,7 +983,9 @@ def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], tim
 
     def work(rank: int) -> None:
         try:
-            results[rank] = fn(rank, lambda t: collective.gather(rank, t))
+            gather = functools.partial(collective.gather, rank)
+            gather.objects = functools.partial(collective.gather_object, rank)  # type: ignore[attr-defined]
+            results[rank] = fn(rank, gather)
         except BaseException as exc:  # re-raised below, in the caller's thread
             errors.append(exc)
             collective._barrier.abort()

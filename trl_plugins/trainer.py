@@ -44,7 +44,8 @@ from .errors import PluginConfigError, PluginError
 from .generation import GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
-from .rewards_guard import check_reward_columns, guard_reward_funcs
+from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
+from .rollouts import raise_together
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -90,7 +91,9 @@ class PluginGRPOTrainer(GRPOTrainer):
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
-            reward_funcs = guard_reward_funcs(reward_funcs)  # NaN / inf rewards: an error naming function, row, value
+            # NaN / inf rewards: an error naming function, row, value; held until every process reached the gather
+            self._held_reward_errors = HeldRewardErrors()
+            reward_funcs = guard_reward_funcs(reward_funcs, self._held_reward_errors)
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
@@ -401,7 +404,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         return (matrix * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)
         state = self._pbatch
         if state is None:
             return rewards_per_func
@@ -429,6 +432,25 @@ class PluginGRPOTrainer(GRPOTrainer):
             self.plugin_stack.call("trl_plugins_transform_rewards", ctx)
             rewards_per_func = ctx.rewards_per_func
         state.rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def _gathered_rewards_or_raise_together(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        """TRL's (N, K) reward matrix; a reward function failing on one process stops every process together.
+
+        With several processes the guards hold their errors (placeholder zeros) until TRL's gather has completed
+        everywhere; then one gathered flag decides: the failing process raises its own error, the others a
+        ``PluginError`` naming it -- instead of waiting in the gather until the collective's timeout.
+        """
+        held = self._held_reward_errors
+        if self.accelerator.num_processes == 1:
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        held.take()  # nothing stale from a step that failed otherwise
+        held.holding = True
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            held.holding = False
+        raise_together(self.accelerator.gather, self.accelerator.device, "reward functions", held.take())
         return rewards_per_func
 
     def _process_slice(self, local_rows: int) -> slice:

@@ -12,7 +12,8 @@ import trl
 from trl_plugins import PluginConfigError, RewardContext, build_plugins
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, clear_shared_prms
 from trl_plugins.tasks.arithmetic import accuracy_reward
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.errors import PluginError
+from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run, run_on_processes
 from trl_plugins_builtin.posterior_grpo import COLUMN, aggregate_scores, trust_weights
 
 
@@ -85,6 +86,40 @@ def test_trust_mode_weights_and_anneals_every_rollout():
     assert ctx.metrics["plugins/posterior_grpo/anneal_factor"] == [pytest.approx(factor)]
     ctx = _run(_reward_ctx([1.0, 0.0], ["a", "a"], 2, step=5), CountingPRM(), mode="trust", anneal="none")
     assert ctx.rewards_per_func[:, 1].tolist() == [0.5, 0.5]
+
+
+class FailingPRM(CountingPRM):
+    def score_steps(self, rows, completions):
+        raise ConnectionError("PRM endpoint down")
+
+
+def _two_process_outcomes(prms):
+    """The 4-row batch of test_process_reward_only_for_correct_outcomes split over 2 simulated processes (2 rows each;
+    one PRM per process); per process the reward column or the exception it raised."""
+    outcome, texts = [1.0, 0.0, 1.0, 0.0], ["a\nb", "a\nb\nc", "a", "x\ny"]
+
+    def work(rank, gather):
+        ctx = _reward_ctx(outcome, texts, 2)
+        local = slice(2 * rank, 2 * rank + 2)
+        ctx.local_rows, ctx.local_prompts = ctx.local_rows[local], ctx.local_prompts[local]
+        ctx.local_completions, ctx.process_slice = ctx.local_completions[local], local
+        ctx._object_gatherer = gather.objects
+        try:
+            return _run(ctx, prms[rank]).rewards_per_func[:, 1].tolist()
+        except Exception as exc:  # returned, so every process's outcome can be checked
+            return exc
+
+    return run_on_processes(2, work, timeout=10)
+
+
+def test_two_processes_give_the_one_process_rewards():
+    assert _two_process_outcomes([CountingPRM(), CountingPRM()]) == [[0.75, 0.0, 0.5, 0.0]] * 2
+
+
+def test_prm_failing_on_one_process_stops_both_without_a_hang():
+    first, second = _two_process_outcomes([CountingPRM(), FailingPRM()])
+    assert isinstance(second, ConnectionError) and "PRM endpoint down" in str(second)
+    assert isinstance(first, PluginError) and "posterior_grpo: process 1 failed" in str(first)
 
 
 def test_options_and_construction(tmp_path):

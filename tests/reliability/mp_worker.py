@@ -20,9 +20,9 @@ Phases:
     the service for one extra completion; rank 1 asks for nothing. Plus hint_scaffold in ``replace="one"`` mode (one
     request per failing group: 2 on rank 0, 1 on rank 1). It must finish (no deadlock) with exactly G rows per group.
 ``nan_on_one_rank`` (last: it ends the launch)
-    A reward function returns NaN on rank 1 only. Rank 1 raises the reward guard's error (naming the function, row and
-    value) while rank 0 waits in a collective; the launcher must then stop rank 0 too -- the launch fails, it does
-    not hang.
+    A reward function returns NaN on rank 1 only. The reward guard holds the error until TRL's reward gather has
+    completed on both ranks; then rank 1 raises the guard's error (naming the function, row and value) and rank 0 a
+    ``PluginError`` naming process 1 -- the launch fails, it does not hang.
 
 Usage: ``python mp_worker.py OUT_DIR [PHASE ...]`` (one JSON file per phase and rank: ``PHASE-rank{R}.json``; rank 0
 also saves ``PHASE-params.pt``).
@@ -242,7 +242,14 @@ def run_phase(phase: str, out_dir: str) -> dict:
 def main(argv: list[str]) -> None:
     out_dir = argv[0]
     for phase in argv[1:] or PHASES:
-        run_phase(phase, out_dir)
+        try:
+            run_phase(phase, out_dir)
+        except Exception as exc:
+            # each rank reports at once, then lingers: the launcher stops the other rank as soon as one exits, and the
+            # test reads what *both* raised by themselves (a rank stuck in a collective would print nothing here)
+            print(f"rank {os.environ.get('RANK', '0')} raised {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            time.sleep(3)
+            raise
 
 
 if __name__ == "__main__":

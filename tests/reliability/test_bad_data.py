@@ -12,8 +12,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_plugins import PluginConfigError
+from trl_plugins import PluginConfigError, PluginError
 from trl_plugins.rewards_guard import (
+    HeldRewardErrors,
     RewardValueError,
     check_reward_values,
     guard_reward_funcs,
@@ -99,6 +100,76 @@ def test_guard_keeps_names_weights_and_kinds():
     assert guarded[4](completions=["a", "b"]) == [2.0, 2.0]
     assert asyncio.run(guarded[2](completions=["a"])) == [1.0]
     assert guard_reward_funcs(accuracy_reward).__name__ == "accuracy_reward" and guard_reward_funcs(None) is None
+
+
+def test_wrong_number_of_rewards_is_refused_naming_the_function(tmp_path):
+    def one_short(completions, **kwargs):
+        return [1.0] * (len(completions) - 1)
+
+    trainer = make_tiny_trainer(reward_funcs=[one_short], output_dir=str(tmp_path), max_steps=1, log_level="error")
+    with pytest.raises(RewardValueError, match=r"'one_short' returned 3 rewards for 4 completions"):
+        trainer.train()
+
+
+def test_held_errors_become_placeholder_zeros_until_taken():
+    async def async_nan(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    held = HeldRewardErrors()
+    sync, asynchronous = guard_reward_funcs([_poisoned(float("nan")), async_nan], held)
+    batch = {"prompts": ["p"] * 3, "completions": ["c"] * 3}
+    with pytest.raises(RewardValueError, match="poisoned_reward"):  # not holding: raised at once
+        sync(**batch)
+    held.holding = True
+    assert sync(**batch) == [0.0, 0.0, 0.0]
+    assert asyncio.run(asynchronous(**batch)) == [0.0, 0.0, 0.0]
+    first = held.take()
+    assert isinstance(first, RewardValueError) and "'poisoned_reward' returned nan for row 1" in str(first)
+    assert held.take() is None  # taken: forgotten
+    other = HeldRewardErrors()  # guarded again (another trainer): same function, that trainer's holder
+    again = guard_reward_funcs([sync], other)[0]
+    assert again.__wrapped__ is sync.__wrapped__ and again._held is other and is_guarded(again)
+
+
+class _AsProcessZeroOfTwo:
+    """The trainer's accelerator, seen as process 0 of 2: the other process's failure flag is given; the flags this
+    process sends are recorded."""
+
+    num_processes, process_index = 2, 0
+
+    def __init__(self, real, other_failed: bool):
+        self.real, self.other_failed, self.sent = real, other_failed, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def gather(self, tensor):
+        self.sent.append(tensor.tolist())
+        return torch.cat([tensor, torch.tensor([int(self.other_failed)], dtype=tensor.dtype)])
+
+
+@pytest.mark.parametrize("local_fails,other_fails", [(True, False), (False, True), (False, False)])
+def test_reward_failure_on_one_process_stops_every_process_after_the_gather(local_fails, other_fails, tmp_path):
+    """With several processes a reward function's error is raised only once TRL's reward gather has completed, on
+    every process together: the failing one raises its own error, the others a PluginError naming it."""
+    rows = [dict(r) for r in tiny_dataset(4)]
+    prompts = [r["prompt"] for r in rows]
+    completions = [[{"role": "assistant", "content": "Answer: 1"}]] * 4
+    ids = [[1, 2]] * 4
+    funcs = [digit_fraction_reward, _poisoned(float("nan")) if local_fails else digit_fraction_reward]
+    trainer = make_tiny_trainer(reward_funcs=funcs, output_dir=str(tmp_path), log_level="error")
+    expected = trainer._calculate_rewards(rows, prompts, completions, ids) if not local_fails else None
+    trainer.accelerator = accelerator = _AsProcessZeroOfTwo(trainer.accelerator, other_fails)
+    if local_fails:
+        with pytest.raises(RewardValueError, match="'poisoned_reward' returned nan for row 1"):
+            trainer._calculate_rewards(rows, prompts, completions, ids)
+    elif other_fails:
+        with pytest.raises(PluginError, match="reward functions: process 1 failed"):
+            trainer._calculate_rewards(rows, prompts, completions, ids)
+    else:
+        torch.testing.assert_close(trainer._calculate_rewards(rows, prompts, completions, ids), expected)
+    assert accelerator.sent == [[int(local_fails)]]  # the flag went out: the other process is not left waiting
+    assert not trainer._held_reward_errors.holding
 
 
 def test_trainer_keeps_reward_names_and_plugin_weights(tmp_path):

@@ -142,5 +142,7 @@ def _initial_params():
 def test_error_on_one_rank_ends_the_launch_instead_of_hanging(two_processes):
     _out, rc, log = two_processes
     assert rc != 0, "the nan_on_one_rank phase should have failed the launch"
-    assert "RewardValueError" in log and "Reward function 'nan_on_rank1' returned nan for row 1" in log, log[-3000:]
+    assert "rank 1 raised RewardValueError: Reward function 'nan_on_rank1' returned nan for row 1" in log, log[-3000:]
     assert "on process 1" in log
+    # rank 0 stopped by itself (not only by the launcher killing it): the failure flag reached it after the gather
+    assert "rank 0 raised PluginError: reward functions: process 1 failed" in log, log[-3000:]
