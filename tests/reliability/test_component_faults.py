@@ -105,7 +105,7 @@ def test_backoff_doubles_between_attempts_then_the_error_names_the_url():
     assert len(gaps) == 3
     # delay k = min(0.2 * 2**k, 0.5) times a jitter in [0.5, 1]
     for gap, nominal in zip(gaps, (0.2, 0.4, 0.5)):
-        assert 0.5 * nominal - 0.02 <= gap <= nominal + 0.5, gaps
+        assert 0.5 * nominal - 0.02 <= gap <= nominal + 1.0, gaps  # upper slack: a loaded machine
     assert clock.seconds < 5
 
 
