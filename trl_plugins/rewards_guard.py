@@ -26,8 +26,9 @@ function, the parameter and the dataset's columns -- instead of a ``TypeError`` 
 With several processes a reward function may fail on one of them only (a NaN for one row, a judge timing out), while
 the others go on to TRL's gather of the reward matrix and would wait there until the collective's timeout. The
 trainer therefore hands the guards a :class:`HeldRewardErrors`: while it is holding, a failing call records its error
-and returns placeholder zeros, TRL's gather completes on every process, and the trainer then raises on every process
-together (the failing one its own error, the others a ``PluginError`` naming it).
+and returns placeholder zeros (so do the remaining reward functions, without running), TRL's gather completes on
+every process, and the trainer then raises on every process together (the failing one its own error, the others a
+``PluginError`` naming it).
 """
 
 from __future__ import annotations
@@ -133,6 +134,11 @@ class HeldRewardErrors:
             self._errors.append(error)
         return True
 
+    @property
+    def failed(self) -> bool:
+        """Holding an error already: later reward functions of the same call are skipped (placeholder zeros)."""
+        return self.holding and bool(self._errors)
+
     def take(self) -> BaseException | None:
         """The first held error (None when every call succeeded); forgets all of them."""
         with self._lock:
@@ -159,6 +165,8 @@ class _GuardedReward:
         return inspect.signature(self.__wrapped__)
 
     def __call__(self, *args, **kwargs):
+        if self._held is not None and self._held.failed:  # the step fails anyway: no judge calls for nothing
+            return [0.0] * len(kwargs.get("prompts") or ())
         try:
             values = self.__wrapped__(*args, **kwargs)
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
@@ -178,6 +186,8 @@ class _GuardedReward:
 
 class _AsyncGuardedReward(_GuardedReward):
     async def __call__(self, *args, **kwargs):
+        if self._held is not None and self._held.failed:
+            return [0.0] * len(kwargs.get("prompts") or ())
         try:
             values = await self.__wrapped__(*args, **kwargs)
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))

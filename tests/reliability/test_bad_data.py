@@ -115,17 +115,25 @@ def test_held_errors_become_placeholder_zeros_until_taken():
     async def async_nan(completions, **kwargs):
         return [float("nan")] * len(completions)
 
+    calls = []
+
+    def counted(completions, **kwargs):
+        calls.append(len(completions))
+        return [1.0] * len(completions)
+
     held = HeldRewardErrors()
-    sync, asynchronous = guard_reward_funcs([_poisoned(float("nan")), async_nan], held)
+    sync, asynchronous, later = guard_reward_funcs([_poisoned(float("nan")), async_nan, counted], held)
     batch = {"prompts": ["p"] * 3, "completions": ["c"] * 3}
     with pytest.raises(RewardValueError, match="poisoned_reward"):  # not holding: raised at once
         sync(**batch)
     held.holding = True
-    assert sync(**batch) == [0.0, 0.0, 0.0]
     assert asyncio.run(asynchronous(**batch)) == [0.0, 0.0, 0.0]
+    assert sync(**batch) == [0.0, 0.0, 0.0]  # skipped: an error is held already
+    assert later(**batch) == [0.0, 0.0, 0.0] and calls == []  # no more reward work once the step is lost
     first = held.take()
-    assert isinstance(first, RewardValueError) and "'poisoned_reward' returned nan for row 1" in str(first)
+    assert isinstance(first, RewardValueError) and "'async_nan' returned nan for row 0" in str(first)
     assert held.take() is None  # taken: forgotten
+    assert later(**batch) == [1.0, 1.0, 1.0] and calls == [3]
     other = HeldRewardErrors()  # guarded again (another trainer): same function, that trainer's holder
     again = guard_reward_funcs([sync], other)[0]
     assert again.__wrapped__ is sync.__wrapped__ and again._held is other and is_guarded(again)
