@@ -596,12 +596,13 @@ def _echo_backend(calls):
     return fake
 
 
-def _other_process_requests(monkeypatch, trainer, n_other, used_other=0):
-    """Simulate a second process: accelerator.gather appends its request count and completions already used."""
+def _other_process_requests(monkeypatch, trainer, n_other, used_other=0, other_failed=False):
+    """Simulate a second process: accelerator.gather appends its request count, completions already used and
+    whether it holds a reward error from sampling-stage scoring."""
 
     def gather(tensor):
-        assert tensor.shape == (2,), "the service gathers (requested, used) per process"
-        return torch.cat([tensor, torch.tensor([n_other, used_other], dtype=tensor.dtype)])
+        assert tensor.shape == (3,), "the service gathers (requested, used, scoring failed) per process"
+        return torch.cat([tensor, torch.tensor([n_other, used_other, int(other_failed)], dtype=tensor.dtype)])
 
     monkeypatch.setattr(trainer.accelerator, "gather", gather)
 
@@ -638,6 +639,26 @@ def test_generation_service_pads_collectively_and_returns_local_results(monkeypa
     _other_process_requests(monkeypatch, trainer, 0)
     assert service.generate(prompt_ids=[]) == []
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("failed_here", [True, False])
+def test_generation_service_raises_a_held_scoring_error_on_every_process_before_generating(failed_here, monkeypatch):
+    """A reward error held during after_generation (ctx.score on several processes) travels in the service's count
+    gather: the holder raises its own error, the other process a PluginError naming it; nothing is generated."""
+    trainer = _service_trainer()
+    service = trainer.generation_service
+    calls = []
+    monkeypatch.setattr(trainer, "_generate_single_turn", _echo_backend(calls))
+    _other_process_requests(monkeypatch, trainer, 1, other_failed=not failed_here)
+    service.begin_batch([1])
+    held = trainer._held_reward_errors
+    if failed_here:
+        held.holding = True
+        assert held.hold(ZeroDivisionError("reward divided by zero"))
+    expected = (ZeroDivisionError, "divided by zero") if failed_here else (PluginError, "process 1 failed")
+    with pytest.raises(expected[0], match=expected[1]):
+        service.generate(prompt_ids=[[5, 6]])
+    assert calls == [] and service.used_this_batch == 0
 
 
 def test_generation_service_prefix_continuation(monkeypatch):

@@ -161,6 +161,9 @@ class RolloutContext(_MetricsMixin):
 
         Runs the trainer's reward functions locally (no gather) on ``(rows[i], completions[j])`` and returns
         the weighted sum (len(indices),), as TRL combines them. Use it to test candidates before accepting.
+        With several processes a reward function's error here is held (its rows score 0.0) and raised on every
+        process together at the next framework collective (generation service, policy entropies, end of stage), so a
+        failure on one process never leaves the others waiting in your ``gather``.
         """
         comps = [self.completions[i] for i in indices] if completions is None else list(completions)
         return self._scorer([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps)

@@ -11,6 +11,10 @@ from .contexts import Completion
 from .errors import GenerationBudgetExceeded, PluginError
 
 
+#: How a process that waited names the failure of another process's reward scoring in the sampling stage.
+SCORING_FAILED = "reward functions (sampling-stage scoring)"
+
+
 class GenerationService:
     """Extra completions within a training step, through the trainer's generation backend.
 
@@ -110,8 +114,15 @@ class GenerationService:
         return results
 
     def _gather_counts(self, n_local: int) -> torch.Tensor:
-        """(num_processes, 2) long tensor: each process's request count and completions already used this batch."""
+        """(num_processes, 2) long tensor: each process's request count and completions already used this batch.
+
+        A reward-function error that the sampling stage holds on some process (see the trainer) rides in the same
+        collective and is raised here on every process, before anything is generated.
+        """
         acc = self.trainer.accelerator
+        held = getattr(self.trainer, "_held_reward_errors", None)
+        if held is not None:
+            return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
         local = torch.tensor([n_local, self.used_this_batch], dtype=torch.long, device=acc.device)
         return acc.gather(local).view(-1, 2).cpu()
 

@@ -146,6 +146,20 @@ class HeldRewardErrors:
             self._errors.clear()
         return first
 
+    def gather_with_flag(self, gather: Any, values: Sequence[int], device: Any, what: str) -> Any:
+        """(P, k) long tensor: every process's ``values`` (k ints), all-gathered in one collective together with
+        whether this process holds an error; when any process does, every process raises (the holder its own error,
+        the others a ``PluginError`` naming it). ``gather``: the accelerator's all-gather."""
+        import torch
+
+        from .rollouts import raise_for_flags
+
+        error = self.take()
+        local = torch.tensor([*values, int(error is not None)], dtype=torch.long, device=device)
+        gathered = gather(local).view(-1, len(values) + 1).cpu()
+        raise_for_flags(gathered[:, -1].tolist(), what, error)
+        return gathered[:, :-1]
+
 
 class _GuardedReward:
     """A reward callable that checks what the wrapped one returns (see the module docstring)."""

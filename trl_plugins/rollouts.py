@@ -17,7 +17,7 @@ from .answers import completion_text
 
 __all__ = [
     "check_offpolicy_gamma", "completion_text", "context_device", "fail_together", "gather_floats", "gather_id_lists",
-    "gather_objects_together", "raise_together", "run_together",
+    "gather_objects_together", "raise_for_flags", "raise_together", "run_together",
 ]
 
 
@@ -87,9 +87,15 @@ def fail_together(ctx: Any, plugin: str, error: BaseException | None) -> None:
 
 def raise_together(gather: Any, device: torch.device, what: str, error: BaseException | None) -> None:
     """:func:`fail_together` on a bare tensor all-gather (``gather``: (1,) tensor -> (P,) tensor; collective)."""
+    flags = gather(torch.tensor([0 if error is None else 1], dtype=torch.long, device=device)).cpu().tolist()
+    raise_for_flags(flags, what, error)
+
+
+def raise_for_flags(flags: Sequence[int], what: str, error: BaseException | None) -> None:
+    """Given every process's gathered failure flag (P,): raise this process's ``error``, or a
+    :class:`~trl_plugins.errors.PluginError` naming the first failing process; return when no flag is set."""
     from .errors import PluginError
 
-    flags = gather(torch.tensor([0 if error is None else 1], dtype=torch.long, device=device)).cpu().tolist()
     if error is not None:
         raise error
     failed = [p for p, f in enumerate(flags) if f]
@@ -127,11 +133,6 @@ def gather_objects_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs
     if error is None and len(local) != rows:
         raise PluginError(f"{plugin}: {len(local)} values for {rows} rows")  # a bug of the plugin, same everywhere
     gathered = ctx.gather_object([(error is not None, value) for value in local])
-    if error is not None:
-        raise error
-    failed = sorted({i // rows for i, (flag, _) in enumerate(gathered) if flag})
-    if failed:
-        raise PluginError(
-            f"{plugin}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
-        )
+    firsts = gathered[::rows] if rows else []  # the first row of each process carries its flag
+    raise_for_flags([flag for flag, _ in firsts], plugin, error)
     return [value for _, value in gathered]

@@ -41,7 +41,7 @@ from .contexts import (
     group_layout,
 )
 from .errors import PluginConfigError, PluginError
-from .generation import GenerationService
+from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
@@ -242,7 +242,20 @@ class PluginGRPOTrainer(GRPOTrainer):
         rctx._decoder = lambda ids, row: self._decode_completion(ids, prompts[row])
         rctx._entropy_fn = self._rollout_entropies
         self.generation_service.begin_batch(prompt_ids[0])
-        self.plugin_stack.call("trl_plugins_after_generation", rctx)
+        held = self._held_reward_errors
+        held.take()  # nothing stale from a step that failed otherwise
+        # several processes: ctx.score's reward errors are held until the next framework collective (the generation
+        # service's or the extra-rollouts count below), where every process raises together
+        held.holding = self.accelerator.num_processes > 1
+        try:
+            self.plugin_stack.call("trl_plugins_after_generation", rctx)
+        finally:
+            held.holding = False
+        # summed over processes (every process runs this line once per batch), like TRL's gathered metrics; the same
+        # collective raises a reward error held during after_generation, on every process
+        used = held.gather_with_flag(self.accelerator.gather, [self.generation_service.used_this_batch],
+                                     self.accelerator.device, SCORING_FAILED)
+        extra_rollouts = float(used.sum().item())
         unfilled = [i for i, d in enumerate(deferred) if d and i not in rctx.changed]
         if unfilled:
             raise PluginError(
@@ -262,9 +275,6 @@ class PluginGRPOTrainer(GRPOTrainer):
                     ]
         state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, annotations
         self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in annotations])
-        # summed over processes (every process runs this line once per batch), like TRL's gathered metrics
-        used = torch.tensor([self.generation_service.used_this_batch], device=self.accelerator.device)
-        extra_rollouts = float(self.accelerator.gather(used).sum().item())
         self._metrics["train"]["plugins/framework/extra_rollouts"].append(extra_rollouts)
         return (
             rctx.prompt_ids,
@@ -285,7 +295,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         """
         acc = self.accelerator
         n_local = len(completion_ids)
-        counts = acc.gather(torch.tensor([n_local], device=acc.device))
+        counts = self._held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
         max_n = int(counts.max().item())
         if max_n == 0:
             return []

@@ -19,6 +19,11 @@ Phases:
     a row to a second generation round and fills it from the generation service, asks for policy entropies, and asks
     the service for one extra completion; rank 1 asks for nothing. Plus hint_scaffold in ``replace="one"`` mode (one
     request per failing group: 2 on rank 0, 1 on rank 1). It must finish (no deadlock) with exactly G rows per group.
+``nan_scored_on_one_rank`` (expected to fail on both ranks; the launch goes on)
+    hint_scaffold scores the first-round completions with ``ctx.score`` in the sampling stage, and a reward function
+    returns NaN there on rank 1 only. The error is held until the next framework collective; then rank 1 raises the
+    guard's error and rank 0 a ``PluginError`` naming process 1. Both ranks record what they raised and go on to the
+    next phase together -- which only works if neither was left inside a collective.
 ``nan_on_one_rank`` (last: it ends the launch)
     A reward function returns NaN on rank 1 only. The reward guard holds the error until TRL's reward gather has
     completed on both ranks; then rank 1 raises the guard's error (naming the function, row and value) and rank 0 a
@@ -40,7 +45,14 @@ import torch
 
 GLOBAL_ROWS = 6
 G = 2
-PHASES = ("deterministic", "asymmetric", "nan_on_one_rank")
+PHASES = ("deterministic", "asymmetric", "nan_scored_on_one_rank", "nan_on_one_rank")
+EXPECTED_TO_FAIL = ("nan_scored_on_one_rank",)  # each rank records its error and the launch continues
+
+
+def nan_on_rank1(completions, **kwargs):
+    """0.5 everywhere, except NaN for the second row on rank 1."""
+    rank = int(os.environ.get("RANK", "0"))
+    return [float("nan") if rank == 1 and i == 1 else 0.5 for i in range(len(completions))]
 
 
 def _answer_text(expression: str) -> str:
@@ -163,12 +175,12 @@ def build_trainer(phase: str, out_dir: str, num_processes: int):
             max_steps=1,
             **common,
         )
+    if phase == "nan_scored_on_one_rank":
+        return make_tiny_trainer(
+            plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"success_threshold": 0.9}}, max_steps=1,
+            **{**common, "reward_funcs": [accuracy_reward, nan_on_rank1]},
+        )
     if phase == "nan_on_one_rank":
-
-        def nan_on_rank1(completions, **kwargs):
-            rank = int(os.environ.get("RANK", "0"))
-            return [float("nan") if rank == 1 and i == 1 else 0.5 for i in range(len(completions))]
-
         return make_tiny_trainer(
             plugins=["canon"], max_steps=1, **{**common, "reward_funcs": [accuracy_reward, nan_on_rank1]}
         )
@@ -245,6 +257,11 @@ def main(argv: list[str]) -> None:
         try:
             run_phase(phase, out_dir)
         except Exception as exc:
+            if phase in EXPECTED_TO_FAIL:
+                rank = int(os.environ.get("RANK", "0"))
+                with open(os.path.join(out_dir, f"{phase}-rank{rank}.json"), "w") as f:
+                    json.dump({"error": type(exc).__name__, "message": str(exc)}, f)
+                continue
             # each rank reports at once, then lingers: the launcher stops the other rank as soon as one exits, and the
             # test reads what *both* raised by themselves (a rank stuck in a collective would print nothing here)
             print(f"rank {os.environ.get('RANK', '0')} raised {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

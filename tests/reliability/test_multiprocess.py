@@ -1,10 +1,11 @@
 """Two processes on CPU (gloo, ``accelerate launch``) against one: invariant 5 (collectives never deadlock or
 mis-assign) and equality with the single-process run where the run is deterministic.
 
-One launch of ``mp_worker.py`` under ``docs/accelerate/cpu_2proc.yaml`` runs three phases (see the worker's docstring):
+One launch of ``mp_worker.py`` under ``docs/accelerate/cpu_2proc.yaml`` runs four phases (see the worker's docstring):
 a deterministic ``hint_scaffold + canon + lp_reg`` run whose groups straddle the two ranks, an asymmetric run where the
 ranks ask the generation service for different numbers of completions (deferred rows, entropies, extra completions) on
-real HF generation, and a run where one rank's reward function returns NaN. The single-process reference of the
+real HF generation, and two runs where one rank's reward function returns NaN (in hint_scaffold's sampling-stage
+scoring, then in TRL's reward pass). The single-process reference of the
 deterministic phase runs in this process.
 """
 
@@ -137,6 +138,18 @@ def _initial_params():
     from trl_plugins.testing import tiny_model
 
     return {n: p.detach() for n, p in tiny_model(seed=0).named_parameters()}
+
+
+def test_scoring_error_in_the_sampling_stage_on_one_rank_is_raised_on_both_ranks_together(two_processes):
+    out, _rc, _log = two_processes
+    first, second = _load(out, "nan_scored_on_one_rank", 0), _load(out, "nan_scored_on_one_rank", 1)
+    assert second["error"] == "RewardValueError", second
+    assert "Reward function 'nan_on_rank1' returned nan for row 1" in second["message"] and "on process 1" in second[
+        "message"]
+    assert first["error"] == "PluginError", first
+    assert "reward functions (sampling-stage scoring): process 1 failed" in first["message"], first
+    # and both went on, in step, to the next phase (which ends the launch)
+    assert "rank 0 raised PluginError: reward functions: process 1 failed" in _log
 
 
 def test_error_on_one_rank_ends_the_launch_instead_of_hanging(two_processes):
