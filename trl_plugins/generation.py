@@ -9,6 +9,7 @@ import torch
 
 from .contexts import Completion
 from .errors import GenerationBudgetExceeded, PluginError
+from .rewards_guard import HeldRewardErrors
 
 
 #: How a process that waited names the failure of another process's reward scoring in the sampling stage.
@@ -120,11 +121,8 @@ class GenerationService:
         collective and is raised here on every process, before anything is generated.
         """
         acc = self.trainer.accelerator
-        held = getattr(self.trainer, "_held_reward_errors", None)
-        if held is not None:
-            return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
-        local = torch.tensor([n_local, self.used_this_batch], dtype=torch.long, device=acc.device)
-        return acc.gather(local).view(-1, 2).cpu()
+        held = getattr(self.trainer, "_held_reward_errors", None) or HeldRewardErrors()  # (a bare stand-in trainer)
+        return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
 
     def state_dict(self) -> dict:
         return {"total": self.total}

@@ -36,7 +36,8 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from .errors import PluginConfigError, PluginError
@@ -134,6 +135,16 @@ class HeldRewardErrors:
             self._errors.append(error)
         return True
 
+    @contextmanager
+    def holding_while(self, enabled: bool) -> Iterator[None]:
+        """Hold errors inside the block when ``enabled`` (several processes); forget any stale ones first."""
+        self.take()
+        self.holding = enabled
+        try:
+            yield
+        finally:
+            self.holding = False
+
     @property
     def failed(self) -> bool:
         """Holding an error already: later reward functions of the same call are skipped (placeholder zeros)."""
@@ -161,6 +172,11 @@ class HeldRewardErrors:
         return gathered[:, :-1]
 
 
+def _placeholder(kwargs: dict) -> list[float]:
+    """Zeros, one per prompt of the call: what a reward function whose step is lost returns while errors are held."""
+    return [0.0] * len(kwargs.get("prompts") or ())
+
+
 class _GuardedReward:
     """A reward callable that checks what the wrapped one returns (see the module docstring)."""
 
@@ -180,7 +196,7 @@ class _GuardedReward:
 
     def __call__(self, *args, **kwargs):
         if self._held is not None and self._held.failed:  # the step fails anyway: no judge calls for nothing
-            return [0.0] * len(kwargs.get("prompts") or ())
+            return _placeholder(kwargs)
         try:
             values = self.__wrapped__(*args, **kwargs)
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
@@ -192,7 +208,7 @@ class _GuardedReward:
         """Zeros for every row when the error is held (the trainer raises it after the reward gather)."""
         if self._held is None or not self._held.hold(error):
             raise error
-        return [0.0] * len(kwargs.get("prompts") or ())
+        return _placeholder(kwargs)
 
     def __repr__(self) -> str:
         return f"<guarded reward {self.__name__}: {self.__wrapped__!r}>"
@@ -201,7 +217,7 @@ class _GuardedReward:
 class _AsyncGuardedReward(_GuardedReward):
     async def __call__(self, *args, **kwargs):
         if self._held is not None and self._held.failed:
-            return [0.0] * len(kwargs.get("prompts") or ())
+            return _placeholder(kwargs)
         try:
             values = await self.__wrapped__(*args, **kwargs)
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))

@@ -975,8 +975,8 @@ def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], tim
 
     ``gather`` is that process's all-gather; pass it as ``make_rollout_context(..., process_index=rank,
     gather=gather)``. ``gather.objects`` gathers Python lists the same way (a reward context's ``gather_object``:
-    ``ctx._object_gatherer = gather.objects``). The first exception of any process is re-raised (a collective left by one process raises
-    ``threading.BrokenBarrierError`` in the others)."""
+    ``ctx._object_gatherer = gather.objects``). The first exception of any process is re-raised (a collective left
+    by one process raises ``threading.BrokenBarrierError`` in the others)."""
     collective = SimulatedCollective(num_processes, timeout=timeout)
     results: list[Any] = [None] * num_processes
     errors: list[BaseException] = []

@@ -45,7 +45,6 @@ from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
-from .rollouts import raise_together
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -243,14 +242,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         rctx._entropy_fn = self._rollout_entropies
         self.generation_service.begin_batch(prompt_ids[0])
         held = self._held_reward_errors
-        held.take()  # nothing stale from a step that failed otherwise
         # several processes: ctx.score's reward errors are held until the next framework collective (the generation
         # service's or the extra-rollouts count below), where every process raises together
-        held.holding = self.accelerator.num_processes > 1
-        try:
+        with held.holding_while(self.accelerator.num_processes > 1):
             self.plugin_stack.call("trl_plugins_after_generation", rctx)
-        finally:
-            held.holding = False
         # summed over processes (every process runs this line once per batch), like TRL's gathered metrics; the same
         # collective raises a reward error held during after_generation, on every process
         used = held.gather_with_flag(self.accelerator.gather, [self.generation_service.used_this_batch],
@@ -451,16 +446,12 @@ class PluginGRPOTrainer(GRPOTrainer):
         everywhere; then one gathered flag decides: the failing process raises its own error, the others a
         ``PluginError`` naming it -- instead of waiting in the gather until the collective's timeout.
         """
-        held = self._held_reward_errors
         if self.accelerator.num_processes == 1:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        held.take()  # nothing stale from a step that failed otherwise
-        held.holding = True
-        try:
+        held = self._held_reward_errors
+        with held.holding_while(True):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        finally:
-            held.holding = False
-        raise_together(self.accelerator.gather, self.accelerator.device, "reward functions", held.take())
+        held.gather_with_flag(self.accelerator.gather, [], self.accelerator.device, "reward functions")
         return rewards_per_func
 
     def _process_slice(self, local_rows: int) -> slice:
