@@ -4,6 +4,7 @@ from .contexts import AdvantageContext, Completion, LossContext, PolicyStats, Pr
 from .errors import (
     GenerationBudgetExceeded,
     IncompatiblePluginsError,
+    ModelNotFoundError,
     PluginConfigError,
     PluginError,
     UnknownPluginError,
@@ -15,7 +16,7 @@ from .plugin import Plugin
 
 __version__ = "0.1.0"
 
-_LAZY = {"PluginGRPOConfig": "config", "PluginGRPOTrainer": "trainer"}
+_LAZY = {"PluginGRPOConfig": "config", "PluginGRPOTrainer": "trainer", "resolve_model": "models"}
 
 
 def __getattr__(name: str):
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationBudgetExceeded",
     "IncompatiblePluginsError",
     "LossContext",
+    "ModelNotFoundError",
     "Plugin",
     "PluginConfigError",
     "PluginError",
@@ -49,5 +51,6 @@ __all__ = [
     "hookimpl",
     "option",
     "register_plugin",
+    "resolve_model",
     "unregister_plugin",
 ]

