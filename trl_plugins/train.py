@@ -85,7 +85,6 @@ def load_model(model_args, training_args):
     init = training_args.model_init_kwargs or {}
     return resolve_model(
         model_args.model_name_or_path or "builtin:tiny",
-        tiny_cache_dir=os.path.join(training_args.output_dir, ".tiny_cache"),
         revision=model_args.model_revision,
         **({"trust_remote_code": init["trust_remote_code"]} if "trust_remote_code" in init else {}),
     )
