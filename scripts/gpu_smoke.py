@@ -11,10 +11,13 @@ Runs (each a fresh trainer, ``--steps`` optimizer steps):
 * ``qlora/<plugin>``: each built-in plugin alone on a 4-bit base model with LoRA adapters, bf16 compute;
 * ``bf16/<stack>``: full fine-tuning in bf16 of the recommended stacks (``STACKS``).
 
-For each run the JSON records: ``status`` ("ok"; "error" with the traceback tail; "bad" when a loss is not finite or
+For each run the JSON records: ``status`` ("ok"; "refused" when the trainer refused the plugin at construction, with
+the reason; "error" with the traceback tail; "bad" when a loss is not finite or
 fewer steps ran), seconds, the losses, whether trainable weights changed (a ``note`` when they did not: an untrained
 tiny model can give a method no learning signal in a few steps), the ``plugins/...`` metrics logged, and peak GPU
-memory. The summary lists the runs that are not ok; the exit status is 1 when there is any.
+memory. The summary lists the runs that failed; the exit status is 1 when there is any. ``--matrix`` (default
+``gpu_smoke_matrix.md``) gets the compatibility matrix: one row per plugin or stack, one column per setting, each cell
+ok / refused with its reason / failed with its error.
 
 Usage (on a machine with a CUDA GPU and bitsandbytes)::
 
@@ -99,10 +102,13 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
     from trl_plugins.tasks.arithmetic import accuracy_reward
     from trl_plugins.testing import digit_fraction_reward, tiny_config, tiny_dataset
 
+    from trl_plugins import PluginError
+
     record: dict[str, Any] = {"name": name, "plugins": plugins, "quant": quant, "precision": precision}
     start = time.monotonic()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    phase = "construction"
     try:
         overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
         for p in plugins:
@@ -137,6 +143,7 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
 
             record["linear4bit_modules"] = sum(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules())
         before = {n: p.detach().float().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+        phase = "training"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -161,8 +168,12 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
             record["note"] = "trainable weights unchanged (no learning signal in these steps?)"
         del trainer
     except Exception as exc:  # one broken run must not hide the others
-        record.update(status="error", error=f"{type(exc).__name__}: {exc}",
-                      traceback=traceback.format_exc()[-4000:])
+        if isinstance(exc, PluginError) and phase == "construction":
+            # refused at construction with a reason (a setting the plugin does not support): not a failure
+            record.update(status="refused", error=f"{type(exc).__name__}: {exc}")
+        else:
+            record.update(status="error", error=f"{type(exc).__name__}: {exc}",
+                          traceback=traceback.format_exc()[-4000:])
     record["seconds"] = round(time.monotonic() - start, 2)
     if device == "cuda":
         record["peak_gpu_memory_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
@@ -173,6 +184,9 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_smoke.json", help="Where to write the JSON result.")
+    parser.add_argument("--matrix", default="gpu_smoke_matrix.md",
+                        help="Where to write the compatibility matrix (markdown: plugin x setting, ok / refused with "
+                        "reason / failed); copy it into docs/compatibility.md with the date and hardware.")
     parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run.")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
@@ -214,11 +228,47 @@ def main(argv: list[str] | None = None) -> int:
                 record = run_one(f"{args.precision}/{name}", stack, quant="none", **common)
                 result["runs"].append(record)
                 print(f"{record['name']:<40} {record['status']:<8} {record['seconds']:>7.1f}s", flush=True)
-    failed = [r["name"] for r in result["runs"] if r["status"] != "ok"]
-    result["summary"] = {"runs": len(result["runs"]), "ok": len(result["runs"]) - len(failed), "not_ok": failed}
+    failed = [r["name"] for r in result["runs"] if r["status"] not in ("ok", "refused")]
+    ok = sum(r["status"] == "ok" for r in result["runs"])
+    result["summary"] = {"runs": len(result["runs"]), "ok": ok, "not_ok": failed,
+                         "refused": [r["name"] for r in result["runs"] if r["status"] == "refused"]}
     Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    print(f"{result['summary']['ok']}/{result['summary']['runs']} runs ok; wrote {args.out}")
+    Path(args.matrix).write_text(compatibility_matrix(result))
+    print(f"{ok}/{result['summary']['runs']} runs ok; wrote {args.out} and the matrix {args.matrix}")
     return 1 if failed else 0
+
+
+def _cell(record: dict) -> str:
+    if record["status"] == "ok":
+        return "ok" + (f" ({record['note']})" if record.get("note") else "")
+    reason = str(record.get("error") or record["status"]).splitlines()[0].replace("|", "\\|")[:160]
+    return ("refused: " if record["status"] == "refused" else "failed: ") + reason
+
+
+def compatibility_matrix(result: dict) -> str:
+    """Markdown: one row per plugin or stack, one column per setting (``qlora``, ``bf16``, ...), each cell ok /
+    refused (the construction error: a setting the plugin does not support) / failed (the error)."""
+    env = result["environment"]
+    hardware = env.get("gpu") or f"CPU ({platform.processor() or platform.machine()}), no GPU"
+    settings: list[str] = []
+    rows: dict[str, dict[str, str]] = {}
+    for record in result["runs"]:
+        setting, subject = record["name"].split("/", 1)
+        settings += [setting] if setting not in settings else []
+        rows.setdefault(subject, {})[setting] = _cell(record)
+    lines = [
+        f"Compatibility matrix, {time.strftime('%Y-%m-%d')}, {hardware}; torch {env['torch']}, "
+        f"transformers {env['transformers']}, trl {env['trl']}, bitsandbytes {env.get('bitsandbytes')}; "
+        f"{result['settings']['steps']} step(s) per run (`python scripts/gpu_smoke.py`).",
+        "",
+        "| plugin / stack | " + " | ".join(settings) + " |",
+        "|---|" + "---|" * len(settings),
+    ]
+    for subject, cells in rows.items():
+        lines.append(f"| `{subject}` | " + " | ".join(cells.get(s, "not run") for s in settings) + " |")
+    if env["device"] != "cuda":
+        lines += ["", "Run on a CPU (dry run of the configurations): not yet run on a GPU."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -24,3 +24,19 @@ def test_ci_runs_the_readme_test_command():
     command = 'pip install -q torch==2.13.0 -e ".[dev]" && python -m pytest -q -m "not slow"'
     assert command in readme
     assert command in (ROOT / ".ci/run").read_text()
+
+
+def test_ci_runs_every_trl_plugins_command_of_the_readme():
+    """Each `trl-plugins ...` command in the README's bash blocks runs in .ci/run (with cheap extra settings)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci/run").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.splitlines():
+            code = line.split("#", 1)[0]
+            commands += [m.strip() for m in re.findall(r"(trl-plugins [^&|]+)", code)]
+    assert commands, "no trl-plugins command found in the README"
+    for command in commands:
+        assert command in ci, f"README command {command!r} is not run by .ci/run"

@@ -229,6 +229,9 @@ _EXAMPLE_YAML = '''\
 # trl-plugins train examples/stacked.yaml
 # ${name} stacked with the built-in `canon` (advantage stage) on the bundled tiny model and arithmetic tasks,
 # offline on a CPU. Every GRPOConfig field can be set here; `--field value` on the command line overrides.
+# bf16 is left unset on purpose: on a CPU without AMX bf16 units trl-plugins then trains in float32 (bf16 autocast
+# is about 10x slower there), elsewhere TRL's default (bf16) applies. `model_name_or_path: builtin:smollm2` trains
+# the offline real model (SmolLM2-135M-Instruct) instead of the tiny one.
 model_name_or_path: builtin:tiny
 dataset_name: builtin:arithmetic
 reward_funcs: [accuracy]

