@@ -1,17 +1,18 @@
 """Step time of GRPO on the real model (``builtin:smollm2``, LoRA) on a CPU, with ``bf16=False`` and ``bf16=True``.
 
-Why it exists: TRL's ``GRPOConfig`` defaults to ``bf16=True``. On a CPU without AMX bf16 units, autocast to bf16
-makes every step about an order of magnitude slower than float32 (the weights are cast again at every forward of
-every decoding step), which is why :class:`trl_plugins.PluginGRPOConfig` picks ``bf16=False`` there and warns when
-it is set by hand. This script measures the two settings on the same run (SmolLM2-135M-Instruct, LoRA r=8 on the
-attention projections, the bundled arithmetic prompts as chat messages, 8 completions per step, at most 48 new
-tokens, no plugins), ``--steps`` optimizer steps each, and prints per-step wall and CPU times as JSON (``--json``
+Why it exists: TRL's ``GRPOConfig`` defaults to ``bf16=True``; on a CPU that means bf16 autocast.
+:class:`trl_plugins.PluginGRPOConfig` picks ``bf16=False`` on a CPU without AMX bf16 units and warns when it is set
+by hand there, quoting this measurement. The script runs the two settings on the same run (SmolLM2-135M-Instruct,
+LoRA r=8 on the attention projections, the bundled arithmetic prompts as chat messages, 8 completions per step, at
+most ``--max-completion-length`` new tokens, no plugins), ``--steps`` optimizer steps each, and prints per-step wall and CPU times as JSON (``--json``
 writes them to a file) and one markdown row per setting.
 
-    python scripts/bench_cpu_precision.py --steps 2 --json docs/benchmarks/cpu_precision.json
+    python scripts/bench_cpu_precision.py --steps 2 --threads 1 --max-completion-length 32 \
+        --json docs/benchmarks/cpu_precision.json
 
-The first step of each run includes one-off work (optimizer state, autocast caches), so the row reports the
-median over the steps after the first when there are at least two.
+The first step of each run includes one-off work (optimizer state), so the row reports the median over the steps
+after the first when there are at least two. Wall time depends on the machine's load; the CPU time of the process
+(``time.process_time``, all its threads) much less.
 """
 
 from __future__ import annotations

@@ -121,7 +121,8 @@ def _stacks(urls):
         # (hint_scaffold + cure + lp_reg), and the recommended hint_scaffold + canon + lp_reg
         "hint_scaffold+cure+canon+lp_reg+length_shaping": (
             ["hint_scaffold", "cure", "canon", "lp_reg", "length_shaping"],
-            {"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
+            {"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5},
+             "cure": {"branches_per_response": 1}},  # G=2: one original and one branch per group
             {"loss_type": "dr_grpo"}, [],
         ),
         # the recommended scope stack, with PRM and teacher endpoints

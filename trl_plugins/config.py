@@ -26,9 +26,9 @@ class PluginGRPOConfig(GRPOConfig):
     suggestions), unknown or mistyped options and incompatible stacks raise at once.
 
     One default differs from GRPOConfig's on a CPU (``use_cpu=True`` or no GPU): when ``bf16`` is not set and the
-    CPU has no AMX bf16 units, ``bf16=False`` (bf16 autocast is about 10x slower there); ``bf16=True`` set by hand
-    on such a CPU gives a :class:`~trl_plugins.precision.SlowCpuPrecisionWarning` with the measured cost. See
-    :mod:`trl_plugins.precision`.
+    CPU has no AMX bf16 units, ``bf16=False`` (bf16 autocast brings no speed there and TRL's default would stop a
+    GPU-less machine); ``bf16=True`` set by hand on such a CPU gives a
+    :class:`~trl_plugins.precision.SlowCpuPrecisionWarning` with the measured cost. See :mod:`trl_plugins.precision`.
 
     Parameters:
         plugins (`list[str]`): plugins to enable, in the order their hooks chain within each stage.
@@ -68,7 +68,7 @@ class PluginGRPOConfig(GRPOConfig):
     def __post_init__(self):
         from .precision import choose_cpu_precision
 
-        # bf16 unset on a CPU without AMX bf16 units: float32 (about 10x faster there); bf16 set there: a warning
+        # bf16 unset on a CPU without AMX bf16 units: float32; bf16=True set there: a warning with the measured cost
         choose_cpu_precision(self, bf16_was_set=self.bf16 is not None)
         super().__post_init__()
         if isinstance(self.plugins, str):

@@ -230,7 +230,7 @@ _EXAMPLE_YAML = '''\
 # ${name} stacked with the built-in `canon` (advantage stage) on the bundled tiny model and arithmetic tasks,
 # offline on a CPU. Every GRPOConfig field can be set here; `--field value` on the command line overrides.
 # bf16 is left unset on purpose: on a CPU without AMX bf16 units trl-plugins then trains in float32 (bf16 autocast
-# is about 10x slower there), elsewhere TRL's default (bf16) applies. `model_name_or_path: builtin:smollm2` trains
+# is no faster there, and TRL's default stops a GPU-less machine), elsewhere TRL's default (bf16) applies. `model_name_or_path: builtin:smollm2` trains
 # the offline real model (SmolLM2-135M-Instruct) instead of the tiny one.
 model_name_or_path: builtin:tiny
 dataset_name: builtin:arithmetic
