@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 
 @dataclass

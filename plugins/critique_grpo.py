@@ -33,11 +33,12 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import (
-    check_offpolicy_gamma, completion_text, context_device, gather_id_lists, run_together,
-)
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.text import completion_text
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (

@@ -38,8 +38,9 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
-from trl_plugins.answers import completion_text
-from trl_plugins.rollouts import context_device, gather_id_lists
+from trl_plugins.collectives import gather_id_lists
+from trl_plugins.contexts import context_device
+from trl_plugins.text import completion_text
 
 
 @dataclass

@@ -70,7 +70,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 

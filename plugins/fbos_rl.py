@@ -55,9 +55,11 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (

@@ -73,8 +73,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import completion_text
-from trl_plugins.rollouts import gather_id_lists
+from trl_plugins.collectives import gather_id_lists
+from trl_plugins.text import completion_text
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"

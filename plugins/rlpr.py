@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 COLUMN = "rlpr"
 

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
-from trl_plugins.answers import completion_text
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
+from trl_plugins.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
 BASE_SYSTEM = "You are a helpful assistant."

@@ -52,10 +52,12 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.collectives import run_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 
 
 @dataclass

@@ -1,52 +1,126 @@
-"""Helpers for sampling-stage plugins that work across processes (groups can straddle processes).
+"""Collectives that fail together: gathers across processes, and raising on every process when one of them failed.
 
-A group's rows may live on different processes (TRL splits the generation batch without respecting group
-boundaries), so a plugin that moves a completion from one row of a group to another -- a refinement replacing slot
-0, a feedback-guided success copied onto the failed attempt it came from -- must gather the candidates first. Every
-function here is **collective**: call it on every process, the same number of times, in the same order.
+With several processes every collective (an all-gather, a generation call of vLLM server mode, a ZeRO-3 forward)
+must be entered by every process, the same number of times, in the same order. A step that fails on one process only
+-- a reward function returning NaN for one row, a judge timing out, a row without a reference solution -- must
+therefore not let that process leave alone: the others would wait in their next collective until its timeout. The
+rule used throughout trl-plugins: the failure becomes a flag that rides in a collective every process enters anyway;
+after it, the failing process raises its own error and the others a :class:`~trl_plugins.errors.PluginError` naming
+the process that failed.
+
+Every function here is **collective**: call it on every process, the same number of times, in the same order.
+
+* For plugins (``ctx`` is a stage context with ``gather`` / ``gather_object``): :func:`gather_id_lists`,
+  :func:`gather_floats`, :func:`fail_together`, :func:`run_together`, :func:`gather_objects_together`. A group's rows
+  may live on different processes (TRL splits the generation batch without respecting group boundaries), so a
+  plugin that moves a completion from one row of a group to another gathers the candidates first.
+* For the framework (a bare all-gather ``gather``: (k,) long tensor -> (P * k,) tensor, e.g. the accelerator's):
+  :func:`gather_ints_together`, :func:`raise_together`, :func:`raise_for_flags` and :class:`HeldRewardErrors`, which
+  holds reward-function errors until the next framework collective (the reward guard of
+  :mod:`trl_plugins.rewards_guard` and ``RolloutContext.score`` hand their errors to it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from .answers import completion_text
+from .contexts import context_device
+from .errors import PluginError
 
 __all__ = [
-    "check_offpolicy_gamma", "completion_text", "context_device", "fail_together", "gather_floats", "gather_id_lists",
+    "HeldRewardErrors", "fail_together", "gather_floats", "gather_id_lists", "gather_ints_together",
     "gather_objects_together", "raise_for_flags", "raise_together", "run_together",
 ]
 
 
-def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
-    """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
-
-    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss is shared by every plugin of a run, so a plugin's
-    documented gamma (LUFFY: 0.1) is a check on the run setting, not a second knob.
-    """
-    import math
-
-    from .errors import IncompatiblePluginsError
-
-    run_gamma = getattr(args, "offpolicy_shaping_gamma", 0.1)
-    if not math.isclose(float(run_gamma), float(gamma)):
-        raise IncompatiblePluginsError(
-            f"{plugin}: gamma={gamma} but the run's offpolicy_shaping_gamma={run_gamma}. The shaped off-policy branch "
-            f"p/(p+gamma) is shared by every plugin of a run; set offpolicy_shaping_gamma: {gamma} in the config (or "
-            f"the plugin's gamma to {run_gamma})."
+# ------------------------------------------------------------------------------------------------ flags
+def raise_for_flags(flags: Sequence[int], what: str, error: BaseException | None) -> None:
+    """Given every process's gathered failure flag (P,): raise this process's ``error``, or a
+    :class:`~trl_plugins.errors.PluginError` naming the first failing process; return when no flag is set."""
+    if error is not None:
+        raise error
+    failed = [p for p, f in enumerate(flags) if f]
+    if failed:
+        raise PluginError(
+            f"{what}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
         )
 
 
-def context_device(ctx: Any) -> torch.device:
-    """The device collectives need (the trainer's accelerator device; CPU for hand-built contexts)."""
-    trainer = getattr(ctx, "trainer", None)
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.device if accelerator is not None else torch.device("cpu")
+def gather_ints_together(
+    gather: Any, values: Sequence[int], device: torch.device, what: str, error: BaseException | None
+) -> torch.Tensor:
+    """(P, k) long tensor: every process's ``values`` (k ints), all-gathered in one collective together with whether
+    this process failed (``error``); when any process failed, every process raises (:func:`raise_for_flags`).
+
+    ``gather``: a bare all-gather, (k + 1,) long tensor -> ((P * (k + 1)),) tensor (the accelerator's).
+    """
+    local = torch.tensor([*values, int(error is not None)], dtype=torch.long, device=device)
+    gathered = gather(local).view(-1, len(values) + 1).cpu()
+    raise_for_flags(gathered[:, -1].tolist(), what, error)
+    return gathered[:, :-1]
 
 
+def raise_together(gather: Any, device: torch.device, what: str, error: BaseException | None) -> None:
+    """:func:`fail_together` on a bare tensor all-gather (:func:`gather_ints_together` with no values)."""
+    gather_ints_together(gather, [], device, what, error)
+
+
+class HeldRewardErrors:
+    """Reward-function errors of this process, held back while :attr:`holding` until the next framework collective.
+
+    With several processes the trainer holds the errors of the reward guards (:mod:`trl_plugins.rewards_guard`) and
+    of ``RolloutContext.score``: a failing call records its error and returns placeholder zeros, the remaining reward
+    functions of the step return zeros without running, every process reaches the next collective, and
+    :meth:`gather_with_flag` raises there on every process together. Thread-safe: TRL runs async reward functions
+    on its own event-loop thread.
+    """
+
+    def __init__(self):
+        self.holding = False
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def hold(self, error: BaseException) -> bool:
+        """Record ``error`` and return True while holding; return False (the caller raises) otherwise."""
+        if not self.holding:
+            return False
+        with self._lock:
+            self._errors.append(error)
+        return True
+
+    @contextmanager
+    def holding_while(self, enabled: bool) -> Iterator[None]:
+        """Hold errors inside the block when ``enabled`` (several processes); forget any stale ones first."""
+        self.take()
+        self.holding = enabled
+        try:
+            yield
+        finally:
+            self.holding = False
+
+    @property
+    def failed(self) -> bool:
+        """Holding an error already: later reward functions of the same call are skipped (placeholder zeros)."""
+        return self.holding and bool(self._errors)
+
+    def take(self) -> BaseException | None:
+        """The first held error (None when every call succeeded); forgets all of them."""
+        with self._lock:
+            first = self._errors[0] if self._errors else None
+            self._errors.clear()
+        return first
+
+    def gather_with_flag(self, gather: Any, values: Sequence[int], device: Any, what: str) -> torch.Tensor:
+        """(P, k): :func:`gather_ints_together` of ``values`` with the held error (taken: forgotten afterwards)."""
+        return gather_ints_together(gather, values, device, what, self.take())
+
+
+# ------------------------------------------------------------------------------------------------ for plugins
 def gather_id_lists(ctx: Any, lists: Sequence[Sequence[int]]) -> list[list[int]]:
     """All-gather one token-id list per local row into one per global row (N lists, global order).
 
@@ -75,7 +149,7 @@ def gather_floats(ctx: Any, values: Sequence[float], fill: float = float("nan"))
 
 
 def fail_together(ctx: Any, plugin: str, error: BaseException | None) -> None:
-    """Raise on every process when any process failed (one collective); return when none did.
+    """Raise on every process when any process failed (one collective through ``ctx.gather``); return when none did.
 
     A plugin that calls a collective (``ctx.gather``, ``ctx.service.generate``) after a step that can fail on one
     process only -- a row without a reference solution, a judge that timed out -- must not let that process leave
@@ -83,26 +157,6 @@ def fail_together(ctx: Any, plugin: str, error: BaseException | None) -> None:
     the others raise a :class:`~trl_plugins.errors.PluginError` naming the process that failed.
     """
     raise_together(ctx.gather, context_device(ctx), plugin, error)
-
-
-def raise_together(gather: Any, device: torch.device, what: str, error: BaseException | None) -> None:
-    """:func:`fail_together` on a bare tensor all-gather (``gather``: (1,) tensor -> (P,) tensor; collective)."""
-    flags = gather(torch.tensor([0 if error is None else 1], dtype=torch.long, device=device)).cpu().tolist()
-    raise_for_flags(flags, what, error)
-
-
-def raise_for_flags(flags: Sequence[int], what: str, error: BaseException | None) -> None:
-    """Given every process's gathered failure flag (P,): raise this process's ``error``, or a
-    :class:`~trl_plugins.errors.PluginError` naming the first failing process; return when no flag is set."""
-    from .errors import PluginError
-
-    if error is not None:
-        raise error
-    failed = [p for p, f in enumerate(flags) if f]
-    if failed:
-        raise PluginError(
-            f"{what}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
-        )
 
 
 def run_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -123,8 +177,6 @@ def gather_objects_together(ctx: Any, plugin: str, fn: Any, *args: Any, **kwargs
     raises together as with :func:`fail_together` -- the failure flag rides in the same collective, so this costs
     nothing over a plain ``ctx.gather_object``. ``ctx.local_rows`` gives B (the same on every process).
     """
-    from .errors import PluginError
-
     rows = len(ctx.local_rows)
     try:
         local, error = list(fn(*args, **kwargs)), None

@@ -1181,11 +1181,6 @@ if pytest is not None:
 
 
 
-def clone_model(model):
-    """A deep copy of ``model`` (for side-by-side runs from identical weights)."""
-    return copy.deepcopy(model)
-
-
 def digit_fraction_reward(completions, **kwargs) -> list[float]:
     """A dense reward for untrained tiny models: the fraction of digit characters in the completion.
 

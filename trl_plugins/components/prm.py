@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..answers import completion_text
+from ..text import completion_text
 from ..errors import PluginConfigError
 from ..options import PluginOptions, option
 from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
