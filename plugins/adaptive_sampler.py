@@ -224,6 +224,7 @@ class AdaptiveSamplerPlugin(Plugin):
     paper = "MMR1 VAS, arXiv:2509.21268; RuleReasoner DADS, arXiv:2506.08672; RAPO pruning, arXiv:2509.24107"
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
+    replaces = ("the training sampler (which prompts are drawn)",)
     reconstructed = (
         "how VPS weighting, domain weights and pruning combine into one probability (see the module docstring)",
         "TDS proxy: fraction of distinct completions in the prompt's last group (off by default)",

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins.errors import PluginConfigError, PluginError
 from trl_plugins.collectives import (
     HeldRewardErrors,
     fail_together,
@@ -17,6 +16,7 @@ from trl_plugins.collectives import (
     raise_together,
     run_together,
 )
+from trl_plugins.errors import PluginConfigError, PluginError
 from trl_plugins.testing import run_on_processes
 
 

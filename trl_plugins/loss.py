@@ -27,6 +27,11 @@ from .contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from .errors import IncompatiblePluginsError
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+#: Hooks whose presence in a stack makes the trainer compute the loss here instead of TRL (sampling hooks may inject
+#: off-policy tokens; the trainer's SAMPLING_HOOKS + LOSS_HOOKS).
+LOSS_PATH_HOOKS = (
+    "trl_plugins_generation_prompts", "trl_plugins_after_generation", "trl_plugins_loss_advantages", "trl_plugins_loss",
+)
 
 
 def policy_moves_before_loss(args: Any, num_iterations: int | None = None) -> bool:

@@ -14,8 +14,8 @@ __all__ = ["completion_text"]
 def completion_text(completion: Any) -> str:
     """Text of a TRL completion: the string itself, or the content of the last message of a message list.
 
-    >>> completion_text("Answer: 4"), completion_text([{"role": "assistant", "content": "Answer: 4"}]), completion_text([])
-    ('Answer: 4', 'Answer: 4', '')
+    >>> completion_text("Answer: 4"), completion_text([{"role": "assistant", "content": "Answer: 4"}])
+    ('Answer: 4', 'Answer: 4')
     """
     if isinstance(completion, str):
         return completion

@@ -105,6 +105,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
+        stack.check_loss_type(self.loss_type)
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)

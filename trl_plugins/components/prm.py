@@ -1,4 +1,4 @@
-"""Process reward models (PRMs): one score in [0, 1] per reasoning step of a completion (DESIGN.md section 6).
+"""Process reward models (PRMs): one score in [0, 1] per reasoning step of a completion.
 
 Common interface (:class:`ProcessRewardModel`), batched over rows:
 
