@@ -232,3 +232,10 @@ def test_every_builtin_module_is_registered_as_an_entry_point():
 
     names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
     assert set(_builtin_plugins()) <= names
+
+
+def test_the_loss_path_hooks_are_the_ones_the_trainer_switches_on():
+    from trl_plugins.loss import LOSS_PATH_HOOKS
+    from trl_plugins.trainer import LOSS_HOOKS, SAMPLING_HOOKS
+
+    assert set(LOSS_PATH_HOOKS) == set(SAMPLING_HOOKS + LOSS_HOOKS)  # what Plugin.supported_loss_types() reads
