@@ -117,7 +117,7 @@ def _stacks(urls):
     """(plugins, plugin_config, run overrides, components that must be called) per stacked run."""
     prm = {"prm": "endpoint", "prm_base_url": urls["prm"], "prm_max_retries": 1, "step_separator": "\n"}
     return {
-        # the README's YAML stack (hint_scaffold + canon), the demo's (hint_scaffold + lp_reg), issue 14's
+        # the README's YAML stack (hint_scaffold + canon), the demo's (hint_scaffold + lp_reg), the
         # (hint_scaffold + cure + lp_reg), and the recommended hint_scaffold + canon + lp_reg
         "hint_scaffold+cure+canon+lp_reg+length_shaping": (
             ["hint_scaffold", "cure", "canon", "lp_reg", "length_shaping"],
