@@ -125,24 +125,27 @@ def _stacks(urls):
              "cure": {"branches_per_response": 1}},  # G=2: one original and one branch per group
             {"loss_type": "dr_grpo"}, [],
         ),
-        # the recommended scope stack, with PRM and teacher endpoints
-        "scope+posterior_grpo+siren+riskpo+llds": (
-            ["scope", "posterior_grpo", "siren", "riskpo", "llds"],
+        # the recommended scope stack, with PRM and teacher endpoints; DisCO trains only on groups that hold a
+        # correct rollout, which the 135M policy rarely writes but scope's teacher-corrected rollouts are
+        "scope+posterior_grpo+siren+riskpo+disco": (
+            ["scope", "posterior_grpo", "siren", "riskpo", "disco"],
             {"scope": {**prm, "mode": "teacher_suffix", "teacher": "endpoint", "teacher_base_url": urls["teacher"],
                        "teacher_max_retries": 1, "min_prefix_steps": 0},
              "posterior_grpo": dict(prm), "riskpo": {"bundle_size": 2}},
-            {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["prm"],
+            {"loss_type": "grpo", "scale_rewards": "none"}, ["prm", "teacher"],
         ),
         # the recommended ruscarl + kl_cov, with a rubric judge endpoint and a critic endpoint
         "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo": (
             ["critique_grpo", "ruscarl", "kl_cov", "adaptive_sampler", "seed_grpo"],
             {"critique_grpo": {"critique_type": "text", "critic": "endpoint", "critic_base_url": urls["critic"],
                                "critic_max_retries": 1},
-             "ruscarl": {"judge_base_url": urls["judge"], "judge_max_retries": 1}, "kl_cov": {"ratio": 0.1}},
+             "ruscarl": {"judge_base_url": urls["judge"], "judge_max_retries": 1}, "kl_cov": {"ratio": 0.1},
+             # linear 1 - H/H_max is 0 when both answers of a G=2 group differ (maximal entropy): no gradient at all
+             "seed_grpo": {"function": "exponential"}},
             {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["critic", "judge"],
         ),
-        "fbos_rl+disco+empo+dagrpo+hicra": (
-            ["fbos_rl", "disco", "empo", "dagrpo", "hicra"],
+        "fbos_rl+llds+empo+dagrpo+hicra": (
+            ["fbos_rl", "llds", "empo", "dagrpo", "hicra"],
             {"fbos_rl": {"feedback": "judge", "judge": "endpoint", "judge_base_url": urls["feedback"],
                          "judge_max_retries": 1}},
             {"loss_type": "grpo"}, ["feedback"],
@@ -164,9 +167,9 @@ def test_the_stacks_cover_every_builtin_plugin():
 
 
 @pytest.mark.parametrize("stack", ["hint_scaffold+cure+canon+lp_reg+length_shaping",
-                                   "scope+posterior_grpo+siren+riskpo+llds",
+                                   "scope+posterior_grpo+siren+riskpo+disco",
                                    "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo",
-                                   "fbos_rl+disco+empo+dagrpo+hicra",
+                                   "fbos_rl+llds+empo+dagrpo+hicra",
                                    "r3l+gtpo+steer+rlpr+clip_cov"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
