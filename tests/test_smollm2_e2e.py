@@ -144,10 +144,13 @@ def _stacks(urls):
              "seed_grpo": {"function": "exponential"}},
             {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["critic", "judge"],
         ),
+        # advantage plugins before fbos_rl, which re-centres their advantages per sub-group
         "fbos_rl+llds+empo+dagrpo+hicra": (
-            ["fbos_rl", "llds", "empo", "dagrpo", "hicra"],
+            ["empo", "dagrpo", "hicra", "llds", "fbos_rl"],
             {"fbos_rl": {"feedback": "judge", "judge": "endpoint", "judge_base_url": urls["feedback"],
-                         "judge_max_retries": 1}},
+                         "judge_max_retries": 1, "advantage": "recentre"},
+             # a G=2 group of two failed rollouts is one low-distinctiveness pair: delta 0.1 masks it (no gradient)
+             "dagrpo": {"delta": 0.0}},
             {"loss_type": "grpo"}, ["feedback"],
         ),
         "r3l+gtpo+steer+rlpr+clip_cov": (
