@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .errors import PluginError
+from .success import RewardColumns, SuccessRule
 
 #: Prefix of the generation-batch keys that carry per-row plugin extras to the loss stage.
 EXTRA_PREFIX = "plugin_extra::"
@@ -156,17 +157,31 @@ class RolloutContext(_MetricsMixin):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
-        """Weighted reward of local rows ``indices`` for the given completions (default: their current ones).
+    def reward_columns(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> RewardColumns:
+        """Every reward function's value for local rows ``indices`` and the given completions (default: their current
+        ones): a :class:`~trl_plugins.success.RewardColumns` with the (len(indices), K) matrix (NaN where a function
+        returned None and in placeholder columns), the column names and TRL's weights.
 
-        Runs the trainer's reward functions locally (no gather) on ``(rows[i], completions[j])`` and returns
-        the weighted sum (len(indices),), as TRL combines them. Use it to test candidates before accepting.
-        With several processes a reward function's error here is held (its rows score 0.0) and raised on every
-        process together at the next framework collective (generation service, policy entropies, end of stage), so a
-        failure on one process never leaves the others waiting in your ``gather``.
+        Runs the trainer's reward functions locally (no gather, no reward transforms). With several processes a
+        reward function's error here is held (its rows score 0.0) and raised on every process together at the next
+        framework collective (generation service, policy entropies, end of stage), so a failure on one process never
+        leaves the others waiting in your ``gather``.
         """
         comps = [self.completions[i] for i in indices] if completions is None else list(completions)
-        return self._scorer([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps)
+        return RewardColumns.of(self._scorer([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps))
+
+    def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
+        """Weighted reward (len(indices),) of local rows ``indices``, as TRL combines the columns (weighted nansum of
+        :meth:`reward_columns`). To decide whether an answer is *correct*, use :meth:`success` instead: a weighted
+        sum mixes partial-credit and placeholder columns into the verdict."""
+        return self.reward_columns(indices, completions).weighted_sum()
+
+    def success(
+        self, indices: Sequence[int], completions: Sequence[Any] | None = None, rule: SuccessRule = SuccessRule()
+    ) -> torch.Tensor:
+        """(len(indices),) bool: which completions succeed under ``rule`` -- decided on the verifier column only
+        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
+        return self.reward_columns(indices, completions).success(rule)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """All-gather a (B, ...) tensor into (N, ...) in global row order (collective: call on every process)."""

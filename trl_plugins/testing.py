@@ -55,6 +55,7 @@ from .contexts import (
 from .errors import GenerationBudgetExceeded, PluginError
 from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
 from .plugin import Plugin
+from .success import RewardColumns, is_placeholder
 
 #: The loss types of invariant 1 / 2 (TRL's token- and sequence-normalised objectives).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -493,18 +494,22 @@ class StubGenerationService:
 
 
 def _weighted_scorer(reward_funcs: Sequence[Callable], weights: Sequence[float] | None) -> Callable:
-    weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
+    """The trainer's scorer contract for stub contexts: every reward function's column (NaN for None and for
+    placeholder columns), with the functions' names and ``weights``."""
+    weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(reward_funcs), dtype=torch.float32)
+    names = [getattr(f, "__name__", f"reward_{k}") for k, f in enumerate(reward_funcs)]
+    placeholders = tuple(is_placeholder(f) for f in reward_funcs)
 
-    def score(rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
-        if not rows:
-            return torch.zeros(0)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        ids = [char_encode(prompt_text(c)) for c in completions]
-        total = torch.zeros(len(rows))
-        for func, weight in zip(reward_funcs, weights):
-            values = func(prompts=prompts, completions=completions, completion_ids=ids, **columns)
-            total += weight * torch.tensor([math.nan if v is None else float(v) for v in values]).nan_to_num(0.0)
-        return total
+    def score(rows: list[dict], prompts: list, completions: list) -> RewardColumns:
+        values = torch.full((len(rows), len(reward_funcs)), math.nan)
+        if rows:
+            columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+            ids = [char_encode(prompt_text(c)) for c in completions]
+            for k, func in enumerate(reward_funcs):
+                if not placeholders[k]:
+                    out = func(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+                    values[:, k] = torch.tensor([math.nan if v is None else float(v) for v in out])
+        return RewardColumns(values, names, weights, placeholders)
 
     return score
 
@@ -534,7 +539,8 @@ def make_rollout_context(
         rows: the local dataset rows (default: :func:`stub_rows` with one group per completion group).
         service: the generation service (default: a :class:`StubGenerationService`; read ``ctx.service.calls``).
         reward_funcs, reward_weights: what ``ctx.score`` runs (TRL's reward-function signature, weighted sum);
-            default :func:`digit_fraction_reward`. ``scorer(rows, prompts, completions) -> (n,)`` replaces both.
+            default :func:`digit_fraction_reward`; ``ctx.success`` decides on the first non-placeholder one.
+            ``scorer(rows, prompts, completions) -> RewardColumns`` (or an (n, K) / (n,) tensor) replaces both.
         sampling_logprob: the sampling log-prob of every generated token (vLLM); None imitates HF generation
             (``ctx.sampling_logprobs is None``).
         process_index, gather: the process this context stands for and its all-gather (default: one process,
