@@ -5,9 +5,17 @@ them, within the step, from prompts carrying a growing prefix of the dataset's r
 
 * ``replace="group"`` (GHPO, the default): the whole all-fail group is re-generated with a hint of the first
   25 % of the reference solution (by characters); if it still fails, 50 %, then 75 %. The first hinted group
-  that contains a success **replaces** the original group. If no level succeeds the original rollouts stay.
-* ``replace="one"`` (Scaf-GRPO): for each level, one hinted rollout is generated per all-fail group; the
-  minimal level that yields a success replaces **one** failed rollout of the group (slot ``replace_index``).
+  that contains a success **replaces** the original group. If no level succeeds, the last hinted group (75 %)
+  replaces it, as GHPO's code does (it replaces the group unconditionally at each level and retries only the groups
+  still all-wrong); ``on_no_success="original"`` keeps the original rollouts instead (this project's earlier choice).
+* ``replace="one"`` (Scaf-GRPO's replacement rule): for each level, one hinted rollout is generated per all-fail
+  group; the minimal level that yields a success replaces **one** failed rollout of the group (slot
+  ``replace_index``); if no level succeeds the group is kept.
+
+Hints (``hints="solution_prefix"``, the only kind implemented) are prefixes of the reference solution, as in GHPO.
+Scaf-GRPO's own hints are different: pre-generated tiers (knowledge, then planning, then solution steps), tried
+from the most abstract up. With ``replace="one"`` this plugin therefore reproduces Scaf-GRPO's *replacement rule*
+with GHPO-style hints, not Scaf-GRPO's hint hierarchy.
 
 Training prompt: both papers train the replaced rows under the **hinted** prompt by default (on-policy with
 respect to the hint; GHPO always, Scaf-GRPO ``replace_hint_prompt=False``). ``train_prompt="original"`` places
@@ -15,7 +23,10 @@ the hinted completion after the original prompt instead (prompt swap, Scaf-GRPO 
 its sampling log-probs are then NaN (no vLLM IS correction), and ``swapped_as_offpolicy=true`` additionally
 trains its tokens through the shaped off-policy branch ``-A p/(p+gamma)``.
 
-A group "fails" when no rollout's weighted reward exceeds ``success_threshold``. The hint is introduced, as in
+A group "fails" when no rollout succeeds on the **verifier column** (the first reward function unless
+``success_column`` names another; a rollout succeeds when that value is above ``success_threshold``, 0.0 by default:
+GHPO tests ``accuracy <= 0``). Other reward columns never change the verdict: GHPO's own recipe adds a 0.5-weighted
+format reward, and a weighted sum would count every well-formatted wrong answer as a success. The hint is introduced, as in
 GHPO, by a sentence saying it is the beginning of the answer. Scaf-GRPO's first 50 steps are plain GRPO:
 ``warmup_steps`` (default 0, GHPO) reproduces that. Extra rollouts count in the rollout budget and are logged
 (``plugins/hint_scaffold/extra_rollouts``, summed over processes), as are the all-fail and rescued group fractions.
@@ -29,19 +40,32 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.success import SuccessOptions
 
 DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"
 
 
 @dataclass
-class HintScaffoldOptions(PluginOptions):
+class HintScaffoldOptions(SuccessOptions):
     hint_fractions: list[float] = option(
         default_factory=lambda: [0.25, 0.5, 0.75],
         help="Growing fractions of the reference solution used as hints, tried in order (GHPO: 25/50/75 %).",
     )
     replace: Literal["group", "one"] = option(
-        "group", help="'group': hinted group replaces the all-fail group (GHPO); 'one': one row (Scaf-GRPO)."
+        "group",
+        help="'group': the hinted group replaces the all-fail group (GHPO); 'one': the minimal successful level "
+        "replaces one row (Scaf-GRPO's replacement rule, with solution-prefix hints, not Scaf-GRPO's tiered hints).",
+    )
+    hints: Literal["solution_prefix"] = option(
+        "solution_prefix",
+        help="Hint content: prefixes of the reference solution (GHPO). Scaf-GRPO's tiered knowledge -> planning -> "
+        "solution hints are not implemented.",
+    )
+    on_no_success: Literal["last_hint", "original"] = option(
+        "last_hint",
+        help="replace='group', when no hint level succeeds: 'last_hint' trains the last hinted group (official GHPO "
+        "code); 'original' keeps the original rollouts (not official).",
     )
     train_prompt: Literal["hinted", "original"] = option(
         "hinted", help="Train replaced rows under the hinted prompt (both papers) or the original one (prompt swap)."
@@ -56,7 +80,6 @@ class HintScaffoldOptions(PluginOptions):
     template: str = option(
         DEFAULT_TEMPLATE, help="How the hint joins the question; must contain {question} and {hint}."
     )
-    success_threshold: float = option(0.0, help="A rollout succeeds when its weighted reward is above this value.")
     replace_index: int = option(0, min=0, help="Slot replaced in 'one' mode (index within the group).")
     warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first (Scaf-GRPO uses 50).")
 
@@ -106,7 +129,10 @@ class HintScaffoldPlugin(Plugin):
     paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
     summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO / Scaf-GRPO)."
     Options = HintScaffoldOptions
-    reconstructed = ("when no hint level succeeds the original rollouts are kept (GHPO's code path is not stated)",)
+    reconstructed = (
+        "hints are reference-solution prefixes in both modes (Scaf-GRPO's tiered knowledge/planning/solution hints "
+        "are not implemented)",
+    )
 
     def required_columns(self) -> list[str]:
         return [self.options.solution_column]
@@ -117,15 +143,15 @@ class HintScaffoldPlugin(Plugin):
         if ctx.step < o.warmup_steps:
             return
         G = ctx.num_generations
-        local_scores = ctx.score(range(len(ctx)))
-        scores = ctx.gather(local_scores)  # (N,)
-        success = (scores > o.success_threshold).view(-1, G)
+        rule = o.success_rule
+        local_success = ctx.success(range(len(ctx)), rule=rule)
+        success = ctx.gather(local_success).view(-1, G)  # (N // G, G), decided on the verifier column only
         failing = set(torch.nonzero(~success.any(dim=1)).flatten().tolist())
         ctx.log_metric("all_fail_group_fraction", len(failing) / success.size(0))
         self._check_solutions(ctx, failing)
         rescued: set[int] = set()
         extra = 0
-        for level in o.hint_fractions:
+        for n_level, level in enumerate(o.hint_fractions):
             open_groups = failing - rescued
             if o.replace == "group":
                 rows = [i for i in range(len(ctx)) if ctx.group_ids[i] in open_groups]
@@ -137,14 +163,18 @@ class HintScaffoldPlugin(Plugin):
             prompts = [self._hinted(ctx, i, level) for i in rows]
             completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none
             extra += len(open_groups) * (G if o.replace == "group" else 1)  # all processes: open_groups is global
-            new_scores = ctx.score(rows, [self._as_completion(ctx, i, c) for i, c in zip(rows, completions)])
-            marks = torch.full_like(local_scores, -math.inf)
+            new_success = ctx.success(rows, [self._as_completion(ctx, i, c) for i, c in zip(rows, completions)],
+                                      rule=rule)
+            marks = torch.zeros_like(local_success)
             if rows:
-                marks[torch.tensor(rows, device=marks.device)] = new_scores.to(marks.dtype)
-            level_success = (ctx.gather(marks) > o.success_threshold).view(-1, G).any(dim=1)
+                marks[torch.tensor(rows, device=marks.device)] = new_success.to(marks.device)
+            level_success = ctx.gather(marks).view(-1, G).any(dim=1)
             newly = {g for g in open_groups if bool(level_success[g])}
+            last = n_level == len(o.hint_fractions) - 1
+            # GHPO replaces the group at every level; only the last level's group stays when none succeeds
+            keep_last = last and o.replace == "group" and o.on_no_success == "last_hint"
             for i, prompt, completion in zip(rows, prompts, completions):
-                if ctx.group_ids[i] in newly:
+                if ctx.group_ids[i] in newly or keep_last:
                     self._replace(ctx, i, prompt, completion, level)
             rescued |= newly
             if not (failing - rescued):

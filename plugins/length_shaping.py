@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 
 from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.success import mark_placeholder
 
 COLUMN = "length_shaping"
 LASER_MODES = ("laser", "laser_d", "laser_de")
@@ -181,7 +182,7 @@ class LengthShapingPlugin(Plugin):
             # Placeholder column: the bonus needs the whole groups and is filled in by the reward transform.
             return [0.0] * len(completions)
 
-        return [length_shaping]
+        return [mark_placeholder(length_shaping)]
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

@@ -38,6 +38,7 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.rollouts import completion_text, gather_objects_together
+from trl_plugins.success import mark_placeholder
 
 COLUMN = "posterior_process"
 
@@ -130,7 +131,7 @@ class PosteriorGrpoPlugin(Plugin):
     def trl_plugins_reward_functions(self, args):
         func = _named(posterior_process_reward, COLUMN)
         func.reward_weight = self.options.process_weight
-        return [func]
+        return [mark_placeholder(func)]
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
