@@ -193,8 +193,8 @@ class CritiqueGrpoPlugin(Plugin):
         local[:, 0] = initial
         if rows:
             decoded = [ctx.decode(r.completion_ids, i) for i, r in zip(rows, refinements)]
-            refined_values = ctx.reward_columns(rows, decoded).verifier(o.success_rule).float().cpu()
-            local[rows, 1] = torch.nan_to_num(refined_values, nan=-math.inf)  # NaN here = "not refined"
+            # NaN in column 1 means "not refined": a verifier None is -inf (never a success, never the best)
+            local[rows, 1] = ctx.reward_columns(rows, decoded).verifier(o.success_rule, missing=-math.inf).float().cpu()
         by_row = {i: r.completion_ids for i, r in zip(rows, refinements)}
         scores = ctx.gather(local.to(device)).cpu()  # (N, 2): initial, refinement
         ids = gather_id_lists(ctx, [by_row.get(i, []) for i in range(B)])

@@ -127,9 +127,11 @@ class RewardColumns:
         """(n,) TRL's combined reward: the weighted nansum over columns (0 where every column is NaN)."""
         return (self.values * self.weights.to(self.values).unsqueeze(0)).nansum(dim=1)
 
-    def verifier(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
-        """(n,) values of the verifier column (NaN where it returned None)."""
-        return self.values[:, verifier_column(self.names, self.placeholders, rule.column)]
+    def verifier(self, rule: SuccessRule = SuccessRule(), missing: float = float("nan")) -> torch.Tensor:
+        """(n,) values of the verifier column; ``missing`` where it returned None (NaN by default; ``-inf`` keeps
+        such rows comparable: never above a threshold, never the best)."""
+        column = self.values[:, verifier_column(self.names, self.placeholders, rule.column)]
+        return torch.nan_to_num(column, nan=missing) if missing == missing else column
 
     def success(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
         """(n,) bool: the rollouts the rule counts as successes."""
