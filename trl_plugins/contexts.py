@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .errors import PluginError
-from .success import RewardColumns, SuccessRule, is_placeholder, success_mask
+from .success import RewardColumns, SuccessRule, is_placeholder, success_mask, verifier_column
 
 #: Prefix of the generation-batch keys that carry per-row plugin extras to the loss stage.
 EXTRA_PREFIX = "plugin_extra::"
@@ -317,12 +317,19 @@ class RewardContext(_MetricsMixin):
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
         return self._object_gatherer(values)
 
+    def _placeholders(self) -> list[bool]:
+        funcs = getattr(self.trainer, "reward_funcs", None) or ()
+        return [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
+
     def success(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
         """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
         (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
-        funcs = getattr(self.trainer, "reward_funcs", None) or ()
-        placeholders = [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
-        return success_mask(self.rewards_per_func, self.reward_func_names, rule, placeholders)
+        return success_mask(self.rewards_per_func, self.reward_func_names, rule, self._placeholders())
+
+    def verifier(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
+        """(N,) the verifier column of ``rewards_per_func`` (``rule.column``, default: the first reward function that
+        is not a placeholder)."""
+        return self.rewards_per_func[:, verifier_column(self.reward_func_names, self._placeholders(), rule.column)]
 
 
 # =============================================================================================== advantage
