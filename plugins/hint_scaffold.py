@@ -127,7 +127,7 @@ class HintScaffoldPlugin(Plugin):
     name = "hint_scaffold"
     version = "0.1.0"
     paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
-    summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO / Scaf-GRPO)."
+    summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO; Scaf-GRPO's one-row rule)."
     Options = HintScaffoldOptions
     reconstructed = (
         "hints are reference-solution prefixes in both modes (Scaf-GRPO's tiered knowledge/planning/solution hints "
