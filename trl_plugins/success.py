@@ -138,6 +138,18 @@ class RewardColumns:
         return success_mask(self.values, self.names, rule, self.placeholders)
 
 
+def check_success_columns(plugins: Sequence[Any], names: Sequence[str], placeholders: Sequence[bool]) -> None:
+    """At construction: every plugin with :class:`SuccessOptions` can find its verifier column among the run's reward
+    functions ``names`` (raises :class:`PluginConfigError` naming the plugin otherwise)."""
+    for plugin in plugins:
+        options = getattr(plugin, "options", None)
+        if isinstance(options, SuccessOptions):
+            try:
+                verifier_column(names, placeholders, options.success_column)
+            except PluginConfigError as exc:
+                raise PluginConfigError(f"Plugin {plugin.name!r}: {exc}") from None
+
+
 @dataclasses.dataclass
 class SuccessOptions(PluginOptions):
     """Option mixin of plugins that decide success (see the module docstring for the rule)."""

@@ -45,7 +45,7 @@ from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
-from .success import RewardColumns, is_placeholder
+from .success import RewardColumns, check_success_columns, is_placeholder
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -108,6 +108,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
+            check_success_columns(list(stack), list(self.reward_func_names),
+                                  [is_placeholder(f) for f in self.reward_funcs])
 
     # ------------------------------------------------------------------------------------------ construction
     @staticmethod
