@@ -6,6 +6,7 @@ import pytest
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.testing import StubGenerationService, assert_reduces_to_vanilla, make_rollout_context, stub_rows
+from trl_plugins_builtin.hint_scaffold import tiered_levels
 
 
 def accuracy(completions, answer, **kwargs):
@@ -76,3 +77,52 @@ def test_reduces_to_vanilla_when_no_group_fails():
     runs = assert_reduces_to_vanilla("hint_scaffold", {"success_threshold": -1.0}, loss_types=("dapo",), steps=1)
     logged = [log for log in runs["dapo"].logs if "plugins/hint_scaffold/all_fail_group_fraction" in log]
     assert logged and all(log["plugins/hint_scaffold/all_fail_group_fraction"] == 0.0 for log in logged)
+
+
+# ------------------------------------------------------------------------------------------ Scaf-GRPO tiered hints
+HINTS = {"knowledge": ["K1", "K2"], "planning": ["P1"], "solution": ["S1", "S2"]}
+
+
+def test_tiered_levels_are_cumulative_over_the_chosen_tiers():
+    assert tiered_levels(HINTS, ["knowledge", "solution"]) == [
+        ("knowledge", 1, "K1"), ("knowledge", 2, "K1\nK2"),
+        ("solution", 1, "K1\nK2\nS1"), ("solution", 2, "K1\nK2\nS1\nS2"),
+    ]
+    assert [t for t, _, _ in tiered_levels(HINTS, ["knowledge", "planning", "solution"])].count("planning") == 1
+    assert tiered_levels({"knowledge": "only one"}, ["knowledge", "solution"]) == [("knowledge", 1, "only one")]
+    assert tiered_levels(None, ["knowledge"]) == []
+
+
+def _tiered_ctx(groups, hints, respond):
+    G = len(groups[0])
+    rows = stub_rows(len(groups), G, answer=["7."] * len(groups), hints=hints)
+    return make_rollout_context(groups, rows=rows, service=StubGenerationService(respond),
+                                reward_funcs=[accuracy, formatted], reward_weights=[1.0, 0.5])
+
+
+def test_scaf_grpo_one_mode_tries_tiers_and_keeps_the_minimal_successful_level():
+    # group 0 succeeds once the first solution part is in the hint; group 1 has only one knowledge part
+    hints = [HINTS, {"knowledge": ["K1"]}]
+
+    def respond(prompt, j):
+        return "7." if "S1" in prompt[-1]["content"] else "no."
+
+    ctx = _run(_tiered_ctx([["1.", "2."], ["3.", "4."]], hints, respond), hints="tiered", replace="one",
+               warmup_steps=0)
+    hinted = [[p[-1]["content"].split("Hint:\n", 1)[1] for p in call] for call in ctx.service.calls]
+    assert hinted == [["K1", "K1"], ["K1\nK2"], ["K1\nK2\nS1"]]  # group 1 is out of levels after the first
+    assert ctx.changed == {0}  # slot 0 of group 0, from the knowledge + first solution part level
+    assert ctx.annotations[0]["hint_level"] == "solution:1"
+    assert ctx.training_prompts[0][-1]["content"].endswith("Hint:\nK1\nK2\nS1")
+    assert ctx.metrics["plugins/hint_scaffold/rescued_group_fraction"] == [0.5]
+
+
+def test_tiered_group_mode_keeps_each_groups_own_last_level():
+    hints = [HINTS, {"knowledge": ["K1"]}]
+    ctx = _run(_tiered_ctx([["1.", "2."], ["3.", "4."]], hints, lambda prompt, j: "no."), hints="tiered")
+    assert [a["hint_level"] for a in ctx.annotations] == ["solution:2"] * 2 + ["knowledge:1"] * 2
+
+
+def test_tiered_hints_missing_is_a_clear_error():
+    with pytest.raises(PluginConfigError, match=r"row 0 has no tiered hints .* column 'hints'"):
+        _run(_tiered_ctx([["1.", "2."]], [{"planning": ["P1"]}], lambda prompt, j: "no."), hints="tiered")
