@@ -172,8 +172,10 @@ class HintScaffoldPlugin(Plugin):
     summary = "All-fail groups are re-generated with growing hints: solution prefixes (GHPO) or tiered hints (Scaf-GRPO)."
     Options = HintScaffoldOptions
     reconstructed = (
-        "hints='tiered': levels are cumulative (earlier tiers in full, then the first k parts of the current tier), "
-        "and the tiered_template wording",
+        (
+            "hints='tiered': levels are cumulative (earlier tiers in full, then the first k parts of the current "
+            "tier), and the tiered_template wording"
+        ),
     )
 
     def required_columns(self) -> list[str]:

@@ -41,6 +41,7 @@ zero reward, the TRL option removes them from the loss.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections import deque
@@ -169,7 +170,7 @@ def is_repetitive(ids: list[int]) -> bool:
             continue
         positions.setdefault(gram, []).append(i)
     for found in positions.values():
-        if len(found) >= needed and any(b - a < L // 3 for a, b in zip(found, found[1:])):
+        if len(found) >= needed and any(b - a < L // 3 for a, b in itertools.pairwise(found)):
             return True
     if L >= 4 * n:
         seen = set()

@@ -7,7 +7,11 @@ import torch
 
 from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl
 from trl_plugins.success import mark_placeholder
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, temporary_plugin
+from trl_plugins.testing import (
+    digit_fraction_reward,
+    make_tiny_trainer,
+    temporary_plugin,
+)
 
 
 def half(completions, **kwargs):

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from .errors import PluginError
-from .success import RewardColumns, SuccessRule, is_placeholder, success_mask, verifier_column
+from .success import (
+    DEFAULT_RULE,
+    RewardColumns,
+    SuccessRule,
+    is_placeholder,
+    success_mask,
+    verifier_column,
+)
 
 #: Prefix of the generation-batch keys that carry per-row plugin extras to the loss stage.
 EXTRA_PREFIX = "plugin_extra::"
@@ -177,7 +184,7 @@ class RolloutContext(_MetricsMixin):
         return self.reward_columns(indices, completions).weighted_sum()
 
     def success(
-        self, indices: Sequence[int], completions: Sequence[Any] | None = None, rule: SuccessRule = SuccessRule()
+        self, indices: Sequence[int], completions: Sequence[Any] | None = None, rule: SuccessRule = DEFAULT_RULE
     ) -> torch.Tensor:
         """(len(indices),) bool: which completions succeed under ``rule`` -- decided on the verifier column only
         (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
@@ -321,12 +328,12 @@ class RewardContext(_MetricsMixin):
         funcs = getattr(self.trainer, "reward_funcs", None) or ()
         return [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
 
-    def success(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
+    def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
         (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
         return success_mask(self.rewards_per_func, self.reward_func_names, rule, self._placeholders())
 
-    def verifier(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
+    def verifier(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(N,) the verifier column of ``rewards_per_func`` (``rule.column``, default: the first reward function that
         is not a placeholder)."""
         return self.rewards_per_func[:, verifier_column(self.reward_func_names, self._placeholders(), rule.column)]

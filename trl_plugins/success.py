@@ -21,6 +21,7 @@ rule=self.options.success_rule)`` at the sampling stage (:class:`~trl_plugins.co
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,6 +58,9 @@ class SuccessRule:
     threshold: float = 0.0
 
 
+#: The default rule: the first non-placeholder reward function, above 0.0.
+DEFAULT_RULE = SuccessRule()
+
 def verifier_column(names: Sequence[str], placeholders: Sequence[bool] = (), column: str | None = None) -> int:
     """Index of the verifier column among the K reward functions ``names``.
 
@@ -86,7 +90,7 @@ def verifier_column(names: Sequence[str], placeholders: Sequence[bool] = (), col
 
 
 def success_mask(
-    values: torch.Tensor, names: Sequence[str], rule: SuccessRule = SuccessRule(), placeholders: Sequence[bool] = ()
+    values: torch.Tensor, names: Sequence[str], rule: SuccessRule = DEFAULT_RULE, placeholders: Sequence[bool] = ()
 ) -> torch.Tensor:
     """(n,) bool: ``values[:, verifier] > rule.threshold`` for an (n, K) reward matrix with columns ``names``."""
     if values.dim() != 2 or values.size(1) != len(names):
@@ -127,13 +131,13 @@ class RewardColumns:
         """(n,) TRL's combined reward: the weighted nansum over columns (0 where every column is NaN)."""
         return (self.values * self.weights.to(self.values).unsqueeze(0)).nansum(dim=1)
 
-    def verifier(self, rule: SuccessRule = SuccessRule(), missing: float = float("nan")) -> torch.Tensor:
+    def verifier(self, rule: SuccessRule = DEFAULT_RULE, missing: float = float("nan")) -> torch.Tensor:
         """(n,) values of the verifier column; ``missing`` where it returned None (NaN by default; ``-inf`` keeps
         such rows comparable: never above a threshold, never the best)."""
         column = self.values[:, verifier_column(self.names, self.placeholders, rule.column)]
-        return torch.nan_to_num(column, nan=missing) if missing == missing else column
+        return column if math.isnan(missing) else torch.nan_to_num(column, nan=missing)
 
-    def success(self, rule: SuccessRule = SuccessRule()) -> torch.Tensor:
+    def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(n,) bool: the rollouts the rule counts as successes."""
         return success_mask(self.values, self.names, rule, self.placeholders)
 

@@ -5,7 +5,12 @@ fails."""
 import pytest
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.testing import StubGenerationService, assert_reduces_to_vanilla, make_rollout_context, stub_rows
+from trl_plugins.testing import (
+    StubGenerationService,
+    assert_reduces_to_vanilla,
+    make_rollout_context,
+    stub_rows,
+)
 from trl_plugins_builtin.hint_scaffold import tiered_levels
 
 

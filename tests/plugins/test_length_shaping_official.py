@@ -9,7 +9,11 @@ import torch
 from trl_plugins import build_plugins
 from trl_plugins.success import mark_placeholder
 from trl_plugins.testing import make_reward_context
-from trl_plugins_builtin.length_shaping import band_sizes, coverage_target, is_repetitive
+from trl_plugins_builtin.length_shaping import (
+    band_sizes,
+    coverage_target,
+    is_repetitive,
+)
 
 EOS = 2
 

@@ -33,7 +33,7 @@ def _run(outcome, texts, G, **options):
                               completions=[[{"role": "assistant", "content": t}] for t in texts])
     stack = build_plugins(["posterior_grpo"], {"posterior_grpo": {"prm": "programmatic", "mode": "trust",
                                                                   "anneal": "none", **options}})
-    plugin = list(stack)[0]
+    plugin = next(iter(stack))
     plugin.prm = RecordingPRM()
     stack.call("trl_plugins_transform_rewards", ctx)
     return ctx, plugin
@@ -65,7 +65,7 @@ def test_earlier_trust_mode_as_options():
 
 def test_posterior_mode_keeps_weight_one_and_outcome_skips_placeholders():
     stack = build_plugins(["posterior_grpo"], {"posterior_grpo": {"prm": "programmatic"}})
-    assert list(stack)[0].process_weight() == 1.0
+    assert next(iter(stack)).process_weight() == 1.0
 
     class Trainer:
         reward_funcs = [mark_placeholder(lambda **k: None), lambda **k: None, mark_placeholder(lambda **k: None)]
@@ -74,7 +74,7 @@ def test_posterior_mode_keeps_weight_one_and_outcome_skips_placeholders():
     ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["empo", "accuracy", COLUMN],
                               completions=[[{"role": "assistant", "content": t}] for t in ("a", "a\nb")])
     ctx.trainer = Trainer()
-    plugin = list(stack)[0]
+    plugin = next(iter(stack))
     plugin.prm = RecordingPRM()
     stack.call("trl_plugins_transform_rewards", ctx)
     assert plugin.prm.seen == ["a\nb"]  # the outcome is 'accuracy' (row 1), not the placeholder 'empo' (row 0)

@@ -13,11 +13,20 @@ import torch
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.prm import ProgrammaticPRM
 from trl_plugins.success import (
-    RewardColumns, SuccessRule, mark_placeholder, success_mask, verifier_column,
+    RewardColumns,
+    SuccessRule,
+    mark_placeholder,
+    success_mask,
+    verifier_column,
 )
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.testing import (
-    StubGenerationService, char_decode, char_encode, make_reward_context, make_rollout_context, stub_rows,
+    StubGenerationService,
+    char_decode,
+    char_encode,
+    make_reward_context,
+    make_rollout_context,
+    stub_rows,
 )
 
 PROBLEMS = [Problem.from_expression([3, 4, 2, 5], ["+", "*", "-"]), Problem.from_expression([6, 2, 3], ["-", "*"])]
@@ -40,8 +49,8 @@ def formatted(completions, **kwargs):
     return [1.0 for _ in completions]
 
 
-WITH_FORMAT = dict(reward_funcs=[accuracy, formatted], reward_weights=[1.0, 1.0])
-ACCURACY_ONLY = dict(reward_funcs=[accuracy])
+WITH_FORMAT = {"reward_funcs": [accuracy, formatted], "reward_weights": [1.0, 1.0]}
+ACCURACY_ONLY = {"reward_funcs": [accuracy]}
 
 
 class CharTokenizer:
@@ -83,7 +92,7 @@ def _run_twice(plugin, options, groups, respond, *, setup=None, trainer=True):
                                    **rewards)
         stack = build_plugins([plugin], {plugin: options})
         if setup is not None:
-            setup(list(stack)[0])
+            setup(next(iter(stack)))
         stack.call("trl_plugins_after_generation", ctx)
         out.append(ctx)
     return out
@@ -219,7 +228,7 @@ def test_scope_warns_once_and_logs_when_the_prm_finds_no_error_in_any_failure():
     ctx = make_rollout_context([[ONE_SLIP, PROBLEMS[0].solution]], rows=_rows(1, 2), trainer=StubTrainer(),
                                **ACCURACY_ONLY)
     stack = build_plugins(["scope"], {"scope": {"mode": "reference_suffix", "prm": "programmatic"}})
-    list(stack)[0].prm = ApprovingPRM()
+    next(iter(stack)).prm = ApprovingPRM()
     with pytest.warns(RuntimeWarning, match="the PRM found no wrong step in any failed rollout"):
         stack.call("trl_plugins_after_generation", ctx)
     assert not ctx.changed
@@ -229,6 +238,6 @@ def test_scope_warns_once_and_logs_when_the_prm_finds_no_error_in_any_failure():
                                **ACCURACY_ONLY)
     stack = build_plugins(["scope"], {"scope": {"mode": "reference_suffix", "prm": "programmatic",
                                                 "no_error_policy": "last_step"}})
-    list(stack)[0].prm = ApprovingPRM()
+    next(iter(stack)).prm = ApprovingPRM()
     stack.call("trl_plugins_after_generation", ctx)
     assert ctx.metrics["plugins/scope/fallback_prm_found_no_error"] == [0.0]
