@@ -241,3 +241,24 @@ def test_scope_warns_once_and_logs_when_the_prm_finds_no_error_in_any_failure():
     next(iter(stack)).prm = ApprovingPRM()
     stack.call("trl_plugins_after_generation", ctx)
     assert ctx.metrics["plugins/scope/fallback_prm_found_no_error"] == [0.0]
+
+
+def test_adaptive_sampler_accuracy_ignores_a_format_column():
+    def record(with_format):
+        plugin = build_plugins(["adaptive_sampler"], {"adaptive_sampler": {}}).by_name["adaptive_sampler"]
+        plugin.reset_state(4, [])
+        plugin._seed, plugin._delay = 0, 2
+        chunk = plugin.draw_chunk(0, 2)
+        acc = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # chunk[0]: 1 of 4 correct; chunk[1]: none
+        matrix = torch.stack([acc, torch.ones(8)], dim=1) if with_format else acc.unsqueeze(1)
+        names = ["accuracy", "formatted"] if with_format else ["accuracy"]
+        ctx = make_reward_context(matrix, num_generations=4, reward_func_names=names)
+        plugin.trl_plugins_transform_rewards(ctx)
+        plugin.draw_chunk(1, 2)
+        plugin.draw_chunk(2, 2)  # the outcome of chunk 0 is applied when chunk 0 + delay is drawn
+        return chunk, plugin.accuracy.clone()
+
+    chunk, plain = record(False)
+    _, with_format = record(True)
+    assert plain[chunk[0]] == 0.25 and plain[chunk[1]] == 0.0  # the verifier's pass rates (non-vacuous)
+    torch.testing.assert_close(with_format, plain, equal_nan=True)  # a weighted sum would have counted every row as correct
