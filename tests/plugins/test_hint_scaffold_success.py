@@ -1,6 +1,6 @@
 """hint_scaffold: success is decided on the verifier column (a partial-credit format column never hides an all-fail
 group), GHPO keeps the last hinted group when no level succeeds, and the plugin reduces to vanilla GRPO when no group
-fails."""
+fails; Scaf-GRPO tiered hints."""
 
 import pytest
 
@@ -9,6 +9,7 @@ from trl_plugins.testing import (
     StubGenerationService,
     assert_reduces_to_vanilla,
     make_rollout_context,
+    run_on_processes,
     stub_rows,
 )
 from trl_plugins_builtin.hint_scaffold import tiered_levels
@@ -131,3 +132,19 @@ def test_tiered_group_mode_keeps_each_groups_own_last_level():
 def test_tiered_hints_missing_is_a_clear_error():
     with pytest.raises(PluginConfigError, match=r"row 0 has no tiered hints .* column 'hints'"):
         _run(_tiered_ctx([["1.", "2."]], [{"planning": ["P1"]}], lambda prompt, j: "no."), hints="tiered")
+
+
+def test_tiered_levels_agree_across_processes():
+    # process 0 holds group 0 (4 levels), process 1 holds group 1 (1 level): both must call the service 4 times
+    def work(rank, gather):
+        hints = [HINTS] if rank == 0 else [{"knowledge": ["K1"]}]
+        rows = stub_rows(1, 2, first_group=rank, answer="7.", hints=hints)
+        ctx = make_rollout_context([["1.", "2."]], rows=rows, process_index=rank, gather=gather,
+                                   service=StubGenerationService(lambda prompt, j: "no."),
+                                   reward_funcs=[accuracy, formatted])
+        _run(ctx, hints="tiered")
+        return [len(call) for call in ctx.service.calls], [a.get("hint_level") for a in ctx.annotations]
+
+    (calls0, levels0), (calls1, levels1) = run_on_processes(2, work)
+    assert calls0 == [2, 2, 2, 2] and calls1 == [2, 0, 0, 0]
+    assert levels0 == ["solution:2"] * 2 and levels1 == ["knowledge:1"] * 2
