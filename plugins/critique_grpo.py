@@ -1,6 +1,6 @@
 """Critique-GRPO — learning from natural-language critiques and refinements (arXiv:2506.03106).
 
-Follows the official implementation (zhangxy-2019/critique-GRPO, as summarised in specs/methods_sampling.md 5.2):
+Follows the official implementation (zhangxy-2019/critique-GRPO):
 
 1. G responses per question (TRL's own generation round).
 2. One critique per response. ``critique_type``: ``simple_gt`` (default: "correct / incorrect, the ground truth is

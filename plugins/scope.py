@@ -7,7 +7,7 @@ kept **token for token**, and only the rest is rectified off-policy. The repaire
 its group (G never changes); its prefix stays on-policy, its corrected tokens are trained through the shaped
 off-policy branch ``-A p/(p+gamma)`` (LUFFY, gamma = 0.1) and get NaN sampling log-probs (no vLLM IS correction).
 
-Per generation batch (specs/methods_sampling.md section 3.3)::
+Per generation batch::
 
     r_i      = verifier value of rollout i (success_column: the first non-placeholder reward function by default)
     failed   = {i : not r_i > success_threshold} in the selected groups (scope_groups); other columns never count
@@ -23,11 +23,11 @@ trainer's generation service, one collective call per batch; those tokens keep t
 ``reference_suffix`` -- the dataset's reference solution from its step ``k_i`` on (no teacher model).
 
 What the paper states is only the skeleton (PRM -> first error -> step-wise off-policy rectification of failed
-rollouts). Every other choice is a **reconstruction** (spec 3.2-3.3), exposed as an option with the spec's default
+rollouts). Every other choice is a **reconstruction**, exposed as an option with a documented default
 and marked ``reconstructed``: who corrects (teacher endpoint), rectification mode, PRM (Qwen2.5-Math-PRM-7B) and
 threshold (0.5), step separator (the PRM's convention), which groups (all), no-error policy (skip), minimum
 verified prefix (1 step: k* = 1 is skipped), acceptance rule (correct only), repairs per group (1, longest prefix,
-random tie-break), gamma (0.1). The spec's advantage recommendation (``A = r - mean``: ``scale_rewards="none"``)
+random tie-break), gamma (0.1). The recommended advantage (``A = r - mean``: ``scale_rewards="none"``)
 and aggregation (``loss_type="dr_grpo"``) are GRPOConfig settings, left to the user. VPPO (arXiv:2601.18984) uses
 the same first-error localisation for credit only; that ablation is the PRM part of this plugin without a repair.
 
