@@ -38,7 +38,7 @@ def describe_plugin(name: str) -> str:
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
     notes = []
     if cls.needs_head_stats:
-        notes.append("uses chunked LM-head statistics (never the full logits)")
+        notes.append("uses chunked LM-head statistics (at most chunk_size x V logits at a time, gradient path included)")
     if cls.replaces_surrogate:
         notes.append("replaces the surrogate on a token subset (at most one such plugin per stack)")
     if cls.conflicts_with:
