@@ -224,6 +224,13 @@ class GtpoPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         self.gradient_accumulation_steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        loss_type = getattr(args, "loss_type", "grpo")
+        if loss_type != "grpo":
+            warnings.warn(
+                f"gtpo: the official loss is a per-completion token mean (loss_type='grpo'); with "
+                f"loss_type={loss_type!r} TRL's {loss_type} aggregation weighs the completions instead.",
+                stacklevel=2,
+            )
         if args.beta != 0:
             warnings.warn(
                 f"gtpo: the method needs no KL term (the paper uses beta=0); beta={args.beta} keeps TRL's "

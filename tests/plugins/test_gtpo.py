@@ -285,7 +285,8 @@ def test_completion_reduction_sum_is_the_official_sum_over_the_steps_completions
     weights = torch.tensor([[1.0, 0.5, 2.0]] * B)
     losses = {}
     for reduction in ("sum", "mean"):
-        stack = build_stack("gtpo", {"gtpo": {"completion_reduction": reduction}}, gradient_accumulation_steps=GA)
+        stack = build_stack("gtpo", {"gtpo": {"completion_reduction": reduction}}, gradient_accumulation_steps=GA,
+                            loss_type="grpo")
         ctx = make_loss_context(shape=(B, T), loss_type="grpo", extras={WEIGHT_KEY: weights})
         run_hook(stack, "trl_plugins_loss", ctx)
         losses[reduction] = loss_from_context(ctx)
@@ -295,3 +296,8 @@ def test_completion_reduction_sum_is_the_official_sum_over_the_steps_completions
             expected = -(adv * weights) / T
             torch.testing.assert_close(grad, expected)
     torch.testing.assert_close(losses["sum"], losses["mean"] * B * GA)
+
+
+def test_configure_warns_without_the_per_completion_token_mean():
+    with pytest.warns(UserWarning, match="loss_type='dapo'"):
+        build_stack("gtpo", loss_type="dapo")
