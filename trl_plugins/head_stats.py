@@ -265,7 +265,7 @@ class _NucleusEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
         grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_b else None
         grad_H = grad_H.float()
-        tile = stats.vocab_tile
+        tile = weight.shape[0] if weight.dtype == torch.float32 else stats.vocab_tile  # one product when float32
         with torch.no_grad():
             for s in range(0, h.shape[0], stats.chunk_size):
                 h_rows = h[s : s + stats.chunk_size].float()

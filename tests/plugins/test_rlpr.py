@@ -251,6 +251,9 @@ def test_debiasing_baseline_comes_from_the_initial_policy(tmp_path, baseline):
     if baseline == "initial":  # the first call scanned the whole training dataset with the initial policy
         assert len(plugin.baselines) == len({(p, a) for p, a in zip(map(str, trainer.train_dataset["prompt"]),
                                                                      trainer.train_dataset["answer"])})
+        resumed = build_plugins(["rlpr"]).plugins[0]  # a checkpoint keeps them (no second scan on resume)
+        resumed.trl_plugins_load_state_dict(state=plugin.trl_plugins_state_dict())
+        assert resumed.baselines == plugin.baselines and resumed.dataset_scanned
     with torch.no_grad():  # the policy moves on
         for p in trainer.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
