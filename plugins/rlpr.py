@@ -33,7 +33,8 @@ match of ``answer_marker`` (default: ``Answer:``, the bundled tasks' answer line
 
 Differences from the official code: filtered groups get zero advantages where the official trainer drops them and
 refills the batch with new prompts (DAPO-style dynamic sampling); the official reward adds a 0.1-weighted format
-score (add a format reward function for it). Reconstructed (options marked so): the marker/template defaults (the
+score (add a format reward function for it), and its filter reads the std of that total reward where the plugin
+reads the std of the ``rlpr`` column. Reconstructed (options marked so): the marker/template defaults (the
 paper uses its own answer tags), the prefix used for ``r_0``, the unbiased std. The earlier filter of this plugin
 (threshold = the moving average itself, updated with the current batch before filtering, from the first step) is
 ``std_filter_beta=1, ema_start_step=1, filter_start_step=1, threshold_uses_current_batch=true``.
