@@ -273,7 +273,7 @@ def test_advantage_stage_divides_by_the_official_count():
                         completion_ids=IDS, mean_entropy=ENTROPY)
     ctx = make_advantage_context(torch.zeros(6), num_generations=3, advantages=ADV, policy_stats=stats,
                                  completion_lengths=MASK.sum(-1))
-    run_hook("gtpo", "trl_plugins_transform_advantages", ctx)
+    run_hook("gtpo", "trl_plugins_transform_advantages", ctx, loss_type="grpo")
     w = ctx.local_extras[WEIGHT_KEY]
     # delta / max(n_conflict, 1) with n_conflict = 2 for rows 0 and 1 (forward and terminal runs of 2), 1 for row 2
     assert w[:3].tolist() == [[1, 1, 0.5, 1, 1], [0, 0, 0.5, 0, 0], [2, 1, 1, 1, 1]]
