@@ -19,6 +19,7 @@ from trl_plugins.testing import (
     run_hook,
 )
 from trl_plugins_builtin.rlpr import (
+    StdThresholdSchedule,
     debiased_reward,
     ema_update,
     group_std,
@@ -262,3 +263,14 @@ def test_debiasing_baseline_comes_from_the_initial_policy(tmp_path, baseline):
     assert abs(r0_now - r0_initial) > 1e-3
     expected_r0 = r0_initial if baseline == "initial" else r0_now
     assert got[0] == pytest.approx(min(max(r_now - expected_r0, 0.0), 1.0), abs=1e-5)
+
+
+def test_threshold_schedule_without_warm_up_and_with_non_finite_means():
+    s = StdThresholdSchedule(beta=0.5, decay=0.9, ema_start=1, filter_start=1)
+    assert s.advance(0.4) == pytest.approx(0.2)  # no records: the first batch starts the average
+    assert s.advance(0.8) == pytest.approx(0.2)  # its own batch is not used yet
+    assert s.advance(float("nan")) == pytest.approx(0.5 * (0.9 * 0.4 + 0.1 * 0.8))  # folds in 0.8
+    assert s.advance(1.0) == pytest.approx(0.5 * (0.9 * 0.4 + 0.1 * 0.8))  # the NaN batch was not recorded
+    previous = StdThresholdSchedule(beta=1.0, decay=0.9, ema_start=1, filter_start=1, include_current=True)
+    assert previous.advance(0.4) == pytest.approx(0.4)
+    assert previous.advance(0.8) == pytest.approx(0.9 * 0.4 + 0.1 * 0.8)  # the batch itself is folded in first
