@@ -35,12 +35,13 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.text import completion_text
 from trl_plugins.success import SuccessOptions
-from trl_plugins.rollouts import (
-    check_offpolicy_gamma, completion_text, context_device, gather_id_lists, run_together,
-)
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (
@@ -140,6 +141,7 @@ class CritiqueGrpoPlugin(Plugin):
     paper = "Critique-GRPO, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
     Options = CritiqueGrpoOptions
+    replaces = ("one completion per group (slot 0: a refinement, off-policy)",)
     reconstructed = (
         "the wording of the refinement request and of the 'text' critic prompt (the official prompts are not copied)",
     )

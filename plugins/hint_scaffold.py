@@ -171,6 +171,7 @@ class HintScaffoldPlugin(Plugin):
     paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
     summary = "All-fail groups are re-generated with growing hints: solution prefixes (GHPO) or tiered hints (Scaf-GRPO)."
     Options = HintScaffoldOptions
+    replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = (
         (
             "hints='tiered': levels are cumulative (earlier tiers in full, then the first k parts of the current "

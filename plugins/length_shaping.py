@@ -29,7 +29,7 @@ Lengths are completion tokens (EOS included, as TRL's completion mask counts the
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect): ``correctness_column``, by default
 the first reward function that is not a placeholder column (the success rule of :mod:`trl_plugins.success`).
 
-Reconstructed (the specs give no numbers; every one is an option marked reconstructed): ``alpha = 0.5``, the
+Reconstructed (the papers give no numbers; every one is an option marked reconstructed): ``alpha = 0.5``, the
 default LASER target (half of ``max_completion_length``), the difficulty edges (accuracy <= 1/3 hard, > 2/3 easy),
 the candidate budget grid (8 equal steps up to ``max_completion_length``), ECR estimated online from the last
 ``window`` generation batches of training rollouts (the official code reads coverage from a periodic monitoring

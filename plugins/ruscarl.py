@@ -58,9 +58,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
-from trl_plugins.answers import completion_text, extract_boxed_or_last_number, normalize_answer
+from trl_plugins.answers import extract_boxed_or_last_number, normalize_answer
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
+from trl_plugins.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
 BASE_SYSTEM = "You are a helpful assistant."
@@ -276,6 +277,7 @@ class RuscaRLPlugin(Plugin):
     paper = "RuscaRL: Rubric-Scaffolded Reinforcement Learning, arXiv:2508.16949"
     summary = "Graded rubric scaffolds in generation prompts (decaying) and a per-item rubric judge reward."
     Options = RuscaRLOptions
+    replaces = ("the generation prompts (rubric scaffolds)",)
     reconstructed = (
         "rule-checked items: exact match of the normalised final answer (official: the math_verify package)",
         "seeded item subsets (seed, step, global row index); the original draws them unseeded",

@@ -23,8 +23,8 @@ trainer's generation service, one collective call per batch; those tokens keep t
 ``reference_suffix`` -- the dataset's reference solution from its step ``k_i`` on (no teacher model).
 
 What the paper states is only the skeleton (PRM -> first error -> step-wise off-policy rectification of failed
-rollouts). Every other choice is a **reconstruction**, exposed as an option with a documented default
-and marked ``reconstructed``: who corrects (teacher endpoint), rectification mode, PRM (Qwen2.5-Math-PRM-7B) and
+rollouts). Every other choice is a **reconstruction**, exposed as an option with our default and marked
+``reconstructed``: who corrects (teacher endpoint), rectification mode, PRM (Qwen2.5-Math-PRM-7B) and
 threshold (0.5), step separator (the PRM's convention), which groups (all), no-error policy (skip), minimum
 verified prefix (1 step: k* = 1 is skipped), acceptance rule (correct only), repairs per group (1, longest prefix,
 random tie-break), gamma (0.1). The recommended advantage (``A = r - mean``: ``scale_rewards="none"``)
@@ -53,10 +53,12 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.collectives import run_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.success import SuccessOptions
 
 
@@ -159,6 +161,7 @@ class ScopePlugin(Plugin):
     paper = "SCOPE: Recycling Failures via Fine-Grained Off-Policy Guidance, arXiv:2602.24110"
     summary = "Failed rollouts keep their PRM-verified prefix; the rest is corrected off-policy and must verify."
     Options = ScopeOptions
+    replaces = ("the suffix of failed completions after their verified prefix (off-policy corrections)",)
     reconstructed = (
         "who corrects: a teacher endpoint (teacher='endpoint'); the paper does not name its corrector",
         "mode='teacher_suffix': the teacher rewrites everything from the first wrong step",

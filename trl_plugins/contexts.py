@@ -53,6 +53,13 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
     return global_index, [g // num_generations for g in global_index], [g % num_generations for g in global_index]
 
 
+def context_device(ctx: Any) -> torch.device:
+    """The device of a context's collectives: the trainer's accelerator device (CPU for hand-built contexts)."""
+    trainer = getattr(ctx, "trainer", None)
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.device if accelerator is not None else torch.device("cpu")
+
+
 # =============================================================================================== sampling
 @dataclass
 class PromptContext(_MetricsMixin):
@@ -485,7 +492,10 @@ class LossContext(_MetricsMixin):
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).
 
-        Available only to plugins declaring ``needs_head_stats = True``; never materialises (B, T, V) logits.
+        Available only to plugins declaring ``needs_head_stats = True``. Every statistic, the gradient path of
+        ``top_p_entropy_with_grad`` included, works on blocks of at most ``chunk_size`` rows of V logits, so no
+        (B, T, V) logits are built for any ``k_max`` or nucleus width (``nucleus_ids`` alone returns an
+        ``(N, min(k_max, V))`` id tensor, by design).
         """
         if self._head_stats is None:
             raise PluginError(
