@@ -6,7 +6,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins.loss import shaped_offpolicy_loss
+from trl_plugins.loss_rules import shaped_offpolicy_loss
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
