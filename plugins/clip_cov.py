@@ -39,9 +39,9 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
 
 PICK_KEY = "clip_cov_pick"
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ENTROPY_PICK_ONE = "all of them steer entropy on overlapping token sets (pick one, catalog section 3.5)"
 
 
