@@ -230,7 +230,8 @@ def test_loss_context_sapo_is_the_sigmoid_gate_not_the_clipped_surrogate():
     sapo = make_loss_context(lp, old_per_token_logps=old, loss_type="sapo")
     clipped = make_loss_context(lp, old_per_token_logps=old, loss_type="grpo")
     assert not torch.allclose(sapo.per_token_loss, clipped.per_token_loss)
-    hot = make_loss_context(lp, old_per_token_logps=old, loss_type="sapo", sapo_temperature_neg=5.0)
+    hot = make_loss_context(lp, old_per_token_logps=old, loss_type="sapo",
+                            loss_options={"sapo_temperature_neg": 5.0})
     assert torch.equal(hot.per_token_loss[0], sapo.per_token_loss[0])  # row 0 has A > 0: positive temperature
     assert not torch.equal(hot.per_token_loss[1], sapo.per_token_loss[1])
 
@@ -240,8 +241,8 @@ def test_loss_context_refuses_unknown_settings():
         make_loss_context(loss_type="ppo")
     with pytest.raises(ValueError, match=r"importance_sampling_level='row' is unknown"):
         make_loss_context(importance_sampling_level="row")
-    with pytest.raises(TypeError, match=r"unknown loss option\(s\) \['sapo_temp'\]; allowed: delta, sapo_temperature_pos"):
-        make_loss_context(loss_type="sapo", sapo_temp=2.0)
+    with pytest.raises(ValueError, match=r"unknown loss option\(s\) \['sapo_temp'\]; allowed: delta, sapo_temperature_"):
+        make_loss_context(loss_type="sapo", loss_options={"sapo_temp": 2.0})
 
 
 # ============================================================================================ enabling and calling
@@ -351,14 +352,11 @@ def probe_batch(loss_batch):
         yield trainer, loss_batch(trainer)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", rules.LOSS_TYPES)
-def test_kit_loss_equals_the_trainer_loss(probe_batch, loss_type, level, monkeypatch):
-    """The kit's context (surrogate of every loss type, importance ratio at both levels) and its loss with every
-    kind of plugin contribution equal the trainer's loss path on the same micro-batch, value and gradient."""
-    trainer, inputs = probe_batch
+def _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, level, options, monkeypatch):
     monkeypatch.setattr(trainer, "loss_type", loss_type)
     monkeypatch.setattr(trainer, "importance_sampling_level", level)
+    for name, value in options.items():
+        monkeypatch.setattr(trainer.args, name, value)
     KitLossProbe.seen = []
     loss = trainer._compute_loss(trainer.model, inputs)
     (ctx,) = KitLossProbe.seen
@@ -368,7 +366,7 @@ def test_kit_loss_equals_the_trainer_loss(probe_batch, loss_type, level, monkeyp
     kit = make_loss_context(
         ctx.per_token_logps, old_per_token_logps=inputs["old_per_token_logps"], advantages=inputs["advantages"],
         mask=ctx.mask, loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
-        importance_sampling_level=level, num_items_in_batch=inputs["num_items_in_batch"],
+        importance_sampling_level=level, num_items_in_batch=inputs["num_items_in_batch"], loss_options=options,
     )
     assert torch.equal(kit.coef_1, ctx.coef_1)
     assert torch.equal(kit.per_token_loss, ctx.per_token_loss)
@@ -379,6 +377,33 @@ def test_kit_loss_equals_the_trainer_loss(probe_batch, loss_type, level, monkeyp
     (grad,) = torch.autograd.grad(loss, ctx.per_token_logps, retain_graph=True)
     (kit_grad,) = torch.autograd.grad(kit_loss, ctx.per_token_logps)
     assert torch.equal(kit_grad, grad) and grad.abs().sum() > 0
+    return ctx
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", rules.LOSS_TYPES)
+def test_kit_loss_equals_the_trainer_loss(probe_batch, loss_type, level, monkeypatch):
+    """The kit's context (surrogate of every loss type, importance ratio at both levels) and its loss with every
+    kind of plugin contribution equal the trainer's loss path on the same micro-batch, value and gradient."""
+    trainer, inputs = probe_batch
+    _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, level, {}, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "options"),
+    [
+        ("grpo", {"delta": 1.1}),
+        ("sapo", {"sapo_temperature_pos": 1.5, "sapo_temperature_neg": 0.7}),
+        ("vespo", {"vespo_k_pos": 1.0, "vespo_lambda_pos": 2.0, "vespo_k_neg": 2.0, "vespo_lambda_neg": 4.0}),
+    ],
+)
+def test_kit_loss_equals_the_trainer_loss_with_loss_options(probe_batch, loss_type, options, monkeypatch):
+    trainer, inputs = probe_batch
+    ctx = _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, "token", options, monkeypatch)
+    monkeypatch.undo()
+    default = make_loss_context(ctx.per_token_logps, old_per_token_logps=inputs["old_per_token_logps"],
+                                advantages=inputs["advantages"], mask=ctx.mask, loss_type=loss_type)
+    assert not torch.equal(default.per_token_loss, ctx.per_token_loss)  # the options do act
 
 
 class ContractProbe(Plugin):

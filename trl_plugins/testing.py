@@ -773,7 +773,7 @@ def make_loss_context(
     mode: str = "train",
     seed: int = 0,
     trainer: Any = None,
-    **loss_options: Any,
+    loss_options: Mapping[str, Any] | None = None,
 ) -> LossContext:
     """A :class:`~trl_plugins.LossContext` of one micro-batch, with the base surrogate built as the framework does.
 
@@ -783,18 +783,19 @@ def make_loss_context(
     when no plugin implements ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The importance ratio
     (``importance_sampling_level``) and the surrogate of ``loss_type`` are the framework's own
     (:mod:`trl_plugins.loss_rules`: TRL's clipped surrogate, CISPO, SAPO's sigmoid gate, VESPO's gamma weights);
-    tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` set the other fields
-    of :class:`~trl_plugins.loss_rules.LossSettings` (``delta``, ``sapo_temperature_pos``, ``vespo_k_pos`` ...;
-    TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the plugins'
+    tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` sets the other fields
+    of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
+    ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the plugins'
     contributions. ``ctx.metrics`` records the metrics the plugin logs.
     """
     from . import loss_rules as rules
 
+    loss_options = dict(loss_options or {})
     named = {"loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "offpolicy_gamma"}
     allowed = [f.name for f in fields(rules.LossSettings) if f.name not in named]
     unknown = sorted(set(loss_options) - set(allowed))
     if unknown:
-        raise TypeError(f"make_loss_context: unknown loss option(s) {unknown}; allowed: {', '.join(allowed)}.")
+        raise ValueError(f"make_loss_context: unknown loss option(s) {unknown}; allowed: {', '.join(allowed)}.")
     settings = rules.LossSettings(
         loss_type=loss_type,
         epsilon_low=epsilon_low,
