@@ -458,7 +458,10 @@ class LossContext(_MetricsMixin):
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).
 
-        Available only to plugins declaring ``needs_head_stats = True``; never materialises (B, T, V) logits.
+        Available only to plugins declaring ``needs_head_stats = True``. Every statistic, the gradient path of
+        ``top_p_entropy_with_grad`` included, works on blocks of at most ``chunk_size`` rows of V logits, so no
+        (B, T, V) logits are built for any ``k_max`` or nucleus width (``nucleus_ids`` alone returns an
+        ``(N, min(k_max, V))`` id tensor, by design).
         """
         if self._head_stats is None:
             raise PluginError(
