@@ -251,7 +251,10 @@ class DaGRPOPlugin(Plugin):
 
     name = "dagrpo"
     version = "0.1.0"
-    paper = "DaGRPO: Distinctiveness-Aware Group Relative Policy Optimization, arXiv:2512.06337"
+    paper = (
+        "DaGRPO: Rectifying Gradient Conflict in Reasoning via Distinctiveness-Aware Group Relative Policy "
+        "Optimization, arXiv:2512.06337"
+    )
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
     reconstructed = (

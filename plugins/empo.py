@@ -74,7 +74,10 @@ class EmpoPlugin(Plugin):
 
     name = "empo"
     version = "0.1.0"
-    paper = "EMPO, arXiv:2504.05812; TTRL majority vote, arXiv:2504.16084"
+    paper = (
+        "Right Question is Already Half the Answer: Fully Unsupervised LLM Reasoning Incentivization (EMPO), "
+        "arXiv:2504.05812; TTRL: Test-Time Reinforcement Learning, arXiv:2504.16084"
+    )
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
     conflicts_with = ("rlpr",)

@@ -233,7 +233,7 @@ class FbosRlPlugin(Plugin):
 
     name = "fbos_rl"
     version = "0.1.0"
-    paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic RL, arXiv:2605.20256"
+    paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
     reconstructed = (

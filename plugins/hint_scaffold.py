@@ -103,7 +103,11 @@ class HintScaffoldPlugin(Plugin):
 
     name = "hint_scaffold"
     version = "0.1.0"
-    paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
+    paper = (
+        "GHPO: Adaptive Guidance for Stable and Efficient LLM Reinforcement Learning, arXiv:2507.10628; "
+        "Scaf-GRPO: Scaffolded Group Relative Policy Optimization for Enhancing LLM Reasoning, "
+        "arXiv:2510.19807"
+    )
     summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO / Scaf-GRPO)."
     Options = HintScaffoldOptions
     reconstructed = ("when no hint level succeeds the original rollouts are kept (GHPO's code path is not stated)",)

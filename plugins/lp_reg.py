@@ -107,7 +107,10 @@ class LpRegPlugin(Plugin):
 
     name = "lp_reg"
     version = "0.1.0"
-    paper = "Lp-Reg: Low-probability Regularization, arXiv:2510.03222"
+    paper = (
+        "Low-probability Tokens Sustain Exploration in Reinforcement Learning with Verifiable Reward "
+        "(Lp-Reg), arXiv:2510.03222"
+    )
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
     needs_head_stats = True
