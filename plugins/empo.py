@@ -24,8 +24,9 @@ so the column is filled by a reward transform with the whole groups in view (ans
 
 Entropy thresholding (EMPO's filter of prompts whose semantic entropy is too low or too high) is available with
 ``entropy_low`` / ``entropy_high``: groups outside ``(low, high)`` get zero advantages. It is off by default: the
-thresholds are not in our specs (reconstructed). Watch for the "model collapse step" of label-free RL (catalog
-X-74): consistency rewards sharpen the initial distribution and can rise then fall; log accuracy separately.
+thresholds are reconstructed (EMPO's verl recipe filters prompts by confidence bounds of the largest cluster). Watch
+for the "model collapse step" of label-free RL ("How Far Can Unsupervised RLVR Scale LLM Training?"): consistency
+rewards sharpen the initial distribution and can rise then fall; log accuracy separately.
 
 Stacks with ``seed_grpo`` (same answer clustering, computed once per batch).
 """
@@ -132,7 +133,7 @@ class EmpoPlugin(Plugin):
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
     conflicts_with = ("rlpr",)
-    conflict_reason = "both replace the correctness signal (catalog section 3.5: choose by whether references exist)"
+    conflict_reason = "both replace the correctness signal: rlpr when reference answers exist, empo when they do not"
     reconstructed = (
         "answer equivalence = normalised exact match of extracted answers (EMPO clusters math answers by "
         "math-verify equivalence, free-form ones with a model)",
