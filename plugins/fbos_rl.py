@@ -1,4 +1,4 @@
-"""FBOS-RL — Feedback-Driven Bi-Objective Synergistic RL (arXiv:2605.20256).
+"""FBOS-RL — Feedback-Driven Bi-Objective Synergistic Reinforcement Learning (arXiv:2605.20256).
 
 GRPO samples every rollout from the same prompt; beyond the policy's reach no good rollout appears and the update has
 no direction. FBOS-RL spends part of the group's budget on a **second, feedback-guided round**: the verifier's
