@@ -91,7 +91,7 @@ from trl_plugins import (
 from trl_plugins.answers import completion_text
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge
-from trl_plugins.rollouts import gather_objects_together
+from trl_plugins.rollouts import context_device, gather_objects_together
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 RESERVED_ANNOTATION = "dagrpo_reserved"
@@ -415,7 +415,7 @@ class DaGRPOPlugin(Plugin):
         local = torch.full((len(ctx),), float("nan"))
         if sampled:
             local[sampled] = ctx.score(sampled).float().cpu()
-        scores = ctx.gather(local)  # (N,) collective; NaN on reserved slots (never a success)
+        scores = ctx.gather(local.to(context_device(ctx))).cpu()  # (N,) collective; NaN on reserved slots
         success = (scores > o.success_threshold).view(-1, G)
         if reserve:
             anchored = (success.sum(1) < o.min_positives).tolist()
