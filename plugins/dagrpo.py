@@ -26,7 +26,7 @@ Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
 
 * ``"judge"``: an LLM judge (the paper's kind of scorer), through the project's rubric judge
   (:mod:`trl_plugins.components.judge`: an OpenAI-compatible endpoint with retries, or a local HF model). Each
-  completion is graded against every criterion of ``judge_criteria`` (one judge call per criterion, answers cached);
+  completion is graded against every criterion of ``judge_criteria`` (one judge call each, verdicts cached);
   ``s_i`` = the fraction of criteria met, ``d_ij = |s_i - s_j|``. The criteria are ours (reasoning validity,
   completeness, no redundancy, a clear final answer): the paper's scoring prompt is not public.
 * ``"prm"``: ``s_i`` = mean step score of the bundled tasks' programmatic step verifier
