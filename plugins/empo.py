@@ -33,6 +33,7 @@ Stacks with ``seed_grpo`` (same answer clustering, computed once per batch).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -93,6 +94,11 @@ class EmpoOptions(PluginOptions):
             get_extractor(self.extractor)
         except ValueError as exc:
             raise PluginConfigError(f"Option 'extractor' of plugin 'empo': {exc}.") from exc
+        if self.vote_pool is not None and self.mode != "majority_vote":
+            raise PluginConfigError(
+                f"Option 'vote_pool' of plugin 'empo' got {self.vote_pool!r} with mode={self.mode!r}; the vote pool "
+                "belongs to mode='majority_vote' (TTRL): set that mode, or leave vote_pool unset."
+            )
 
 
 def empo_rewards(cluster_ids: list[list[int | None]], mode: str) -> list[float]:
@@ -151,6 +157,15 @@ class EmpoPlugin(Plugin):
         """Whether extra votes are generated (TTRL mode with a vote pool larger than G)."""
         o = self.options
         return o.mode == "majority_vote" and o.vote_pool is not None and o.vote_pool > num_generations
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        G = args.num_generations
+        if self.options.vote_pool is not None and not self.pooled(G):
+            warnings.warn(
+                f"empo: vote_pool={self.options.vote_pool} <= num_generations={G}: no extra votes, the majority is "
+                "taken over the G trained rollouts.", stacklevel=2,
+            )
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):

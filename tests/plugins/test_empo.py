@@ -182,14 +182,21 @@ def test_vote_pool_on_two_processes():
     assert rewards0 == rewards1 == [0, 1, 0, 1, 0, 1, 1, 1]
 
 
-def test_vote_pool_is_off_in_semantic_cluster_mode_and_up_to_g():
+def test_vote_pool_up_to_g_asks_nothing_and_belongs_to_ttrl_mode():
+    from types import SimpleNamespace
+
     from trl_plugins.testing import make_rollout_context
 
-    for options in ({"vote_pool": 8}, {"mode": "majority_vote", "vote_pool": 4}, {"mode": "majority_vote"}):
-        stack = build_plugins(["empo"], {"empo": {"extractor": "last_number", **options}})
+    for options in ({"vote_pool": 4}, {}):
+        stack = build_plugins(["empo"], {"empo": {"mode": "majority_vote", "extractor": "last_number", **options}})
         ctx = make_rollout_context([["Answer: 1"] * 4], num_generations=4)
         stack.call("trl_plugins_after_generation", ctx)
         assert ctx.service.calls == []
+    plugin = build_plugins(["empo"], {"empo": {"mode": "majority_vote", "vote_pool": 4}}).by_name["empo"]
+    with pytest.warns(UserWarning, match="vote_pool=4 <= num_generations=4"):
+        plugin.trl_plugins_configure(trainer=None, args=SimpleNamespace(num_generations=4))
+    with pytest.raises(PluginConfigError, match="vote_pool.*majority_vote"):
+        build_plugins(["empo"], {"empo": {"vote_pool": 8}})
 
 
 def test_vote_pool_extra_votes_count_in_the_generation_budget(tmp_path):
