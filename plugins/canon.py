@@ -103,6 +103,7 @@ class CanonPlugin(Plugin):
     )
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
+    replaces = ("the advantages",)
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

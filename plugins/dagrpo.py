@@ -12,7 +12,7 @@ an earlier plugin changed them) ``(R_i - R_j)/sigma = a_i - a_j``. With a distin
 (``d_ii = 0``) and the surviving set ``S_i = {j : d_ij >= delta}`` (``i`` itself survives only when
 ``delta = 0``)::
 
-    A_i = m + (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving")
+    A_i = m + (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving", the default)
     A_i = m + (1/G)     sum_{j in S_i} (a_i - a_j)      (pair_normalizer="group")
     A_i = 0 when S_i is empty,
 
@@ -69,10 +69,9 @@ success, placement ``replace``, slot 0.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import os
 
 import torch
 
@@ -88,10 +87,11 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import completion_text
+from trl_plugins.collectives import gather_objects_together
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge
-from trl_plugins.rollouts import context_device, gather_objects_together
+from trl_plugins.contexts import context_device
+from trl_plugins.text import completion_text
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 RESERVED_ANNOTATION = "dagrpo_reserved"
@@ -135,7 +135,7 @@ class DaGRPOOptions(PluginOptions):
     )
     pair_normalizer: Literal["surviving", "group"] = option(
         "surviving",
-        help="Divide the sum over surviving pairs by their number (spec) or by the group size G.",
+        help="Divide the sum over surviving pairs by their number (default) or by the group size G.",
         reconstructed=True,
     )
     include_reward_gap: bool = option(
@@ -334,6 +334,10 @@ class DaGRPOPlugin(Plugin):
     )
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
+    replaces = (
+        "the advantages (pair-masked)",
+        "one failed completion of an all-fail group, or the group's reserved slot (a reference-solution anchor)",
+    )
     reconstructed = (
         "the whole method is reconstructed from the abstract and public summaries (no code, no method section)",
         "fine-grained scorer: default the bundled tasks' programmatic PRM; the LLM judge (scorer='judge', the paper's "

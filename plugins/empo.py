@@ -58,6 +58,8 @@ from trl_plugins.answers import (
     semantic_entropy,
 )
 
+from .rlpr import CORRECTNESS_PICK_ONE
+
 COLUMN = "empo"
 
 
@@ -138,8 +140,9 @@ class EmpoPlugin(Plugin):
     )
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
+    replaces = ("the correctness reward (a label-free reward column)",)
     conflicts_with = ("rlpr",)
-    conflict_reason = "both replace the correctness signal: rlpr when reference answers exist, empo when they do not"
+    conflict_reason = CORRECTNESS_PICK_ONE
     reconstructed = (
         "answer equivalence = normalised exact match of extracted answers (EMPO clusters math answers by "
         "math-verify equivalence, free-form ones with a model)",

@@ -77,9 +77,11 @@ from trl_plugins import (
     option,
 )
 from trl_plugins.answers import extract_boxed, find_numbers, get_extractor, normalize_answer
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text, split_steps
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -329,6 +331,10 @@ class FbosRlPlugin(Plugin):
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
+    replaces = (
+        "part of each group's completions (feedback-guided round 2)",
+        "the advantages (EPA / ECC normalisation)",
+    )
     reconstructed = (
         "budget split G1 = G // 2 (4 + 4 of G = 8); round-2 rows are deferred, so exactly G rollouts per prompt",
         ("feedback='task': the bundled tasks' step verifier (those tasks only; 'rule' for other datasets with a "

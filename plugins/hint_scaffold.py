@@ -110,6 +110,7 @@ class HintScaffoldPlugin(Plugin):
     )
     summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO / Scaf-GRPO)."
     Options = HintScaffoldOptions
+    replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = ("when no hint level succeeds the original rollouts are kept (GHPO's code path is not stated)",)
 
     def required_columns(self) -> list[str]:
