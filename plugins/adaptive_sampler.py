@@ -224,7 +224,12 @@ class AdaptiveSamplerPlugin(Plugin):
 
     name = "adaptive_sampler"
     version = "0.1.0"
-    paper = "MMR1 VAS, arXiv:2509.21268; RuleReasoner DADS, arXiv:2506.08672; RAPO pruning, arXiv:2509.24107"
+    paper = (
+        "MMR1: Enhancing Multimodal Reasoning with Variance-Aware Sampling and Open Resources (VAS), "
+        "arXiv:2509.21268; RuleReasoner: Reinforced Rule-based Reasoning via Domain-aware Dynamic Sampling "
+        "(DADS), arXiv:2506.08672; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
+        "Synthesis for SLMs (RAPO pruning), arXiv:2509.24107"
+    )
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
     replaces = ("the training sampler (which prompts are drawn)",)

@@ -124,7 +124,10 @@ class CanonPlugin(Plugin):
 
     name = "canon"
     version = "0.1.0"
-    paper = "CANON: Conditional Advantage Estimation, arXiv:2509.23962"
+    paper = (
+        "Conditional Advantage Estimation for Reinforcement Learning in Large Reasoning Models (CANON), "
+        "arXiv:2509.23962"
+    )
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
     replaces = ("the advantages",)

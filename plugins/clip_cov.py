@@ -159,7 +159,7 @@ class ClipCovPlugin(Plugin):
 
     name = "clip_cov"
     version = "0.1.0"
-    paper = "Clip-Cov, The Entropy Mechanism of RL for Reasoning Language Models, arXiv:2505.22617"
+    paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov), arXiv:2505.22617"
     summary = "Zeroes the surrogate of a small random subset of tokens whose logp-advantage covariance is in a window."
     Options = ClipCovOptions
     conflicts_with = ("lp_reg", "kl_cov", "siren")

@@ -138,7 +138,7 @@ class CritiqueGrpoPlugin(Plugin):
 
     name = "critique_grpo"
     version = "0.1.0"
-    paper = "Critique-GRPO, arXiv:2506.03106"
+    paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
     Options = CritiqueGrpoOptions
     replaces = ("one completion per group (slot 0: a refinement, off-policy)",)

@@ -168,7 +168,11 @@ class HintScaffoldPlugin(Plugin):
 
     name = "hint_scaffold"
     version = "0.1.0"
-    paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
+    paper = (
+        "GHPO: Adaptive Guidance for Stable and Efficient LLM Reinforcement Learning, arXiv:2507.10628; "
+        "Scaf-GRPO: Scaffolded Group Relative Policy Optimization for Enhancing LLM Reasoning, "
+        "arXiv:2510.19807"
+    )
     summary = "All-fail groups are re-generated with growing hints: solution prefixes (GHPO) or tiered hints (Scaf-GRPO)."
     Options = HintScaffoldOptions
     replaces = ("the completions of all-fail groups (hinted re-generations)",)

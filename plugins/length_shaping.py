@@ -248,7 +248,11 @@ class LengthShapingPlugin(Plugin):
 
     name = "length_shaping"
     version = "0.1.0"
-    paper = "LASER / LASER-D, arXiv:2505.15612; DLER, arXiv:2510.15110"
+    paper = (
+        "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), "
+        "arXiv:2505.15612; DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via "
+        "Reinforcement Learning, arXiv:2510.15110"
+    )
     summary = "Length-efficient reasoning: adaptive step length bonus (LASER-D) or zero reward past a cap (DLER)."
     Options = LengthShapingOptions
     reconstructed = (

@@ -135,7 +135,10 @@ class PosteriorGrpoPlugin(Plugin):
 
     name = "posterior_grpo"
     version = "0.1.0"
-    paper = "Posterior-GRPO, arXiv:2508.05170; Trust-GRPO (SophiaVL-R1), arXiv:2505.17018"
+    paper = (
+        "Posterior-GRPO: Rewarding Reasoning Processes in Code Generation, arXiv:2508.05170; SophiaVL-R1: "
+        "Reinforcing MLLMs Reasoning with Thinking Reward (Trust-GRPO), arXiv:2505.17018"
+    )
     summary = "PRM process reward paid only to correct rollouts (or trust-weighted and annealed, Trust-GRPO)."
     Options = PosteriorGrpoOptions
     reconstructed = (

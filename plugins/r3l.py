@@ -303,7 +303,10 @@ class R3LPlugin(Plugin):
 
     name = "r3l"
     version = "0.1.0"
-    paper = "R3L: Reflect-then-Retry RL with pivotal credit and positive amplification, arXiv:2601.03715"
+    paper = (
+        "R³L: Reflect-then-Retry Reinforcement Learning with Language-Guided Exploration, Pivotal Credit, and"
+        " Positive Amplification, arXiv:2601.03715"
+    )
     summary = "Half the group reflects on a first attempt and retries with the guidance; retries distilled unguided."
     Options = R3LOptions
     replaces = (

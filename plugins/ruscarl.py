@@ -274,7 +274,10 @@ class RuscaRLPlugin(Plugin):
 
     name = "ruscarl"
     version = "0.1.0"
-    paper = "RuscaRL: Rubric-Scaffolded Reinforcement Learning, arXiv:2508.16949"
+    paper = (
+        "Breaking the Exploration Bottleneck: Rubric-Scaffolded Reinforcement Learning for General LLM "
+        "Reasoning (RuscaRL), arXiv:2508.16949"
+    )
     summary = "Graded rubric scaffolds in generation prompts (decaying) and a per-item rubric judge reward."
     Options = RuscaRLOptions
     replaces = ("the generation prompts (rubric scaffolds)",)

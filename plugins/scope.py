@@ -158,7 +158,10 @@ class ScopePlugin(Plugin):
 
     name = "scope"
     version = "0.1.0"
-    paper = "SCOPE: Recycling Failures via Fine-Grained Off-Policy Guidance, arXiv:2602.24110"
+    paper = (
+        "Recycling Failures: Salvaging Exploration in RLVR via Fine-Grained Off-Policy Guidance (SCOPE), "
+        "arXiv:2602.24110"
+    )
     summary = "Failed rollouts keep their PRM-verified prefix; the rest is corrected off-policy and must verify."
     Options = ScopeOptions
     replaces = ("the suffix of failed completions after their verified prefix (off-policy corrections)",)

@@ -111,7 +111,7 @@ class SirenPlugin(Plugin):
 
     name = "siren"
     version = "0.1.0"
-    paper = "SIREN: Rethinking Entropy Regularization in Large Reasoning Models, arXiv:2509.25133"
+    paper = "Rethinking Entropy Regularization in Large Reasoning Models (SIREN), arXiv:2509.25133"
     summary = "Keeps the top-p entropy of each response's peak-entropy positions near its initial value (anchored)."
     Options = SirenOptions
     needs_head_stats = True

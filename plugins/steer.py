@@ -135,7 +135,7 @@ class SteerPlugin(Plugin):
 
     name = "steer"
     version = "0.1.0"
-    paper = "STEER: Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective, arXiv:2510.10150"
+    paper = "Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective (STEER), arXiv:2510.10150"
     summary = "Token weights in [lambda_min, 1] that shrink with each token's first-order entropy change."
     Options = SteerOptions
     reconstructed = (
