@@ -35,6 +35,7 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
+from trl_plugins.data_checks import check_column_filled
 from trl_plugins.rollouts import (
     check_offpolicy_gamma, completion_text, context_device, gather_id_lists, run_together,
 )
@@ -153,6 +154,9 @@ class CritiqueGrpoPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         o = self.options
         check_offpolicy_gamma(self.name, o.gamma, args)
+        if o.critique_type in ("simple_gt", "text"):
+            check_column_filled(self.name, getattr(trainer, "train_dataset", None), o.answer_column,
+                                f"critique_type={o.critique_type!r} states the ground truth in every critique")
         scale = getattr(args, "scale_rewards", "group")
         if scale not in ("none", False):
             warnings.warn(

@@ -36,6 +36,7 @@ import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.answers import completion_text
+from trl_plugins.data_checks import check_column_filled
 
 COLUMN = "rlpr"
 
@@ -155,6 +156,9 @@ class RlprPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         self.trainer = trainer
+        check_column_filled(self.name, getattr(trainer, "train_dataset", None), self.options.answer_column,
+                            "the reward is the policy's probability of the reference answer, which an empty answer "
+                            "turns into the probability of the answer prefix alone")
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):

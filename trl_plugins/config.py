@@ -98,6 +98,11 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
     budget = args.plugin_generation_budget
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise PluginConfigError(f"plugin_generation_budget must be an integer >= 0 or None (unlimited); got {budget!r}.")
+    if args.max_steps == 0:
+        raise PluginConfigError(
+            "max_steps=0 trains nothing (and would still save a checkpoint); use a positive number of steps, or -1 to "
+            "train for num_train_epochs."
+        )
     if args.output_dir is not None and os.path.isfile(args.output_dir):
         raise PluginConfigError(
             f"output_dir {args.output_dir!r} is a file; it must be a directory (or not exist yet) for checkpoints "

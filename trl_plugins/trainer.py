@@ -38,6 +38,7 @@ from .checkpoints import (
     save_plugin_state,
 )
 from .config import PluginGRPOConfig
+from .data_checks import check_training_dataset
 from .contexts import (
     EXTRA_PREFIX,
     OFFPOLICY_KEY,
@@ -95,6 +96,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
+            check_training_dataset(train_dataset)
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
             # NaN / inf rewards: an error naming function, row, value; held until every process reached the gather
