@@ -112,7 +112,8 @@ def parse_config(parser, argv: list[str] | None) -> tuple:
             with open(path) as handle:
                 config = yaml.safe_load(handle)
         except (OSError, yaml.YAMLError) as exc:
-            raise PluginConfigError(f"Could not read the config file {path!r}: {exc}") from exc
+            detail = " ".join(str(exc).split())  # YAML errors span several lines
+            raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
         if not isinstance(config, dict):
             raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r}.")
         _refuse_unknown([str(key) for key in config], known | {"env"}, f"in the config file {path!r}")

@@ -38,7 +38,6 @@ from .checkpoints import (
     save_plugin_state,
 )
 from .config import PluginGRPOConfig
-from .data_checks import check_training_dataset
 from .contexts import (
     EXTRA_PREFIX,
     OFFPOLICY_KEY,
@@ -49,6 +48,7 @@ from .contexts import (
     RolloutContext,
     group_layout,
 )
+from .data_checks import check_training_dataset
 from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins

@@ -1,7 +1,7 @@
 """Crash safety of checkpoints: a run stopped at any point of a save resumes from the newest complete checkpoint, and a
 damaged ``trl_plugins_state.pt`` is an error naming the file (``trl_plugins/checkpoints.py``).
 
-The kills are simulated in-process: one trained run leaves a complete ``checkpoint-1``; then, for each point of the
+Damaged or foreign plugin state files are cases of ``test_bad_inputs.py`` (stage ``resume``). The kills are simulated in-process: one trained run leaves a complete ``checkpoint-1``; then, for each point of the
 save of step 2 (the plugin state half-written, written but the model not, the model but not the optimizer, a
 truncated ``trainer_state.json``, or everything written and only the checkpoint rotation left), the real
 ``_save_checkpoint`` runs with that point raising. ``tests/reliability/test_resume_sigkill.py`` kills a real process.
@@ -22,7 +22,6 @@ import trl_plugins.checkpoints as checkpoints
 from trl_plugins.checkpoints import (
     PLUGIN_STATE_FILE,
     TRAINER_STATE_FILE,
-    CheckpointError,
     last_complete_checkpoint,
     load_plugin_state,
 )
@@ -150,45 +149,3 @@ def test_resume_true_without_any_complete_checkpoint_is_an_error(tmp_path):
         Exception, match=r"holds no complete checkpoint-N folder"
     ):
         trainer.train(resume_from_checkpoint=True)
-
-
-def _state_bytes():
-    import io
-
-    buffer = io.BytesIO()
-    torch.save({"__framework__": {}, "length_shaping": {"history": list(range(200))}}, buffer)
-    return buffer.getvalue()
-
-
-@pytest.mark.parametrize(
-    "content,message",
-    [
-        pytest.param(b"", r"is empty \(0 bytes\)", id="empty"),
-        pytest.param(lambda: _state_bytes()[: len(_state_bytes()) // 2], r"is truncated or corrupt", id="truncated"),
-        pytest.param(b"this is not a checkpoint", r"is truncated or corrupt", id="garbage"),
-        pytest.param(lambda: _saved([1, 2, 3]), r"holds list \[1, 2, 3\], not the dict of plugin states", id="list"),
-        pytest.param(lambda: _saved({1: "x"}), r"holds dict \{1: 'x'\}, not the dict", id="int-keys"),
-    ],
-)
-def test_a_damaged_plugin_state_file_is_an_error_naming_it(content, message, trained, tmp_path):
-    path = tmp_path / PLUGIN_STATE_FILE
-    path.write_bytes(content() if callable(content) else content)
-    with pytest.raises(CheckpointError, match=message) as err:
-        trained._load_optimizer_and_scheduler(str(tmp_path))
-    assert str(path) in str(err.value) and "Resume from an earlier checkpoint" in str(err.value)
-
-
-def _saved(obj):
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def test_foreign_plugin_state_warns_naming_the_plugins(trained, tmp_path):
-    own = trained.plugin_state_dict()
-    torch.save({**own, "canon": {"x": 1}, "adaptive_sampler": {}}, tmp_path / PLUGIN_STATE_FILE)
-    with pytest.warns(UserWarning, match=r"holds state for plugins \['adaptive_sampler', 'canon'\], which this run "
-                                         r"does not enable \(plugins=\['length_shaping'\]\)"):
-        trained._load_optimizer_and_scheduler(str(tmp_path))
