@@ -68,7 +68,10 @@ class PluginGRPOConfig(GRPOConfig):
         # before TRL's own __post_init__, which json-loads a plugin_config string starting with "{" unchecked
         self.plugins, self.plugin_config = merge_plugin_settings(self.plugins, self.plugin_config)
         check_project_fields(self)
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as exc:  # TRL's and transformers' own checks: the same error type as ours, for the CLI too
+            raise PluginConfigError(f"Invalid configuration: {exc}") from exc
         if not self.use_vllm:  # vLLM-only settings that say "generate with vLLM" but would silently use HF generate
             given = [
                 f"{name}={getattr(self, name)!r}"

@@ -6,7 +6,9 @@ Discovery: built-in plugins (the ``trl_plugins_builtin`` package) plus every ent
 Environment variables (read at discovery time, like pytest's ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``):
 
 ``TRL_PLUGINS_DISABLE_AUTOLOAD=1``
-    Load no entry-point plugins at all; only built-ins and plugins registered in code are available.
+    Load no entry-point plugins at all; only built-ins and plugins registered in code are available. Read as a
+    boolean like pip / pytest do (``1/true/yes/on`` disable, ``0/false/no/off`` or empty do not; other values are
+    refused).
 ``TRL_PLUGINS_LOAD=name1,name2``
     Load only these entry-point plugins (built-ins stay available). An empty value loads none.
 """

@@ -153,6 +153,8 @@ CASES = [
     Case("max-steps-zero", "config", _config(max_steps=0), "max_steps=0 trains nothing"),
     Case("output-dir-is-a-file", "config", _config(output_dir="{file}"), "is a file; it must be a directory"),
     Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"), "only take effect with use_vllm=True"),
+    Case("trl-own-check", "config", _config(per_device_train_batch_size=3, num_generations=2),
+         "Invalid configuration: generation_batch_size (3) must be divisible by num_generations (2)"),
     # ---------------------------------------------------------------- the command line and the YAML file
     Case("yaml-unknown-key", "cli", {"max_step": 3}, "Unknown field 'max_step' in the config file"),
     Case("yaml-unknown-key-suggests", "cli", {"max_step": 3}, "Did you mean 'max_steps'"),
