@@ -37,6 +37,7 @@ from .checkpoints import (
     mark_incomplete,
     save_plugin_state,
 )
+from .collectives import HeldRewardErrors
 from .config import PluginGRPOConfig
 from .contexts import (
     EXTRA_PREFIX,
@@ -53,7 +54,7 @@ from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
-from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
+from .rewards_guard import check_reward_columns, guard_reward_funcs
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
 LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
@@ -113,6 +114,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
+        stack.check_loss_type(self.loss_type)
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -369,10 +371,6 @@ class PluginGRPOTrainer(GRPOTrainer):
             if logprobs is not None:
                 logprobs[i] = []
         return prompt_ids, completion_ids, None, completions, logprobs, {}, None, tool_images
-
-    def _any_process(self, flag: bool) -> bool:
-        flags = self.accelerator.gather(torch.tensor([int(flag)], device=self.accelerator.device))
-        return bool(flags.any().item())
 
     def _decode_completion(self, completion_ids: list[int], prompt: Any) -> Any:
         text = self.processing_class.batch_decode([completion_ids], skip_special_tokens=True)[0]
