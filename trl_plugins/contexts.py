@@ -407,11 +407,13 @@ class LossContext(_MetricsMixin):
         entropies: (B, T) full-vocabulary entropies, with grad.
         advantages: token advantages: (B, T) when the advantage stage gave token-level ones or a
             ``loss_advantages`` hook is present (it always sees (B, T)); otherwise (B, 1), broadcasting over T.
+            (Advantages the ``loss_advantages`` hooks leave constant along each row build the surrogate per row.)
         mask: (B, T) loss mask (completion mask times tool mask).
         offpolicy_mask: (B, T) bool, tokens trained through the shaped off-policy branch.
         log_ratio: (B, T) or (B, 1) ``log pi_theta - log pi_old`` at TRL's importance-sampling level.
         coef_1: ``exp(log_ratio)``, the importance ratio.
-        per_token_loss: (B, T) the base surrogate (TRL's, by ``loss_type``; off-policy tokens already shaped).
+        per_token_loss: the base surrogate (TRL's, by ``loss_type``: :mod:`trl_plugins.loss_rules`; off-policy
+            tokens already shaped): (B, T), or (B, 1) at sequence-level importance sampling with per-row advantages.
         extras: per-row tensors attached at the advantage stage (first dim B).
         loss_type, epsilon_low, epsilon_high, beta: the run's settings.
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
@@ -456,7 +458,10 @@ class LossContext(_MetricsMixin):
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).
 
-        Available only to plugins declaring ``needs_head_stats = True``; never materialises (B, T, V) logits.
+        Available only to plugins declaring ``needs_head_stats = True``. Every statistic, the gradient path of
+        ``top_p_entropy_with_grad`` included, works on blocks of at most ``chunk_size`` rows of V logits, so no
+        (B, T, V) logits are built for any ``k_max`` or nucleus width (``nucleus_ids`` alone returns an
+        ``(N, min(k_max, V))`` id tensor, by design).
         """
         if self._head_stats is None:
             raise PluginError(

@@ -36,7 +36,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -758,6 +758,7 @@ def make_loss_context(
     loss_type: str = "dapo",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_per_token_logps: torch.Tensor | None = None,
     sampling_per_token_logps: torch.Tensor | None = None,
@@ -766,24 +767,43 @@ def make_loss_context(
     offpolicy_gamma: float = 0.1,
     extras: dict[str, torch.Tensor] | None = None,
     completion_ids: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | None = None,
     head_stats: Any = None,
     iteration: int = 0,
     mode: str = "train",
     seed: int = 0,
     trainer: Any = None,
+    loss_options: Mapping[str, Any] | None = None,
 ) -> LossContext:
     """A :class:`~trl_plugins.LossContext` of one micro-batch, with the base surrogate built as the framework does.
 
     Defaults (B, T = ``shape``): deterministic log-probs in (-3, 0) with grad, old log-probs equal to them
     (ratio 1, as in the first pass over a batch), advantages ``[1, -1, 1, ...]`` per row, every token in the
-    mask. ``advantages`` (B,) becomes (B, 1), as the framework passes it when no plugin implements
-    ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The surrogate is TRL's clipped one (``grpo``,
-    ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``) or CISPO's; tokens in ``offpolicy_mask`` take the shaped branch
-    ``-A p/(p+gamma)``. Use :func:`loss_from_context` for the micro-batch loss with the plugins' contributions.
-    ``ctx.metrics`` records the metrics the plugin logs.
+    mask, ``num_items_in_batch`` = the mask's sum. ``advantages`` (B,) becomes (B, 1), as the framework passes it
+    when no plugin implements ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The importance ratio
+    (``importance_sampling_level``) and the surrogate of ``loss_type`` are the framework's own
+    (:mod:`trl_plugins.loss_rules`: TRL's clipped surrogate, CISPO, SAPO's sigmoid gate, VESPO's gamma weights);
+    tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` sets the other fields
+    of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
+    ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the plugins'
+    contributions. ``ctx.metrics`` records the metrics the plugin logs.
     """
-    from .loss import shaped_offpolicy_loss
+    from . import loss_rules as rules
 
+    loss_options = dict(loss_options or {})
+    named = {"loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "offpolicy_gamma"}
+    allowed = [f.name for f in fields(rules.LossSettings) if f.name not in named]
+    unknown = sorted(set(loss_options) - set(allowed))
+    if unknown:
+        raise ValueError(f"make_loss_context: unknown loss option(s) {unknown}; allowed: {', '.join(allowed)}.")
+    settings = rules.LossSettings(
+        loss_type=loss_type,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        importance_sampling_level=importance_sampling_level,
+        offpolicy_gamma=offpolicy_gamma,
+        **loss_options,
+    )
     if per_token_logps is None:
         g = torch.Generator().manual_seed(seed)
         per_token_logps = (-3 * torch.rand(*shape, generator=g)).requires_grad_(True)
@@ -796,16 +816,12 @@ def make_loss_context(
         advantages = advantages.unsqueeze(1)
     mask = torch.ones(B, T) if mask is None else mask
     offpolicy = torch.zeros(B, T, dtype=torch.bool) if offpolicy_mask is None else offpolicy_mask.bool()
-    log_ratio = per_token_logps - old
-    coef_1 = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if offpolicy.any():
-        shaped = shaped_offpolicy_loss(per_token_logps, advantages, offpolicy_gamma)
-        per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
+    weights = rules.importance_weights(per_token_logps, old, mask, settings.importance_sampling_level)
+    surrogate = rules.base_surrogate(settings, per_token_logps, weights, advantages, mask)
+    per_token_loss = rules.shape_offpolicy_tokens(
+        surrogate.per_token_loss, per_token_logps, advantages, offpolicy if offpolicy.any() else None,
+        settings.offpolicy_gamma,
+    )
     if completion_ids is None:
         completion_ids = torch.arange(B * T).view(B, T) % 50
     ctx = LossContext(
@@ -823,12 +839,12 @@ def make_loss_context(
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
         beta=beta,
-        num_items_in_batch=mask.sum(),
+        num_items_in_batch=mask.sum() if num_items_in_batch is None else num_items_in_batch,
         iteration=iteration,
         mode=mode,
         trainer=trainer,
-        log_ratio=log_ratio,
-        coef_1=coef_1,
+        log_ratio=weights.log_weights,
+        coef_1=weights.coef_1,
         per_token_loss=per_token_loss,
     )
     ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
@@ -840,34 +856,26 @@ def make_loss_context(
 def loss_from_context(ctx: LossContext, max_completion_length: int | None = None) -> torch.Tensor:
     """The micro-batch loss the framework builds from a loss context after the ``trl_plugins_loss`` hooks.
 
-    Composition (as in :mod:`trl_plugins.loss`, one process, no gradient accumulation, no KL or entropy terms):
-    the replaced token subset, times every plugin's token weights, plus the additive token terms, aggregated by
-    ``ctx.loss_type`` (``dr_grpo`` divides by ``B * max_completion_length``, default T), plus the scalar terms.
+    The framework's own rules (:func:`~trl_plugins.loss_rules.compose_token_loss`,
+    :func:`~trl_plugins.loss_rules.aggregate`) for one process, no gradient accumulation and none of TRL's extra
+    factors (no KL, entropy mask, off-policy sequence mask, vLLM ratio or entropy bonus): the replaced token subset,
+    times every plugin's token weights, plus the additive token terms, aggregated by ``ctx.loss_type``
+    (``dr_grpo`` divides by ``B * max_completion_length``, default T), plus the scalar terms.
     """
-    per_token = ctx.per_token_loss
-    if ctx.replacement is not None:
-        replace_mask, values = ctx.replacement
-        per_token = torch.where(replace_mask, values, per_token.expand_as(values))
-    for weights in ctx.token_weights:
-        per_token = per_token * weights
-    for term in ctx.token_terms:
-        per_token = per_token + term
-    m = ctx.mask
-    if ctx.loss_type in ("grpo", "sapo"):
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif ctx.loss_type == "bnpo":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    elif ctx.loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (per_token.size(0) * (max_completion_length or per_token.size(1)))
-    elif ctx.loss_type in ("dapo", "cispo"):
-        loss = (per_token * m).sum() / ctx.num_items_in_batch.clamp(min=1.0)
-    elif ctx.loss_type == "luspo":
-        loss = (per_token * m).sum(-1).mean()
-    else:
-        raise ValueError(f"Unknown loss type: {ctx.loss_type}")
-    for term in ctx.scalar_terms:
-        loss = loss + term
-    return loss
+    from . import loss_rules as rules
+
+    per_token = rules.compose_token_loss(
+        ctx.per_token_loss, replacement=ctx.replacement, token_weights=ctx.token_weights, token_terms=ctx.token_terms
+    )
+    loss, _ = rules.aggregate(
+        ctx.loss_type,
+        per_token,
+        ctx.mask,
+        num_items_in_batch=ctx.num_items_in_batch,
+        max_completion_length=max_completion_length or ctx.mask.size(1),
+        mode=ctx.mode,
+    )
+    return rules.add_scalar_terms(loss, ctx.scalar_terms)
 
 
 # ------------------------------------------------------------------------------------------ enabling and calling
