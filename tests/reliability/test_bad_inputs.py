@@ -352,7 +352,8 @@ def run_cli(case, tmp_path, capsys, monkeypatch):
 
 def run_stack(case, tmp_path):
     plugin, options = case.input
-    _expect(case.message, lambda: build_stack(plugin, {plugin: options}, output_dir=str(tmp_path)))
+    _expect(case.message, lambda: build_stack(plugin, {plugin: options}, output_dir=str(tmp_path),
+                                              scale_rewards="none"))
 
 
 def _dataset(kind):
