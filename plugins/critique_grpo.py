@@ -39,6 +39,7 @@ from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
+from trl_plugins.data_checks import check_column_filled
 from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.text import completion_text
 from trl_plugins.success import SuccessOptions
@@ -161,6 +162,9 @@ class CritiqueGrpoPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         o = self.options
         check_offpolicy_gamma(self.name, o.gamma, args)
+        if o.critique_type in ("simple_gt", "text"):
+            check_column_filled(self.name, getattr(trainer, "train_dataset", None), o.answer_column,
+                                f"critique_type={o.critique_type!r} states the ground truth in every critique")
         scale = getattr(args, "scale_rewards", "group")
         if scale not in ("none", False):
             warnings.warn(

@@ -187,6 +187,15 @@ class HintScaffoldPlugin(Plugin):
         return [self.options.hints_column if self.options.hints == "tiered" else self.options.solution_column]
 
     @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        o, G = self.options, args.num_generations
+        if o.replace == "one" and o.replace_index >= G:
+            raise PluginConfigError(
+                f"Option 'replace_index' of plugin 'hint_scaffold' got {o.replace_index}; allowed: a slot of the "
+                f"group, 0 to {G - 1} (num_generations={G})."
+            )
+
+    @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
         if ctx.step < o.warmup_steps:
@@ -209,7 +218,7 @@ class HintScaffoldPlugin(Plugin):
             else:
                 rows = [
                     i for i in range(len(ctx))
-                    if ctx.group_ids[i] in open_groups and ctx.index_in_group[i] == min(o.replace_index, G - 1)
+                    if ctx.group_ids[i] in open_groups and ctx.index_in_group[i] == o.replace_index
                 ]
             prompts = [levels[i][n_level][1] for i in rows]
             completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none

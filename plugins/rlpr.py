@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.data_checks import check_column_filled
 from trl_plugins.text import completion_text
 
 COLUMN = "rlpr"
@@ -267,6 +268,9 @@ class RlprPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         self.trainer = trainer
+        check_column_filled(self.name, getattr(trainer, "train_dataset", None), self.options.answer_column,
+                            "the reward is the policy's probability of the reference answer, which an empty answer "
+                            "turns into the probability of the answer prefix alone")
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):

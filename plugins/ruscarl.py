@@ -343,15 +343,24 @@ class RuscaRLPlugin(Plugin):
         self.check_dataset(getattr(trainer, "train_dataset", None))
 
     def check_dataset(self, dataset: Any) -> None:
-        """With ``empty_rubrics='error'``, refuse a (map-style) dataset with rows without rubric items up front."""
+        """Refuse a (map-style) dataset whose rubric column holds something other than lists (e.g. text), and, with
+        ``empty_rubrics='error'``, one with rows without rubric items, up front."""
         column = self.options.rubrics_column
-        if self.options.empty_rubrics != "error" or dataset is None or not hasattr(dataset, "__len__"):
+        if dataset is None or not hasattr(dataset, "__len__"):
             return
         names = getattr(dataset, "column_names", None)
         if names is not None and column not in names:
             return  # required_columns() reports a missing column
-        empty = [i for i, items in enumerate(dataset[column]) if not items]
-        if empty:
+        values = dataset[column]
+        wrong = [i for i, items in enumerate(values) if items is not None and not isinstance(items, (list, tuple))]
+        if wrong:
+            raise PluginConfigError(
+                f"ruscarl: column {column!r} holds {type(values[wrong[0]]).__name__} {values[wrong[0]]!r:.60} in row "
+                f"{wrong[0]} ({len(wrong)} of {len(values)} rows are not lists); each row needs a list of rubric "
+                "items (mappings with 'criterion' and 'points')."
+            )
+        empty = [i for i, items in enumerate(values) if not items]
+        if empty and self.options.empty_rubrics == "error":
             raise PluginConfigError(
                 f"ruscarl: {len(empty)} of {len(dataset)} rows have no rubric items in column {column!r} (first: row "
                 f"{empty[0]}); they would get no scaffold and no reward. Fix the data, or set empty_rubrics: skip to "
