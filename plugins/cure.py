@@ -135,7 +135,7 @@ class CurePlugin(Plugin):
 
     name = "cure"
     version = "0.1.0"
-    paper = "CURE: Critical-token-guided re-concatenation for entropy-collapse prevention, arXiv:2508.11016"
+    paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."
     Options = CureOptions
     replaces = ("part of each group's completions (re-generated from critical-token prefixes)",)

@@ -1,10 +1,10 @@
 """DaGRPO — Distinctiveness-aware Group Relative Policy Optimization (arXiv:2512.06337). LOW CONFIDENCE.
 
-Only the paper's abstract and a third-party summary were readable: the
-method masks sample **pairs** of low distinctiveness, judged by a fine-grained score, so that near-identical
-rollouts stop producing conflicting gradients ("sequence-level gradient rectification"), and adds high-quality
-off-policy **anchors** to hard queries without a valid positive. Everything below is our reconstruction;
-every guessed detail is an option marked reconstructed.
+Only the paper's abstract and public summaries were readable, no code: the method masks sample **pairs** of low
+distinctiveness, judged by a fine-grained score (LLM-based, per a public summary), so that near-identical rollouts
+stop producing conflicting gradients ("sequence-level gradient rectification"), and adds high-quality off-policy
+**anchors** (external expert data) to hard queries without a valid positive ("off-policy data augmentation").
+Everything below is our reconstruction; every guessed detail is an option marked reconstructed.
 
 Pair masking (advantage stage). GRPO's centred advantage in pairwise form is
 ``A_i = (1/G) sum_j (R_i - R_j) / sigma``; with the incoming advantages ``a`` (TRL's ``(R - mean)/sigma`` unless
@@ -16,44 +16,61 @@ an earlier plugin changed them) ``(R_i - R_j)/sigma = a_i - a_j``. With a distin
     A_i = m + (1/G)     sum_{j in S_i} (a_i - a_j)      (pair_normalizer="group")
     A_i = 0 when S_i is empty,
 
-where ``m`` is the group mean of the incoming advantages: 0 for TRL's own (centred per group), so the default
-formula; for an earlier plugin's uncentred advantages the group offset is kept and only the pairwise part is
-masked. ``delta = 0`` keeps every pair and returns the incoming advantages exactly: mean-centred GRPO, bit for bit
-TRL's run. All-equal scores with ``delta > 0`` give all zeros. With a symmetric mask the "group" normaliser gives
-``sum_i A_i = G m`` (0 for centred advantages) in every group; the "surviving" one only when every row keeps the
-same number of pairs.
+where ``m`` is the group mean of the incoming advantages: 0 for TRL's own (centred per group); for an earlier
+plugin's uncentred advantages the group offset is kept and only the pairwise part is masked. ``delta = 0`` keeps
+every pair and returns the incoming advantages exactly: mean-centred GRPO, bit for bit TRL's run. All-equal scores
+with ``delta > 0`` give all zeros. With a symmetric mask the "group" normaliser gives ``sum_i A_i = G m`` (0 for
+centred advantages) in every group; the "surviving" one only when every row keeps the same number of pairs.
 
 Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
 
+* ``"judge"``: an LLM judge (the paper's kind of scorer), through the project's rubric judge
+  (:mod:`trl_plugins.components.judge`: an OpenAI-compatible endpoint with retries, or a local HF model). Each
+  completion is graded against every criterion of ``judge_criteria`` (one judge call each, verdicts cached);
+  ``s_i`` = the fraction of criteria met, ``d_ij = |s_i - s_j|``. The criteria are ours (reasoning validity,
+  completeness, no redundancy, a clear final answer): the paper's scoring prompt is not public.
 * ``"prm"``: ``s_i`` = mean step score of the bundled tasks' programmatic step verifier
   (:func:`trl_plugins.tasks.arithmetic.step_scores` on the row's ``problem`` JSON column; 0 for an empty
-  completion), ``d_ij = |s_i - s_j|``. The paper uses an LLM judge; the PRM is a cheaper proxy.
+  completion), ``d_ij = |s_i - s_j|``. **Works only on the bundled arithmetic tasks** (their ``problem`` column).
 * ``"similarity"``: ``d_ij = 1 - sim(i, j)``, a token-level similarity between the two completions (Jaccard of
   token n-grams, or ``1 - normalised edit distance``) on their generated token ids (or, when the framework does
-  not provide them, on the completion text re-tokenized by the trainer's tokenizer).
+  not provide them, on the completion text re-tokenized by the trainer's tokenizer). Any dataset, no model.
 * ``"reward"``: ``s_i = R_i`` (the combined reward), ``d_ij = |R_i - R_j|``.
 
-``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij`` (the summary's "alternatively combined with" variant).
-Scores are read at the reward stage, from the final completions (after every sampling plugin), and carried to the
-advantage stage of the same batch.
+``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij``. Scores are read at the reward stage, from the final
+completions (after every sampling plugin), and carried to the advantage stage of the same batch.
 
-Off-policy anchors (sampling stage). A group with fewer than ``min_positives`` successful rollouts (weighted
-reward above ``success_threshold``) gets one failed rollout (slot ``anchor_index``, or the next failed slot)
-replaced by the dataset's reference solution (``solution`` column) tokenized with the trainer's tokenizer plus
-EOS. Its tokens are marked off-policy, so the loss trains them through the framework's shaped branch
+Off-policy anchors (sampling stage). A group with fewer than ``min_positives`` successful rollouts (verifier column
+above ``success_threshold``; the first reward function that is not a placeholder unless ``success_column`` names
+another) gets the dataset's reference solution (``solution`` column), tokenized plus EOS, as an
+anchor. Its tokens are marked off-policy, so the loss trains them through the framework's shaped branch
 ``-A p/(p+gamma)`` (LUFFY, gamma = ``offpolicy_shaping_gamma``) with no importance ratio and no vLLM IS
-correction; its reward comes from the ordinary reward functions (the summary adds it "with R = 1"; a correct
-reference solution scores so under a verifier). The summary's "extra group member" becomes a replacement because
-the group size never changes. ``anchors=false`` switches them off. Success is judged on the rows as the earlier
-sampling plugins left them, so listed after e.g. ``hint_scaffold`` DaGRPO anchors only the groups that plugin did
-not rescue (rescue by hints first, anchors for the rest).
+correction; its reward comes from the ordinary reward functions (a correct reference solution scores as a success
+under a verifier). **The paper adds anchors to the group** (augmentation); TRL's groups have a fixed size G, so
+``anchor_placement`` chooses how [reconstructed]:
 
-Defaults, all reconstructed: scorer ``prm``, delta = 0.1, pair_normalizer ``surviving``, similarity ``jaccard``
-on token bigrams, anchors on for groups with no success, slot 0.
+* ``"replace"`` (default): all G rows are sampled; in an anchored group one failed rollout (slot ``anchor_index``,
+  or the next failed slot) is replaced by the anchor. The sampled rollout is discarded.
+* ``"reserve"``: the paper's augmentation inside a fixed G. Slot ``anchor_index`` of every group is reserved (not
+  sampled with the others); an anchored group gets the anchor there, **added** to its G - 1 rollouts, and every other
+  group fills the slot with one more rollout through the generation service (a second round; still G rollouts at
+  most per group, counted in the generation budget). With ``num_generations = G + 1`` an anchored group holds the
+  paper's G rollouts plus its anchor.
+
+Because an anchored group has no (or too few) successes, both placements give it the same make-up (failures plus
+one anchor); they differ in whether a sampled rollout is thrown away and in how many rollouts decide that a group
+needs an anchor (G or G - 1). ``anchors=false`` switches anchors off. Success is judged on the rows as the earlier
+sampling plugins left them, so listed after e.g. ``hint_scaffold`` DaGRPO anchors only the groups that plugin did
+not rescue.
+
+Defaults, all reconstructed: scorer ``prm`` (cheap, no model server; ``judge`` is the paper's kind of scorer),
+delta = 0.1, pair_normalizer ``surviving``, similarity ``jaccard`` on token bigrams, anchors on for groups with no
+success, placement ``replace``, slot 0.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,24 +81,54 @@ from trl_plugins import (
     Plugin,
     PluginConfigError,
     PluginError,
-    PluginOptions,
+    PromptContext,
     RewardContext,
     RolloutContext,
     hookimpl,
     option,
 )
+from trl_plugins.collectives import gather_objects_together
+from trl_plugins.components.client import EndpointConfig
+from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge
+from trl_plugins.contexts import context_device
 from trl_plugins.text import completion_text
+from trl_plugins.success import SuccessOptions
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
+RESERVED_ANNOTATION = "dagrpo_reserved"
+DEFAULT_CRITERIA = (
+    "Every step of the reasoning is correct: it contains no calculation error and no logical error.",
+    "The reasoning is complete: no step needed to reach the final answer is skipped or merely asserted.",
+    "The solution contains no redundant, repeated or irrelevant steps.",
+    "The final answer is stated clearly and explicitly at the end.",
+)
 
 
 @dataclass
-class DaGRPOOptions(PluginOptions):
-    scorer: Literal["prm", "similarity", "reward"] = option(
+class DaGRPOOptions(SuccessOptions):
+    scorer: Literal["prm", "judge", "similarity", "reward"] = option(
         "prm",
-        help="Fine-grained scorer: programmatic step verifier on the 'problem' column, token similarity between "
+        help="Fine-grained scorer: the bundled tasks' programmatic step verifier (bundled tasks only: 'problem' "
+        "column), an LLM judge grading judge_criteria (the paper's scorer is LLM-based), token similarity between "
         "completions, or the reward itself.",
         reconstructed=True,
+    )
+    judge: Literal["endpoint", "hf"] = option(
+        "endpoint", help="scorer='judge': an OpenAI-compatible endpoint (e.g. vllm serve) or a local HF model."
+    )
+    judge_base_url: str | None = option(None, help="Judge endpoint, e.g. http://127.0.0.1:8000/v1 (judge='endpoint').")
+    judge_model: str = option("default", help="Served model name (endpoint) or model name/path to load (hf).")
+    judge_api_key_env: str | None = option(None, help="Environment variable holding the judge endpoint's API key.")
+    judge_timeout: float = option(120.0, min=0.0, min_exclusive=True, help="Seconds per judge request.")
+    judge_max_retries: int = option(4, min=0, help="HTTP retries (with backoff) on 429/5xx/connection errors.")
+    judge_max_concurrency: int = option(64, min=1, help="Judge requests in flight at once.")
+    judge_temperature: float = option(0.0, min=0.0, help="Judge sampling temperature (0: greedy).")
+    judge_max_tokens: int = option(512, min=1, help="Maximum judge answer tokens.")
+    judge_parse_retries: int = option(3, min=0, help="Re-asks of a judge answer that holds no parsable verdict.")
+    judge_criteria: list[str] = option(
+        default_factory=lambda: list(DEFAULT_CRITERIA), reconstructed=True,
+        help="scorer='judge': the criteria each completion is graded on (one judge call each); the score is the "
+        "fraction met. Ours: the paper's scoring prompt is not public.",
     )
     delta: float = option(
         0.1, min=0.0, help="Pairs with distinctiveness d_ij < delta are masked; 0 keeps all (mean-centred GRPO).",
@@ -103,20 +150,38 @@ class DaGRPOOptions(PluginOptions):
     )
     ngram: int = option(2, min=1, help="n of the token n-grams of the Jaccard similarity.", reconstructed=True)
     problem_column: str = option("problem", help="scorer='prm': dataset column with the problem JSON.")
-    anchors: bool = option(True, help="Replace a failed rollout of groups without a success by the reference solution.")
+    anchors: bool = option(True, help="Give groups without a success the reference solution as an off-policy anchor.")
+    anchor_placement: Literal["replace", "reserve"] = option(
+        "replace", reconstructed=True,
+        help="The paper adds anchors to the group; with TRL's fixed G: replace a failed rollout by the anchor, or "
+        "reserve one slot per group (the anchor is added to G - 1 rollouts; groups without an anchor fill the slot "
+        "with one more rollout from the generation service).",
+    )
     solution_column: str = option("solution", help="Dataset column holding the reference solution text (anchors).")
     min_positives: int = option(
         1, min=1, help="Anchor groups with fewer successful rollouts than this (1 = groups with none).",
         reconstructed=True,
     )
-    success_threshold: float = option(0.0, help="A rollout succeeds when its weighted reward is above this value.")
     anchor_index: int = option(
-        0, min=0, help="Slot replaced by the anchor (the next failed slot if that one succeeded).", reconstructed=True
+        0, min=0, reconstructed=True,
+        help="Slot of the anchor: replace: the slot replaced (the next failed slot if that one succeeded); reserve: "
+        "the reserved slot (capped at G - 1).",
     )
 
     def validate(self) -> None:
         if self.scorer == "prm" and not self.problem_column:
             raise PluginConfigError("Option 'problem_column' of plugin 'dagrpo' must name a column with scorer='prm'.")
+        if self.scorer == "judge":
+            if self.judge == "endpoint" and not self.judge_base_url:
+                raise PluginConfigError(
+                    "Option 'judge_base_url' of plugin 'dagrpo' is required with scorer='judge' and judge='endpoint' "
+                    "(e.g. 'http://127.0.0.1:8000/v1'); or set judge='hf'."
+                )
+            if not self.judge_criteria or not all(isinstance(c, str) and c.strip() for c in self.judge_criteria):
+                raise PluginConfigError(
+                    f"Option 'judge_criteria' of plugin 'dagrpo' must be a non-empty list of non-empty strings; got "
+                    f"{self.judge_criteria!r}."
+                )
 
 
 # ------------------------------------------------------------------------------------------ pure functions
@@ -212,6 +277,18 @@ def prm_score(problem_json: str, text: str) -> float:
     return sum(scores) / len(scores) if scores else 0.0
 
 
+def judge_conversation(prompt: Any) -> list[dict]:
+    """The conversation a judge sees: the prompt's messages (a string prompt as one user message)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def criteria_scores(verdicts: list[bool], num_criteria: int) -> list[float]:
+    """Fraction of criteria met per completion: ``verdicts`` holds ``num_criteria`` verdicts per completion, in
+    order (N * K,) -> (N,)."""
+    K = num_criteria
+    return [sum(verdicts[n * K:(n + 1) * K]) / K for n in range(len(verdicts) // K)]
+
+
 def anchor_slots(success: torch.Tensor, min_positives: int, anchor_index: int) -> list[int]:
     """Slot (index in group) to replace per group, or -1 when the group is not anchored.
 
@@ -251,25 +328,64 @@ class DaGRPOPlugin(Plugin):
 
     name = "dagrpo"
     version = "0.1.0"
-    paper = "DaGRPO: Distinctiveness-Aware Group Relative Policy Optimization, arXiv:2512.06337"
+    paper = (
+        "DaGRPO: Rectifying Gradient Conflict in Reasoning via Distinctiveness-Aware Group Relative Policy "
+        "Optimization, arXiv:2512.06337"
+    )
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
     replaces = (
         "the advantages (pair-masked)",
-        "one failed completion of an all-fail group (a reference-solution anchor)",
+        "one failed completion of an all-fail group, or the group's reserved slot (a reference-solution anchor)",
     )
     reconstructed = (
-        "the whole method is reconstructed from the abstract and a third-party summary",
-        "fine-grained scorer: programmatic PRM, token similarity or reward instead of the paper's LLM judge",
+        "the whole method is reconstructed from the abstract and public summaries (no code, no method section)",
+        "fine-grained scorer: default the bundled tasks' programmatic PRM; the LLM judge (scorer='judge', the paper's "
+        "kind) grades our criteria, the paper's prompt is not public",
         "delta = 0.1; pair normaliser |S_i| with a 1/G alternative",
         "the incoming advantages' group mean (0 for TRL's) is kept; only their pairwise part is masked",
-        "an anchor replaces one failed rollout (the group size is fixed) and is trained through the shaped "
-        "off-policy branch f(p) = p/(p+gamma) (LUFFY), its reward computed by the reward functions",
+        "the paper adds anchors to the group; here (fixed G) an anchor replaces a failed rollout by default "
+        "(anchor_placement='replace') or fills a reserved slot ('reserve')",
+        "anchors are trained through the shaped off-policy branch f(p) = p/(p+gamma) (LUFFY), their reward computed "
+        "by the reward functions",
     )
 
     def __init__(self, options=None):
         super().__init__(options)
         self._pending: dict[str, torch.Tensor] | None = None
+        self.judge: RubricJudge | None = None
+
+    def build_judge(self) -> RubricJudge:
+        """The LLM judge of ``scorer='judge'`` (built on first use)."""
+        o = self.options
+        if o.judge == "hf":
+            return HFJudge(o.judge_model, max_new_tokens=o.judge_max_tokens, temperature=o.judge_temperature,
+                           parse_retries=o.judge_parse_retries)
+        endpoint = EndpointConfig(
+            base_url=o.judge_base_url, model=o.judge_model, timeout=o.judge_timeout, max_retries=o.judge_max_retries,
+            api_key=os.environ.get(o.judge_api_key_env) if o.judge_api_key_env else None,
+            max_concurrency=o.judge_max_concurrency,
+        )
+        sampling = {"temperature": o.judge_temperature, "max_tokens": o.judge_max_tokens}
+        return EndpointJudge(endpoint, sampling, parse_retries=o.judge_parse_retries)
+
+    def judge_scores(self, prompts: list, completions: list, rows: list[dict]) -> list[float]:
+        """Fraction of ``judge_criteria`` the judge finds met, per completion (one batched grading call)."""
+        if self.judge is None:
+            self.judge = self.build_judge()
+        items = [{"criterion": c, "points": 1.0} for c in self.options.judge_criteria]
+        requests = [
+            JudgeRequest(judge_conversation(prompt), completion_text(completion), item, row)
+            for prompt, completion, row in zip(prompts, completions, rows)
+            for item in items
+        ]
+        verdicts = self.judge.grade(requests) if requests else []
+        return criteria_scores(verdicts, len(items))
+
+    def reserves(self, G: int) -> bool:
+        """Whether a slot per group is reserved for anchors (anchor_placement='reserve', G >= 2)."""
+        o = self.options
+        return o.anchors and o.anchor_placement == "reserve" and G >= 2
 
     def required_columns(self) -> list[str]:
         o = self.options
@@ -280,24 +396,52 @@ class DaGRPOPlugin(Plugin):
 
     # ---------------------------------------------------------------- sampling: anchors
     @hookimpl
+    def trl_plugins_generation_prompts(self, ctx: PromptContext):
+        """anchor_placement='reserve': the anchor slot of every group is left out of the first round."""
+        G = ctx.num_generations
+        if not self.reserves(G):
+            return
+        slot = min(self.options.anchor_index, G - 1)
+        for i in range(len(ctx.rows)):
+            if ctx.index_in_group[i] == slot:
+                ctx.defer(i)
+                ctx.annotations[i][RESERVED_ANNOTATION] = True
+
+    @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
         if not o.anchors:
             return
         G = ctx.num_generations
-        scores = ctx.gather(ctx.score(range(len(ctx))))  # (N,) collective
-        success = (scores > o.success_threshold).view(-1, G)
-        slots = anchor_slots(success, o.min_positives, o.anchor_index)
-        rows = [i for i in range(len(ctx)) if slots[ctx.group_ids[i]] == ctx.index_in_group[i]]
+        reserve = self.reserves(G)
+        reserved = [reserve and bool(ctx.annotations[i].get(RESERVED_ANNOTATION)) for i in range(len(ctx))]
+        sampled = [i for i in range(len(ctx)) if not reserved[i]]
+        local = torch.full((len(ctx),), float("nan"))
+        if sampled:
+            local[sampled] = ctx.success(sampled, rule=o.success_rule).float().cpu()  # verifier column only
+        scores = ctx.gather(local.to(context_device(ctx))).cpu()  # (N,) collective; NaN on reserved slots
+        success = (scores == 1.0).view(-1, G)  # NaN (reserved slot) counts as no success
+        if reserve:
+            anchored = (success.sum(1) < o.min_positives).tolist()
+            rows = [i for i in range(len(ctx)) if reserved[i] and anchored[ctx.group_ids[i]]]
+            refill = [i for i in range(len(ctx)) if reserved[i] and not anchored[ctx.group_ids[i]]]
+        else:
+            slots = anchor_slots(success, o.min_positives, o.anchor_index)
+            anchored = [s >= 0 for s in slots]
+            rows = [i for i in range(len(ctx)) if slots[ctx.group_ids[i]] == ctx.index_in_group[i]]
+            refill = []
         self._check_solutions(ctx, rows)
         eos = _tokenizer_of(ctx.trainer).eos_token_id
         for i in rows:
             ids = _encode(ctx.trainer, ctx.rows[i][o.solution_column]) + [eos]
             ctx.replace_row(i, ids, offpolicy=True, training_prompt=None)
             ctx.annotations[i][ANCHOR_ANNOTATION] = True
+        if reserve:  # collective: groups without an anchor get their reserved rollout now
+            for i, c in zip(refill, ctx.service.generate(prompts=[ctx.prompts[i] for i in refill])):
+                ctx.replace_row(i, c.completion_ids or [eos], logprobs=c.logprobs if c.completion_ids else None)
         n_groups = success.size(0)
         ctx.log_metric("no_positive_group_fraction", float((success.sum(1) == 0).float().mean()))
-        ctx.log_metric("anchored_group_fraction", sum(s >= 0 for s in slots) / max(n_groups, 1))
+        ctx.log_metric("anchored_group_fraction", sum(anchored) / max(n_groups, 1))
 
     def _check_solutions(self, ctx: RolloutContext, rows: list[int]) -> None:
         """Every process raises together when a row to anchor has no reference solution."""
@@ -327,6 +471,11 @@ class DaGRPOPlugin(Plugin):
                 local.append(prm_score(problem, completion_text(completion)))
             scores = torch.tensor(ctx.gather_object(local), dtype=torch.float64)
             self._pending = {"scores": scores}
+        elif o.scorer == "judge":
+            # (N,) collective; a judge failing on one process stops every process together
+            scores = gather_objects_together(ctx, self.name, self.judge_scores, ctx.local_prompts,
+                                             ctx.local_completions, ctx.local_rows)
+            self._pending = {"scores": torch.tensor(scores, dtype=torch.float64)}
         elif o.scorer == "similarity":
             local_ids = getattr(ctx, "local_completion_ids", None)
             if local_ids is not None:  # the generated token ids
@@ -355,7 +504,7 @@ class DaGRPOPlugin(Plugin):
                     "dagrpo: no fine-grained scores for this batch (the reward-stage hook did not run before the "
                     "advantage stage)."
                 )
-            if o.scorer == "prm":
+            if o.scorer in ("prm", "judge"):
                 scores = pending["scores"]
                 d = score_distinctiveness(scores, G)
             else:

@@ -147,7 +147,7 @@ class DiscoPlugin(Plugin):
 
     name = "disco"
     version = "0.1.0"
-    paper = "DisCO: Discriminative Constrained Optimization, arXiv:2505.12366"
+    paper = "DisCO: Reinforcing Large Reasoning Models with Discriminative Constrained Optimization, arXiv:2505.12366"
     summary = "Unclipped discriminative score objective (positives up, negatives down) with a squared-hinge KL."
     Options = DiscoOptions
     replaces = (

@@ -1,4 +1,4 @@
-"""FBOS-RL — Feedback-Driven Bi-Objective Synergistic RL (arXiv:2605.20256).
+"""FBOS-RL — Feedback-Driven Bi-Objective Synergistic Reinforcement Learning (arXiv:2605.20256).
 
 GRPO samples every rollout from the same prompt; beyond the policy's reach no good rollout appears and the update has
 no direction. FBOS-RL spends part of the group's budget on a **second, feedback-guided round**: the verifier's
@@ -17,18 +17,41 @@ the trainer's first round; rows ``G1..G-1`` are **deferred** (``PromptContext.de
 them) and filled in round 2 through the generation service, one collective call per batch -- exactly G rollouts per
 prompt, G1 under x and G2 under FAPs. Round-2 slot ``s`` takes its FAP from the ``s``-th failed round-1 attempt,
 cycling when fewer than G2 failed; groups without failure sample their round-2 rows under x (``all_success``).
+Success and failure are decided on the verifier column (``success_column``: the first reward function that is not a
+placeholder by default, above ``success_threshold``); other reward columns never change the verdict.
 
 Advantages (advantage stage, global batch): sub-groups per prompt -- rows under x (round 1 and EPA copies) and ECC
 rows -- each normalised on its own (``A = r - mean``, divided by the sub-group std when ``scale_rewards="group"``);
 ECC rows are weighted by ``ecc_weight``. Schedule ``joint`` trains both objectives every step; ``alternate``
 makes even steps EPA-only (ECC weight 0) and odd steps ECC-only (no EPA copies).
 
-Only the three-stage flow is known (abstract + a digest, no code, no equations). Every other choice is a
-**reconstruction**, an option with our default: G1 = G/2, the
-feedback source (the bundled tasks' verifier feedback; ``simple_gt``/``simple`` critique strings; or an LLM judge),
-no answer leak, the FAP format (multi-turn: original turns, the attempt, then the feedback and a revise request),
-failed-first source selection, EPA placement (replace the failed source, at most one per group) and its off-policy
-treatment (shaped), ECC weight 1, joint schedule, sub-group advantages.
+Only the three-stage flow is known (the abstract and public summaries, no code, no equations). Every other choice
+is a **reconstruction**, an option with our default: G1 = G/2, the feedback source, no answer leak, the FAP format
+(multi-turn: original turns, the attempt, then the feedback and a revise request), failed-first source selection,
+EPA placement (replace the failed source, at most one per group) and its off-policy treatment (shaped), ECC weight 1,
+joint schedule, sub-group advantages.
+
+Feedback sources (``feedback``). The paper's verifier is rule-based and its feedback names where the error is, why,
+and format violations. ``"task"`` is that verifier for the **bundled arithmetic tasks only** (it reads their
+``problem`` column and checks every step). ``"rule"`` is the generic rule-based verifier for any dataset with a
+reference final answer (``answer`` column): format violations (empty solution, no extractable final answer, several
+different boxed answers), a wrong final answer (never stating the right one unless ``leak_answer``), and an error
+location (the first step before the answer whose result is the reference value: the error comes after it;
+otherwise the step stating the wrong answer). ``"simple_gt"``/``"simple"`` are Critique-GRPO's critique strings (with
+or without the ground truth); ``"judge"`` asks an LLM.
+
+Where the public summaries disagree (recorded in the options' help):
+
+* **Joint or alternating updates.** One public summary of the full paper says the optimisation *alternates* between
+  EPA and ECC; the abstract calls them two mutually reinforcing objectives, and another summary says they are
+  optimised *jointly*. ``schedule="joint"`` (default: both every step, ECC weighted by lambda) or ``"alternate"``
+  (EPA-only and ECC-only steps).
+* **What the comparison holds equal.** The first abstract compares "under an identical number of rollouts", the
+  revised one "under both an identical number of rollouts and the same number of training steps", the HTML version
+  "an identical rollout budget (i.e., the same training steps)". The default split G = G1 + G2 satisfies both: the
+  same G rollouts per prompt and step as GRPO. Under the other reading (the same step count, with the feedback round
+  spent on top of GRPO's G rollouts) compare against GRPO with G1 = its G: set ``num_generations`` to
+  G1 + G2 and ``g1`` to the baseline's group size (the group then costs G1 + G2 rollouts per step).
 
 Stacking: with another advantage plugin placed **before** ``fbos_rl`` (e.g. ``canon``), ``advantage="recentre"``
 centres that plugin's advantages within the FBOS sub-groups instead of recomputing them from rewards.
@@ -49,17 +72,18 @@ from trl_plugins import (
     AdvantageContext,
     Plugin,
     PluginConfigError,
-    PluginOptions,
     PromptContext,
     RolloutContext,
     hookimpl,
     option,
 )
+from trl_plugins.answers import extract_boxed, find_numbers, get_extractor, normalize_answer
 from trl_plugins.collectives import gather_id_lists, run_together
-from trl_plugins.components.steps import question_text
+from trl_plugins.components.steps import question_text, split_steps
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.success import SuccessOptions
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -74,15 +98,29 @@ ROLES = ("round1", "epa", "ecc")
 
 
 @dataclass
-class FbosRlOptions(PluginOptions):
+class FbosRlOptions(SuccessOptions):
     g1: int | None = option(
         None, min=1, reconstructed=True,
-        help="Round-1 rollouts per group (G1); the other G - G1 are feedback-guided round-2 rollouts. None: G // 2.",
+        help="Round-1 rollouts per group (G1); the other G - G1 are feedback-guided round-2 rollouts. None: G // 2. "
+        "The summaries read two ways: the same rollouts per step as GRPO (this split of G) or the same step count "
+        "with the feedback round on top (set num_generations = G1 + G2 and g1 = the baseline's G).",
     )
-    feedback: Literal["task", "simple_gt", "simple", "judge"] = option(
+    feedback: Literal["task", "rule", "simple_gt", "simple", "judge"] = option(
         "task", reconstructed=True,
-        help="Feedback text: the bundled tasks' verifier feedback, 'correct/incorrect + ground truth', "
-        "'correct/incorrect', or an LLM judge.",
+        help="Feedback text. task: the bundled arithmetic tasks' step verifier (works only on those tasks: needs "
+        "their 'problem' column); rule: generic rule-based feedback for any dataset with a reference answer "
+        "(format violations, wrong final answer, error location); simple_gt / simple: 'correct/incorrect' with / "
+        "without the ground truth; judge: an LLM.",
+    )
+    extractor: str = option(
+        "boxed_or_last_number",
+        help="feedback='rule': final-answer extractor (task, boxed, last_number, boxed_or_last_number, or "
+        "'package.module:function').",
+    )
+    step_separator: str = option("\n", help="feedback='rule': what separates the steps of a solution.")
+    format_hint: str = option(
+        "State the final answer as \\boxed{...}.",
+        help="feedback='rule': the instruction added to a format violation.",
     )
     leak_answer: bool = option(
         False, reconstructed=True, help="Append the correct final answer to the feedback of failed attempts."
@@ -119,14 +157,17 @@ class FbosRlOptions(PluginOptions):
     ecc_weight: float = option(1.0, min=0.0, reconstructed=True, help="lambda: weight of ECC rows' advantages.")
     schedule: Literal["joint", "alternate"] = option(
         "joint", reconstructed=True,
-        help="joint: EPA + lambda ECC every step; alternate: even steps EPA only, odd steps ECC only.",
+        help="joint: EPA + lambda ECC every step; alternate: even steps EPA only, odd steps ECC only. The public "
+        "summaries disagree: one reads the optimisation as alternating between EPA and ECC, another as joint.",
     )
     advantage: Literal["subgroup", "recentre", "none"] = option(
         "subgroup", reconstructed=True,
         help="subgroup: normalise rewards within (prompt, x-rows) and (prompt, ECC rows); recentre: centre the "
         "incoming advantages within those sub-groups; none: keep them.",
     )
-    success_threshold: float = option(0.5, help="A rollout is correct when its weighted reward is above this value.")
+    success_threshold: float = option(
+        0.5, help="A rollout is correct when its verifier column (success_column) is above this value."
+    )
     gamma: float = option(
         0.1, min=0.0, min_exclusive=True, reconstructed=True,
         help="gamma of the shaped off-policy branch; must equal the run's offpolicy_shaping_gamma.",
@@ -136,6 +177,12 @@ class FbosRlOptions(PluginOptions):
     answer_column: str = option("answer", help="Dataset column with the ground-truth answer.")
 
     def validate(self) -> None:
+        try:
+            get_extractor(self.extractor)
+        except ValueError as exc:
+            raise PluginConfigError(f"Option 'extractor' of plugin 'fbos_rl': {exc}.") from exc
+        if not self.step_separator:
+            raise PluginConfigError("Option 'step_separator' of plugin 'fbos_rl' must be a non-empty string.")
         for key in ("{question}", "{response}", "{feedback}"):
             if key not in self.single_turn_template:
                 raise PluginConfigError(
@@ -174,6 +221,56 @@ def simple_feedback(correct: bool, answer: Any = None) -> str:
     """Critique-GRPO-style critiques: ``simple`` (answer None) or ``simple_gt`` (with the ground truth)."""
     verdict = "The solution is correct." if correct else "The solution is incorrect."
     return verdict if answer is None else f"{verdict} The correct final answer is {answer}."
+
+
+def _boxed_answers(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` of ``text``, in order."""
+    out, rest = [], text
+    while (found := extract_boxed(rest)) is not None:
+        out.append(found)
+        rest = rest[: rest.rfind("\\boxed")]
+    return out[::-1]
+
+
+def _step_values(step: str) -> set[str]:
+    """The results one step writes, normalised: its boxed answers, and the numbers after its last ``=`` (all of
+    its numbers when it has none), so that the operands of ``a op b = c`` do not count."""
+    results = step.rsplit("=", 1)[1] if "=" in step else step
+    return {normalize_answer(v) for v in find_numbers(results) + _boxed_answers(step)}
+
+
+def rule_feedback(text: str, reference: Any, extractor: Any, separator: str = "\n",
+                  format_hint: str = "State the final answer as \\boxed{...}.") -> str:
+    """Rule-based verifier feedback for any task with a reference final answer (the correct answer never stated).
+
+    In order: an empty solution; several different ``\\boxed`` answers, or no final answer ``extractor`` can find
+    (format violations, followed by ``format_hint``); a correct final answer; a wrong one, located: the first step
+    before the answer's step whose result is the reference value ("the error comes after it"), else the step
+    that states the wrong answer (steps are the non-empty pieces between ``separator``, numbered from 1).
+
+    >>> rule_feedback("3+4=7\\n7*2=14\\n14+1=15\\nAnswer: 15", "14", get_extractor("last_number"))
+    'The final answer 15 is incorrect. Step 2 already reaches the expected result; the first error comes after it.'
+    """
+    steps = [s.text for s in split_steps(text, separator)]
+    if not steps:
+        return f"The solution is empty. Solve the problem step by step. {format_hint}"
+    boxed = {normalize_answer(b) for b in _boxed_answers(text)}
+    if len(boxed) > 1:
+        return f"Format problem: the solution gives {len(boxed)} different final answers. {format_hint}"
+    predicted = extractor(text)
+    if predicted is None:
+        return f"Format problem: no final answer could be found. {format_hint}"
+    expected, got = normalize_answer(str(reference)), normalize_answer(predicted)
+    if got == expected:
+        return "The final answer is correct."
+    stating = [k for k, s in enumerate(steps) if got in _step_values(s) or predicted in s]
+    answer_step = stating[-1] if stating else len(steps) - 1
+    reached = [k for k in range(answer_step) if expected in _step_values(steps[k])]
+    if reached:
+        where = f"Step {reached[0] + 1} already reaches the expected result; the first error comes after it."
+    else:
+        where = f"No step reaches the expected result: the error is in step {answer_step + 1} or before it."
+    return f"The final answer {predicted} is incorrect. {where}"
 
 
 def round2_sources(round1_rewards: torch.Tensor, num_round2: int, threshold: float, all_success: str) -> list:
@@ -235,7 +332,7 @@ class FbosRlPlugin(Plugin):
 
     name = "fbos_rl"
     version = "0.1.0"
-    paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic RL, arXiv:2605.20256"
+    paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
     replaces = (
@@ -244,7 +341,9 @@ class FbosRlPlugin(Plugin):
     )
     reconstructed = (
         "budget split G1 = G // 2 (4 + 4 of G = 8); round-2 rows are deferred, so exactly G rollouts per prompt",
-        "feedback='task': the bundled verifier's natural-language feedback; no answer leak (leak_answer=false)",
+        ("feedback='task': the bundled tasks' step verifier (those tasks only; 'rule' for other datasets with a "
+         "reference answer); no answer leak (leak_answer=false)"),
+        "schedule='joint': the public summaries disagree on joint vs alternating EPA/ECC updates",
         "fap_format='multi_turn': original turns + attempt (assistant) + feedback and a revise request (user)",
         "round-2 sources: failed attempts first, cycling; groups without failure sample round 2 under x",
         "EPA: a successful round-2 rollout replaces its failed source (at most 1 per group), shaped off-policy",
@@ -263,7 +362,7 @@ class FbosRlPlugin(Plugin):
         cols = []
         if o.feedback == "task":
             cols.append(o.problem_column)
-        if o.feedback == "simple_gt" or o.leak_answer:
+        if o.feedback in ("simple_gt", "rule") or o.leak_answer:
             cols.append(o.answer_column)
         return cols
 
@@ -335,7 +434,8 @@ class FbosRlPlugin(Plugin):
         # round 1: rewards and attempts of every group, gathered (a group may straddle processes)
         local = torch.full((B,), math.nan)
         if round1:
-            local[round1] = ctx.score(round1).float().cpu()
+            # the verifier column only (success rule); a verifier None is -inf (NaN marks unscored rows here)
+            local[round1] = ctx.reward_columns(round1).verifier(o.success_rule, missing=-math.inf).float().cpu()
         r1 = ctx.gather(local.to(device)).cpu()
         attempts = gather_id_lists(ctx, [ctx.completion_ids[i] if i in in_round1 else [] for i in range(B)])
         tok = ctx.trainer.processing_class
@@ -370,7 +470,7 @@ class FbosRlPlugin(Plugin):
         # round-2 rewards (FAP rows only), gathered with their sources
         local2 = torch.full((B, 2), math.nan)
         if fap_rows:
-            local2[fap_rows, 0] = ctx.score(fap_rows).float().cpu()
+            local2[fap_rows, 0] = ctx.reward_columns(fap_rows).verifier(o.success_rule, missing=-math.inf).float().cpu()
             local2[fap_rows, 1] = torch.tensor([float(sources[i]) for i in fap_rows])
         r2 = ctx.gather(local2.to(device)).cpu()
         epa_rows = self._epa(ctx, r1, r2, fap_rows, G, g1) if o.epa and self.epa_step(ctx.step) else []
@@ -386,8 +486,21 @@ class FbosRlPlugin(Plugin):
             for i, text in zip(rows, texts):
                 raw = ctx.rows[i].get(o.problem_column)
                 if not raw:
-                    raise PluginConfigError(f"fbos_rl: feedback='task' needs the column {o.problem_column!r}.")
+                    raise PluginConfigError(
+                        f"fbos_rl: feedback='task' works only on the bundled arithmetic tasks and needs their column "
+                        f"{o.problem_column!r}; on another dataset with a reference answer use feedback='rule'."
+                    )
                 out.append(feedback(Problem.from_json(raw), text))
+        elif o.feedback == "rule":
+            extractor = get_extractor(o.extractor)
+            out = []
+            for i, text, answer in zip(rows, texts, answers):
+                if answer is None:
+                    raise PluginConfigError(
+                        f"fbos_rl: feedback='rule' needs the reference answer in column {o.answer_column!r}; row "
+                        f"{ctx.global_index[i]} has none."
+                    )
+                out.append(rule_feedback(text, answer, extractor, o.step_separator, o.format_hint))
         elif o.feedback == "simple_gt":
             out = [simple_feedback(ok, a) for ok, a in zip(correct, answers)]
         elif o.feedback == "simple":
@@ -403,7 +516,7 @@ class FbosRlPlugin(Plugin):
                     user += f"\n\n## Correct final answer\n{ctx.rows[i].get(o.answer_column)}"
                 conversations.append([{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}])
             out = judge.chat(conversations) if conversations else []
-        if o.leak_answer and o.feedback in ("task", "simple"):
+        if o.leak_answer and o.feedback in ("task", "rule", "simple"):
             out = [fb if ok else f"{fb} The correct final answer is {a}." for fb, ok, a in zip(out, correct, answers)]
         return out
 

@@ -138,7 +138,7 @@ class HicraPlugin(Plugin):
 
     name = "hicra"
     version = "0.1.0"
-    paper = "HICRA: Emergent Hierarchical Reasoning in LLMs through RL, arXiv:2509.03646"
+    paper = "Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning (HICRA), arXiv:2509.03646"
     summary = "Concentrates credit on planning tokens (strategic-phrase lexicon): A + alpha |A| there."
     Options = HicraOptions
     reconstructed = (

@@ -112,7 +112,7 @@ class KlCovPlugin(Plugin):
 
     name = "kl_cov"
     version = "0.1.0"
-    paper = "KL-Cov, The Entropy Mechanism of RL for Reasoning Language Models, arXiv:2505.22617"
+    paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov), arXiv:2505.22617"
     summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."
     Options = KlCovOptions
     replaces = ("the base surrogate on on-policy tokens (unclipped -A r plus the KL penalty)",)

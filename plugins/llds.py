@@ -94,7 +94,7 @@ class LldsPlugin(Plugin):
 
     name = "llds"
     version = "0.1.0"
-    paper = "LLDS: On GRPO Collapse in Search-R1: The Lazy Likelihood-Displacement Death Spiral, arXiv:2512.04220"
+    paper = "On GRPO Collapse in Search-R1: The Lazy Likelihood-Displacement Death Spiral (LLDS), arXiv:2512.04220"
     summary = "Likelihood-preserving penalty on the tokens of good actions whose likelihood dropped during the update."
     Options = LldsOptions
     conflicts_with = ("gtpo",)

@@ -109,7 +109,10 @@ class LpRegPlugin(Plugin):
 
     name = "lp_reg"
     version = "0.1.0"
-    paper = "Lp-Reg: Low-probability Regularization, arXiv:2510.03222"
+    paper = (
+        "Low-probability Tokens Sustain Exploration in Reinforcement Learning with Verifiable Reward "
+        "(Lp-Reg), arXiv:2510.03222"
+    )
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
     replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)

@@ -182,7 +182,7 @@ class RiskPOPlugin(Plugin):
 
     name = "riskpo"
     version = "0.1.0"
-    paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward, arXiv:2510.00911"
+    paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training, arXiv:2510.00911"
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
     replaces = ("the advantages",)

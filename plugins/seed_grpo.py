@@ -92,7 +92,7 @@ class SeedGrpoPlugin(Plugin):
 
     name = "seed_grpo"
     version = "0.1.0"
-    paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO, arXiv:2505.12346"
+    paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization, arXiv:2505.12346"
     summary = "Scales each group's advantages down by the semantic entropy of its answers (uncertain = conservative)."
     Options = SeedGrpoOptions
     reconstructed = (

@@ -24,7 +24,7 @@ def test_list_shows_builtins_with_stages_papers_and_distribution(capsys):
 def test_show_prints_options_and_paper(capsys):
     assert main(["show", "lp_reg"]) == 0
     out = capsys.readouterr().out
-    assert "Paper:   Lp-Reg" in out and "Options:" in out and "kappa (float, default 0.02)" in out
+    assert "Paper:   Low-probability Tokens Sustain Exploration" in out and "Options:" in out and "kappa (float, default 0.02)" in out
     assert "[reconstructed]" in out and "Method:" in out
 
 
@@ -36,7 +36,7 @@ def test_show_prints_the_compatibility_of_the_plugin(capsys):
     assert main(["show", "gtpo"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Cannot be stacked with llds: both protect the likelihood of tokens in good responses" in out
-    assert "Loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo." in out
+    assert "Loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo." in out
 
 
 def test_show_unknown_plugin_suggests(capsys):

@@ -239,3 +239,54 @@ def test_the_loss_path_hooks_are_the_ones_the_trainer_switches_on():
     from trl_plugins.trainer import LOSS_HOOKS, SAMPLING_HOOKS
 
     assert set(LOSS_PATH_HOOKS) == set(SAMPLING_HOOKS + LOSS_HOOKS)  # what Plugin.supported_loss_types() reads
+
+
+class ShadowingLpReg(Plugin):
+    name = "lp_reg"
+    paper = "Not Lp-Reg"
+
+
+class AnotherThirdParty(Plugin):
+    name = "third_party_demo"
+
+
+def test_an_entry_point_named_like_a_builtin_does_not_replace_it(fake_entry_points, monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    fake_entry_points.append(_FakeEntryPoint("lp_reg", "evil_pkg:ShadowingLpReg", ShadowingLpReg))
+    with pytest.warns(UserWarning, match=r"Entry point 'lp_reg' of trl-plugins-fake 9\.9 .*ShadowingLpReg\) has the "
+                                         r"name of the built-in plugin 'lp_reg' \(trl-plugins \(built-in\)\); it is "
+                                         r"NOT loaded"):
+        plugins = available_plugins()
+    assert plugins["lp_reg"] is not ShadowingLpReg and plugins["lp_reg"].__module__ == "trl_plugins_builtin.lp_reg"
+    assert "NOT loaded" in manager.load_errors()["lp_reg"]
+    assert plugins["third_party_demo"] is ThirdParty  # the other entry points still load
+
+
+def test_two_entry_points_with_one_name_keep_the_first_and_warn(fake_entry_points, monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    fake_entry_points.append(_FakeEntryPoint("third_party_demo", "other_pkg:AnotherThirdParty", AnotherThirdParty))
+    with pytest.warns(UserWarning, match=r"Two entry points provide the plugin name 'third_party_demo'.*"
+                                         r"other_pkg:AnotherThirdParty\); the second is NOT loaded"):
+        assert available_plugins()["third_party_demo"] is ThirdParty
+
+
+@pytest.mark.parametrize("value,disabled", [
+    ("", False), ("0", False), ("no", False), ("off", False), ("FALSE", False), ("False", False), (" n ", False),
+    ("1", True), ("yes", True), ("ON", True), ("true", True), ("True", True), ("t", True),
+])
+def test_disable_autoload_reads_booleans_like_pip_and_pytest(value, disabled, fake_entry_points, monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    monkeypatch.setenv("TRL_PLUGINS_DISABLE_AUTOLOAD", value)
+    assert ("third_party_demo" not in available_plugins()) is disabled
+
+
+def test_disable_autoload_refuses_other_values(fake_entry_points, monkeypatch):
+    monkeypatch.setenv("TRL_PLUGINS_DISABLE_AUTOLOAD", "sometimes")
+    with pytest.raises(PluginConfigError, match=r"TRL_PLUGINS_DISABLE_AUTOLOAD='sometimes' is not a boolean"):
+        available_plugins()
+    monkeypatch.setenv("TRL_PLUGINS_DISABLE_AUTOLOAD", "1")
+    with pytest.raises(UnknownPluginError, match=r"Unknown plugin 'third_party_demo'.*not loaded because "
+                                                 r"TRL_PLUGINS_DISABLE_AUTOLOAD='1'; unset it"):
+        build_plugins(["third_party_demo"])

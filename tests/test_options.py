@@ -16,6 +16,8 @@ class DemoOptions(PluginOptions):
     flag: bool = option(False, help="a switch")
     levels: list[float] = option(default_factory=lambda: [0.5], help="a list")
     limit: int | None = option(None, help="optional", reconstructed=True)
+    scale: float | None = option(None, min=0.0, help="optional number")
+    cap: float = option(float("inf"), allow_nonfinite=True, help="inf means no cap")
 
 
 def test_defaults_and_valid_values():
@@ -43,6 +45,12 @@ def test_unknown_key_suggests_close_match():
         ({"mode": "fsat"}, r"got 'fsat'; allowed: 'fast', 'exact'\. Did you mean 'fast'\?"),
         ({"levels": 0.5}, r"allowed: a list"),
         ({"levels": ["a"]}, r"'levels\[0\]' of plugin 'demo' got 'a'"),
+        ({"kappa": float("nan")}, r"got nan; allowed: a finite number \(> 0.0 and <= 1.0\)"),
+        ({"kappa": float("inf")}, r"got inf; allowed: a finite number"),
+        ({"levels": [0.5, float("-inf")]}, r"'levels\[1\]' of plugin 'demo' got -inf; allowed: a finite number"),
+        ({"scale": float("nan")}, r"got nan; allowed: a finite number or None \(>= 0.0\)"),
+        ({"scale": "big"}, r"got 'big'; allowed: a number or None"),
+        ({"limit": 1.5}, r"got 1.5; allowed: an integer or None"),
     ],
 )
 def test_bad_values_are_refused_with_the_value_and_what_is_allowed(values, message):
@@ -50,9 +58,22 @@ def test_bad_values_are_refused_with_the_value_and_what_is_allowed(values, messa
         DemoOptions.from_dict(values, "demo")
 
 
+def test_nonfinite_values_only_where_the_option_allows_them():
+    assert DemoOptions.from_dict({"cap": float("nan")}, "demo").cap != DemoOptions().cap  # NaN passes through as is
+    assert DemoOptions.from_dict({"cap": 5}, "demo").cap == 5.0
+    assert DemoOptions.from_dict({"scale": None, "limit": None}, "demo").scale is None
+
+
+def test_describe_prints_strict_lower_bounds_as_strict():
+    infos = {i.name: i for i in DemoOptions.describe()}
+    assert infos["kappa"].range_text() == "(0.0, 1.0]"
+    assert infos["steps"].range_text() == ">= 1" and infos["scale"].range_text() == ">= 0.0"
+    assert infos["flag"].range_text() is None
+
+
 def test_describe_lists_every_option_with_help_and_reconstruction_flag():
     infos = {i.name: i for i in DemoOptions.describe()}
-    assert list(infos) == ["kappa", "steps", "mode", "flag", "levels", "limit"]
+    assert list(infos) == ["kappa", "steps", "mode", "flag", "levels", "limit", "scale", "cap"]
     assert infos["mode"].choices == ("fast", "exact")
     assert infos["limit"].reconstructed and not infos["kappa"].reconstructed
     assert infos["levels"].default == [0.5]

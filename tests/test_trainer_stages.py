@@ -858,7 +858,9 @@ def test_missing_plugin_state_on_resume_warns_and_starts_fresh(tmp_path):
         with pytest.warns(UserWarning, match=r"has no trl_plugins_state.pt .*\['test_counter'\] starts fresh"):
             trainer._load_optimizer_and_scheduler(str(tmp_path))
         torch.save({"__framework__": {}, "other_plugin": {}}, tmp_path / PLUGIN_STATE_FILE)
-        with pytest.warns(UserWarning, match=r"holds no state for plugins \['test_counter'\]"):
+        with pytest.warns(UserWarning, match=r"holds no state for plugins \['test_counter'\]"), pytest.warns(
+            UserWarning, match=r"holds state for plugins \['other_plugin'\], which this run does not enable"
+        ):
             trainer._load_optimizer_and_scheduler(str(tmp_path))
         torch.save({"__framework__": {}, "test_counter": {"count": 7}}, tmp_path / PLUGIN_STATE_FILE)
         trainer._load_optimizer_and_scheduler(str(tmp_path))

@@ -62,9 +62,14 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
+def find_numbers(text: str) -> list[str]:
+    """Every number in ``text``, in order (integers, decimals, thousands separators, simple fractions)."""
+    return _NUMBER_RE.findall(text)
+
+
 def extract_last_number(text: str) -> str | None:
     """The last number in ``text`` (integers, decimals, thousands separators, simple fractions), or None."""
-    found = _NUMBER_RE.findall(text)
+    found = find_numbers(text)
     return found[-1] if found else None
 
 

@@ -38,7 +38,8 @@ def describe_plugin(name: str) -> str:
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
     from .docs import stacking_notes
 
-    notes = ["Uses chunked LM-head statistics (never the full logits)."] if cls.needs_head_stats else []
+    head_note = "Uses chunked LM-head statistics (at most chunk_size x V logits at a time, gradient path included)."
+    notes = [head_note] if cls.needs_head_stats else []
     notes += stacking_notes(cls, code=str)
     lines.append("Stacking:")
     for note in notes:
@@ -55,12 +56,8 @@ def describe_plugin(name: str) -> str:
         extra = []
         if info.choices:
             extra.append("choices: " + ", ".join(repr(c) for c in info.choices))
-        if info.min is not None and info.max is not None:
-            extra.append(f"range: [{info.min}, {info.max}]")
-        elif info.min is not None:
-            extra.append(f"range: >= {info.min}")
-        elif info.max is not None:
-            extra.append(f"range: <= {info.max}")
+        if info.range_text():
+            extra.append(f"range: {info.range_text()}")
         lines.append(f"  {info.name} ({info.type}, default {info.default!r}){flag}")
         for chunk in textwrap.wrap(info.help, 90):
             lines.append(f"      {chunk}")

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import json
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig
+
+from .errors import PluginConfigError
+from .plugin_settings import merge_plugin_settings
 
 
 @dataclass
@@ -68,21 +72,15 @@ class PluginGRPOConfig(GRPOConfig):
     def __post_init__(self):
         from .precision import choose_cpu_precision
 
+        # before TRL's own __post_init__, which json-loads a plugin_config string starting with "{" unchecked
+        self.plugins, self.plugin_config = merge_plugin_settings(self.plugins, self.plugin_config)
+        check_project_fields(self)
         # bf16 unset on a CPU without AMX bf16 units: float32; bf16=True set there: a warning with the measured cost
         choose_cpu_precision(self, bf16_was_set=self.bf16 is not None)
-        super().__post_init__()
-        if isinstance(self.plugins, str):
-            self.plugins = [p.strip() for p in self.plugins.split(",") if p.strip()]
-        if isinstance(self.plugin_config, str):
-            self.plugin_config = json.loads(self.plugin_config) if self.plugin_config.strip() else {}
-        if self.plugin_config is None:
-            self.plugin_config = {}
-        if self.offpolicy_shaping_gamma <= 0:
-            raise ValueError(f"offpolicy_shaping_gamma must be > 0; got {self.offpolicy_shaping_gamma!r}.")
-        if self.head_stats_chunk_size < 1:
-            raise ValueError(f"head_stats_chunk_size must be >= 1; got {self.head_stats_chunk_size!r}.")
-        if self.plugin_generation_budget is not None and self.plugin_generation_budget < 0:
-            raise ValueError(f"plugin_generation_budget must be >= 0 or None; got {self.plugin_generation_budget!r}.")
+        try:
+            super().__post_init__()
+        except ValueError as exc:  # TRL's and transformers' own checks: the same error type as ours, for the CLI too
+            raise PluginConfigError(f"Invalid configuration: {exc}") from exc
         if not self.use_vllm:  # vLLM-only settings that say "generate with vLLM" but would silently use HF generate
             given = [
                 f"{name}={getattr(self, name)!r}"
@@ -99,6 +97,33 @@ class PluginGRPOConfig(GRPOConfig):
         from .manager import build_plugins
 
         build_plugins(self.plugins, self.plugin_config).check_loss_type(self.loss_type)  # fail now, not at step 500
+
+
+def check_project_fields(args: PluginGRPOConfig) -> None:
+    """The fields this package adds (and ``output_dir``), checked before TRL's and transformers' own checks."""
+    gamma = args.offpolicy_shaping_gamma
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (math.isfinite(gamma) and gamma > 0):
+        raise PluginConfigError(f"offpolicy_shaping_gamma must be a finite number > 0; got {gamma!r}.")
+    chunk = args.head_stats_chunk_size
+    if not _is_int(chunk) or chunk < 1:
+        raise PluginConfigError(f"head_stats_chunk_size must be an integer >= 1; got {chunk!r}.")
+    budget = args.plugin_generation_budget
+    if budget is not None and (not _is_int(budget) or budget < 0):
+        raise PluginConfigError(f"plugin_generation_budget must be an integer >= 0 or None (unlimited); got {budget!r}.")
+    if args.max_steps == 0:
+        raise PluginConfigError(
+            "max_steps=0 trains nothing (and would still save a checkpoint); use a positive number of steps, or -1 to "
+            "train for num_train_epochs."
+        )
+    if args.output_dir is not None and os.path.isfile(args.output_dir):
+        raise PluginConfigError(
+            f"output_dir {args.output_dir!r} is a file; it must be a directory (or not exist yet) for checkpoints "
+            "and the final model."
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def checkpointing_off() -> dict[str, bool]:

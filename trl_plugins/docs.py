@@ -69,13 +69,8 @@ def _allowed(info) -> str:
     parts = []
     if info.choices:
         parts.append(", ".join(_code(c) for c in info.choices))
-    lo, hi = info.min, info.max
-    if lo is not None and hi is not None:
-        parts.append(f"[{lo}, {hi}]")
-    elif lo is not None:
-        parts.append(f">= {lo}")
-    elif hi is not None:
-        parts.append(f"<= {hi}")
+    if info.range_text():
+        parts.append(info.range_text())
     return "; ".join(parts) or "-"
 
 

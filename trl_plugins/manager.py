@@ -6,7 +6,9 @@ Discovery: built-in plugins (the ``trl_plugins_builtin`` package) plus every ent
 Environment variables (read at discovery time, like pytest's ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``):
 
 ``TRL_PLUGINS_DISABLE_AUTOLOAD=1``
-    Load no entry-point plugins at all; only built-ins and plugins registered in code are available.
+    Load no entry-point plugins at all; only built-ins and plugins registered in code are available. Read as a
+    boolean like pip / pytest do (``1/true/yes/on`` disable, ``0/false/no/off`` or empty do not; other values are
+    refused).
 ``TRL_PLUGINS_LOAD=name1,name2``
     Load only these entry-point plugins (built-ins stay available). An empty value loads none.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import warnings
 from collections.abc import Iterable, Mapping
 from importlib import metadata
 from typing import Any
@@ -25,9 +28,14 @@ import pluggy
 from . import hookspecs
 from .errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginError, suggest
 from .plugin import Plugin
+from .plugin_settings import merge_plugin_settings
 
 ENTRY_POINT_GROUP = "trl_plugins"
 BUILTIN_PACKAGE = "trl_plugins_builtin"
+DISABLE_AUTOLOAD_ENV = "TRL_PLUGINS_DISABLE_AUTOLOAD"
+LOAD_ENV = "TRL_PLUGINS_LOAD"
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y", "t"})
+_FALSE_WORDS = frozenset({"", "0", "false", "no", "off", "n", "f"})
 _registered: dict[str, type[Plugin]] = {}
 _load_errors: dict[str, str] = {}
 
@@ -71,10 +79,28 @@ def _builtin_plugins() -> dict[str, type[Plugin]]:
     return found
 
 
+def autoload_disabled() -> bool:
+    """``TRL_PLUGINS_DISABLE_AUTOLOAD`` read like a boolean environment variable of pip / pytest.
+
+    Case-insensitive ``1``, ``true``, ``yes``, ``on``, ``y``, ``t`` disable auto-loading; empty, ``0``, ``false``,
+    ``no``, ``off``, ``n``, ``f`` (or unset) leave it on. Any other value is refused (:class:`PluginConfigError`).
+    """
+    raw = os.environ.get(DISABLE_AUTOLOAD_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE_WORDS:
+        return True
+    if value in _FALSE_WORDS:
+        return False
+    raise PluginConfigError(
+        f"{DISABLE_AUTOLOAD_ENV}={raw!r} is not a boolean; use 1/true/yes/on to disable entry-point plugins or "
+        "0/false/no/off (or unset it) to load them."
+    )
+
+
 def _entry_point_plugins() -> dict[str, type[Plugin]]:
-    if os.environ.get("TRL_PLUGINS_DISABLE_AUTOLOAD", "").strip() not in ("", "0", "false", "False"):
+    if autoload_disabled():
         return {}
-    only = os.environ.get("TRL_PLUGINS_LOAD")
+    only = os.environ.get(LOAD_ENV)
     allowed = None if only is None else {n.strip() for n in only.split(",") if n.strip()}
     found = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -90,14 +116,37 @@ def _entry_point_plugins() -> dict[str, type[Plugin]]:
             continue
         dist = getattr(ep, "dist", None)
         cls._distribution = f"{dist.name} {dist.version}" if dist is not None else ep.value
+        if cls.name in found and found[cls.name] is not cls:
+            message = (
+                f"Two entry points provide the plugin name {cls.name!r}: {found[cls.name].distribution()} and "
+                f"{cls.distribution()} ({ep.value}); the second is NOT loaded. Uninstall one of them."
+            )
+            _load_errors[cls.name] = message
+            warnings.warn(message, UserWarning, stacklevel=3)
+            continue
         found[cls.name] = cls
     return found
 
 
 def available_plugins() -> dict[str, type[Plugin]]:
-    """All plugin classes that can be enabled by name: built-ins, entry points, then code registrations."""
+    """All plugin classes that can be enabled by name: built-ins, entry points, then code registrations.
+
+    An entry-point plugin never replaces a built-in of the same name: it is left out, with a warning naming both
+    distributions, and listed as not loaded by ``trl-plugins list`` (a plugin registered in code with
+    :func:`register_plugin` does replace it: that is an explicit choice in the user's own code).
+    """
     plugins = _builtin_plugins()
-    plugins.update(_entry_point_plugins())
+    for name, cls in _entry_point_plugins().items():
+        if name in plugins:
+            message = (
+                f"Entry point {name!r} of {cls.distribution()} ({cls.__module__}.{cls.__qualname__}) has the name of "
+                f"the built-in plugin {name!r} ({plugins[name].distribution()}); it is NOT loaded and {name!r} stays "
+                "the built-in. Give the third-party plugin another name (its `name` attribute and entry point)."
+            )
+            _load_errors[name] = message
+            warnings.warn(message, UserWarning, stacklevel=2)
+            continue
+        plugins[name] = cls
     plugins.update(_registered)
     return dict(sorted(plugins.items()))
 
@@ -112,8 +161,20 @@ def get_plugin_class(name: str) -> type[Plugin]:
     if name not in plugins:
         if name in _load_errors:
             raise UnknownPluginError(f"Plugin {name!r} is installed but failed to load: {_load_errors[name]}")
+        hint = suggest(name, plugins)
+        if isinstance(name, str) and name.lower() != name and name.lower() in plugins:
+            hint = f" Did you mean {name.lower()!r}? (plugin names are lower-case)"
+        elif isinstance(name, str) and not hint:
+            hint = suggest(name.lower(), plugins)
+        note = ""
+        if autoload_disabled():
+            note = (f" Entry-point plugins are not loaded because {DISABLE_AUTOLOAD_ENV}="
+                    f"{os.environ[DISABLE_AUTOLOAD_ENV]!r}; unset it to load installed third-party plugins.")
+        elif os.environ.get(LOAD_ENV) is not None:
+            note = (f" Only the entry-point plugins named in {LOAD_ENV}={os.environ[LOAD_ENV]!r} are loaded; add "
+                    f"{name!r} there to load it.")
         raise UnknownPluginError(
-            f"Unknown plugin {name!r}.{suggest(name, plugins)} Available plugins: {', '.join(plugins) or '(none)'}."
+            f"Unknown plugin {name!r}.{hint} Available plugins: {', '.join(plugins) or '(none)'}.{note}"
         )
     return plugins[name]
 
@@ -194,12 +255,9 @@ def build_plugins(names: Iterable[str], plugin_config: Mapping[str, Mapping[str,
         PluginConfigError: options for a plugin that is not enabled, unknown / mistyped / out-of-range options.
         IncompatiblePluginsError: duplicates, "pick one" conflicts, two plugins replacing the surrogate.
     """
-    names = list(names or [])
-    plugin_config = dict(plugin_config or {})
+    names, plugin_config = merge_plugin_settings(names, plugin_config)
     seen = set()
     for name in names:
-        if not isinstance(name, str):
-            raise PluginConfigError(f"Plugin names must be strings; got {name!r} in plugins={names!r}.")
         if name in seen:
             raise IncompatiblePluginsError(f"Plugin {name!r} is enabled twice in plugins={names!r}.")
         seen.add(name)

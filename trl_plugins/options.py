@@ -4,12 +4,14 @@ A plugin declares its options as a dataclass deriving from :class:`PluginOptions
 :func:`option`, which carries the help text, allowed choices / range, and whether the default is a documented
 reconstruction (a detail the paper does not state). ``PluginOptions.from_dict`` validates a user mapping:
 unknown keys (with close-match suggestions), wrong types and out-of-range values are refused with a message
-that names the plugin, the key, the bad value and what is allowed.
+that names the plugin, the key, the bad value and what is allowed. Floats must be finite (NaN and +-inf pass no range
+check, so they are refused) unless the option is declared with ``allow_nonfinite=True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
@@ -28,6 +30,7 @@ def option(
     max: float | None = None,
     min_exclusive: bool = False,
     reconstructed: bool = False,
+    allow_nonfinite: bool = False,
     default_factory: Any = _MISSING,
 ) -> Any:
     """A documented plugin option (a dataclass field).
@@ -39,6 +42,7 @@ def option(
         min, max: inclusive numeric range (``min_exclusive`` makes the lower bound strict).
         reconstructed: True when the paper does not state this detail and the default is our documented
             reconstruction; ``trl-plugins show`` marks such options.
+        allow_nonfinite: accept NaN / +-inf for a float option (e.g. ``inf`` meaning "no limit"); refused otherwise.
     """
     metadata = {
         "help": help,
@@ -47,6 +51,7 @@ def option(
         "max": max,
         "min_exclusive": min_exclusive,
         "reconstructed": reconstructed,
+        "allow_nonfinite": allow_nonfinite,
     }
     if default_factory is not _MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
@@ -65,6 +70,18 @@ class OptionInfo:
     min: float | None
     max: float | None
     reconstructed: bool
+    min_exclusive: bool = False
+
+    def range_text(self) -> str | None:
+        """The allowed range as ``trl-plugins show`` prints it: ``[0.0, 1.0]``, ``(0.0, 1.0]``, ``> 0.0``, ``<= 5``."""
+        lo, hi = self.min, self.max
+        if lo is not None and hi is not None:
+            return f"{'(' if self.min_exclusive else '['}{lo}, {hi}]"
+        if lo is not None:
+            return f"{'>' if self.min_exclusive else '>='} {lo}"
+        if hi is not None:
+            return f"<= {hi}"
+        return None
 
 
 @dataclasses.dataclass
@@ -114,6 +131,7 @@ class PluginOptions:
                     min=md.get("min"),
                     max=md.get("max"),
                     reconstructed=bool(md.get("reconstructed", False)),
+                    min_exclusive=bool(md.get("min_exclusive", False)),
                 )
             )
         return infos
@@ -158,10 +176,11 @@ def _fail(plugin: str, key: str, value: Any, allowed: str) -> PluginConfigError:
 
 def _check_value(plugin: str, key: str, value: Any, tp: Any, md: typing.Mapping[str, Any]) -> Any:
     """Type-check and coerce one value; range and choice checks from the option metadata."""
+    or_none = ""
     if _is_optional(tp):
         if value is None:
             return None
-        tp = _strip_optional(tp)
+        tp, or_none = _strip_optional(tp), " or None"
     origin = get_origin(tp)
     if origin is Literal:
         choices = get_args(tp)
@@ -169,36 +188,47 @@ def _check_value(plugin: str, key: str, value: Any, tp: Any, md: typing.Mapping[
             hint = suggest(str(value), [str(c) for c in choices])
             raise PluginConfigError(
                 f"Option {key!r} of plugin {plugin!r} got {value!r}; allowed: "
-                f"{', '.join(repr(c) for c in choices)}.{hint}"
+                f"{', '.join(repr(c) for c in choices)}{or_none}.{hint}"
             )
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise _fail(plugin, key, value, "true or false")
+            raise _fail(plugin, key, value, "true or false" + or_none)
     elif tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(plugin, key, value, "an integer")
+            raise _fail(plugin, key, value, "an integer" + or_none)
     elif tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(plugin, key, value, "a number")
+            raise _fail(plugin, key, value, "a number" + or_none)
         value = float(value)
+        if not math.isfinite(value) and not md.get("allow_nonfinite"):
+            raise _fail(plugin, key, value, "a finite number" + or_none + _range_note(md))
     elif tp is str:
         if not isinstance(value, str):
-            raise _fail(plugin, key, value, "a string")
+            raise _fail(plugin, key, value, "a string" + or_none)
     elif origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise _fail(plugin, key, value, f"a list ({_type_name(tp)})")
+            raise _fail(plugin, key, value, f"a list ({_type_name(tp)}){or_none}")
         args = get_args(tp)
         if args and args[0] is not Ellipsis:
             value = [_check_value(plugin, f"{key}[{i}]", v, args[0], {}) for i, v in enumerate(value)]
         value = list(value) if origin is list else tuple(value)
     choices = md.get("choices")
     if choices is not None and value not in choices:
-        raise _fail(plugin, key, value, ", ".join(repr(c) for c in choices))
+        raise _fail(plugin, key, value, ", ".join(repr(c) for c in choices) + or_none)
     lo, hi = md.get("min"), md.get("max")
     if lo is not None and (value < lo or (md.get("min_exclusive") and value == lo)):
         bound = f"> {lo}" if md.get("min_exclusive") else f">= {lo}"
-        raise _fail(plugin, key, value, f"a value {bound}" + (f" and <= {hi}" if hi is not None else ""))
+        raise _fail(plugin, key, value, f"a value {bound}" + (f" and <= {hi}" if hi is not None else "") + or_none)
     if hi is not None and value > hi:
-        raise _fail(plugin, key, value, f"a value <= {hi}" + (f" and >= {lo}" if lo is not None else ""))
+        bound = (" and > " if md.get("min_exclusive") else " and >= ") + str(lo) if lo is not None else ""
+        raise _fail(plugin, key, value, f"a value <= {hi}{bound}{or_none}")
     return value
+
+
+def _range_note(md: typing.Mapping[str, Any]) -> str:
+    lo, hi = md.get("min"), md.get("max")
+    parts = ([f"{'>' if md.get('min_exclusive') else '>='} {lo}"] if lo is not None else []) + (
+        [f"<= {hi}"] if hi is not None else []
+    )
+    return f" ({' and '.join(parts)})" if parts else ""

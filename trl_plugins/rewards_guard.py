@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,14 @@ def check_reward_values(name: str, values: Any, prompts: Sequence | None = None,
         raise RewardValueError(
             f"Reward function {name!r} returned {len(values)} rewards for {len(prompts)} completions"
             f"{_process_note()}; it must return exactly one value (or None) per completion."
+        )
+    if hasattr(values, "__len__") and len(values) and all(value is None for value in values):
+        warnings.warn(
+            f"Reward function {name!r} returned None for every one of the {len(values)} completions it was given"
+            f"{_process_note()}: it scored nothing (TRL leaves it out of the weighted sum for these rows). If that is "
+            "not meant (e.g. a column name it reads is wrong), fix the function; if no reward function scores a "
+            "group, its advantages are zero and nothing is learnt from it.",
+            stacklevel=2,
         )
     for i, value in enumerate(values):
         if value is None:
@@ -215,8 +224,9 @@ def check_reward_columns(reward_funcs: Any, dataset: Any) -> None:
 
     A required parameter of a callable reward function (no default) that is neither one of the arguments TRL passes
     (``prompts``, ``completions``, ``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric``,
-    ``environments``) nor a dataset column would make TRL fail with a ``TypeError`` at the first step. Datasets
-    without ``column_names`` (iterable datasets of unknown schema) are not checked.
+    ``environments``) nor a dataset column would make TRL fail with a ``TypeError`` at the first step. A function
+    with a ``check_dataset(dataset)`` attribute has it called too (raise to refuse, warn to flag). Datasets without
+    ``column_names`` (iterable datasets of unknown schema) are not checked.
     """
     from torch import nn
     from trl.trainer.utils import get_callable_name
@@ -231,6 +241,9 @@ def check_reward_columns(reward_funcs: Any, dataset: Any) -> None:
         if func is None or isinstance(func, (str, nn.Module)) or not callable(func):
             continue
         target = func.__wrapped__ if is_guarded(func) else func
+        check_dataset = getattr(target, "check_dataset", None)
+        if callable(check_dataset):  # a reward function's own data check (e.g. accuracy_reward's answer column)
+            check_dataset(dataset)
         for name in _required_columns(target):
             if name not in columns:
                 raise PluginConfigError(

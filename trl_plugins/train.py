@@ -18,6 +18,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .errors import PluginConfigError, PluginError, suggest
+
 BUILTIN_REWARDS = {"accuracy": "trl_plugins.tasks.arithmetic.accuracy_reward"}
 
 
@@ -45,16 +47,22 @@ def load_reward_funcs(names: list[str]) -> list:
     for name in names:
         path = BUILTIN_REWARDS.get(name, name)
         if "." not in path:
-            raise ValueError(
-                f"Unknown reward function {name!r}; use one of {sorted(BUILTIN_REWARDS)} or a dotted import path "
-                "such as 'my_pkg.rewards.my_reward'."
+            raise PluginConfigError(
+                f"Unknown reward function {name!r}.{suggest(name, BUILTIN_REWARDS) or suggest(name.lower(), BUILTIN_REWARDS)}"
+                f" Use one of {sorted(BUILTIN_REWARDS)} or a dotted import path such as 'my_pkg.rewards.my_reward'."
             )
         module_path, attr = path.rsplit(".", 1)
         sys.path.insert(0, os.getcwd())
         try:
-            funcs.append(getattr(importlib.import_module(module_path), attr))
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"Could not import reward function {name!r} ({path}): {exc}") from exc
+            module = importlib.import_module(module_path)
+        except ImportError as exc:
+            raise PluginConfigError(f"Could not import reward function {name!r} ({path}): {exc}") from exc
+        if not callable(getattr(module, attr, None)):
+            public = [n for n in vars(module) if not n.startswith("_") and callable(vars(module)[n])]
+            raise PluginConfigError(
+                f"Reward function {name!r}: module {module_path!r} has no function {attr!r}.{suggest(attr, public)}"
+            )
+        funcs.append(getattr(module, attr))
     return funcs
 
 
@@ -65,9 +73,14 @@ def load_train_dataset(script_args: TrainScriptArguments):
         return make_dataset(script_args.task_size, levels=tuple(script_args.task_levels), seed=0, split="train")
     from datasets import load_dataset
 
-    dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    try:
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    except Exception as exc:  # not found, offline, malformed files: a configuration error to the user
+        raise PluginConfigError(
+            f"Could not load dataset_name={script_args.dataset_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     if script_args.dataset_train_split not in dataset:
-        raise ValueError(
+        raise PluginConfigError(
             f"Dataset {script_args.dataset_name!r} has no split {script_args.dataset_train_split!r}; "
             f"splits: {', '.join(dataset)}."
         )
@@ -90,6 +103,51 @@ def load_model(model_args, training_args):
     )
 
 
+def parse_config(parser, argv: list[str] | None) -> tuple:
+    """``parser.parse_args_and_config(argv)`` with every configuration mistake as a :class:`PluginConfigError`.
+
+    Unknown keys of the YAML file and unknown ``--options`` are refused with close-match suggestions; errors raised
+    while the dataclasses are built (TRL's and transformers' own checks, a YAML file that does not parse) keep their
+    text.
+    """
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    known = {action.dest for action in parser._actions} - {"help"}
+    if "--config" in argv and argv.index("--config") + 1 < len(argv):
+        path = argv[argv.index("--config") + 1]
+        try:
+            with open(path) as handle:
+                config = yaml.safe_load(handle)
+        except (OSError, yaml.YAMLError) as exc:
+            detail = " ".join(str(exc).split())  # YAML errors span several lines
+            raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
+        if not isinstance(config, dict):
+            raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r}.")
+        _refuse_unknown([str(key) for key in config], known | {"env"}, f"in the config file {path!r}")
+    try:
+        *parsed, rest = parser.parse_args_and_config(argv, return_remaining_strings=True)
+    except PluginError:
+        raise
+    except (ValueError, TypeError) as exc:  # TRL's / transformers' own checks of the fields
+        raise PluginConfigError(f"Invalid configuration: {exc}") from exc
+    flags = [arg[2:].split("=", 1)[0] for arg in rest if arg.startswith("--")]
+    _refuse_unknown(flags, known, "on the command line")
+    if rest:
+        raise PluginConfigError(f"Unexpected command-line arguments {rest!r}; options take the form --field value.")
+    return tuple(parsed)
+
+
+def _refuse_unknown(keys: list[str], known: set[str], where: str) -> None:
+    for key in keys:
+        if key not in known:
+            raise PluginConfigError(
+                f"Unknown field {key!r} {where}.{suggest(key, known)} Fields are those of GRPOConfig, the plugin "
+                "fields (plugins, plugin_config, ...), TRL's ModelConfig and the script's (dataset_name, reward_funcs, "
+                "...); `trl-plugins train CONFIG --help` lists them all."
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
@@ -97,7 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer import PluginGRPOTrainer
 
     parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
-    script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    script_args, training_args, model_args = parse_config(parser, argv)
+    # everything that can be checked without the model first: a bad reward name or dataset must not wait for a
+    # (possibly minutes-long) model load or warm start
+    reward_funcs = load_reward_funcs(script_args.reward_funcs)
+    train_dataset = load_train_dataset(script_args)
     model, tokenizer = load_model(model_args, training_args)
     if isinstance(model, str):
         init = dict(training_args.model_init_kwargs or {})
@@ -106,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         training_args.model_init_kwargs = init
     trainer = PluginGRPOTrainer(
         model=model,
-        reward_funcs=load_reward_funcs(script_args.reward_funcs),
+        reward_funcs=reward_funcs,
         args=training_args,
-        train_dataset=load_train_dataset(script_args),
+        train_dataset=train_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),

@@ -29,6 +29,14 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
 
+from .checkpoints import (
+    PLUGIN_STATE_FILE,
+    foreign_entries,
+    last_complete_checkpoint,
+    load_plugin_state,
+    mark_incomplete,
+    save_plugin_state,
+)
 from .collectives import HeldRewardErrors
 from .config import PluginGRPOConfig
 from .contexts import (
@@ -41,14 +49,15 @@ from .contexts import (
     RolloutContext,
     group_layout,
 )
+from .data_checks import check_training_dataset
 from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .rewards_guard import check_reward_columns, guard_reward_funcs
+from .success import RewardColumns, check_success_columns, is_placeholder
 
-PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
 LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
 
@@ -94,6 +103,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
+            check_training_dataset(train_dataset)
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
             # NaN / inf rewards: an error naming function, row, value; held until every process reached the gather
@@ -114,6 +124,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
+            check_success_columns(list(stack), list(self.reward_func_names),
+                                  [is_placeholder(f) for f in self.reward_funcs])
 
     # ------------------------------------------------------------------------------------------ construction
     @staticmethod
@@ -374,11 +386,15 @@ class PluginGRPOTrainer(GRPOTrainer):
             return [{"role": "assistant", "content": text}]
         return text
 
-    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
-        """Weighted reward of candidate completions on this process only (no gather, no logging)."""
+    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> RewardColumns:
+        """Every reward function's value for candidate completions on this process only (no gather, no logging):
+        the (n, K) matrix, NaN where a function returned None and in placeholder columns (filled at the reward stage,
+        so not run here); ``RolloutContext.score`` takes TRL's weighted nansum of it."""
         device = self.accelerator.device
+        placeholders = tuple(is_placeholder(f) for f in self.reward_funcs)
         if not rows:
-            return torch.zeros(0, device=device)
+            return RewardColumns(torch.zeros(0, len(self.reward_funcs), device=device), list(self.reward_func_names),
+                                 self.reward_weights.to(device), placeholders)
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [r[k] for r in rows] for k in keys}
         kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
@@ -389,8 +405,10 @@ class PluginGRPOTrainer(GRPOTrainer):
             for c in completions
         ]
         columns = []
-        for func, proc in zip(self.reward_funcs, self.reward_processing_classes):
-            if isinstance(func, nn.Module):
+        for func, proc, placeholder in zip(self.reward_funcs, self.reward_processing_classes, placeholders):
+            if placeholder:
+                values = [float("nan")] * len(rows)
+            elif isinstance(func, nn.Module):
                 if is_conversational({"prompt": prompts[0]}):
                     texts = [
                         apply_chat_template({"messages": p + c}, proc, **self.chat_template_kwargs)["text"]
@@ -408,8 +426,8 @@ class PluginGRPOTrainer(GRPOTrainer):
                     out = asyncio.run_coroutine_threadsafe(_await(out), self.async_loop).result()
                 values = [float("nan") if v is None else float(v) for v in out]
             columns.append(torch.tensor(values, dtype=torch.float32, device=device))
-        matrix = torch.stack(columns, dim=1)
-        return (matrix * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        return RewardColumns(torch.stack(columns, dim=1), list(self.reward_func_names), self.reward_weights.to(device),
+                             placeholders)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)
@@ -608,27 +626,50 @@ class PluginGRPOTrainer(GRPOTrainer):
                 "them): their state starts fresh instead of being restored.",
                 stacklevel=2,
             )
+        foreign = foreign_entries(state, [p.name for p in self.plugin_stack])
+        if foreign:
+            warnings.warn(
+                f"The checkpoint's {PLUGIN_STATE_FILE} holds state for plugins {foreign}, which this run does not "
+                f"enable (plugins={[p.name for p in self.plugin_stack]}): that state is ignored. Enable them to "
+                "restore it.",
+                stacklevel=2,
+            )
 
     def _save_checkpoint(self, model, trial):
-        # Plugin state first, written atomically: a run killed while saving never leaves a checkpoint that looks
-        # complete to transformers (trainer_state.json is written last) without its plugin state, and a hub push of
-        # the checkpoint (inside TRL's save) includes it.
-        if self.plugin_stack and self.args.should_save:
+        # Plugin state first, written atomically; transformers writes trainer_state.json last, which marks the folder
+        # complete (trl_plugins/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
+        # skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
+        if self.args.should_save:
             from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
             folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, PLUGIN_STATE_FILE)
-            torch.save(self.plugin_state_dict(), path + ".tmp")
-            os.replace(path + ".tmp", path)
+            mark_incomplete(folder)
+            if self.plugin_stack:
+                save_plugin_state(self.plugin_state_dict(), folder)
         super()._save_checkpoint(model, trial)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint of ``output_dir``
+        (folders left by a run stopped while saving are skipped with a warning)."""
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() == "true" and not os.path.isdir(
+            resume_from_checkpoint
+        ):
+            resume_from_checkpoint = True
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise PluginError(
+                    f"resume_from_checkpoint=True, but output_dir {self.args.output_dir!r} holds no complete "
+                    "checkpoint-N folder to resume from."
+                )
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.plugin_stack:
             path = os.path.join(checkpoint, PLUGIN_STATE_FILE)
             if os.path.exists(path):
-                self.load_plugin_state_dict(torch.load(path, weights_only=False))
+                self.load_plugin_state_dict(load_plugin_state(path))
             elif self.plugin_stack.has("trl_plugins_load_state_dict"):
                 names = [p.name for p in self.plugin_stack.implementers("trl_plugins_load_state_dict")]
                 warnings.warn(

@@ -358,3 +358,143 @@ def test_end_to_end_anchors_are_trained_off_policy(tmp_path):
         assert log["plugins/framework/offpolicy_token_fraction"] > 0
         for key in ("masked_pair_fraction", "zero_advantage_row_fraction", "mean_score"):
             assert f"plugins/dagrpo/{key}" in log
+
+
+# ------------------------------------------------------------------------------------------ LLM-judge scorer
+CRITERIA = ["Mentions alpha", "Mentions beta"]
+
+
+def _criteria_handler(seen):
+    """A judge server: a criterion 'Mentions <word>' is met when the completion contains <word>."""
+    import json
+
+    from trl_plugins.components import chat_response
+    from trl_plugins.components.judge import _split_prompt
+
+    def handler(path, payload):
+        prompt = payload["messages"][-1]["content"]
+        seen.append(prompt)
+        _, completion, item_line = _split_prompt(prompt)
+        met = item_line.split()[-1] in completion.split()
+        return chat_response(json.dumps({"explanation": "by word", "criteria_met": met}))
+
+    return handler
+
+
+def _judge_options(url, **extra):
+    return {"scorer": "judge", "judge_base_url": url, "judge_criteria": CRITERIA, "judge_timeout": 5.0,
+            "judge_max_retries": 1, "anchors": False, **extra}
+
+
+def test_judge_scorer_grades_each_criterion_over_http_and_masks_equal_scores():
+    from trl_plugins.components import serve_openai_compatible
+    from trl_plugins.testing import group_normalized_advantages, make_advantage_context, make_reward_context
+
+    texts = ["alpha beta", "alpha", "alpha", "gamma"]  # judge scores 1, 0.5, 0.5, 0
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])  # rows 1 and 2 differ in reward but not in score
+    seen = []
+    with serve_openai_compatible(_criteria_handler(seen)) as url:
+        stack = build_plugins(["dagrpo"], {"dagrpo": _judge_options(url, delta=0.3)})
+        rctx = make_reward_context(rewards, num_generations=4,
+                                   completions=[[{"role": "assistant", "content": t}] for t in texts])
+        stack.call("trl_plugins_transform_rewards", rctx)
+    assert len(seen) == 8  # one judge call per (completion, criterion)
+    assert sum("[+1] Mentions beta" in prompt for prompt in seen) == 4
+    assert all("user: Q0" in prompt and "assistant: " in prompt for prompt in seen)
+    actx = make_advantage_context(rewards, num_generations=4)
+    stack.call("trl_plugins_transform_advantages", actx)
+    a = group_normalized_advantages(rewards, 4)
+    # pair (1, 2) is masked (equal scores): rows 1 and 2 keep only the pairs with rows 0 and 3, which leaves their
+    # advantage unchanged; rows 0 and 3 keep all three pairs, and one of them (with the equal-reward row) adds 0
+    torch.testing.assert_close(actx.advantages, a * torch.tensor([4 / 3, 1.0, 1.0, 4 / 3]))
+    assert actx.metrics["plugins/dagrpo/mean_score"] == [pytest.approx(0.5)]
+    assert actx.metrics["plugins/dagrpo/masked_pair_fraction"] == [pytest.approx(2 / 12)]
+
+
+def test_judge_scorer_raises_when_the_judge_gives_no_verdict():
+    from trl_plugins.components import EndpointError, chat_response, serve_openai_compatible
+    from trl_plugins.testing import make_reward_context
+
+    with serve_openai_compatible(lambda path, payload: chat_response("no idea")) as url:
+        stack = build_plugins(["dagrpo"], {"dagrpo": _judge_options(url, judge_parse_retries=0)})
+        rctx = make_reward_context(torch.zeros(4), num_generations=4,
+                                   completions=[[{"role": "assistant", "content": "x"}]] * 4)
+        with pytest.raises(EndpointError, match=url):
+            stack.call("trl_plugins_transform_rewards", rctx)
+
+
+def test_judge_scorer_options_are_checked_at_construction():
+    with pytest.raises(PluginConfigError, match="judge_base_url"):
+        build_plugins(["dagrpo"], {"dagrpo": {"scorer": "judge"}})
+    with pytest.raises(PluginConfigError, match="judge_criteria"):
+        build_plugins(["dagrpo"], {"dagrpo": {"scorer": "judge", "judge_base_url": "http://127.0.0.1:9/v1",
+                                              "judge_criteria": []}})
+    plugin = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "judge", "judge_base_url": "http://127.0.0.1:9/v1",
+                                                   "judge_timeout": 3.0, "judge_max_retries": 0}}).by_name["dagrpo"]
+    judge = plugin.build_judge()  # nothing is sent
+    assert (judge.client.config.timeout, judge.client.config.max_retries) == (3.0, 0)
+    assert plugin.required_columns() == ["solution"]  # no task column needed
+
+
+# ------------------------------------------------------------------------------------------ anchors: reserved slot
+def test_reserved_anchor_slot_adds_the_anchor_or_one_more_rollout(tmp_path, monkeypatch):
+    """anchor_placement='reserve': slot 0 of each group is not sampled in the first round; the all-fail group gets
+    the reference solution there (off-policy, NaN sampling log-probs), the group with a success one more rollout
+    through the generation service -- at most G rollouts per group."""
+    from trl_plugins.components.prm import arithmetic_row
+    from trl_plugins.contexts import OFFPOLICY_KEY
+
+    trainer = make_tiny_trainer(plugins=["dagrpo"], max_completion_length=40, output_dir=str(tmp_path),
+                                plugin_config={"dagrpo": {"anchor_placement": "reserve", "scorer": "reward"}},
+                                log_level="error")
+    tok = trainer.processing_class
+    ds = trainer.train_dataset
+    G = trainer.num_generations
+    rows = [dict(ds[k]) for k in range(2) for _ in range(G)]
+    solved = rows[0]["prompt"][-1]["content"]  # the backend solves the first prompt, fails the second
+    calls = []
+
+    def backend(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        calls.append(len(prompt_ids))
+        ids_out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids, skip_special_tokens=True)
+            question = text[text.index("Compute"):].split("\n")[0].strip()
+            problem = Problem.from_json(arithmetic_row(question)["problem"])
+            completion = problem.solution if question in solved else "Answer: 0"
+            ids_out.append(tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+        return ids_out, [[-0.25] * len(x) for x in ids_out]
+
+    trainer._generate_single_turn = backend
+    monkeypatch.setattr(trainer, "use_vllm", True)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_correction", True)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_mode", "token_truncate")
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(rows)
+    assert calls == [2 * (G - 1), 1]  # first round without the reserved slots; one refill (the solved group)
+    mask, off, lps = out["completion_mask"].bool(), out[OFFPOLICY_KEY], out["sampling_per_token_logps"]
+
+    def text(i):
+        return tok.decode(out["completion_ids"][i][mask[i]], skip_special_tokens=True)
+
+    assert text(0) == rows[0]["solution"] and not off[0].any() and torch.all(lps[0][mask[0]] == -0.25)
+    anchor = G  # slot 0 of the failed group
+    assert text(anchor) == rows[anchor]["solution"]
+    n = int(mask[anchor].sum())
+    assert off[anchor, :n].all() and torch.isnan(lps[anchor, :n]).all()
+    assert [text(i) for i in range(G + 1, 2 * G)] == ["Answer: 0"] * (G - 1)  # its G - 1 rollouts are kept
+
+
+def test_reserved_slot_options():
+    from trl_plugins.testing import make_prompt_context
+
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"anchor_placement": "reserve", "anchor_index": 9,
+                                                  "scorer": "reward"}})
+    pctx = make_prompt_context(num_groups=2, num_generations=4)
+    stack.call("trl_plugins_generation_prompts", pctx)
+    assert pctx.deferred == [False, False, False, True] * 2  # anchor_index capped at G - 1
+    for options in ({"anchor_placement": "replace"}, {"anchor_placement": "reserve", "anchors": False}):
+        stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "reward", **options}})
+        pctx = make_prompt_context(num_groups=2, num_generations=4)
+        stack.call("trl_plugins_generation_prompts", pctx)
+        assert not any(pctx.deferred)

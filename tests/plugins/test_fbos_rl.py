@@ -349,3 +349,76 @@ def test_end_to_end_fbos_rl_with_canon(tmp_path):
     assert any(not torch.equal(before[n], p) for n, p in run_.params.items())
     for adv, ids in zip(run_.advantages, run_.completion_ids):
         assert adv.shape[0] == ids.shape[0] == G
+
+
+# ------------------------------------------------------------------------------------------ rule-based feedback
+def test_rule_feedback_format_violations_correctness_and_error_location():
+    from trl_plugins.answers import get_extractor
+    from trl_plugins_builtin.fbos_rl import rule_feedback
+
+    boxed = get_extractor("boxed_or_last_number")
+    hint = "State the final answer as \\boxed{...}."
+    assert rule_feedback("  \n ", "14", boxed) == f"The solution is empty. Solve the problem step by step. {hint}"
+    assert rule_feedback("I am not sure.", "14", boxed) == f"Format problem: no final answer could be found. {hint}"
+    assert rule_feedback("\\boxed{14} or maybe \\boxed{15}", "14", boxed).startswith(
+        "Format problem: the solution gives 2 different final answers.")
+    assert rule_feedback("3+4=7\n7*2=14\nSo \\boxed{14.0}", "14", boxed) == "The final answer is correct."
+    # the reference value is reached in step 2, the answer (step 4) is wrong: the error comes after step 2
+    slip = "3+4=7\n7*2=14\n14+1=15\nSo \\boxed{15}"
+    assert rule_feedback(slip, "14", boxed) == (
+        "The final answer 15 is incorrect. Step 2 already reaches the expected result; the first error comes after it.")
+    # never reached: located at the step that states the wrong answer (step 3 here, not the last line)
+    wrong = "3+4=8\n8*2=16\nAnswer: \\boxed{16}\nDone."
+    assert rule_feedback(wrong, "14", boxed) == (
+        "The final answer 16 is incorrect. No step reaches the expected result: the error is in step 3 or before it.")
+    for text in (slip, wrong):
+        assert "14" not in rule_feedback(text, "14", boxed)  # the right answer is never stated
+    assert rule_feedback("a=1\n\nb=1+1=2\n\nAnswer: 2", "1", boxed, separator="\n\n").startswith(
+        "The final answer 2 is incorrect. Step 1 already reaches")
+    # only a step's result counts, not its operands: 14 is an operand of step 3, never a result
+    assert rule_feedback("3+4=7\n7*2=15\n15-1=14\nAnswer: 16", "7", boxed).startswith(
+        "The final answer 16 is incorrect. Step 1 already reaches")
+    assert "No step reaches" in rule_feedback("3+4=7\n14+2=16\nAnswer: 16", "14", boxed)
+
+
+def test_rule_feedback_works_without_the_task_column_and_task_feedback_says_so():
+    from trl_plugins.testing import make_rollout_context, stub_rows
+
+    rows = stub_rows(1, 4, answer="42")  # a generic dataset: prompt + answer, no 'problem' column
+    ctx = make_rollout_context([["x"] * 4], rows=rows)
+    texts = ["6*7=42\nthen 42+1=43\nAnswer: 43", "no idea"]
+    rule = build_plugins(["fbos_rl"], {"fbos_rl": {"feedback": "rule"}}).by_name["fbos_rl"]
+    assert rule.required_columns() == ["answer"]
+    assert rule._feedback(ctx, [0, 1], texts, [False, False]) == [
+        "The final answer 43 is incorrect. Step 1 already reaches the expected result; the first error comes after it.",
+        "Format problem: no final answer could be found. State the final answer as \\boxed{...}.",
+    ]
+    leaky = build_plugins(["fbos_rl"], {"fbos_rl": {"feedback": "rule", "leak_answer": True}}).by_name["fbos_rl"]
+    assert leaky._feedback(ctx, [1], texts[1:], [False])[0].endswith("The correct final answer is 42.")
+    task = build_plugins(["fbos_rl"], None).by_name["fbos_rl"]
+    with pytest.raises(PluginConfigError, match="bundled arithmetic tasks.*feedback='rule'"):
+        task._feedback(ctx, [0], texts[:1], [False])
+    with pytest.raises(PluginConfigError, match="extractor"):
+        build_plugins(["fbos_rl"], {"fbos_rl": {"feedback": "rule", "extractor": "nope"}})
+
+
+def test_trainer_rule_feedback_on_a_dataset_without_the_task_column(tmp_path):
+    from trl_plugins.testing import tiny_dataset
+
+    dataset = tiny_dataset().remove_columns(["problem", "rubrics"])
+    trainer = make_tiny_trainer(plugins=["fbos_rl"], plugin_config={"fbos_rl": {"feedback": "rule"}},
+                                dataset=dataset, max_completion_length=40, output_dir=str(tmp_path), log_level="error")
+    calls = []
+    trainer._generate_single_turn = _backend(trainer.processing_class, calls)
+    rows = [dict(dataset[k]) for k in range(2) for _ in range(G)]
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(rows)
+    assert calls == [4, 4]  # the budget is unchanged: G1 then G2 per prompt
+    tok = trainer.processing_class
+    for g in range(2):
+        prompt_ids = out["prompt_ids"][g * G + 2][out["prompt_mask"][g * G + 2].bool()]
+        fap = tok.decode(prompt_ids, skip_special_tokens=True)
+        answer = rows[g * G]["answer"]
+        assert "The final answer 0 is incorrect." in fap and DEFAULT_REVISE in fap
+        assert f"answer is {answer}" not in fap  # no leak
+    assert out["advantages"][0] > 0  # the EPA copy of a successful FAP rollout, under the original prompt

@@ -11,7 +11,7 @@ import torch
 
 from trl_plugins import Completion, PluginConfigError, RolloutContext, build_plugins
 from trl_plugins.contexts import group_layout
-from trl_plugins.testing import SimulatedCollective, make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins.testing import SimulatedCollective, build_stack, make_tiny_trainer, record_run, tiny_dataset
 from trl_plugins_builtin.hint_scaffold import DEFAULT_TEMPLATE, hint_text, hinted_prompt
 
 SOLUTION = "ABCDEFGH"  # 25 % -> "AB", 50 % -> "ABCD", 75 % -> "ABCDEF"
@@ -176,11 +176,11 @@ def test_group_mode_groups_rescued_at_different_levels():
     assert ctx.training_prompts == [_hinted("Q0", "AB")] * 2 + [_hinted("Q1", "ABCDEF")] * 2
 
 
-def test_no_level_succeeds_keeps_the_original_rollouts():
+def test_no_level_succeeds_keeps_the_original_rollouts_when_asked():
     service = ScriptedService(need={})
     ctx = make_ctx([["no", "no", "no"]], 3, service=service)
     before = _snapshot(ctx, range(3))
-    run_plugin(ctx)
+    run_plugin(ctx, on_no_success="original")
     assert len(service.calls) == 3  # 25, 50 and 75 % were tried
     assert _snapshot(ctx, range(3)) == before and not ctx.changed
     assert ctx.metrics["plugins/hint_scaffold/rescued_group_fraction"] == [0.0]
@@ -218,10 +218,13 @@ def test_one_mode_replaces_only_the_slot_with_the_minimal_successful_level():
     assert ctx.metrics["plugins/hint_scaffold/extra_rollouts"] == [5.0]
 
 
-def test_one_mode_replace_index_is_clamped_to_the_group():
+def test_one_mode_replaces_the_configured_slot_and_refuses_a_slot_beyond_the_group():
     service = ScriptedService(need={"Q0": 2})
-    ctx = run_plugin(make_ctx([["no", "no", "no"]], 3, service=service), replace="one", replace_index=7)
+    ctx = run_plugin(make_ctx([["no", "no", "no"]], 3, service=service), replace="one", replace_index=2)
     assert ctx.changed == {2}
+    with pytest.raises(PluginConfigError, match=r"'replace_index' .* got 7; allowed: a slot of the group, 0 to 3 "
+                                                r"\(num_generations=4\)"):
+        build_stack("hint_scaffold", {"hint_scaffold": {"replace": "one", "replace_index": 7}}, num_generations=4)
 
 
 # ------------------------------------------------------------------------------------------ prompt swap

@@ -56,6 +56,35 @@ class EndpointConfig:
     max_concurrency: int = 16
     cache: bool = True
 
+    def __post_init__(self):
+        check_base_url(self.base_url)
+
+
+def check_base_url(url: Any) -> None:
+    """Refuse a malformed endpoint URL when the client is made (at trainer construction), not at the first request."""
+    from urllib.parse import urlsplit
+
+    from ..errors import PluginConfigError
+
+    problem = None
+    if not isinstance(url, str) or not url.strip():
+        problem = "it is empty" if isinstance(url, str) else f"it is a {type(url).__name__}, not text"
+    else:
+        try:
+            parts = urlsplit(url.strip())
+            parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in 0..65535
+        except ValueError as exc:
+            problem = str(exc)
+        else:
+            if parts.scheme not in ("http", "https"):
+                problem = f"the scheme is {parts.scheme!r}, not 'http' or 'https'" if parts.scheme else "it has no scheme"
+            elif not parts.hostname:
+                problem = "it has no host"
+    if problem:
+        raise PluginConfigError(
+            f"Endpoint URL {url!r} is malformed ({problem}); expected e.g. http://127.0.0.1:8000/v1."
+        )
+
 
 class OpenAICompatibleClient:
     """Chat / completions calls against an OpenAI-compatible endpoint (see the module docstring)."""

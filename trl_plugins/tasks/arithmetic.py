@@ -393,6 +393,27 @@ def accuracy_reward(completions: Sequence[Any], answer: Sequence[int | str], **k
     return [1.0 if verify(completion_text(c), a) else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 
+def _not_an_integer(value: Any) -> bool:
+    if isinstance(value, bool):
+        return True
+    try:
+        int(str(value).strip())
+    except ValueError:
+        return True
+    return False
+
+
+def _check_answer_column(dataset: Any) -> None:
+    """Construction-time check of ``accuracy_reward``'s ``answer`` column (the trainer calls ``check_dataset``)."""
+    from ..data_checks import check_column_filled
+
+    check_column_filled("accuracy_reward", dataset, "answer", "the verifier compares the completion's integer final "
+                        "answer with it", blank=_not_an_integer, blank_means="not an integer")
+
+
+accuracy_reward.check_dataset = _check_answer_column
+
+
 def parse_step(line: str) -> Step | None:
     """Parse ``"a op b=c"`` into ``(a, op, b, c)``; ``None`` if the line is not of that form."""
     m = _STEP_RE.match(line)

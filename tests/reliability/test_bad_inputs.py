@@ -1,0 +1,459 @@
+"""Bad inputs, one table: each case is (input, the stage it must fail at, the message it must contain).
+
+Stages:
+
+* ``config`` -- ``PluginGRPOConfig(...)`` (the Python API) raises a ``PluginError`` while the config is built;
+* ``cli`` -- ``trl-plugins train CONFIG.yaml [overrides]`` exits with status 2 and ``trl-plugins: error: ...`` before a
+  model is loaded (``load_model`` is replaced by a function that fails the test);
+* ``stack`` -- the plugins' construction (``build_stack``: options validated, ``trl_plugins_configure`` called, as the
+  trainer does);
+* ``trainer`` -- ``PluginGRPOTrainer(...)`` on the kit's tiny model raises (data checked before any step);
+* ``env`` -- plugin discovery under an environment variable;
+* ``resume`` -- loading a checkpoint's plugin state.
+
+A case whose message starts with ``warn:`` must warn (not fail) with that message. Two groups of cases are generated
+from the built-in plugins' option schemas, so the table grows with every plugin: a non-finite value for every float
+option, and a misspelt key for every plugin. No case trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from datasets import Dataset
+
+from trl_plugins import PluginError, PluginGRPOConfig
+from trl_plugins.checkpoints import PLUGIN_STATE_FILE
+from trl_plugins.cli import main
+from trl_plugins.manager import available_plugins, builtin_modules
+from trl_plugins.testing import (
+    build_stack,
+    digit_fraction_reward,
+    make_tiny_trainer,
+    tiny_dataset,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    stage: str  # config | cli | stack | trainer | env | resume
+    input: Any
+    message: str
+
+
+BASE_YAML = {"model_name_or_path": "builtin:tiny", "report_to": "none", "use_cpu": True, "max_steps": 1}
+RUSCARL_ENDPOINT = {"judge": "endpoint", "judge_model": "m"}
+
+
+# ============================================================================================ cases
+def _config(**fields):
+    return fields
+
+
+CASES = [
+    # ---------------------------------------------------------------- plugin names and plugins / plugin_config shapes
+    Case("unknown-plugin", "config", _config(plugins=["hint_scafold"]), "Did you mean 'hint_scaffold'"),
+    Case("upper-case-plugin", "config", _config(plugins=["LP_REG"]), "Did you mean 'lp_reg'? (plugin names are lower"),
+    Case("mixed-case-plugin", "config", _config(plugins=["Canon"]), "Did you mean 'canon'?"),
+    Case("dashed-plugin", "config", _config(plugins=["lp-reg"]), "Did you mean 'lp_reg'"),
+    Case("plugin-name-not-a-string", "config", _config(plugins=[3]), "plugins must hold plugin names (strings); got 3"),
+    Case("plugin-name-a-mapping-in-a-list", "config", _config(plugins=[{"lp_reg": {"kappa": 0.1}}]),
+         "write plugins as a mapping {name: {option: value}}"),
+    Case("plugins-an-integer", "config", _config(plugins=5), "plugins must be a list of plugin names"),
+    Case("plugin-twice", "config", _config(plugins=["canon", "canon"]), "Plugin 'canon' is enabled twice"),
+    Case("plugins-mapping-bad-type", "config", _config(plugins={"lp_reg": {"kappa": "high"}}),
+         "Option 'kappa' of plugin 'lp_reg' got 'high'; allowed: a number"),
+    Case("plugins-mapping-unknown-option", "config", _config(plugins={"lp_reg": {"bogus": 1}}),
+         "Unknown option 'bogus' for plugin 'lp_reg'"),
+    Case("plugins-mapping-options-not-a-mapping", "config", _config(plugins={"lp_reg": 0.02}),
+         "plugins['lp_reg'] must be a mapping of option names to values"),
+    Case("plugins-mapping-unknown-plugin", "config", _config(plugins={"lpreg": {"kappa": 0.1}}),
+         "Unknown plugin 'lpreg'. Did you mean 'lp_reg'"),
+    Case("options-given-twice", "config",
+         _config(plugins={"lp_reg": {"kappa": 0.1}}, plugin_config={"lp_reg": {"kappa": 0.2}}),
+         "Options for plugin 'lp_reg' are given twice"),
+    Case("plugin-config-number", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": 0.02}),
+         "plugin_config['lp_reg'] must be a mapping of option names to values (e.g. plugin_config: {lp_reg: {kappa: "),
+    Case("plugin-config-list-of-pairs", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": ["kappa", 0.02]}),
+         "got ['kappa', 0.02] (list)"),
+    Case("plugin-config-a-list", "config", _config(plugins=["lp_reg"], plugin_config=[{"lp_reg": {}}]),
+         "plugin_config must be a mapping from plugin name to its options"),
+    Case("plugin-config-integer-key", "config", _config(plugins=["lp_reg"], plugin_config={1: {"kappa": 0.1}}),
+         "plugin_config keys must be plugin names (strings); got 1 (int)"),
+    Case("plugin-config-bad-json", "config", _config(plugins=["lp_reg"], plugin_config="{lp_reg: {kappa: 0.1}}"),
+         "plugin_config is not valid JSON"),
+    Case("plugin-config-json-list", "config", _config(plugins=["lp_reg"], plugin_config="[1, 2]"),
+         "plugin_config must be a mapping from plugin name to its options"),
+    Case("plugin-config-for-plugin-not-enabled", "config", _config(plugins=["canon"], plugin_config={"lp_reg": {}}),
+         "plugin_config has options for 'lp_reg', which is not in plugins=['canon']"),
+    Case("plugin-config-misspelt-plugin", "config", _config(plugins=["lp_reg"], plugin_config={"lp_rge": {}}),
+         "Did you mean 'lp_reg'? Enable it in `plugins`"),
+    # ---------------------------------------------------------------- option values
+    Case("option-nan", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": math.nan}}),
+         "Option 'kappa' of plugin 'lp_reg' got nan; allowed: a finite number (> 0.0 and <= 1.0)"),
+    Case("option-inf", "config", _config(plugins=["canon"], plugin_config={"canon": {"alpha": math.inf}}),
+         "Option 'alpha' of plugin 'canon' got inf; allowed: a finite number"),
+    Case("option-minus-inf", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"beta": -math.inf}}),
+         "got -inf; allowed: a finite number"),
+    Case("option-nan-in-a-list", "config",
+         _config(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"hint_fractions": [0.5, math.nan]}}),
+         "'hint_fractions[1]' of plugin 'hint_scaffold' got nan; allowed: a finite number"),
+    Case("option-string-for-number", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": "0.1"}}),
+         "got '0.1'; allowed: a number"),
+    Case("option-bool-for-number", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": True}}),
+         "got True; allowed: a number"),
+    Case("option-float-for-int", "config",
+         _config(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"replace_index": 1.5}}),
+         "got 1.5; allowed: an integer"),
+    Case("option-strict-lower-bound", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": 0.0}}),
+         "got 0.0; allowed: a value > 0.0 and <= 1.0"),
+    Case("option-above-max", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": 1.5}}),
+         "got 1.5; allowed: a value <= 1.0 and > 0.0"),
+    Case("option-below-min", "config",
+         _config(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"replace_index": -1}}),
+         "got -1; allowed: a value >= 0"),
+    Case("option-not-a-choice", "config",
+         _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"threshold_mode": "maxp"}}), "'minp', 'fixed'"),
+    Case("option-choice-wrong-case", "config",
+         _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"threshold_mode": "MINP"}}), "got 'MINP'"),
+    Case("optional-option-wrong-type-says-or-none", "config",
+         _config(plugins=["posterior_grpo"], plugin_config={"posterior_grpo": {"anneal_steps": "big"}}),
+         "allowed: a number or None"),
+    Case("optional-option-nan-says-or-none", "config",
+         _config(plugins=["posterior_grpo"], plugin_config={"posterior_grpo": {"anneal_steps": math.nan}}),
+         "allowed: a finite number or None"),
+    Case("option-list-for-scalar", "config", _config(plugins=["lp_reg"], plugin_config={"lp_reg": {"kappa": [0.1]}}),
+         "got [0.1]; allowed: a number"),
+    Case("option-scalar-for-list", "config",
+         _config(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"hint_fractions": 0.5}}),
+         "allowed: a list"),
+    Case("option-bool-as-string", "config",
+         _config(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"swapped_as_offpolicy": "yes"}}),
+         "allowed: true or false"),
+    Case("incompatible-pair", "config", _config(plugins=["lp_reg", "clip_cov"]),
+         "Plugins 'lp_reg' and 'clip_cov' cannot be stacked"),
+    # ---------------------------------------------------------------- project fields and GRPOConfig fields
+    Case("gamma-zero", "config", _config(offpolicy_shaping_gamma=0.0), "offpolicy_shaping_gamma must be a finite number"),
+    Case("gamma-nan", "config", _config(offpolicy_shaping_gamma=math.nan), "got nan"),
+    Case("gamma-inf", "config", _config(offpolicy_shaping_gamma=math.inf), "got inf"),
+    Case("gamma-string", "config", _config(offpolicy_shaping_gamma="0.1"), "got '0.1'"),
+    Case("chunk-zero", "config", _config(head_stats_chunk_size=0), "head_stats_chunk_size must be an integer >= 1"),
+    Case("chunk-float", "config", _config(head_stats_chunk_size=2.5), "got 2.5"),
+    Case("budget-negative", "config", _config(plugin_generation_budget=-1),
+         "plugin_generation_budget must be an integer >= 0 or None"),
+    Case("budget-float", "config", _config(plugin_generation_budget=1.5), "got 1.5"),
+    Case("max-steps-zero", "config", _config(max_steps=0), "max_steps=0 trains nothing"),
+    Case("output-dir-is-a-file", "config", _config(output_dir="{file}"), "is a file; it must be a directory"),
+    Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"), "only take effect with use_vllm=True"),
+    Case("trl-own-check", "config", _config(per_device_train_batch_size=3, num_generations=2),
+         "Invalid configuration: generation_batch_size (3) must be divisible by num_generations (2)"),
+    # ---------------------------------------------------------------- the command line and the YAML file
+    Case("yaml-unknown-key", "cli", {"max_step": 3}, "Unknown field 'max_step' in the config file"),
+    Case("yaml-unknown-key-suggests", "cli", {"max_step": 3}, "Did you mean 'max_steps'"),
+    Case("yaml-plugin-singular", "cli", {"plugin": ["lp_reg"]}, "Did you mean 'plugins'"),
+    Case("yaml-plugin-config-typo", "cli", {"plugins": ["lp_reg"], "plugins_config": {}}, "'plugin_config'"),
+    Case("yaml-reward-typo", "cli", {"reward_func": ["accuracy"]}, "Did you mean 'reward_funcs'"),
+    Case("yaml-not-a-mapping", "cli", "[1, 2, 3]", "must hold a YAML mapping of fields"),
+    Case("yaml-syntax-error", "cli", "plugins: [lp_reg\nmax_steps: 1\n", "Could not read the config file"),
+    Case("yaml-plugins-mapping", "cli", {"plugins": {"lp_reg": {"kappa": "high", "bogus": 1}}},
+         "Unknown option 'bogus' for plugin 'lp_reg'"),
+    Case("yaml-plugin-config-number", "cli", {"plugins": ["lp_reg"], "plugin_config": {"lp_reg": 0.02}},
+         "plugin_config['lp_reg'] must be a mapping"),
+    Case("yaml-plugin-config-list", "cli", {"plugins": ["lp_reg"], "plugin_config": [1]},
+         "plugin_config must be a mapping"),
+    Case("yaml-plugin-config-int-key", "cli", {"plugins": ["lp_reg"], "plugin_config": {1: {}}},
+         "plugin_config keys must be plugin names"),
+    Case("yaml-nan-option", "cli", {"plugins": {"lp_reg": {"kappa": math.nan}}}, "got nan; allowed: a finite number"),
+    Case("yaml-upper-case-plugin", "cli", {"plugins": ["LP_REG"]}, "Did you mean 'lp_reg'"),
+    Case("yaml-gamma-zero", "cli", {"offpolicy_shaping_gamma": 0}, "offpolicy_shaping_gamma must be a finite number"),
+    Case("yaml-chunk-zero", "cli", {"head_stats_chunk_size": 0}, "head_stats_chunk_size must be an integer >= 1"),
+    Case("yaml-budget-negative", "cli", {"plugin_generation_budget": -1}, "plugin_generation_budget must be"),
+    Case("yaml-max-steps-zero", "cli", {"max_steps": 0}, "max_steps=0 trains nothing"),
+    Case("yaml-output-dir-file", "cli", {"output_dir": "{file}"}, "is a file; it must be a directory"),
+    Case("yaml-trl-own-check", "cli", {"per_device_train_batch_size": 3},
+         "Invalid configuration: generation_batch_size (3) must be divisible by num_generations"),
+    Case("yaml-unknown-reward", "cli", {"reward_funcs": ["acuracy"]}, "Unknown reward function 'acuracy'. Did you mean"),
+    Case("yaml-upper-case-reward", "cli", {"reward_funcs": ["Accuracy"]}, "Did you mean 'accuracy'"),
+    Case("yaml-reward-module-missing", "cli", {"reward_funcs": ["no_such_pkg.rewards.r"]},
+         "Could not import reward function 'no_such_pkg.rewards.r'"),
+    Case("yaml-reward-attribute-missing", "cli", {"reward_funcs": ["trl_plugins.tasks.arithmetic.acuracy_reward"]},
+         "has no function 'acuracy_reward'. Did you mean 'accuracy_reward'"),
+    Case("yaml-dataset-missing-split", "cli", {"dataset_name": "{json}", "dataset_train_split": "training"},
+         "has no split 'training'; splits: train"),
+    Case("yaml-dataset-not-found", "cli", {"dataset_name": "{missing}"}, "Could not load dataset_name="),
+    Case("cli-bad-json-override", "cli", ({"plugins": ["lp_reg"]}, ["--plugin_config", "{bad"]),
+         "plugin_config is not valid JSON"),
+    Case("cli-unknown-flag", "cli", ({}, ["--max_stesp", "3"]), "Unknown field 'max_stesp' on the command line"),
+    Case("cli-misspelt-plugin-override", "cli", ({"plugins": ["canon"]}, ["--plugins", "lp_rge"]),
+         "Did you mean 'lp_reg'"),
+    # ---------------------------------------------------------------- plugins that need the run's settings / components
+    Case("replace-index-beyond-group", "stack", ("hint_scaffold", {"replace": "one", "replace_index": 4}),
+         "allowed: a slot of the group, 0 to 3 (num_generations=4)"),
+    Case("endpoint-url-no-scheme", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "127.0.0.1:8000/v1"}),
+         "Endpoint URL '127.0.0.1:8000/v1' is malformed"),
+    Case("endpoint-url-bad-scheme", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "ftp://h/v1"}),
+         "the scheme is 'ftp', not 'http' or 'https'"),
+    Case("endpoint-url-bad-port", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "http://h:80a0/v1"}),
+         "Endpoint URL 'http://h:80a0/v1' is malformed"),
+    Case("endpoint-url-no-host", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "http:///v1"}),
+         "it has no host"),
+    Case("endpoint-url-blank", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": " "}), "Endpoint URL"),
+    Case("teacher-url-malformed", "stack",
+         ("scope", {"prm": "programmatic", "teacher": "endpoint", "teacher_model": "m",
+                    "teacher_base_url": "htp://h:8000"}),
+         "the scheme is 'htp'"),
+    Case("prm-url-malformed", "stack", ("posterior_grpo", {"prm": "endpoint", "prm_model": "m",
+                                                           "prm_base_url": "http://h:99999"}),
+         "Endpoint URL 'http://h:99999' is malformed"),
+    Case("critic-url-malformed", "stack",
+         ("critique_grpo", {"critique_type": "text", "critic_model": "m", "critic_base_url": "localhost"}),
+         "Endpoint URL 'localhost' is malformed"),
+    Case("fbos-judge-url-malformed", "trainer",
+         {"plugins": ["fbos_rl"], "reward": "digits",
+          "plugin_config": {"fbos_rl": {"feedback": "judge", "judge_model": "m", "judge_base_url": "http//h:8000/v1"}}},
+         "Endpoint URL 'http//h:8000/v1' is malformed"),
+    # ---------------------------------------------------------------- data
+    Case("empty-dataset", "trainer", {"dataset": "empty"}, "The training dataset is empty (0 rows)"),
+    Case("no-prompt-column", "trainer", {"dataset": "no_prompt"}, "has no 'prompt' column (columns: question"),
+    Case("prompt-not-text", "trainer", {"dataset": "int_prompt"}, "has a 'prompt' of type int"),
+    Case("accuracy-answers-none", "trainer", {"dataset": "answers_none"},
+         "accuracy_reward: column 'answer' is not an integer in every one of the 8 rows"),
+    Case("accuracy-answers-some-blank", "trainer", {"dataset": "answers_some_blank"},
+         "warn:column 'answer' is not an integer in 2 of 8 rows (first: row 0"),
+    Case("reward-needs-missing-column", "trainer", {"reward": "needs_column"},
+         "needs the dataset column 'difficulty'"),
+    Case("plugin-needs-missing-column", "trainer", {"dataset": "no_solution", "plugins": ["hint_scaffold"]},
+         "Plugin 'hint_scaffold' needs the dataset column 'solution'"),
+    Case("critique-answers-all-none", "trainer",
+         {"dataset": "answers_none", "plugins": ["critique_grpo"], "reward": "digits",
+          "plugin_config": {"critique_grpo": {"critique_type": "simple_gt"}}},
+         "critique_grpo: column 'answer' is empty (None or blank) in every one of the 8 rows"),
+    Case("critique-answers-some-none", "trainer",
+         {"dataset": "answers_some_blank", "plugins": ["critique_grpo"], "reward": "digits",
+          "plugin_config": {"critique_grpo": {"critique_type": "simple_gt"}}},
+         "warn:critique_grpo: column 'answer' is empty (None or blank) in 2 of 8 rows"),
+    Case("rlpr-answers-all-empty", "trainer", {"dataset": "answers_blank", "plugins": ["rlpr"], "reward": "digits"},
+         "rlpr: column 'answer' is empty (None or blank) in every one of the 8 rows"),
+    Case("ruscarl-rubrics-as-text", "trainer", {"dataset": "rubrics_text", "plugins": ["ruscarl"], "reward": "digits",
+                                                 "plugin_config": {"ruscarl": {"judge": "rule"}}},
+         "ruscarl: column 'rubrics' holds str"),
+    Case("ruscarl-rubrics-empty", "trainer", {"dataset": "rubrics_empty", "plugins": ["ruscarl"], "reward": "digits",
+                                              "plugin_config": {"ruscarl": {"judge": "rule"}}},
+         "ruscarl: 8 of 8 rows have no rubric items"),
+    Case("unsupported-loss-type", "trainer", {"plugins": ["lp_reg"], "config": {"loss_type": "bogus_loss"}},
+         "bogus_loss"),
+    # ---------------------------------------------------------------- environment
+    Case("autoload-unknown-value", "env", {"TRL_PLUGINS_DISABLE_AUTOLOAD": "maybe"},
+         "TRL_PLUGINS_DISABLE_AUTOLOAD='maybe' is not a boolean"),
+    Case("autoload-disabled-unknown-plugin", "env", {"TRL_PLUGINS_DISABLE_AUTOLOAD": "1", "plugin": "my_method"},
+         "Entry-point plugins are not loaded because TRL_PLUGINS_DISABLE_AUTOLOAD='1'"),
+    Case("load-list-unknown-plugin", "env", {"TRL_PLUGINS_LOAD": "other", "plugin": "my_method"},
+         "Only the entry-point plugins named in TRL_PLUGINS_LOAD='other' are loaded"),
+    # ---------------------------------------------------------------- resume
+    Case("state-empty", "resume", b"", "is empty (0 bytes)"),
+    Case("state-truncated", "resume", "truncated", "is truncated or corrupt and cannot be read"),
+    Case("state-garbage", "resume", b"not a checkpoint at all", "is truncated or corrupt"),
+    Case("state-a-list", "resume", [1, 2, 3], "holds list [1, 2, 3], not the dict of plugin states"),
+    Case("state-a-tensor", "resume", torch.zeros(2), "holds Tensor"),
+    Case("state-int-keys", "resume", {1: {}}, "not the dict of plugin states"),
+    Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "length_shaping": {"x": 1}},
+         "warn:holds state for plugins ['canon'], which this run does not enable"),
+]
+
+
+def _float_options():
+    for name, cls in available_plugins().items():
+        if cls.__module__.split(".")[0] != "trl_plugins_builtin":
+            continue
+        hints = typing.get_type_hints(cls.Options)
+        for f in dataclasses.fields(cls.Options):
+            tp = hints[f.name]
+            if tp is float or tp == (float | None):
+                if not f.metadata.get("allow_nonfinite"):
+                    yield name, f.name
+
+
+GENERATED = [
+    Case(f"nan-{plugin}-{option}", "config", _config(plugins=[plugin], plugin_config={plugin: {option: math.nan}}),
+         f"Option {option!r} of plugin {plugin!r} got nan; allowed: a finite number")
+    for plugin, option in _float_options()
+] + [
+    Case(f"misspelt-option-{plugin}", "config", _config(plugins=[plugin], plugin_config={plugin: {"bogus_opt": 1}}),
+         f"Unknown option 'bogus_opt' for plugin {plugin!r}")
+    for plugin in sorted(available_plugins()) if available_plugins()[plugin].__module__.startswith("trl_plugins_builtin")
+]
+
+
+# ============================================================================================ runners
+def _expect(message, action):
+    """Run ``action``; it must raise a PluginError containing ``message``, or, for ``warn:``, warn with it."""
+    if message.startswith("warn:"):
+        with pytest.warns(UserWarning) as caught:
+            action()
+        texts = [str(w.message) for w in caught]
+        assert any(message[5:] in t for t in texts), texts
+        return
+    with pytest.raises(PluginError) as err:
+        action()
+    assert message in str(err.value), str(err.value)
+
+
+def _fill(value, tmp_path):
+    if isinstance(value, str):
+        if value == "{file}":
+            path = tmp_path / "a_file"
+            path.write_text("x")
+            return str(path)
+        if value == "{json}":
+            (tmp_path / "data").mkdir(exist_ok=True)
+            (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": 2}\n')
+            return str(tmp_path / "data")
+        if value == "{missing}":
+            return str(tmp_path / "no_such_dataset")
+    return value
+
+
+def run_config(case, tmp_path):
+    fields = {k: _fill(v, tmp_path) for k, v in case.input.items()}
+    fields.setdefault("output_dir", str(tmp_path / "out"))
+    _expect(case.message, lambda: PluginGRPOConfig(report_to="none", use_cpu=True, **fields))
+
+
+def run_cli(case, tmp_path, capsys, monkeypatch):
+    import trl_plugins.train as train_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded: the config was not refused first")
+
+    monkeypatch.setattr(train_module, "load_model", never)
+    config, overrides = case.input if isinstance(case.input, tuple) else (case.input, [])
+    path = tmp_path / "config.yaml"
+    if isinstance(config, str):
+        path.write_text(config)
+    else:
+        config = {k: _fill(v, tmp_path) for k, v in config.items()}
+        path.write_text(yaml.safe_dump({**BASE_YAML, "output_dir": str(tmp_path / "out"), **config}))
+    monkeypatch.chdir(tmp_path)
+    status = main(["train", str(path), *overrides])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    last = err.strip().splitlines()[-1]  # (after any progress output of datasets)
+    assert last.startswith("trl-plugins: error: "), err
+    assert case.message in last, err
+
+
+def run_stack(case, tmp_path):
+    plugin, options = case.input
+    _expect(case.message, lambda: build_stack(plugin, {plugin: options}, output_dir=str(tmp_path),
+                                              scale_rewards="none"))
+
+
+def _dataset(kind):
+    base = tiny_dataset(8).to_list()
+    if kind == "empty":
+        return Dataset.from_list(base).select([])
+    if kind == "no_prompt":
+        return Dataset.from_list([{("question" if k == "prompt" else k): v for k, v in r.items()} for r in base])
+    if kind == "int_prompt":
+        return Dataset.from_list([{**r, "prompt": i} for i, r in enumerate(base)])
+    if kind == "answers_none":
+        return Dataset.from_list([{**r, "answer": None} for r in base])
+    if kind == "answers_blank":
+        return Dataset.from_list([{**r, "answer": " "} for r in base])
+    if kind == "answers_some_blank":
+        return Dataset.from_list([{**r, "answer": "" if i in (0, 5) else str(r["answer"])} for i, r in enumerate(base)])
+    if kind == "no_solution":
+        return Dataset.from_list([{k: v for k, v in r.items() if k != "solution"} for r in base])
+    if kind == "rubrics_text":
+        return Dataset.from_list([{**r, "rubrics": "mentions the answer"} for r in base])
+    if kind == "rubrics_empty":
+        return Dataset.from_list([{**r, "rubrics": []} for r in base])
+    return Dataset.from_list(base)
+
+
+def _needs_difficulty(completions, difficulty, **kwargs):
+    return [0.0] * len(completions)
+
+
+def run_trainer(case, tmp_path):
+    spec = case.input
+    rewards = {"digits": [digit_fraction_reward], "needs_column": [_needs_difficulty]}.get(spec.get("reward"))
+
+    def build():
+        make_tiny_trainer(dataset=_dataset(spec.get("dataset")), reward_funcs=rewards, output_dir=str(tmp_path),
+                          plugins=spec.get("plugins", []), plugin_config=spec.get("plugin_config"),
+                          log_level="error", **spec.get("config", {}))
+
+    _expect(case.message, build)
+
+
+def run_env(case, monkeypatch):
+    env = dict(case.input)
+    plugin = env.pop("plugin", None)
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from trl_plugins.manager import build_plugins
+
+    _expect(case.message, lambda: build_plugins([plugin] if plugin else ["canon"]))
+
+
+@pytest.fixture(scope="module")
+def resume_trainer(tmp_path_factory):
+    return make_tiny_trainer(plugins=["length_shaping"], reward_funcs=[digit_fraction_reward], log_level="error",
+                             output_dir=str(tmp_path_factory.mktemp("resume")))
+
+
+def run_resume(case, tmp_path, trainer):
+    import io
+
+    path = tmp_path / PLUGIN_STATE_FILE
+    if isinstance(case.input, bytes):
+        path.write_bytes(case.input)
+    elif case.input == "truncated":
+        buffer = io.BytesIO()
+        torch.save({"__framework__": {}, "length_shaping": {"history": list(range(500))}}, buffer)
+        path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    else:
+        torch.save(case.input, path)
+    _expect(case.message, lambda: trainer._load_optimizer_and_scheduler(str(tmp_path)))
+    if not case.message.startswith("warn:"):
+        with pytest.raises(PluginError, match=str(path).replace("\\", "\\\\")):  # the message names the file
+            trainer._load_optimizer_and_scheduler(str(tmp_path))
+
+
+ALL = CASES + GENERATED
+
+
+def test_the_table_is_large_and_its_ids_distinct():
+    assert len({c.id for c in ALL}) == len(ALL)
+    assert len(ALL) >= 120, len(ALL)
+    assert {c.stage for c in ALL} == {"config", "cli", "stack", "trainer", "env", "resume"}
+    assert len(GENERATED) > len(list(builtin_modules()))  # every plugin contributes at least one case
+
+
+@pytest.mark.parametrize("case", ALL, ids=[c.id for c in ALL])
+def test_bad_input(case, tmp_path, capsys, monkeypatch, request):
+    if case.stage == "config":
+        run_config(case, tmp_path)
+    elif case.stage == "cli":
+        run_cli(case, tmp_path, capsys, monkeypatch)
+    elif case.stage == "stack":
+        run_stack(case, tmp_path)
+    elif case.stage == "trainer":
+        run_trainer(case, tmp_path)
+    elif case.stage == "env":
+        run_env(case, monkeypatch)
+    elif case.stage == "resume":
+        run_resume(case, tmp_path, request.getfixturevalue("resume_trainer"))
+    else:  # pragma: no cover
+        raise AssertionError(case.stage)

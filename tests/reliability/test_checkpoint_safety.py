@@ -1,0 +1,151 @@
+"""Crash safety of checkpoints: a run stopped at any point of a save resumes from the newest complete checkpoint, and a
+damaged ``trl_plugins_state.pt`` is an error naming the file (``trl_plugins/checkpoints.py``).
+
+Damaged or foreign plugin state files are cases of ``test_bad_inputs.py`` (stage ``resume``). The kills are simulated in-process: one trained run leaves a complete ``checkpoint-1``; then, for each point of the
+save of step 2 (the plugin state half-written, written but the model not, the model but not the optimizer, a
+truncated ``trainer_state.json``, or everything written and only the checkpoint rotation left), the real
+``_save_checkpoint`` runs with that point raising. ``tests/reliability/test_resume_sigkill.py`` kills a real process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+import transformers.trainer as hf_trainer
+from transformers.trainer_utils import get_last_checkpoint
+
+import trl_plugins.checkpoints as checkpoints
+from trl_plugins.checkpoints import (
+    PLUGIN_STATE_FILE,
+    TRAINER_STATE_FILE,
+    last_complete_checkpoint,
+    load_plugin_state,
+)
+from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: not an Exception, so nothing on the way catches it."""
+
+
+def _trainer(out, max_steps=1):
+    return make_tiny_trainer(
+        plugins=["length_shaping"], reward_funcs=[digit_fraction_reward], output_dir=str(out), max_steps=max_steps,
+        save_strategy="steps", save_steps=1, log_level="error", max_completion_length=8,
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A trainer after one step, with a complete checkpoint-1 in its output_dir."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    trainer = _trainer(out)
+    trainer.train()
+    assert checkpoints.is_complete_checkpoint(str(out / "checkpoint-1"))
+    return trainer
+
+
+def _half_torch_save(obj, handle, *args, **kwargs):
+    handle.write(b"PK\x03\x04 half a zip")
+    raise Killed
+
+
+def _kill(target, name, replacement=None):
+    def raising(*args, **kwargs):
+        if replacement is not None:
+            replacement(*args, **kwargs)
+        raise Killed
+
+    return target, name, raising
+
+
+def _truncated_json(self, path):
+    with open(path, "w") as handle:
+        handle.write('{"global_step": 2, "log_hist')
+    raise Killed
+
+
+KILL_POINTS = {
+    "while-writing-plugin-state": lambda t: (checkpoints.torch, "save", _half_torch_save),
+    "after-plugin-state-before-model": lambda t: _kill(t, "save_model"),
+    "after-model-before-optimizer": lambda t: _kill(t, "_save_optimizer_and_scheduler"),
+    "after-optimizer-before-rng": lambda t: _kill(t, "_save_rng_state"),
+    "while-writing-trainer-state": lambda t: (type(t.state), "save_to_json", _truncated_json),
+    "after-everything-during-rotation": lambda t: _kill(hf_trainer, "rotate_checkpoints"),
+}
+
+
+def _save_step_2_killed(trainer, out, point, monkeypatch):
+    """Copy the run's output_dir to ``out`` and save step 2 there, stopped at ``point``."""
+    shutil.copytree(trainer.args.output_dir, out)
+    target, name, replacement = KILL_POINTS[point](trainer)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer.args, "output_dir", str(out))
+        patch.setattr(trainer.state, "global_step", 2)
+        patch.setattr(target, name, replacement)
+        with pytest.raises(Killed):
+            trainer._save_checkpoint(trainer.model, None)
+    assert (out / "checkpoint-2").is_dir()
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_save_stopped_at_any_point_leaves_the_last_complete_checkpoint_found(point, trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _save_step_2_killed(trained, out, point, monkeypatch)
+    expected = "checkpoint-2" if point == "after-everything-during-rotation" else "checkpoint-1"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = last_complete_checkpoint(str(out))
+    assert os.path.basename(found) == expected
+    if expected == "checkpoint-1":
+        assert get_last_checkpoint(str(out)).endswith("checkpoint-2")  # what transformers alone would have resumed
+        assert any("Skipping incomplete checkpoint folder" in str(w.message) and "checkpoint-2" in str(w.message)
+                   for w in caught)
+    else:
+        assert load_plugin_state(str(out / "checkpoint-2" / PLUGIN_STATE_FILE))["length_shaping"] is not None
+
+
+@pytest.mark.parametrize("point", ["after-plugin-state-before-model", "while-writing-trainer-state"])
+def test_resume_true_after_a_killed_save_continues_from_the_complete_checkpoint(point, trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _save_step_2_killed(trained, out, point, monkeypatch)
+    saved = torch.load(out / "checkpoint-1" / PLUGIN_STATE_FILE, weights_only=False)
+    resumed = _trainer(out, max_steps=2)
+    loaded = []
+    original = resumed.load_plugin_state_dict
+    resumed.load_plugin_state_dict = lambda state: loaded.append(state) or original(state)
+    with pytest.warns(UserWarning, match=r"Skipping incomplete checkpoint folder.*checkpoint-2.*resuming from .*"
+                                         r"checkpoint-1"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+    assert loaded and loaded[0]["length_shaping"] == saved["length_shaping"]
+    assert checkpoints.is_complete_checkpoint(str(out / "checkpoint-2"))  # the step was saved again, completely
+    assert not list(out.glob("**/*.tmp"))
+
+
+def test_resaving_into_an_existing_folder_marks_it_incomplete_first(trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(trained.args.output_dir, out)
+    target, name, replacement = _kill(trained, "save_model")
+    with monkeypatch.context() as patch:
+        patch.setattr(trained.args, "output_dir", str(out))
+        patch.setattr(target, name, replacement)
+        with pytest.raises(Killed):
+            trained._save_checkpoint(trained.model, None)  # step 1 again, over the complete checkpoint-1
+    assert not (out / "checkpoint-1" / TRAINER_STATE_FILE).exists()
+    with pytest.warns(UserWarning, match=r"No complete checkpoint .* \[.*checkpoint-1'\] lack a readable"):
+        assert last_complete_checkpoint(str(out)) is None
+
+
+def test_resume_true_without_any_complete_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / PLUGIN_STATE_FILE).write_bytes(b"")
+    trainer = _trainer(tmp_path)
+    with pytest.warns(UserWarning, match="No complete checkpoint"), pytest.raises(
+        Exception, match=r"holds no complete checkpoint-N folder"
+    ):
+        trainer.train(resume_from_checkpoint=True)
