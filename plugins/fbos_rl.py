@@ -332,7 +332,7 @@ class FbosRlPlugin(Plugin):
             local[round1] = ctx.score(round1).float().cpu()
         r1 = ctx.gather(local.to(device)).cpu()
         attempts = gather_id_lists(ctx, [ctx.completion_ids[i] if i in in_round1 else [] for i in range(B)])
-        tok = ctx.trainer.processing_class
+        tok = ctx.tokenizer
 
         # round 2: one prompt per deferred row (a FAP, or the original prompt for groups without failure)
         sources: dict[int, int] = {}  # local round-2 row -> global row of its round-1 attempt

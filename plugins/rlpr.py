@@ -5,8 +5,8 @@ Verifier-free RL for free-form answers (catalog RWD-01, plugin P7). A response `
 policy itself how likely ``y*`` is after its own reasoning:
 
 1. ``o' = z || y*``; one extra **no-grad** forward of the policy on ``[prompt + z + y*]`` gives the per-token
-   probabilities ``p_j`` of the ``y*`` tokens (through the trainer's own ``_get_per_token_logps_and_entropies``:
-   no full-vocabulary logits are kept, the sampling temperature applies as in TRL's log-probs).
+   probabilities ``p_j`` of the ``y*`` tokens (the framework's ``policy_logprobs`` service, TRL's log-probs:
+   no full-vocabulary logits are kept, the sampling temperature applies).
 2. Probability reward: the **mean** token probability ``r = (1/|y*|) sum_j p_j`` (more robust than the sequence
    likelihood, which collapses on long answers).
 3. Debiasing: ``r_hat = clip(r - r_0, 0, 1)`` with ``r_0`` the same mean probability of ``y*`` directly after the
@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
 from trl_plugins.answers import completion_text
 
 COLUMN = "rlpr"
@@ -107,27 +106,6 @@ def ema_update(previous: float | None, value: float, decay: float) -> float:
     return value if previous is None else decay * previous + (1.0 - decay) * value
 
 
-def left_right_batch(contexts: list[list[int]], targets: list[list[int]], pad_id: int):
-    """Left-padded contexts followed by right-padded targets, TRL's prompt/completion layout.
-
-    Returns input_ids (B, Lc + A), attention_mask (B, Lc + A), target mask (B, A) and A.
-    """
-    Lc = max(len(c) for c in contexts)
-    A = max(1, max(len(t) for t in targets))
-    B = len(contexts)
-    ids = torch.full((B, Lc + A), pad_id, dtype=torch.long)
-    att = torch.zeros((B, Lc + A), dtype=torch.long)
-    tmask = torch.zeros((B, A), dtype=torch.long)
-    for i, (c, t) in enumerate(zip(contexts, targets)):
-        ids[i, Lc - len(c) : Lc] = torch.tensor(c, dtype=torch.long)
-        att[i, Lc - len(c) : Lc] = 1
-        if t:
-            ids[i, Lc : Lc + len(t)] = torch.tensor(t, dtype=torch.long)
-            att[i, Lc : Lc + len(t)] = 1
-            tmask[i, : len(t)] = 1
-    return ids, att, tmask, A
-
-
 class RlprPlugin(Plugin):
     """Reference-answer probability reward (reward stage) with std filtering of low-variance groups (advantage)."""
 
@@ -146,7 +124,7 @@ class RlprPlugin(Plugin):
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.trainer: Any = None
+        self.services: StageServices | None = None
         self.threshold: float | None = None
 
     def required_columns(self) -> list[str]:
@@ -154,7 +132,8 @@ class RlprPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self.trainer = trainer
+        # the reward function runs inside TRL's reward call, outside any stage context: it uses the run's services
+        self.services = trainer.plugin_services
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
@@ -168,27 +147,22 @@ class RlprPlugin(Plugin):
 
     # ------------------------------------------------------------------------------------------ reward
     def answer_probabilities(self, contexts: list[list[int]], targets: list[list[int]]) -> torch.Tensor:
-        """Mean probability of each ``targets[i]`` after ``contexts[i]`` under the current policy (no grad)."""
-        trainer = self.trainer
-        tok = trainer.processing_class
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        ids, att, tmask, A = left_right_batch(contexts, targets, pad_id)
-        device = trainer.accelerator.device
-        with torch.no_grad():
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, ids.to(device), att.to(device), A, batch_size=trainer.args.per_device_train_batch_size
-            )
-        return mean_token_probability(logps.float(), tmask.to(device).float()).cpu()
+        """Mean probability of each ``targets[i]`` after ``contexts[i]`` under the current policy (no grad); (R,)."""
+        logps = self.services.policy_logprobs(contexts, targets)  # one (len(targets[i]),) tensor per row
+        return torch.stack([
+            mean_token_probability(lp.float().unsqueeze(0), torch.ones(1, lp.numel(), device=lp.device))[0]
+            for lp in logps
+        ]).cpu()
 
     def rewards(self, prompts: list, completions: list, columns: dict) -> list[float]:
         o = self.options
-        if self.trainer is None:
+        if self.services is None:
             raise PluginConfigError("rlpr: the plugin was not configured with a trainer.")
         refs = columns.get(o.answer_column)
         if refs is None:
             raise PluginConfigError(f"rlpr: the reward function got no {o.answer_column!r} column.")
-        tok = self.trainer.processing_class
-        prompt_ids = self.trainer.generation_service.tokenize(list(prompts))
+        tok = self.services.tokenizer
+        prompt_ids = self.services.tokenize_prompts(list(prompts))
 
         def encode(text: str) -> list[int]:
             return list(tok(text=text, add_special_tokens=False)["input_ids"])
@@ -226,7 +200,7 @@ class RlprPlugin(Plugin):
             return
         values = ctx.rewards_per_func[:, self._column(ctx)]
         stds = group_std(values, ctx.num_generations)
-        training = ctx.trainer is None or ctx.trainer.model.training
+        training = ctx.mode == "train"
         if o.std_threshold is not None:
             threshold = o.std_threshold
         else:
@@ -241,9 +215,9 @@ class RlprPlugin(Plugin):
         ctx.log_metric("reward_std", float(stds.mean()))
 
     def _column(self, ctx: AdvantageContext) -> int:
-        names = getattr(ctx.trainer, "reward_func_names", None) if ctx.trainer is not None else None
-        if names and COLUMN in names:
-            return list(names).index(COLUMN)
+        names = ctx.run.reward_func_names
+        if COLUMN in names:
+            return names.index(COLUMN)
         return ctx.rewards_per_func.size(1) - 1
 
     @hookimpl

@@ -230,7 +230,7 @@ def test_loss_from_context_composes_like_the_framework(loss_type):
     w = torch.tensor([[2.0, 1.0, 1.0], [0.5, 1.0, 1.0]])
     term = torch.full((2, 3), 0.1)
     repl = torch.tensor([[True, False, False], [False, False, False]])
-    ctx._active_plugin = "kit_test"
+    ctx.set_active_plugin("kit_test")
     ctx.scale_tokens(w)
     ctx.add_token_loss(term)
     ctx.add_loss(torch.tensor(0.25))

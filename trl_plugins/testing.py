@@ -53,6 +53,7 @@ from .contexts import (
     group_layout,
 )
 from .errors import GenerationBudgetExceeded, PluginError
+from .services import RunInfo, StageServices
 from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
 from .plugin import Plugin
 
@@ -389,10 +390,72 @@ class MetricsRecorder(dict):
         self.setdefault(key, []).append(value)
 
 
-def _attach_metrics(ctx: Any) -> Any:
-    ctx.metrics = MetricsRecorder()
-    ctx._metric_sink = ctx.metrics
-    return ctx
+class CharTokenizer:
+    """The stub tokenizer of the hand-made contexts (``ctx.tokenizer``): one id per character (:func:`char_encode`).
+
+    Enough of a Hugging Face tokenizer for plugins: ``tok(text, add_special_tokens=False)["input_ids"]``,
+    ``encode``, ``decode``, ``batch_decode`` and ``eos_token_id`` / ``pad_token_id`` (id 0, dropped by
+    ``skip_special_tokens=True``).
+    """
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __call__(self, text: str | list[str] | None = None, add_special_tokens: bool = False, **kwargs: Any) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": char_encode(text)}
+        return {"input_ids": [char_encode(t) for t in text]}
+
+    def encode(self, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        return char_encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        ids = [int(i) for i in ids]
+        return char_decode([i for i in ids if i != self.eos_token_id] if skip_special_tokens else ids)
+
+    def batch_decode(self, id_lists: Sequence[Sequence[int]], skip_special_tokens: bool = False, **kwargs: Any):
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in id_lists]
+
+
+def _identity_gather(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _local_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def stub_services(
+    metrics: Callable[[str, float], None] | None = None,
+    *,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    tokenizer: Any = None,
+    run: RunInfo | None = None,
+    policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
+    **members: Any,
+) -> StageServices:
+    """The stub :class:`~trl_plugins.services.StageServices` of the kit's contexts (one process unless ``gather``
+    says otherwise).
+
+    Defaults: ``gather`` the identity (``gather.objects``, as :func:`run_on_processes` gives it, gathers Python lists;
+    else a list copy), ``tokenizer`` a :class:`CharTokenizer`, prompts tokenized as their text character by
+    character, ``run`` an empty :class:`~trl_plugins.services.RunInfo`, token means over this process only.
+    ``policy_logprobs`` (no default: a plugin calling it without one gets a ``PluginError``) and any other member
+    (``score``, ``decode``, ``policy_stats`` ...) are passed through.
+    """
+    gather = gather or _identity_gather
+    values = dict(
+        run=(lambda: run) if run is not None else RunInfo,
+        metric_sink=metrics,
+        tokenizer=tokenizer if tokenizer is not None else CharTokenizer(),
+        tokenize_prompts=lambda prompts: [char_encode(prompt_text(p)) for p in prompts],
+        gather=gather,
+        gather_object=getattr(gather, "objects", list),
+        policy_logprobs=policy_logprobs,
+        masked_mean=_local_masked_mean,
+    )
+    values.update(members)
+    return StageServices(**values)
 
 
 def _layout(B: int, G: int, process_index: int) -> tuple[list[int], list[int], list[int]]:
@@ -406,15 +469,19 @@ def make_prompt_context(
     num_generations: int = 4,
     step: int = 0,
     process_index: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> PromptContext:
     """A :class:`~trl_plugins.PromptContext` (sampling stage, before generation) of ``rows`` (default:
     :func:`stub_rows`), as the trainer builds it: generation and training prompts start as the original ones.
+    ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
     ``ctx.metrics`` records the metrics the plugin logs."""
     rows = rows if rows is not None else stub_rows(num_groups, num_generations)
     B, G = len(rows), num_generations
     global_index, group_ids, index_in_group = _layout(B, G, process_index)
     prompts = [r["prompt"] for r in rows]
+    metrics = MetricsRecorder()
     ctx = PromptContext(
         rows=rows,
         prompts=prompts,
@@ -426,9 +493,11 @@ def make_prompt_context(
         num_generations=G,
         step=step,
         annotations=[{} for _ in range(B)],
-        trainer=trainer,
+        mode=mode,
+        services=stub_services(metrics, run=run, **services),
     )
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 class StubGenerationService:
@@ -525,7 +594,10 @@ def make_rollout_context(
     step: int = 0,
     deferred: Sequence[int] = (),
     entropy: Callable[[list[int], list[int]], torch.Tensor] | None = None,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    tokenizer: Any = None,
+    policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
 ) -> RolloutContext:
     """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
 
@@ -543,6 +615,8 @@ def make_rollout_context(
             empty completion and ``ctx.deferred[i]`` is True.
         entropy: ``entropy(prompt_ids, completion_ids) -> (len(completion_ids),)`` behind
             ``ctx.policy_entropies``; default 1.0 per token. The calls are recorded in ``ctx.entropy_calls``.
+        run, tokenizer, policy_logprobs: what ``ctx.run``, ``ctx.tokenizer`` (default :class:`CharTokenizer`) and
+            ``ctx.policy_logprobs`` give (see :func:`stub_services`).
 
     Tokens are characters (:func:`char_encode`), prompts are tokenized as their text, and ``ctx.decode`` gives
     TRL's completion format (an assistant message list for conversational prompts). ``ctx.metrics`` records the
@@ -574,6 +648,14 @@ def make_rollout_context(
     def as_completion(text: str) -> Any:
         return [{"role": "assistant", "content": text}] if conversational else text
 
+    entropy = entropy or (lambda p, c: torch.ones(len(c)))
+    entropy_calls: list[int] = []
+
+    def entropy_fn(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        entropy_calls.append(len(completion_ids))
+        return [entropy(p, c) for p, c in zip(prompt_ids, completion_ids)]
+
+    metrics = MetricsRecorder()
     ctx = RolloutContext(
         rows=rows,
         prompts=prompts,
@@ -591,23 +673,17 @@ def make_rollout_context(
         step=step,
         annotations=[{} for _ in range(B)],
         service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
-        trainer=trainer,
+        deferred=[i in set(deferred) for i in range(B)] if deferred else [],
+        mode=mode,
+        services=stub_services(
+            metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,
+            score=scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights),
+            decode=lambda ids_, prompt: as_completion(char_decode(ids_)),
+            policy_entropies=entropy_fn,
+        ),
     )
-    if deferred:
-        ctx.deferred = [i in set(deferred) for i in range(B)]
-    ctx.entropy_calls = []
-    entropy = entropy or (lambda p, c: torch.ones(len(c)))
-
-    def entropy_fn(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        ctx.entropy_calls.append(len(completion_ids))
-        return [entropy(p, c) for p, c in zip(prompt_ids, completion_ids)]
-
-    ctx._entropy_fn = entropy_fn
-    ctx._scorer = scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights)
-    ctx._gatherer = gather or (lambda t: t)
-    ctx._tokenizer = lambda ps: [char_encode(prompt_text(p)) for p in ps]
-    ctx._decoder = lambda ids_, row: as_completion(char_decode(ids_))
-    return _attach_metrics(ctx)
+    ctx.metrics, ctx.entropy_calls = metrics, entropy_calls
+    return ctx
 
 
 def _as_matrix(values: Any) -> torch.Tensor:
@@ -624,12 +700,16 @@ def make_reward_context(
     rows: list[dict] | None = None,
     completions: list | None = None,
     step: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> RewardContext:
     """A :class:`~trl_plugins.RewardContext` of one process holding the whole batch.
 
     ``rewards_per_func`` is (N, K) (or (N,) for one reward function; nested lists are fine). Names default to
-    ``reward_0..``, weights to 1. ``ctx.metrics`` records the metrics the plugin logs.
+    ``reward_0..``, weights to 1. ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
+    (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
+    metrics the plugin logs.
     """
     matrix = _as_matrix(rewards_per_func).clone()
     N, K = matrix.shape
@@ -639,6 +719,7 @@ def make_reward_context(
     rows = rows if rows is not None else stub_rows(N // G, G)
     completions = completions if completions is not None else [[{"role": "assistant", "content": ""}]] * N
     idx = torch.arange(N)
+    metrics = MetricsRecorder()
     ctx = RewardContext(
         rewards_per_func=matrix,
         reward_func_names=list(reward_func_names or [f"reward_{k}" for k in range(K)]),
@@ -651,11 +732,12 @@ def make_reward_context(
         local_completions=list(completions),
         process_slice=slice(0, N),
         step=step,
-        trainer=trainer,
         local_completion_ids=[char_encode(prompt_text(c)) for c in completions],
+        mode=mode,
+        services=stub_services(metrics, run=run, **services),
     )
-    ctx._object_gatherer = list
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 def group_normalized_advantages(rewards: torch.Tensor, num_generations: int, scale: bool = True) -> torch.Tensor:
@@ -695,7 +777,9 @@ def make_advantage_context(
     offpolicy_fraction: Any = None,
     prompt_swapped: Any = None,
     step: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
 
@@ -705,7 +789,9 @@ def make_advantage_context(
         advantages: what the chain starts from; default TRL's (:func:`group_normalized_advantages`).
         completion_lengths: (N,); default 4 tokens per row.
         policy_stats: what ``ctx.policy_stats()`` returns; default :func:`stub_policy_stats`. The calls are
-            recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags).
+            recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags). ``ctx.completion_mask()`` is
+            its mask.
+        run: what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
 
     ``ctx.metrics`` records the metrics the plugin logs.
     """
@@ -718,6 +804,13 @@ def make_advantage_context(
     lengths = torch.full((N,), 4.0) if completion_lengths is None else torch.as_tensor(completion_lengths).float()
     stats = policy_stats if policy_stats is not None else stub_policy_stats(N, int(lengths.max().item()))
     idx = torch.arange(N)
+    policy_stats_calls: list[bool] = []
+
+    def policy_stats_fn(head_stats: bool) -> PolicyStats:
+        policy_stats_calls.append(head_stats)
+        return stats
+
+    metrics = MetricsRecorder()
     ctx = AdvantageContext(
         rewards_per_func=_as_matrix(rewards if rewards_per_func is None else rewards_per_func).clone(),
         rewards=rewards,
@@ -734,18 +827,14 @@ def make_advantage_context(
         process_slice=slice(0, N),
         step=step,
         local_completion_ids=stats.completion_ids,
-        trainer=trainer,
+        mode=mode,
+        services=stub_services(metrics, run=run, policy_stats=policy_stats_fn, completion_mask=lambda: stats.mask,
+                               **services),
     )
-    ctx.policy_stats_calls = []
+    ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    return ctx
 
-    def policy_stats_fn(head_stats: bool) -> PolicyStats:
-        ctx.policy_stats_calls.append(head_stats)
-        return stats
 
-    ctx._policy_stats = policy_stats_fn
-    ctx._completion_mask = lambda: stats.mask
-    ctx._gatherer = lambda t: t
-    return _attach_metrics(ctx)
 
 
 def make_loss_context(
@@ -769,8 +858,10 @@ def make_loss_context(
     head_stats: Any = None,
     iteration: int = 0,
     mode: str = "train",
+    gradient_accumulation_steps: int = 1,
     seed: int = 0,
-    trainer: Any = None,
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> LossContext:
     """A :class:`~trl_plugins.LossContext` of one micro-batch, with the base surrogate built as the framework does.
 
@@ -780,7 +871,8 @@ def make_loss_context(
     ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The surrogate is TRL's clipped one (``grpo``,
     ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``) or CISPO's; tokens in ``offpolicy_mask`` take the shaped branch
     ``-A p/(p+gamma)``. Use :func:`loss_from_context` for the micro-batch loss with the plugins' contributions.
-    ``ctx.metrics`` records the metrics the plugin logs.
+    ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives it); ``run`` is what
+    ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the metrics the plugin logs.
     """
     from .loss import shaped_offpolicy_loss
 
@@ -808,6 +900,7 @@ def make_loss_context(
         per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
     if completion_ids is None:
         completion_ids = torch.arange(B * T).view(B, T) % 50
+    metrics = MetricsRecorder()
     ctx = LossContext(
         inputs={"completion_ids": completion_ids, "completion_mask": mask},
         per_token_logps=per_token_logps,
@@ -826,15 +919,15 @@ def make_loss_context(
         num_items_in_batch=mask.sum(),
         iteration=iteration,
         mode=mode,
-        trainer=trainer,
+        gradient_accumulation_steps=gradient_accumulation_steps if mode == "train" else 1,
         log_ratio=log_ratio,
         coef_1=coef_1,
         per_token_loss=per_token_loss,
+        services=stub_services(metrics, run=run, head_stats=None if head_stats is None else (lambda: head_stats),
+                               **services),
     )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if head_stats is not None:
-        ctx._head_stats = lambda: head_stats
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 def loss_from_context(ctx: LossContext, max_completion_length: int | None = None) -> torch.Tensor:
@@ -874,7 +967,8 @@ def loss_from_context(ctx: LossContext, max_completion_length: int | None = None
 def stub_trainer(args: Any, **attributes: Any) -> SimpleNamespace:
     """A stand-in trainer for ``trl_plugins_configure`` in unit tests: the attributes plugins usually read
     (``args``, ``max_completion_length``, ``num_generations``, ``loss_type``, ``temperature``, ``beta``,
-    ``state.global_step``, ``accelerator.num_processes`` ...); ``attributes`` adds or overrides any."""
+    ``state.global_step``, ``accelerator.num_processes``, ``plugin_services`` (:func:`stub_services`) ...);
+    ``attributes`` adds or overrides any."""
     values = dict(
         args=args,
         max_completion_length=args.max_completion_length,
@@ -887,6 +981,7 @@ def stub_trainer(args: Any, **attributes: Any) -> SimpleNamespace:
         state=SimpleNamespace(global_step=0, max_steps=args.max_steps),
         accelerator=SimpleNamespace(num_processes=1, process_index=0, is_main_process=True,
                                     device=torch.device("cpu")),
+        plugin_services=stub_services(),
     )
     values.update(attributes)
     return SimpleNamespace(**values)
@@ -975,7 +1070,7 @@ def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], tim
 
     ``gather`` is that process's all-gather; pass it as ``make_rollout_context(..., process_index=rank,
     gather=gather)``. ``gather.objects`` gathers Python lists the same way (a reward context's ``gather_object``:
-    ``ctx._object_gatherer = gather.objects``). The first exception of any process is re-raised (a collective left
+    ``make_reward_context(..., gather=gather)``). The first exception of any process is re-raised (a collective left
     by one process raises ``threading.BrokenBarrierError`` in the others)."""
     collective = SimulatedCollective(num_processes, timeout=timeout)
     results: list[Any] = [None] * num_processes
