@@ -290,7 +290,7 @@ class ReplaceRows(Plugin):
             global_index=list(ctx.global_index), group_ids=list(ctx.group_ids),
             index_in_group=list(ctx.index_in_group), n=len(ctx),
         )
-        digits = ctx.trainer.processing_class("1234567", add_special_tokens=False)["input_ids"]
+        digits = ctx.tokenizer("1234567", add_special_tokens=False)["input_ids"]
         for i in range(len(ctx)):
             if ctx.index_in_group[i] == 0:
                 ctx.replace_row(i, digits)

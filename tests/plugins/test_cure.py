@@ -219,14 +219,20 @@ class _Recorder(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.seen = []
+        self.trainer = None
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        self.trainer = trainer  # the reference forward below needs the model (a test plugin, not a method)
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx):
         reference = []
+        model, temperature = self.trainer.model, self.trainer.temperature
         for p, c in zip(ctx.prompt_ids, ctx.completion_ids):  # full-vocabulary entropies, one row at a time
             with torch.no_grad():
-                logits = ctx.trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1]
-            reference.append(torch.distributions.Categorical(logits=logits.float() / ctx.trainer.temperature).entropy())
+                logits = model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1]
+            reference.append(torch.distributions.Categorical(logits=logits.float() / temperature).entropy())
         self.seen.append({"before": [list(c) for c in ctx.completion_ids],
                           "prompt_ids": [list(p) for p in ctx.prompt_ids],
                           "entropies": ctx.policy_entropies(range(len(ctx))), "reference": reference})
