@@ -561,6 +561,23 @@ class StubGenerationService:
         return out
 
 
+def _text_codec(tokenizer: Any) -> tuple[Callable, Callable, Callable]:
+    """(encode text, decode ids, tokenize a prompt) of the kit's rollout contexts: characters without a tokenizer,
+    else the tokenizer's (prompts through its chat template with the generation prompt, as TRL tokenizes them)."""
+    if tokenizer is None:
+        return char_encode, char_decode, lambda prompt: char_encode(prompt_text(prompt))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize_prompt(prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return encode(prompt)
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False))
+
+    return encode, (lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)), tokenize_prompt
+
+
 def _weighted_scorer(reward_funcs: Sequence[Callable], weights: Sequence[float] | None) -> Callable:
     weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
 
@@ -598,6 +615,7 @@ def make_rollout_context(
     run: RunInfo | None = None,
     tokenizer: Any = None,
     policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
+    eos: bool = False,
 ) -> RolloutContext:
     """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
 
@@ -618,9 +636,14 @@ def make_rollout_context(
         run, tokenizer, policy_logprobs: what ``ctx.run``, ``ctx.tokenizer`` (default :class:`CharTokenizer`) and
             ``ctx.policy_logprobs`` give (see :func:`stub_services`).
 
-    Tokens are characters (:func:`char_encode`), prompts are tokenized as their text, and ``ctx.decode`` gives
-    TRL's completion format (an assistant message list for conversational prompts). ``ctx.metrics`` records the
-    metrics the plugin logs.
+        eos: end each completion's token ids with the tokenizer's EOS id (a generation that stopped).
+
+    Without ``tokenizer``, tokens are characters (:func:`char_encode`) and prompts are tokenized as their text; with
+    one (e.g. :func:`tiny_tokenizer`), completions are encoded by it, prompts tokenized with its chat template (as
+    TRL does for generation) and ``ctx.decode`` decodes with it (special tokens skipped). ``ctx.decode`` gives TRL's
+    completion format (an assistant message list for conversational prompts). With ``process_index`` > 0 or
+    partial groups (a group straddling processes), the layout comes from the global position, as in the trainer.
+    ``ctx.metrics`` records the metrics the plugin logs.
     """
     if completions and not isinstance(completions[0], str):
         groups = [list(g) for g in completions]
@@ -630,20 +653,19 @@ def make_rollout_context(
         if num_generations is None:
             raise ValueError("make_rollout_context: pass num_generations with a flat list of completions.")
         G, texts = num_generations, list(completions)
-    if len(texts) % G:
-        raise ValueError(f"make_rollout_context: {len(texts)} completions are not whole groups of {G}.")
     B = len(texts)
-    first_group = process_index * B // G
-    rows = rows if rows is not None else stub_rows(B // G, G, conversational=conversational is not False,
-                                                   first_group=first_group)
+    global_index, group_ids, index_in_group = _layout(B, G, process_index)
+    if rows is None:  # one stub row per local row, asking its group's question
+        rows = [stub_rows(1, 1, conversational=conversational is not False, first_group=g)[0] for g in group_ids]
     if len(rows) != B:
         raise ValueError(f"make_rollout_context: {len(rows)} rows for {B} completions.")
     prompts = [r["prompt"] for r in rows]
     if conversational is None:
         conversational = not isinstance(prompts[0], str)
-    global_index, group_ids, index_in_group = _layout(B, G, process_index)
     texts = ["" if i in set(deferred) else t for i, t in enumerate(texts)]
-    ids = [char_encode(t) for t in texts]
+    encode, decode, tokenize_prompt = _text_codec(tokenizer)
+    ids = [encode(t) + ([tokenizer.eos_token_id if tokenizer else CharTokenizer.eos_token_id] if eos else [])
+           for t in texts]
 
     def as_completion(text: str) -> Any:
         return [{"role": "assistant", "content": text}] if conversational else text
@@ -660,7 +682,7 @@ def make_rollout_context(
         rows=rows,
         prompts=prompts,
         training_prompts=list(prompts),
-        prompt_ids=[char_encode(prompt_text(p)) for p in prompts],
+        prompt_ids=[tokenize_prompt(p) for p in prompts],
         completion_ids=ids,
         completions=[as_completion(t) for t in texts],
         sampling_logprobs=None if sampling_logprob is None else [[float(sampling_logprob)] * len(x) for x in ids],
@@ -678,7 +700,8 @@ def make_rollout_context(
         services=stub_services(
             metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,
             score=scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights),
-            decode=lambda ids_, prompt: as_completion(char_decode(ids_)),
+            decode=lambda ids_, prompt: as_completion(decode(ids_)),
+            tokenize_prompts=lambda ps: [tokenize_prompt(p) for p in ps],
             policy_entropies=entropy_fn,
         ),
     )
