@@ -616,6 +616,8 @@ def make_rollout_context(
     tokenizer: Any = None,
     policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
     eos: bool = False,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    **services: Any,
 ) -> RolloutContext:
     """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
 
@@ -637,6 +639,9 @@ def make_rollout_context(
             ``ctx.policy_logprobs`` give (see :func:`stub_services`).
 
         eos: end each completion's token ids with the tokenizer's EOS id (a generation that stopped).
+        prompt_ids: the rows' prompt token ids (default: the prompts tokenized as described below).
+        services: replace any other stub service (``tokenize_prompts``, ``decode``, ``policy_entropies`` ...;
+            see :func:`stub_services`).
 
     Without ``tokenizer``, tokens are characters (:func:`char_encode`) and prompts are tokenized as their text; with
     one (e.g. :func:`tiny_tokenizer`), completions are encoded by it, prompts tokenized with its chat template (as
@@ -682,7 +687,7 @@ def make_rollout_context(
         rows=rows,
         prompts=prompts,
         training_prompts=list(prompts),
-        prompt_ids=[tokenize_prompt(p) for p in prompts],
+        prompt_ids=[list(p) for p in prompt_ids] if prompt_ids is not None else [tokenize_prompt(p) for p in prompts],
         completion_ids=ids,
         completions=[as_completion(t) for t in texts],
         sampling_logprobs=None if sampling_logprob is None else [[float(sampling_logprob)] * len(x) for x in ids],
@@ -697,13 +702,14 @@ def make_rollout_context(
         service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
         deferred=[i in set(deferred) for i in range(B)] if deferred else [],
         mode=mode,
-        services=stub_services(
-            metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,
-            score=scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights),
-            decode=lambda ids_, prompt: as_completion(decode(ids_)),
-            tokenize_prompts=lambda ps: [tokenize_prompt(p) for p in ps],
-            policy_entropies=entropy_fn,
-        ),
+        services=stub_services(metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,
+                               **{**dict(
+                                   score=scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward],
+                                                                    reward_weights),
+                                   decode=lambda ids_, prompt: as_completion(decode(ids_)),
+                                   tokenize_prompts=lambda ps: [tokenize_prompt(p) for p in ps],
+                                   policy_entropies=entropy_fn,
+                               ), **services}),
     )
     ctx.metrics, ctx.entropy_calls = metrics, entropy_calls
     return ctx
