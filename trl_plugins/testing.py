@@ -757,7 +757,7 @@ def make_reward_context(
         index_in_group=idx % G,
         num_generations=G,
         local_rows=rows,
-        local_prompts=[r["prompt"] for r in rows],
+        local_prompts=[r.get("prompt") for r in rows],
         local_completions=list(completions),
         process_slice=slice(0, N),
         step=step,
