@@ -617,6 +617,7 @@ def make_rollout_context(
     policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
     eos: bool = False,
     prompt_ids: Sequence[Sequence[int]] | None = None,
+    annotations: list[dict] | None = None,
     **services: Any,
 ) -> RolloutContext:
     """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
@@ -640,6 +641,7 @@ def make_rollout_context(
 
         eos: end each completion's token ids with the tokenizer's EOS id (a generation that stopped).
         prompt_ids: the rows' prompt token ids (default: the prompts tokenized as described below).
+        annotations: the rows' annotations (e.g. a prompt context's, which the trainer carries over).
         services: replace any other stub service (``tokenize_prompts``, ``decode``, ``policy_entropies`` ...;
             see :func:`stub_services`).
 
@@ -669,8 +671,8 @@ def make_rollout_context(
         conversational = not isinstance(prompts[0], str)
     texts = ["" if i in set(deferred) else t for i, t in enumerate(texts)]
     encode, decode, tokenize_prompt = _text_codec(tokenizer)
-    ids = [encode(t) + ([tokenizer.eos_token_id if tokenizer else CharTokenizer.eos_token_id] if eos else [])
-           for t in texts]
+    eos_ids = [tokenizer.eos_token_id if tokenizer else CharTokenizer.eos_token_id] if eos else []
+    ids = [[] if i in set(deferred) else encode(t) + eos_ids for i, t in enumerate(texts)]
 
     def as_completion(text: str) -> Any:
         return [{"role": "assistant", "content": text}] if conversational else text
@@ -698,7 +700,7 @@ def make_rollout_context(
         index_in_group=index_in_group,
         num_generations=G,
         step=step,
-        annotations=[{} for _ in range(B)],
+        annotations=annotations if annotations is not None else [{} for _ in range(B)],
         service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
         deferred=[i in set(deferred) for i in range(B)] if deferred else [],
         mode=mode,
