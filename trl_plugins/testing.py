@@ -733,12 +733,14 @@ def make_reward_context(
     step: int = 0,
     mode: str = "train",
     run: RunInfo | None = None,
+    local_completion_ids: list[list[int]] | None = None,
     **services: Any,
 ) -> RewardContext:
     """A :class:`~trl_plugins.RewardContext` of one process holding the whole batch.
 
     ``rewards_per_func`` is (N, K) (or (N,) for one reward function; nested lists are fine). Names default to
-    ``reward_0..``, weights to 1. ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
+    ``reward_0..``, weights to 1. ``local_completion_ids`` default to the completions encoded as characters
+    (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
     (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
     metrics the plugin logs.
     """
@@ -763,7 +765,8 @@ def make_reward_context(
         local_completions=list(completions),
         process_slice=slice(0, N),
         step=step,
-        local_completion_ids=[char_encode(prompt_text(c)) for c in completions],
+        local_completion_ids=(local_completion_ids if local_completion_ids is not None
+                              else [char_encode(prompt_text(c)) for c in completions]),
         mode=mode,
         services=stub_services(metrics, run=run, **services),
     )

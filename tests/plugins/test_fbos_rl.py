@@ -164,7 +164,8 @@ def test_fap_ecc_and_epa_rows():
     assert service.calls[0][3][1]["content"] == "junk"
     for i in (2, 3, 6, 7):  # ECC rows: trained under their FAP, on-policy, the service's log-probs kept
         assert ctx.training_prompts[i] == service.calls[0][[2, 3, 6, 7].index(i)]
-        assert ctx.prompt_ids[i] == TOK.apply_chat_template(ctx.training_prompts[i], add_generation_prompt=True)
+        assert ctx.prompt_ids[i] == TOK.apply_chat_template(ctx.training_prompts[i], add_generation_prompt=True,
+                                                            return_dict=False)
         assert ctx.prompt_swapped[i] is False and not any(ctx.offpolicy[i])
         assert ctx.sampling_logprobs[i] == [-0.3] * len(ctx.completion_ids[i])
         assert ctx.annotations[i]["fbos_role"] == "ecc"

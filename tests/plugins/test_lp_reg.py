@@ -7,10 +7,17 @@ import random
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.head_stats import OUT_OF_KEEP_SET, HeadStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.lp_reg import PROXY_KEY, THRESHOLD_KEY, lp_reg_token_loss, select_tokens
 
 # ------------------------------------------------------------------------------------------ hand-made batch
@@ -117,39 +124,11 @@ def test_lp_reg_token_loss_sequence_level_ratio_broadcasts():
 
 
 # ------------------------------------------------------------------------------------------ loss hook
-def _loss_ctx(lp, lp_old, adv, mask, extras=None, sink=None, head_stats=None):
-    coef_1 = torch.exp(lp - lp_old)
-    coef_2 = torch.clamp(coef_1, 0.8, 1.2)
-    base = -torch.min(coef_1 * adv, coef_2 * adv)
+def _loss_ctx(lp, lp_old, adv, mask, extras=None, head_stats=None):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
-        per_token_logps=lp,
-        old_per_token_logps=lp_old,
-        ref_per_token_logps=None,
-        sampling_per_token_logps=None,
-        entropies=torch.zeros(B, T),
-        advantages=adv,
-        mask=mask,
-        offpolicy_mask=torch.zeros(B, T, dtype=torch.bool),
-        extras=extras or {},
-        loss_type="dapo",
-        epsilon_low=0.2,
-        epsilon_high=0.2,
-        beta=0.0,
-        num_items_in_batch=mask.sum(),
-        iteration=0,
-        mode="train",
-        log_ratio=lp - lp_old,
-        coef_1=coef_1,
-        per_token_loss=base,
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum())
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    if head_stats is not None:
-        ctx._head_stats = lambda: head_stats
-    return ctx
+    return make_loss_context(lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, extras=extras,
+                             loss_type="dapo", head_stats=head_stats, entropies=torch.zeros(B, T),
+                             completion_ids=torch.zeros(B, T, dtype=torch.long))
 
 
 def _combine(ctx):
@@ -176,8 +155,8 @@ def test_loss_hook_support_of_the_replacement():
     )
     # every token outside S also has lp < proxy, so only the selection excludes it
     assert bool(((LOGPS < proxy) | _set((1, 0), (1, 2))).all())
-    sink = {}
-    ctx = _loss_ctx(lp, lp_old, ADV, MASK, extras={PROXY_KEY: proxy}, sink=sink)
+    ctx = _loss_ctx(lp, lp_old, ADV, MASK, extras={PROXY_KEY: proxy})
+    sink = ctx.metrics
     stack = build_plugins(["lp_reg"], {"lp_reg": {"rho": 0.5, "beta": 0.9}})
     stack.call("trl_plugins_loss", ctx)
 
@@ -277,25 +256,9 @@ def test_tokens_outside_keep_set_never_regularised(mode):
     assert repl.any()
 
 
-def _adv_ctx(stats, advantages, sink=None):
-    N = advantages.size(0)
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(N, 1),
-        rewards=torch.zeros(N),
-        advantages=advantages,
-        group_ids=torch.arange(N) // 3,
-        index_in_group=torch.arange(N) % 3,
-        num_generations=3,
-        completion_lengths=stats.mask.sum(-1).float(),
-        offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)],
-        process_slice=slice(0, N),
-        step=0,
-    )
-    ctx._policy_stats = lambda head_stats: stats
-    ctx._gatherer = lambda t: t
-    return ctx
+def _adv_ctx(stats, advantages):
+    return make_advantage_context(torch.zeros(advantages.size(0)), num_generations=3, advantages=advantages,
+                                  completion_lengths=stats.mask.sum(-1).float(), policy_stats=stats)
 
 
 def test_advantage_stage_proxy_and_generation_batch_threshold():
@@ -324,8 +287,6 @@ def test_advantage_stage_proxy_and_generation_batch_threshold():
     lp = old.clone().requires_grad_(True)
     lctx = _loss_ctx(lp, old, adv[:, None].expand(B, C), mask,
                      extras={PROXY_KEY: torch.zeros(B, C), THRESHOLD_KEY: threshold})
-    sink = {}
-    lctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
     build_plugins(["lp_reg"], {"lp_reg": {"rho": 0.35, "selection_scope": "generation_batch"}}).call(
         "trl_plugins_loss", lctx
     )
