@@ -734,13 +734,17 @@ def make_reward_context(
     mode: str = "train",
     run: RunInfo | None = None,
     local_completion_ids: list[list[int]] | None = None,
+    num_processes: int = 1,
+    process_index: int = 0,
     **services: Any,
 ) -> RewardContext:
-    """A :class:`~trl_plugins.RewardContext` of one process holding the whole batch.
+    """A :class:`~trl_plugins.RewardContext`: the gathered (N, K) matrix, and the local rows of process
+    ``process_index`` of ``num_processes`` (default: one process holding the whole batch).
 
     ``rewards_per_func`` is (N, K) (or (N,) for one reward function; nested lists are fine). Names default to
-    ``reward_0..``, weights to 1. ``local_completion_ids`` default to the completions encoded as characters
-    (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
+    ``reward_0..``, weights to 1. ``rows``, ``completions`` and ``local_completion_ids`` are given for all N rows;
+    the context holds this process's slice. ``local_completion_ids`` default to the completions encoded as
+    characters (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
     (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
     metrics the plugin logs.
     """
@@ -751,6 +755,10 @@ def make_reward_context(
         raise ValueError(f"make_reward_context: {N} rows are not whole groups of {G}.")
     rows = rows if rows is not None else stub_rows(N // G, G)
     completions = completions if completions is not None else [[{"role": "assistant", "content": ""}]] * N
+    if local_completion_ids is None:
+        local_completion_ids = [char_encode(prompt_text(c)) for c in completions]
+    B = N // num_processes
+    local = slice(process_index * B, (process_index + 1) * B)
     idx = torch.arange(N)
     metrics = MetricsRecorder()
     ctx = RewardContext(
@@ -760,13 +768,12 @@ def make_reward_context(
         group_ids=idx // G,
         index_in_group=idx % G,
         num_generations=G,
-        local_rows=rows,
-        local_prompts=[r.get("prompt") for r in rows],
-        local_completions=list(completions),
-        process_slice=slice(0, N),
+        local_rows=rows[local],
+        local_prompts=[r.get("prompt") for r in rows[local]],
+        local_completions=list(completions[local]),
+        process_slice=local,
         step=step,
-        local_completion_ids=(local_completion_ids if local_completion_ids is not None
-                              else [char_encode(prompt_text(c)) for c in completions]),
+        local_completion_ids=list(local_completion_ids[local]),
         mode=mode,
         services=stub_services(metrics, run=run, **services),
     )
