@@ -604,7 +604,7 @@ def make_rollout_context(
     reward_funcs: Sequence[Callable] | None = None,
     reward_weights: Sequence[float] | None = None,
     scorer: Callable | None = None,
-    sampling_logprob: float | None = -1.0,
+    sampling_logprob: float | Callable[[int], float] | None = -1.0,
     conversational: bool | None = None,
     process_index: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -628,8 +628,8 @@ def make_rollout_context(
         service: the generation service (default: a :class:`StubGenerationService`; read ``ctx.service.calls``).
         reward_funcs, reward_weights: what ``ctx.score`` runs (TRL's reward-function signature, weighted sum);
             default :func:`digit_fraction_reward`. ``scorer(rows, prompts, completions) -> (n,)`` replaces both.
-        sampling_logprob: the sampling log-prob of every generated token (vLLM); None imitates HF generation
-            (``ctx.sampling_logprobs is None``).
+        sampling_logprob: the sampling log-prob of every generated token (vLLM), or a function of the token's
+            position; None imitates HF generation (``ctx.sampling_logprobs is None``).
         process_index, gather: the process this context stands for and its all-gather (default: one process,
             identity); see :func:`run_on_processes` to simulate several.
         deferred: local rows left out of the first generation round (``PromptContext.defer``): they hold an
@@ -677,6 +677,7 @@ def make_rollout_context(
     def as_completion(text: str) -> Any:
         return [{"role": "assistant", "content": text}] if conversational else text
 
+    logprob_at = sampling_logprob if callable(sampling_logprob) else (lambda j: sampling_logprob)
     entropy = entropy or (lambda p, c: torch.ones(len(c)))
     entropy_calls: list[int] = []
 
@@ -692,7 +693,8 @@ def make_rollout_context(
         prompt_ids=[list(p) for p in prompt_ids] if prompt_ids is not None else [tokenize_prompt(p) for p in prompts],
         completion_ids=ids,
         completions=[as_completion(t) for t in texts],
-        sampling_logprobs=None if sampling_logprob is None else [[float(sampling_logprob)] * len(x) for x in ids],
+        sampling_logprobs=None if sampling_logprob is None else [[float(logprob_at(j)) for j in range(len(x))]
+                                                                 for x in ids],
         offpolicy=[[False] * len(x) for x in ids],
         prompt_swapped=[False] * B,
         global_index=global_index,
@@ -701,7 +703,8 @@ def make_rollout_context(
         num_generations=G,
         step=step,
         annotations=annotations if annotations is not None else [{} for _ in range(B)],
-        service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
+        service=service if service is not None else StubGenerationService(
+            logprob=logprob_at(0) if sampling_logprob is not None else None),
         deferred=[i in set(deferred) for i in range(B)] if deferred else [],
         mode=mode,
         services=stub_services(metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,

@@ -11,13 +11,14 @@ import pytest
 import torch
 import trl
 
-from trl_plugins import AdvantageContext, Completion, PluginConfigError, build_plugins
+from trl_plugins import Completion, PluginConfigError, build_plugins
 from trl_plugins.components.prm import arithmetic_row
 from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, feedback
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    make_advantage_context,
     make_prompt_context,
     make_rollout_context,
     make_tiny_trainer,
@@ -218,13 +219,9 @@ def test_options_epa_off_plain_alternate_and_feedback_kinds():
 # ------------------------------------------------------------------------------------------ advantage hook
 def _adv_ctx(rewards, roles, G, step=0):
     N = len(rewards)
-    rows = torch.arange(N)
-    r = torch.tensor(rewards)
-    return AdvantageContext(
-        rewards_per_func=r.view(-1, 1), rewards=r, advantages=torch.zeros(N), group_ids=rows // G,
-        index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N),
-        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{"fbos_role": x} for x in roles], process_slice=slice(0, N), step=step)
+    return make_advantage_context(torch.tensor(rewards), num_generations=G, advantages=torch.zeros(N),
+                                  completion_lengths=torch.ones(N), annotations=[{"fbos_role": x} for x in roles],
+                                  step=step)
 
 
 @pytest.mark.parametrize("schedule,step,weight", [("joint", 0, 0.5), ("alternate", 0, 0.0), ("alternate", 1, 0.5)])
