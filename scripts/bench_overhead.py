@@ -242,7 +242,8 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
             memory[kind] = bc.profiled_peak_mib(
                 lambda: run_block(trainers[kind], timers[kind], init_state, 1, seed)
             )
-    del trainers, timers
+    trainers.clear()
+    timers.clear()
     _release_memory()
     ratios = [b["step_cpu_s"] / a["step_cpu_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
     wall_ratios = [b["step_s"] / a["step_s"] for a, b in zip(blocks["vanilla"], blocks["plugin"])]
