@@ -162,7 +162,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             tokenize_prompts=self.generation_service.tokenize,
             decode=self._decode_completion,
             score=self._score_locally,
-            gather=self.accelerator.gather,
+            gather=lambda tensor: self.accelerator.gather(tensor),  # late-bound: the accelerator may be wrapped
             gather_object=gather_object,
             policy_entropies=self._rollout_entropies,
             policy_logprobs=self._policy_logprobs,
