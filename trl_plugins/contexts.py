@@ -340,6 +340,8 @@ class RewardContext(_StageContext):
         process_slice: the slice of global rows held by this process.
         step: ``trainer.state.global_step``.
         local_completion_ids: this process's B completions as token id lists (unpadded; None if unknown).
+        shared: results the plugins of this reward stage share, by key (e.g. the batch's answer clusters, computed
+            once by :func:`~trl_plugins.answers.batch_clusters` for every plugin that needs them).
         mode: "train" or "eval".
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
@@ -357,6 +359,7 @@ class RewardContext(_StageContext):
     step: int
     local_completion_ids: list[list[int]] | None = None
     mode: str = "train"
+    shared: dict[str, Any] = field(default_factory=dict)
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def gather_object(self, values: list) -> list:
