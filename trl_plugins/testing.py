@@ -15,7 +15,8 @@ Training runs on the tiny model:
 
 Hand-made stage contexts for unit tests (no model, no trainer; stub services record what the plugin asked):
     :func:`make_prompt_context`, :func:`make_rollout_context` (with :class:`StubGenerationService`),
-    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context`;
+    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context` (their services are
+    :func:`stub_services`: a :class:`CharTokenizer`, a one-process gather ...; keyword arguments replace any);
     :func:`build_stack` / :func:`run_hook` enable a plugin by name (options validated, ``configure`` called) and
     call one of its hooks; :func:`loss_from_context` composes a loss context's contributions as the framework
     does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
