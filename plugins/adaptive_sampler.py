@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 
 @dataclass
@@ -224,6 +224,7 @@ class AdaptiveSamplerPlugin(Plugin):
     paper = "MMR1 VAS, arXiv:2509.21268; RuleReasoner DADS, arXiv:2506.08672; RAPO pruning, arXiv:2509.24107"
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
+    replaces = ("the training sampler (which prompts are drawn)",)
     reconstructed = (
         "how VPS weighting, domain weights and pruning combine into one probability (see the module docstring)",
         "TDS proxy: fraction of distinct completions in the prompt's last group (off by default)",

@@ -100,6 +100,7 @@ class CanonPlugin(Plugin):
     paper = "CANON: Conditional Advantage Estimation, arXiv:2509.23962"
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
+    replaces = ("the advantages",)
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

@@ -28,7 +28,7 @@ run's ``seed``; saved in checkpoints), never the global RNG. Off-policy (injecte
 their loss is the shaped off-policy branch, not the clipped surrogate.
 
 Incompatible: Lp-Reg, KL-Cov, SIREN and TRL's entropy bonus (``entropy_coef``) steer entropy on overlapping
-token sets ("pick one", catalog section 3.5); ``loss_type`` cispo / sapo have no PPO clip to complement.
+token sets ("pick one", see ``docs/compatibility.md``); ``loss_type`` cispo / sapo have no PPO clip to complement.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext,
 
 PICK_KEY = "clip_cov_pick"
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-ENTROPY_PICK_ONE = "all of them steer entropy on overlapping token sets (pick one, catalog section 3.5)"
+ENTROPY_PICK_ONE = (
+    "each is a complete remedy for entropy collapse acting on an overlapping set of tokens (high-covariance, "
+    "low-probability or high-entropy ones); stacked, their corrections compound and match neither paper"
+)
 
 
 @dataclass
@@ -128,18 +131,17 @@ def global_token_advantages(ctx: AdvantageContext, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(adv, (0, width - adv.size(1)))
 
 
-def check_entropy_and_loss_type(name: str, args, allowed_loss_types=CLIPPED_LOSS_TYPES) -> None:
-    """Refuse TRL's entropy bonus and loss types without the PPO clip (shared by Clip-Cov and KL-Cov)."""
+#: Why Clip-Cov and KL-Cov refuse the loss types outside CLIPPED_LOSS_TYPES (``Plugin.loss_types_reason``).
+CLIPPED_ONLY = "it is defined on the PPO clipped surrogate, which loss_type 'cispo' and 'sapo' do not have"
+
+
+def check_no_entropy_bonus(name: str, args) -> None:
+    """Refuse TRL's entropy bonus (shared by Clip-Cov and KL-Cov)."""
     if args.entropy_coef != 0 or getattr(args, "use_adaptive_entropy", False):
         raise IncompatiblePluginsError(
             f"{name} cannot be combined with TRL's entropy bonus (entropy_coef={args.entropy_coef!r}, "
             f"use_adaptive_entropy={getattr(args, 'use_adaptive_entropy', False)!r}): {ENTROPY_PICK_ONE}. "
             f"Set entropy_coef=0 or disable {name}."
-        )
-    if args.loss_type not in allowed_loss_types:
-        raise IncompatiblePluginsError(
-            f"{name} is defined on the PPO clipped surrogate; loss_type={args.loss_type!r} has none. "
-            f"Use one of: {', '.join(allowed_loss_types)} (the paper uses 'dapo', token-mean)."
         )
 
 
@@ -153,6 +155,8 @@ class ClipCovPlugin(Plugin):
     Options = ClipCovOptions
     conflicts_with = ("lp_reg", "kl_cov", "siren")
     conflict_reason = ENTROPY_PICK_ONE
+    loss_types = CLIPPED_LOSS_TYPES
+    loss_types_reason = CLIPPED_ONLY
     reconstructed = (
         "scope='generation_batch' is our option (covariance and pick once per generation batch); the official code "
         "works per micro-batch",
@@ -170,7 +174,7 @@ class ClipCovPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        check_entropy_and_loss_type(self.name, args)
+        check_no_entropy_bonus(self.name, args)
         seed = args.seed if self.options.seed is None else self.options.seed
         if self.options.scope == "microbatch":  # local picks: independent streams per process
             seed += getattr(getattr(trainer, "accelerator", None), "process_index", 0)

@@ -1,6 +1,6 @@
 """Critique-GRPO — learning from natural-language critiques and refinements (arXiv:2506.03106).
 
-Follows the official implementation (zhangxy-2019/critique-GRPO, as summarised in specs/methods_sampling.md 5.2):
+Follows the official implementation (zhangxy-2019/critique-GRPO):
 
 1. G responses per question (TRL's own generation round).
 2. One critique per response. ``critique_type``: ``simple_gt`` (default: "correct / incorrect, the ground truth is
@@ -33,11 +33,12 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import (
-    check_offpolicy_gamma, completion_text, context_device, gather_id_lists, run_together,
-)
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.text import completion_text
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (
@@ -134,6 +135,7 @@ class CritiqueGrpoPlugin(Plugin):
     paper = "Critique-GRPO, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
     Options = CritiqueGrpoOptions
+    replaces = ("one completion per group (slot 0: a refinement, off-policy)",)
     reconstructed = (
         "the wording of the refinement request and of the 'text' critic prompt (the official prompts are not copied)",
     )

@@ -38,7 +38,8 @@ from typing import Any, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
-from trl_plugins.rollouts import context_device, gather_id_lists
+from trl_plugins.collectives import gather_id_lists
+from trl_plugins.contexts import context_device
 
 
 @dataclass
@@ -136,6 +137,7 @@ class CurePlugin(Plugin):
     paper = "CURE: Critical-token-guided re-concatenation for entropy-collapse prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."
     Options = CureOptions
+    replaces = ("part of each group's completions (re-generated from critical-token prefixes)",)
     reconstructed = (
         "TRL samples all G rows first; the n1*n2 branch rows replace rows n1.. of the group (their first samples are "
         "discarded), since a TRL group has a fixed size",

@@ -1,9 +1,9 @@
 """DaGRPO — Distinctiveness-aware Group Relative Policy Optimization (arXiv:2512.06337). LOW CONFIDENCE.
 
-Only the paper's abstract and a third-party summary were readable (specs/methods_loss_adv.md section 2): the
+Only the paper's abstract and a third-party summary were readable: the
 method masks sample **pairs** of low distinctiveness, judged by a fine-grained score, so that near-identical
 rollouts stop producing conflicting gradients ("sequence-level gradient rectification"), and adds high-quality
-off-policy **anchors** to hard queries without a valid positive. Everything below is the spec's reconstruction;
+off-policy **anchors** to hard queries without a valid positive. Everything below is our reconstruction;
 every guessed detail is an option marked reconstructed.
 
 Pair masking (advantage stage). GRPO's centred advantage in pairwise form is
@@ -12,11 +12,11 @@ an earlier plugin changed them) ``(R_i - R_j)/sigma = a_i - a_j``. With a distin
 (``d_ii = 0``) and the surviving set ``S_i = {j : d_ij >= delta}`` (``i`` itself survives only when
 ``delta = 0``)::
 
-    A_i = m + (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving", the spec's formula)
+    A_i = m + (1/|S_i|) sum_{j in S_i} (a_i - a_j)      (pair_normalizer="surviving", the default)
     A_i = m + (1/G)     sum_{j in S_i} (a_i - a_j)      (pair_normalizer="group")
     A_i = 0 when S_i is empty,
 
-where ``m`` is the group mean of the incoming advantages: 0 for TRL's own (centred per group), so the spec's
+where ``m`` is the group mean of the incoming advantages: 0 for TRL's own (centred per group), so the default
 formula; for an earlier plugin's uncentred advantages the group offset is kept and only the pairwise part is
 masked. ``delta = 0`` keeps every pair and returns the incoming advantages exactly: mean-centred GRPO, bit for bit
 TRL's run. All-equal scores with ``delta > 0`` give all zeros. With a symmetric mask the "group" normaliser gives
@@ -27,13 +27,13 @@ Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
 
 * ``"prm"``: ``s_i`` = mean step score of the bundled tasks' programmatic step verifier
   (:func:`trl_plugins.tasks.arithmetic.step_scores` on the row's ``problem`` JSON column; 0 for an empty
-  completion), ``d_ij = |s_i - s_j|``. The paper uses an LLM judge; the PRM is the spec's cheaper proxy.
+  completion), ``d_ij = |s_i - s_j|``. The paper uses an LLM judge; the PRM is a cheaper proxy.
 * ``"similarity"``: ``d_ij = 1 - sim(i, j)``, a token-level similarity between the two completions (Jaccard of
   token n-grams, or ``1 - normalised edit distance``) on their generated token ids (or, when the framework does
   not provide them, on the completion text re-tokenized by the trainer's tokenizer).
 * ``"reward"``: ``s_i = R_i`` (the combined reward), ``d_ij = |R_i - R_j|``.
 
-``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij`` (the spec's "alternatively combined with" variant).
+``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij`` (the summary's "alternatively combined with" variant).
 Scores are read at the reward stage, from the final completions (after every sampling plugin), and carried to the
 advantage stage of the same batch.
 
@@ -42,11 +42,11 @@ reward above ``success_threshold``) gets one failed rollout (slot ``anchor_index
 replaced by the dataset's reference solution (``solution`` column) tokenized with the trainer's tokenizer plus
 EOS. Its tokens are marked off-policy, so the loss trains them through the framework's shaped branch
 ``-A p/(p+gamma)`` (LUFFY, gamma = ``offpolicy_shaping_gamma``) with no importance ratio and no vLLM IS
-correction; its reward comes from the ordinary reward functions (the spec adds it "with R = 1"; a correct
-reference solution scores so under a verifier). The spec's "extra group member" becomes a replacement because
+correction; its reward comes from the ordinary reward functions (the summary adds it "with R = 1"; a correct
+reference solution scores so under a verifier). The summary's "extra group member" becomes a replacement because
 the group size never changes. ``anchors=false`` switches them off. Success is judged on the rows as the earlier
 sampling plugins left them, so listed after e.g. ``hint_scaffold`` DaGRPO anchors only the groups that plugin did
-not rescue (the precedence the catalog asks for).
+not rescue (rescue by hints first, anchors for the rest).
 
 Defaults, all reconstructed: scorer ``prm``, delta = 0.1, pair_normalizer ``surviving``, similarity ``jaccard``
 on token bigrams, anchors on for groups with no success, slot 0.
@@ -70,7 +70,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 
@@ -89,7 +89,7 @@ class DaGRPOOptions(PluginOptions):
     )
     pair_normalizer: Literal["surviving", "group"] = option(
         "surviving",
-        help="Divide the sum over surviving pairs by their number (spec) or by the group size G.",
+        help="Divide the sum over surviving pairs by their number (default) or by the group size G.",
         reconstructed=True,
     )
     include_reward_gap: bool = option(
@@ -249,10 +249,14 @@ class DaGRPOPlugin(Plugin):
     paper = "DaGRPO: Distinctiveness-Aware Group Relative Policy Optimization, arXiv:2512.06337"
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
+    replaces = (
+        "the advantages (pair-masked)",
+        "one failed completion of an all-fail group (a reference-solution anchor)",
+    )
     reconstructed = (
-        "the whole method is reconstructed from the abstract (specs/methods_loss_adv.md section 2)",
+        "the whole method is reconstructed from the abstract and a third-party summary",
         "fine-grained scorer: programmatic PRM, token similarity or reward instead of the paper's LLM judge",
-        "delta = 0.1; pair normaliser |S_i| (spec) with a 1/G alternative",
+        "delta = 0.1; pair normaliser |S_i| with a 1/G alternative",
         "the incoming advantages' group mean (0 for TRL's) is kept; only their pairwise part is masked",
         "an anchor replaces one failed rollout (the group size is fixed) and is trained through the shaped "
         "off-policy branch f(p) = p/(p+gamma) (LUFFY), its reward computed by the reward functions",

@@ -3,7 +3,7 @@
 DisCO replaces GRPO's clipped, group-normalised surrogate by a *discriminative* objective: per question, raise
 a score ``s`` of the positive answers and lower it for the negative ones, with no clipping and no std
 normalisation (so no difficulty bias), and keep the update close to the old policy with a constraint enforced
-by a squared-hinge penalty. For binary rewards (specs/methods_loss_adv.md section 4.7):
+by a squared-hinge penalty. For binary rewards:
 
 1. Sequence score ``s_i``: token-mean of ``log pi_theta`` (``score="logL"``) or of the ratio
    ``r = pi_theta / pi_old`` (``score="Lratio"``).
@@ -44,7 +44,7 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 
 
 @dataclass
@@ -150,6 +150,15 @@ class DiscoPlugin(Plugin):
     paper = "DisCO: Discriminative Constrained Optimization, arXiv:2505.12366"
     summary = "Unclipped discriminative score objective (positives up, negatives down) with a squared-hinge KL."
     Options = DiscoOptions
+    replaces = (
+        "the advantages (DisCO sequence weights)",
+        "the base surrogate on on-policy tokens (the score objective)",
+    )
+    loss_types = ("grpo",)
+    loss_types_reason = (
+        "the DisCO score is a token-mean per response, which only the per-sequence token-mean of loss_type='grpo' "
+        "keeps"
+    )
     replaces_surrogate = True
     reconstructed = (
         "score defaults to logL (the released code has logL and Lratio variants)",
@@ -159,11 +168,6 @@ class DiscoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        if args.loss_type != "grpo":
-            raise IncompatiblePluginsError(
-                f"disco needs loss_type='grpo' (per-sequence token-mean, then batch mean: the DisCO score is a "
-                f"token-mean per response); got loss_type={args.loss_type!r}. Set loss_type='grpo' or disable disco."
-            )
         if args.top_entropy_quantile < 1.0:
             warnings.warn(
                 f"disco: top_entropy_quantile={args.top_entropy_quantile} masks tokens after the DisCO loss, so the "

@@ -14,8 +14,8 @@ so the column is filled by a reward transform with the whole groups in view (ans
 
 Entropy thresholding (EMPO's filter of prompts whose semantic entropy is too low or too high) is available with
 ``entropy_low`` / ``entropy_high``: groups outside ``(low, high)`` get zero advantages. It is off by default: the
-thresholds are not in our specs (reconstructed). Watch for the "model collapse step" of label-free RL (catalog
-X-74): consistency rewards sharpen the initial distribution and can rise then fall; log accuracy separately.
+thresholds are not stated by the papers (reconstructed). Watch for the "model collapse step" of label-free RL:
+consistency rewards sharpen the initial distribution and can rise then fall; log accuracy separately.
 
 Stacks with ``seed_grpo`` (same answer clustering, computed once per batch).
 """
@@ -29,6 +29,8 @@ import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.answers import batch_clusters, cluster_fractions, get_extractor, majority_votes, semantic_entropy
+
+from .rlpr import CORRECTNESS_PICK_ONE
 
 COLUMN = "empo"
 
@@ -77,8 +79,9 @@ class EmpoPlugin(Plugin):
     paper = "EMPO, arXiv:2504.05812; TTRL majority vote, arXiv:2504.16084"
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
+    replaces = ("the correctness reward (a label-free reward column)",)
     conflicts_with = ("rlpr",)
-    conflict_reason = "both replace the correctness signal (catalog section 3.5: choose by whether references exist)"
+    conflict_reason = CORRECTNESS_PICK_ONE
     reconstructed = (
         "answer equivalence = normalised exact match of extracted answers (EMPO clusters math answers by "
         "math-verify equivalence, free-form ones with a model)",

@@ -24,7 +24,7 @@ ECC rows are weighted by ``ecc_weight``. Schedule ``joint`` trains both objectiv
 makes even steps EPA-only (ECC weight 0) and odd steps ECC-only (no EPA copies).
 
 Only the three-stage flow is known (abstract + a digest, no code, no equations). Every other choice is a
-**reconstruction** (specs/methods_sampling.md sections 4.2-4.3), an option with the spec's default: G1 = G/2, the
+**reconstruction**, an option with our default: G1 = G/2, the
 feedback source (the bundled tasks' verifier feedback; ``simple_gt``/``simple`` critique strings; or an LLM judge),
 no answer leak, the FAP format (multi-turn: original turns, the attempt, then the feedback and a revise request),
 failed-first source selection, EPA placement (replace the failed source, at most one per group) and its off-policy
@@ -55,9 +55,11 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, gather_id_lists, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -236,8 +238,12 @@ class FbosRlPlugin(Plugin):
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic RL, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
+    replaces = (
+        "part of each group's completions (feedback-guided round 2)",
+        "the advantages (EPA / ECC normalisation)",
+    )
     reconstructed = (
-        "budget split G1 = G // 2 (spec: 4 + 4 of G = 8); round-2 rows are deferred, so exactly G rollouts per prompt",
+        "budget split G1 = G // 2 (4 + 4 of G = 8); round-2 rows are deferred, so exactly G rollouts per prompt",
         "feedback='task': the bundled verifier's natural-language feedback; no answer leak (leak_answer=false)",
         "fap_format='multi_turn': original turns + attempt (assistant) + feedback and a revise request (user)",
         "round-2 sources: failed attempts first, cycling; groups without failure sample round 2 under x",

@@ -1,5 +1,5 @@
 """GTPO — conflict-token protection and entropy filtering (arXiv:2508.03772, "GTPO: Trajectory-Based Policy
-Optimization in Large Language Models", Simoni et al.; catalog P18 / LOS-08).
+Optimization in Large Language Models", Simoni et al.).
 
 (Another paper, arXiv:2508.04349, uses the same acronym for entropy-shaped token rewards; this plugin is not it.)
 
@@ -37,7 +37,7 @@ Defaults (official ``config.yaml`` and constants): entropy_threshold = 0.7, entr
 positive_weight = 2, negative_weight = 0, beta = 0. The neutral setting ``positive_weight = negative_weight = 1``,
 ``divide_by_conflicts = false``, ``entropy_threshold = None``, ``entropy_scale = 0`` is exactly TRL's loss.
 
-Incompatible: LLDS ("pick one", catalog section 3.5: both protect the likelihood of tokens in good responses).
+Incompatible: LLDS ("pick one": both protect the likelihood of tokens in good responses; ``docs/compatibility.md``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, ho
 
 WEIGHT_KEY = "gtpo_token_weights"
 LIKELIHOOD_PICK_ONE = (
-    "both protect the likelihood of tokens in good responses (pick one, catalog section 3.5; LLDS is preferable "
-    "for tool/search RL)"
+    "both protect the likelihood of tokens in good responses (GTPO the tokens good and bad completions share, LLDS "
+    "the tokens whose likelihood dropped), so stacked they protect the same tokens twice; LLDS is meant for "
+    "tool/search RL"
 )
 
 

@@ -24,7 +24,7 @@ process's completion ids, carried to the loss as a (B, T) per-row extra), and th
 token-advantage transform, after which every later transform and the surrogate see the amplified advantages.
 
 Reconstructed: the lexicon (the paper's strategic grams are data-derived), the default alpha = 0.2 (the value we
-take from the paper's experiments; the spec does not state it) and the token-overlap rule. The paper's
+take from the paper's experiments; it is not stated as a default) and the token-overlap rule. The paper's
 semantic-entropy analysis is a diagnostic, not part of the update, and is not implemented.
 """
 
@@ -157,7 +157,7 @@ class HicraPlugin(Plugin):
         if args.top_entropy_quantile < 1.0:
             warnings.warn(
                 f"hicra: top_entropy_quantile={args.top_entropy_quantile} also focuses the update on a token subset "
-                "(high-entropy tokens); together they focus twice (catalog section 3.5: compatible, but watch it).",
+                "(high-entropy tokens); together they focus twice (they stack, but check that this is what you want).",
                 stacklevel=2,
             )
 

@@ -106,6 +106,7 @@ class HintScaffoldPlugin(Plugin):
     paper = "GHPO, arXiv:2507.10628; Scaf-GRPO, arXiv:2510.19807"
     summary = "All-fail groups are re-generated with growing reference-solution hints (GHPO / Scaf-GRPO)."
     Options = HintScaffoldOptions
+    replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = ("when no hint level succeeds the original rollouts are kept (GHPO's code path is not stated)",)
 
     def required_columns(self) -> list[str]:

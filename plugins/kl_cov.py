@@ -25,7 +25,7 @@ Scope: ``scope="generation_batch"`` (our option) selects the top-k once per gene
 at the advantage stage, from the pre-update log-probs (one extra no-grad forward), for TRL's small micro-batches.
 Off-policy (injected) tokens keep their shaped branch and are never selected.
 
-Incompatible: Lp-Reg, Clip-Cov, SIREN and TRL's entropy bonus ("pick one", catalog section 3.5). KL-Cov replaces
+Incompatible: Lp-Reg, Clip-Cov, SIREN and TRL's entropy bonus ("pick one", see ``docs/compatibility.md``). KL-Cov replaces
 the surrogate, so no other surrogate-replacing plugin can be stacked with it.
 """
 
@@ -41,8 +41,10 @@ from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, ho
 from trl_plugins.loss import policy_moves_before_loss
 
 from .clip_cov import (
+    CLIPPED_LOSS_TYPES,
+    CLIPPED_ONLY,
     ENTROPY_PICK_ONE,
-    check_entropy_and_loss_type,
+    check_no_entropy_bonus,
     global_token_advantages,
     token_covariance,
 )
@@ -112,9 +114,12 @@ class KlCovPlugin(Plugin):
     paper = "KL-Cov, The Entropy Mechanism of RL for Reasoning Language Models, arXiv:2505.22617"
     summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."
     Options = KlCovOptions
+    replaces = ("the base surrogate on on-policy tokens (unclipped -A r plus the KL penalty)",)
     replaces_surrogate = True
     conflicts_with = ("lp_reg", "clip_cov", "siren")
     conflict_reason = ENTROPY_PICK_ONE
+    loss_types = CLIPPED_LOSS_TYPES
+    loss_types_reason = CLIPPED_ONLY
     reconstructed = (
         "scope='generation_batch' is our option (top-k once per generation batch); the official code works per "
         "micro-batch",
@@ -122,7 +127,7 @@ class KlCovPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        check_entropy_and_loss_type(self.name, args)
+        check_no_entropy_bonus(self.name, args)
         if self.options.beta_kl > 0 and not policy_moves_before_loss(args, getattr(trainer, "num_iterations", None)):
             warnings.warn(
                 "kl_cov: with num_iterations=1 and one optimizer step per generation batch the policy never moves "

@@ -1,6 +1,6 @@
 """Length shaping for efficient reasoning — LASER / LASER-D (arXiv:2505.15612) and DLER (arXiv:2510.15110).
 
-Both papers shorten chains of thought through the reward alone (catalog RWD-13, RWD-14, plugin P8):
+Both papers shorten chains of thought through the reward alone:
 
 * **LASER** (Length-bAsed StEp Reward): ``R = C(y) + alpha * 1[y correct] * 1[L(y) <= L_T]``, a step bonus for
   correct responses within a target length ``L_T``. The bonus is written to its own reward column
@@ -20,7 +20,7 @@ Both papers shorten chains of thought through the reward alone (catalog RWD-13, 
 Lengths are completion tokens (EOS included, as TRL's completion mask counts them); correctness is
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect).
 
-Reconstructed (the specs give no numbers; every one is an option marked reconstructed): ``alpha = 0.5``, the
+Reconstructed (the papers give no numbers; every one is an option marked reconstructed): ``alpha = 0.5``, the
 default LASER target (half of ``max_completion_length``), the difficulty edges (accuracy <= 1/3 hard, > 2/3 easy),
 the candidate budget grid (8 equal steps up to ``max_completion_length``), ECR estimated online from the last
 ``window`` generation batches of training rollouts (the paper monitors ECR periodically), the initial targets

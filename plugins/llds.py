@@ -27,8 +27,8 @@ LLDS needs the policy to move between the rollout and the update: when TRL skips
 run is exactly vanilla GRPO (configure warns). Use ``num_iterations > 1`` or ``steps_per_generation >
 gradient_accumulation_steps`` (the paper's verl runs take several mini-batch steps per rollout batch).
 
-Incompatible: GTPO ("pick one", catalog section 3.5: both protect the likelihood of tokens in good responses;
-LLDS is preferable for tool/search RL).
+Incompatible: GTPO ("pick one": both protect the likelihood of tokens in good responses; LLDS is meant for
+tool/search RL; ``docs/compatibility.md``).
 """
 
 from __future__ import annotations
@@ -41,10 +41,7 @@ import torch
 from trl_plugins import LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.loss import policy_moves_before_loss
 
-LIKELIHOOD_PICK_ONE = (
-    "both protect the likelihood of tokens in good responses (pick one, catalog section 3.5; LLDS is preferable "
-    "for tool/search RL)"
-)
+from .gtpo import LIKELIHOOD_PICK_ONE
 
 
 @dataclass

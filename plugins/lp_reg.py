@@ -25,7 +25,7 @@ official code (``selection_scope="microbatch"``); ``"generation_batch"`` takes t
 the old log-probs once per generation batch instead (our option, for small TRL micro-batches).
 
 Incompatible: TRL's entropy bonus (``entropy_coef``), Clip-Cov, KL-Cov and SIREN steer entropy on overlapping
-token sets ("pick one", catalog section 3.5).
+token sets ("pick one", see ``docs/compatibility.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+
+from .clip_cov import ENTROPY_PICK_ONE
 
 PROXY_KEY = "lp_reg_proxy_logps"
 THRESHOLD_KEY = "lp_reg_threshold"
@@ -110,18 +112,19 @@ class LpRegPlugin(Plugin):
     paper = "Lp-Reg: Low-probability Regularization, arXiv:2510.03222"
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
+    replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)
     needs_head_stats = True
     replaces_surrogate = True
     conflicts_with = ("clip_cov", "kl_cov", "siren")
-    conflict_reason = "all of them steer entropy on overlapping token sets (pick one, catalog section 3.5)"
+    conflict_reason = ENTROPY_PICK_ONE
     reconstructed = ("selection_scope='generation_batch' is our option; the official code selects per micro-batch",)
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         if args.entropy_coef != 0 or getattr(args, "use_adaptive_entropy", False):
             raise IncompatiblePluginsError(
-                f"lp_reg cannot be combined with TRL's entropy bonus (entropy_coef={args.entropy_coef!r}): both steer "
-                "entropy on overlapping tokens. Set entropy_coef=0 or disable lp_reg."
+                f"lp_reg cannot be combined with TRL's entropy bonus (entropy_coef={args.entropy_coef!r}): "
+                f"{ENTROPY_PICK_ONE}. Set entropy_coef=0 or disable lp_reg."
             )
         if args.top_entropy_quantile < 1.0:
             warnings.warn(

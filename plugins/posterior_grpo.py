@@ -36,8 +36,9 @@ from typing import ClassVar, Literal
 
 import torch
 from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.collectives import gather_objects_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
-from trl_plugins.rollouts import completion_text, gather_objects_together
+from trl_plugins.text import completion_text
 
 COLUMN = "posterior_process"
 

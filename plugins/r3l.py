@@ -73,8 +73,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import completion_text
-from trl_plugins.rollouts import gather_id_lists
+from trl_plugins.collectives import gather_id_lists
+from trl_plugins.text import completion_text
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"
@@ -296,6 +296,11 @@ class R3LPlugin(Plugin):
     paper = "R3L: Reflect-then-Retry RL with pivotal credit and positive amplification, arXiv:2601.03715"
     summary = "Half the group reflects on a first attempt and retries with the guidance; retries distilled unguided."
     Options = R3LOptions
+    replaces = (
+        "half of each group's completions (reflect-and-retry)",
+        "the advantages",
+        "the base surrogate on every loss token when loss='opmd'",
+    )
     reconstructed = (
         "a step is one non-empty completion line and the first attempt is TRL's single completion (official: "
         "assistant turns of a 3-attempt feedback dialogue)",

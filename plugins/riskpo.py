@@ -22,7 +22,7 @@ measure of the reward distribution instead, and enriches that distribution by **
    ``(0.5 if R_i > 0 else 1.5) A_paper``.
 8. The sequence advantage is broadcast over the tokens and trained with TRL's surrogate.
 
-Defaults are the paper's DAPO-math recipe (specs/methods_loss_adv.md section 4.4): alpha = 0.2, beta = 0.8,
+Defaults are the paper's DAPO-math recipe: alpha = 0.2, beta = 0.8,
 bundle_size = 5, w = 1.5, credit ``sum_mean``, ``natural_baseline = False``. The MATH recipes use beta = 0.9,
 credit ``std`` and ``natural_baseline = True``. The released code also runs an SGD quantile tracker, but it
 updates *after* the advantages of a step are computed and never feeds them, so the quantiles here are the
@@ -185,6 +185,7 @@ class RiskPOPlugin(Plugin):
     paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward, arXiv:2510.00911"
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
+    replaces = ("the advantages",)
     reconstructed = (
         "eps = 1e-6 in every denominator",
         "norm_by_std defaults to on (verl's GRPO default; the recipes do not show it)",

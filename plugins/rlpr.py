@@ -1,6 +1,6 @@
 """RLPR — Reinforcement Learning with reference Probability Reward (arXiv:2506.18254).
 
-Verifier-free RL for free-form answers (catalog RWD-01, plugin P7). A response ``o = (z, y)`` is its reasoning
+Verifier-free RL for free-form answers. A response ``o = (z, y)`` is its reasoning
 ``z`` followed by its answer ``y``. RLPR swaps the generated answer for the reference answer ``y*`` and asks the
 policy itself how likely ``y*`` is after its own reasoning:
 
@@ -34,9 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
-from trl_plugins.answers import completion_text
+from trl_plugins.text import completion_text
 
 COLUMN = "rlpr"
+CORRECTNESS_PICK_ONE = (
+    "both replace the correctness reward (EMPO with answer agreement, without references; RLPR with the policy's "
+    "probability of the reference answer); choose by whether your dataset has reference answers"
+)
 
 
 @dataclass
@@ -114,8 +118,9 @@ class RlprPlugin(Plugin):
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"
     summary = "Verifier-free reward: the policy's mean probability of the reference answer after its own reasoning."
     Options = RlprOptions
+    replaces = ("the correctness reward (reference-answer probability column)",)
     conflicts_with = ("empo",)
-    conflict_reason = "both replace the correctness signal (catalog section 3.5: choose by whether references exist)"
+    conflict_reason = CORRECTNESS_PICK_ONE
     reconstructed = (
         "answer_marker / answer_template / answer_prefix defaults fit the bundled tasks (paper: its answer tags)",
         "threshold EMA: decay 0.99, initialised with the first batch's mean group std, updated before filtering",

@@ -3,7 +3,7 @@
 Rubrics serve twice: as an explicit scaffold that guides *exploration* (a system block listing some rubric items is
 added to the generation prompt) and as the *reward* (an LLM judge checks each rubric item). The scaffold is given
 generously to some rows of a group and sparingly to others, and fades out over training. Facts from the official
-code (IANNXANG/RuscaRL; specs/methods_sampling.md section 2):
+code (IANNXANG/RuscaRL):
 
 1. Intra-group differentiation: row ``i`` of a group of ``G`` gets ``lambda_i = (G-1-i)/(G-1)`` ("linear": row 0
    sees every item, row G-1 none; ``G = 1`` gives 1) or ``lambda_i = 1 if i < k_full else 0`` ("binary").
@@ -52,9 +52,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
-from trl_plugins.answers import completion_text
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
+from trl_plugins.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
 BASE_SYSTEM = "You are a helpful assistant."
@@ -248,6 +248,7 @@ class RuscaRLPlugin(Plugin):
     paper = "RuscaRL: Rubric-Scaffolded Reinforcement Learning, arXiv:2508.16949"
     summary = "Graded rubric scaffolds in generation prompts (decaying) and a per-item rubric judge reward."
     Options = RuscaRLOptions
+    replaces = ("the generation prompts (rubric scaffolds)",)
     reconstructed = (
         "power=2.0: exponent of the 'step_power' rule (the code's default is not stated in the spec)",
         "seeded item subsets (seed, step, global row index); the original draws them unseeded",

@@ -7,7 +7,7 @@ kept **token for token**, and only the rest is rectified off-policy. The repaire
 its group (G never changes); its prefix stays on-policy, its corrected tokens are trained through the shaped
 off-policy branch ``-A p/(p+gamma)`` (LUFFY, gamma = 0.1) and get NaN sampling log-probs (no vLLM IS correction).
 
-Per generation batch (specs/methods_sampling.md section 3.3)::
+Per generation batch::
 
     r_i      = weighted reward of rollout i (the training reward functions, TRL's weights)
     failed   = {i : r_i <= success_threshold} in the selected groups (scope_groups)
@@ -23,11 +23,11 @@ trainer's generation service, one collective call per batch; those tokens keep t
 ``reference_suffix`` -- the dataset's reference solution from its step ``k_i`` on (no teacher model).
 
 What the paper states is only the skeleton (PRM -> first error -> step-wise off-policy rectification of failed
-rollouts). Every other choice is a **reconstruction** (spec 3.2-3.3), exposed as an option with the spec's default
-and marked ``reconstructed``: who corrects (teacher endpoint), rectification mode, PRM (Qwen2.5-Math-PRM-7B) and
+rollouts). Every other choice is a **reconstruction**, exposed as an option with our default and marked
+``reconstructed``: who corrects (teacher endpoint), rectification mode, PRM (Qwen2.5-Math-PRM-7B) and
 threshold (0.5), step separator (the PRM's convention), which groups (all), no-error policy (skip), minimum
 verified prefix (1 step: k* = 1 is skipped), acceptance rule (correct only), repairs per group (1, longest prefix,
-random tie-break), gamma (0.1). The spec's advantage recommendation (``A = r - mean``: ``scale_rewards="none"``)
+random tie-break), gamma (0.1). The recommended advantage (``A = r - mean``: ``scale_rewards="none"``)
 and aggregation (``loss_type="dr_grpo"``) are GRPOConfig settings, left to the user. VPPO (arXiv:2601.18984) uses
 the same first-error localisation for credit only; that ablation is the PRM part of this plugin without a repair.
 
@@ -52,10 +52,12 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.collectives import run_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
-from trl_plugins.rollouts import check_offpolicy_gamma, context_device, run_together
+from trl_plugins.contexts import context_device
+from trl_plugins.loss import check_offpolicy_gamma
 
 
 @dataclass
@@ -154,6 +156,7 @@ class ScopePlugin(Plugin):
     paper = "SCOPE: Recycling Failures via Fine-Grained Off-Policy Guidance, arXiv:2602.24110"
     summary = "Failed rollouts keep their PRM-verified prefix; the rest is corrected off-policy and must verify."
     Options = ScopeOptions
+    replaces = ("the suffix of failed completions after their verified prefix (off-policy corrections)",)
     reconstructed = (
         "who corrects: a teacher endpoint (teacher='endpoint'); the paper does not name its corrector",
         "mode='teacher_suffix': the teacher rewrites everything from the first wrong step",

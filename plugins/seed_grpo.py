@@ -2,7 +2,7 @@
 
 The spread of meanings among a prompt's G answers measures how unsure the model is about the prompt. SEED-GRPO
 scales each group's advantages by a decreasing function of that *semantic entropy*: conservative updates on
-uncertain prompts, the original signal on confident ones (catalog ADV-03, plugin P12).
+uncertain prompts, the original signal on confident ones.
 
 1. Cluster the group's completions by meaning: final answers extracted and compared by normalised exact match
    (:mod:`trl_plugins.answers`).

@@ -31,7 +31,7 @@ code considers the top 10000 candidates; ``k_max`` = 2048 caps them here for mem
 different thing) must stay off. ``coef = 0`` is exactly TRL's loss.
 
 Incompatible: Lp-Reg, Clip-Cov, KL-Cov and TRL's entropy bonus steer entropy on overlapping token sets ("pick
-one", catalog section 3.5).
+one", see ``docs/compatibility.md``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
 
-ENTROPY_PICK_ONE = "all of them steer entropy on overlapping token sets (pick one, catalog section 3.5)"
+from .clip_cov import ENTROPY_PICK_ONE
 
 
 @dataclass

@@ -28,6 +28,17 @@ def test_show_prints_options_and_paper(capsys):
     assert "[reconstructed]" in out and "Method:" in out
 
 
+def test_show_prints_the_compatibility_of_the_plugin(capsys):
+    assert main(["show", "disco"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # notes are wrapped
+    assert "Stacking:" in out and "Replaces the advantages (DisCO sequence weights)" in out
+    assert "Loss types: grpo only: the DisCO score is a token-mean per response" in out
+    assert main(["show", "gtpo"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Cannot be stacked with llds: both protect the likelihood of tokens in good responses" in out
+    assert "Loss types: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo." in out
+
+
 def test_show_unknown_plugin_suggests(capsys):
     assert main(["show", "lp_rge"]) == 2
     assert "Did you mean 'lp_reg'" in capsys.readouterr().err

@@ -102,6 +102,74 @@ def test_pages_render_metadata_of_a_plugin():
     assert "| [`documented`](documented.md) | loss | Does things. |" in pages["plugins/index.md"]
 
 
+def test_compatibility_page_renders_conflicts_replacements_and_loss_types():
+    from trl_plugins import Plugin, hookimpl
+
+    class Base(Plugin):
+        paper = "arXiv:2501.01234"
+
+    class Narrow(Base):
+        name = "narrow"
+        replaces = ("the advantages",)
+        loss_types = ("grpo",)
+        loss_types_reason = "a per-response mean"
+        conflicts_with = {"wide": "both rewrite the advantages"}
+
+        @hookimpl
+        def trl_plugins_loss(self, ctx):
+            pass
+
+    class Wide(Base):
+        name = "wide"
+
+        @hookimpl
+        def trl_plugins_transform_rewards(self, ctx):
+            pass
+
+    class Trio(Base):
+        conflicts_with = ("t1", "t2", "t3")
+        conflict_reason = "all three do it"
+
+    plugins = {"narrow": Narrow, "wide": Wide}
+    plugins.update({n: type(n, (Trio,), {"name": n}) for n in ("t1", "t2", "t3")})
+    page = render_all(plugins)["compatibility.md"]
+    assert page.startswith(GENERATED)
+    assert "| `narrow` + `wide` | both rewrite the advantages |" in page  # declared by one side only
+    assert "| any two of `t1`, `t2`, `t3` | all three do it |" in page
+    assert "| [`narrow`](plugins/narrow.md) | loss | the advantages | `grpo` only: a per-response mean |" in page
+    assert "| [`wide`](plugins/wide.md) | reward | - | any |" in page
+    assert "## GPU and vLLM validation" in page and "scripts/gpu_smoke.py" in page
+    narrow_page = render_all(plugins)["plugins/narrow.md"]
+    assert "- Replaces the advantages." in narrow_page and "- Loss types: `grpo` only: a per-response mean." in narrow_page
+    assert "- Cannot be stacked with `wide`: both rewrite the advantages." in narrow_page
+
+
+def test_compatibility_page_lists_every_builtin_and_every_pick_one_pair(plugins):
+    page = render_all(plugins)["compatibility.md"]
+    for name in plugins:
+        assert f"| [`{name}`](plugins/{name}.md) |" in page
+    for name, cls in plugins.items():
+        for other, reason in cls.conflicts().items():
+            assert reason in page and f"`{other}`" in page
+    assert "[compatibility](../compatibility.md)" in render_all(plugins)["plugins/index.md"]
+    assert "(docs/compatibility.md)" in (REPO / "README.md").read_text()
+
+
+# Documents that are not in the repository (the project's design notes and method specs are not shipped).
+UNSHIPPED = re.compile(
+    r"catalog(ue)? section|catalog [A-Z]{3}-\d|specs/|methods_\w+\.md|DESIGN\.md|test_loss_equivalence|[Ii]nvariant \d"
+)
+
+
+def test_code_docs_and_messages_cite_only_what_the_repository_has():
+    roots = ["trl_plugins", "plugins", "docs", "scripts", "tests", "README.md", "pyproject.toml"]
+    files = [p for r in roots for p in ([REPO / r] if (REPO / r).is_file() else (REPO / r).rglob("*"))
+             if p.suffix in (".py", ".md", ".toml", ".yaml") and p.resolve() != Path(__file__).resolve()]
+    cited = [f"{p.relative_to(REPO)}:{i}: {line.strip()[:100]}" for p in files
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if UNSHIPPED.search(line)]
+    assert not cited, "references to documents that are not in the repository:\n" + "\n".join(cited)
+
+
 def test_write_check_and_stale_pages(tmp_path, plugins):
     assert main(["--out", str(tmp_path)]) == 0
     assert check(tmp_path) == []

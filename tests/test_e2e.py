@@ -1,5 +1,5 @@
 """End to end: the built-in plugins stacked on full fine-tuning, LoRA and QLoRA (4-bit bitsandbytes on CPU),
-checkpoint / resume of plugin state (invariant 7), and bad configurations refused at construction."""
+checkpoint / resume of plugin state, and bad configurations refused at construction."""
 
 import os
 

@@ -1,5 +1,5 @@
 """The loss stage: the shaped off-policy branch, how plugin contributions compose, and how off-policy tokens are
-kept out of TRL's vLLM importance-sampling correction and off-policy sequence mask (invariant 4)."""
+kept out of TRL's vLLM importance-sampling correction and off-policy sequence mask."""
 
 import pytest
 import torch

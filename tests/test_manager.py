@@ -103,14 +103,51 @@ def test_pick_one_conflict_is_refused_with_reason(temporary_plugin):
         build_plugins(["lp_reg", "clip_cov"])
 
 
+def test_conflicts_declared_as_a_mapping_give_each_pair_its_reason(temporary_plugin):
+    class Picky(Plugin):
+        name = "picky_demo"
+        conflicts_with = {"canon": "both rewrite the advantages", "steer": "both weight the tokens"}
+
+    temporary_plugin(Picky)
+    assert Picky.conflicts() == {"canon": "both rewrite the advantages", "steer": "both weight the tokens"}
+    with pytest.raises(IncompatiblePluginsError) as info:
+        build_plugins(["steer", "picky_demo"])
+    assert str(info.value) == (
+        "Plugins 'picky_demo' and 'steer' cannot be stacked: both weight the tokens. Enable only one of them."
+    )
+    build_plugins(["picky_demo", "gtpo"])  # not declared: stacks
+
+
 def test_two_surrogate_replacers_are_refused(temporary_plugin):
     class Replacer(Plugin):
         name = "replacer_demo"
         replaces_surrogate = True
+        replaces = ("the base surrogate on every token",)
 
     temporary_plugin(Replacer)
-    with pytest.raises(IncompatiblePluginsError, match="replace the base surrogate"):
+    with pytest.raises(IncompatiblePluginsError, match="replace the base surrogate") as info:
         build_plugins(["lp_reg", "replacer_demo"])
+    assert "'replacer_demo' replaces the base surrogate on every token" in str(info.value)
+    assert "'lp_reg' replaces the base surrogate on low-probability negative-advantage tokens" in str(info.value)
+
+
+def test_loss_types_declared_by_a_plugin_are_enforced_with_its_reason(temporary_plugin):
+    class GrpoOnly(Plugin):
+        name = "grpo_only_demo"
+        loss_types = ("grpo", "bnpo")
+        loss_types_reason = "its score is a per-response mean"
+
+    temporary_plugin(GrpoOnly)
+    stack = build_plugins(["canon", "grpo_only_demo"])
+    stack.check_loss_type("bnpo")
+    with pytest.raises(IncompatiblePluginsError) as info:
+        stack.check_loss_type("dapo")
+    assert str(info.value) == (
+        "Plugin 'grpo_only_demo' does not support loss_type='dapo': its score is a per-response mean. Use loss_type "
+        "'grpo' or 'bnpo', or disable grpo_only_demo."
+    )
+    assert GrpoOnly.supported_loss_types() == ("grpo", "bnpo")
+    assert build_plugins(["canon"]).by_name["canon"].supported_loss_types() is None  # TRL's loss: any of TRL's
 
 
 def test_misspelt_hook_is_refused(temporary_plugin):
@@ -195,3 +232,10 @@ def test_every_builtin_module_is_registered_as_an_entry_point():
 
     names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
     assert set(_builtin_plugins()) <= names
+
+
+def test_the_loss_path_hooks_are_the_ones_the_trainer_switches_on():
+    from trl_plugins.loss import LOSS_PATH_HOOKS
+    from trl_plugins.trainer import LOSS_HOOKS, SAMPLING_HOOKS
+
+    assert set(LOSS_PATH_HOOKS) == set(SAMPLING_HOOKS + LOSS_HOOKS)  # what Plugin.supported_loss_types() reads

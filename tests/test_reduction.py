@@ -1,4 +1,4 @@
-"""Invariant 1 (reduction) and invariant 2 (neutral setting of the loss path).
+"""Reduction (no plugins: exactly TRL) and the neutral setting of the loss path.
 
 With no plugins, ``PluginGRPOTrainer`` must be identical to ``trl.GRPOTrainer`` with the same seed:
 completions, rewards, advantages, per-micro-step losses, gradients and final parameters. The second test runs

@@ -26,19 +26,11 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .text import completion_text
+
 Extractor = Callable[[str], "str | None"]
 
 _NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
-
-
-def completion_text(completion: Any) -> str:
-    """Text of a TRL completion: the string itself, or the content of the last message of a message list."""
-    if isinstance(completion, str):
-        return completion
-    if not completion:
-        return ""
-    content = completion[-1].get("content", "")
-    return content if isinstance(content, str) else ""
 
 
 def extract_task_answer(text: str) -> str | None:

@@ -36,15 +36,13 @@ def describe_plugin(name: str) -> str:
     lines.append(f"Paper:   {cls.paper or '-'}")
     lines.append(f"Stages:  {', '.join(cls.stages()) or '-'}")
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
-    notes = []
-    if cls.needs_head_stats:
-        notes.append("uses chunked LM-head statistics (never the full logits)")
-    if cls.replaces_surrogate:
-        notes.append("replaces the surrogate on a token subset (at most one such plugin per stack)")
-    if cls.conflicts_with:
-        notes.append(f"cannot be stacked with {', '.join(cls.conflicts_with)}: {cls.conflict_reason}")
-    if notes:
-        lines.append("Notes:   " + "\n         ".join(notes))
+    from .docs import stacking_notes
+
+    notes = ["Uses chunked LM-head statistics (never the full logits)."] if cls.needs_head_stats else []
+    notes += stacking_notes(cls, code=str)
+    lines.append("Stacking:")
+    for note in notes:
+        lines += textwrap.wrap(note, 100, initial_indent="  - ", subsequent_indent="    ")
     if cls.reconstructed:
         lines.append("Reconstructed (not stated by the paper; documented defaults):")
         lines += [f"  - {r}" for r in cls.reconstructed]

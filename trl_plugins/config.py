@@ -89,7 +89,7 @@ class PluginGRPOConfig(GRPOConfig):
                 )
         from .manager import build_plugins
 
-        build_plugins(self.plugins, self.plugin_config)  # fail now, not at step 500
+        build_plugins(self.plugins, self.plugin_config).check_loss_type(self.loss_type)  # fail now, not at step 500
 
 
 def checkpointing_off() -> dict[str, bool]:

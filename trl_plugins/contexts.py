@@ -111,6 +111,13 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
     return global_index, [g // num_generations for g in global_index], [g % num_generations for g in global_index]
 
 
+def context_device(ctx: Any) -> torch.device:
+    """The device of a context's collectives: the trainer's accelerator device (CPU for hand-built contexts)."""
+    trainer = getattr(ctx, "trainer", None)
+    accelerator = getattr(trainer, "accelerator", None)
+    return accelerator.device if accelerator is not None else torch.device("cpu")
+
+
 # =============================================================================================== sampling
 @dataclass
 class PromptContext(_StageContext):

@@ -6,6 +6,8 @@ Writes, under the checkout's ``docs/`` (or ``--out``):
   hooks, dataset columns it reads, stacking notes and conflicts, options (type, default, allowed values, help,
   reconstructed flag), the details it reconstructs, a YAML snippet, and its module docstring (the method);
 * ``plugins/index.md``: the catalogue table;
+* ``compatibility.md``: which plugins refuse to be stacked and why, what each replaces, which loss types each runs
+  with (from ``conflicts_with``, ``replaces``, ``replaces_surrogate`` and ``loss_types``);
 * ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods).
 
 ``--check`` writes nothing and exits 1 when a page is missing, different or stale (``tests/test_docs.py`` does
@@ -122,6 +124,31 @@ def _yaml_defaults(cls: type) -> str:
     return yaml.dump(block, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1000).rstrip()
 
 
+def loss_types_text(cls: type, code=lambda s: f"`{s}`") -> str:
+    """The ``loss_type`` values a plugin runs with, in words (``code`` formats one value)."""
+    supported = cls.supported_loss_types()
+    if supported is None:
+        return "any of TRL's (TRL computes the loss, unless another plugin of the stack needs the plugin loss path)"
+    text = ", ".join(code(t) for t in supported)
+    return f"{text} only: {cls.loss_types_reason}" if cls.loss_types and cls.loss_types_reason else text
+
+
+def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
+    """What a plugin replaces, the loss types it runs with and the plugins it refuses, one sentence each (shown on
+    its reference page and by ``trl-plugins show``); ``code`` formats a name or value."""
+    notes = []
+    if cls.replaces:
+        notes.append(f"Replaces {'; '.join(cls.replaces)}.")
+    if cls.replaces_surrogate:
+        notes.append("Replaces the base surrogate on a token subset: at most one such plugin per stack.")
+    notes.append(f"Loss types: {loss_types_text(cls, code)}.")
+    by_reason: dict[str, list[str]] = {}
+    for other, reason in cls.conflicts().items():
+        by_reason.setdefault(reason, []).append(code(other))
+    notes += [f"Cannot be stacked with {', '.join(others)}: {reason}." for reason, others in by_reason.items()]
+    return notes
+
+
 # ------------------------------------------------------------------------------------------------ pages
 def plugin_page(cls: type) -> str:
     """The Markdown reference page of one plugin class."""
@@ -162,12 +189,9 @@ def plugin_page(cls: type) -> str:
     if cls.needs_head_stats:
         notes.append("Uses chunked LM-head statistics (`ctx.head_stats()`); the full (B, T, V) logits are never "
                      "materialised.")
-    if cls.replaces_surrogate:
-        notes.append("Replaces the base surrogate on a token subset: at most one such plugin per stack.")
-    if cls.conflicts_with:
-        notes.append(f"Cannot be stacked with {', '.join(f'`{c}`' for c in cls.conflicts_with)}: "
-                     f"{cls.conflict_reason or 'they act on the same quantity'}.")
-    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`.")
+    notes += stacking_notes(cls)
+    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`. "
+                 "All plugins: [compatibility](../compatibility.md).")
     lines += [f"- {n}" for n in notes] + [""]
     infos = cls.Options.describe()
     lines += ["## Options", ""]
@@ -212,21 +236,96 @@ def index_page(plugins: Mapping[str, type]) -> str:
     for name, cls in plugins.items():
         papers = ", ".join(f"[arXiv:{i}](https://arxiv.org/abs/{i})" for i in arxiv_ids(cls.paper)) or _cell(cls.paper)
         lines.append(f"| [`{name}`]({name}.md) | {', '.join(cls.stages()) or '-'} | {_cell(cls.summary)} | {papers} |")
-    conflicts = sorted(
-        {tuple(sorted((n, c))) for n, cls in plugins.items() for c in cls.conflicts_with if c in plugins}
-    )
+    lines += ["", "## Stacking rules", "", "Which plugins refuse to be stacked and why, what each replaces and which loss "
+              "types each runs with: [compatibility](../compatibility.md)."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def conflict_pairs(plugins: Mapping[str, type]) -> dict[tuple[str, str], str]:
+    """``{(a, b): reason}`` of the "pick one" pairs among ``plugins`` (a < b; either side may declare it)."""
+    pairs: dict[tuple[str, str], str] = {}
+    for name, cls in plugins.items():
+        for other, reason in cls.conflicts().items():
+            if other in plugins and other != name:
+                pairs.setdefault(tuple(sorted((name, other))), reason)
+    return dict(sorted(pairs.items()))
+
+
+def _conflict_groups(plugins: Mapping[str, type]) -> list[tuple[list[str], str]]:
+    """The "pick one" pairs, those sharing a reason merged into one group when every two of its plugins conflict."""
+    by_reason: dict[str, list[tuple[str, str]]] = {}
+    for pair, reason in conflict_pairs(plugins).items():
+        by_reason.setdefault(reason, []).append(pair)
+    groups = []
+    for reason, pairs in by_reason.items():
+        names = sorted({n for pair in pairs for n in pair})
+        if len(pairs) == len(names) * (len(names) - 1) // 2:  # every two of them: one row
+            groups.append((names, reason))
+        else:
+            groups += [(list(pair), reason) for pair in pairs]
+    return sorted(groups)
+
+
+def compatibility_page(plugins: Mapping[str, type]) -> str:
+    """Which plugins refuse to be stacked and why, what each replaces, which loss types each runs with."""
+    from .loss import SUPPORTED_LOSS_TYPES
+
     replacers = [n for n, cls in plugins.items() if cls.replaces_surrogate]
-    lines += ["", "## Stacking rules", ""]
-    if conflicts:
-        pairs = ", ".join(f"`{a}` + `{b}`" for a, b in conflicts)
-        lines.append(f"Pairs refused together (\"pick one\"): {pairs}.")
-        lines.append("")
+    lines = [
+        GENERATED,
+        "",
+        "# Compatibility",
+        "",
+        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `replaces_surrogate`, `loss_types`; "
+        "see [writing-a-plugin.md](writing-a-plugin.md)). The trainer enforces every rule below when it is built, "
+        "with the reason in the error. `trl-plugins show NAME` prints the same for one plugin, third-party ones "
+        "included.",
+        "",
+        "## Plugins that refuse to be stacked (\"pick one\")",
+        "",
+        "| plugins | why |",
+        "|---|---|",
+    ]
+    for names, reason in _conflict_groups(plugins):
+        refused = f"`{names[0]}` + `{names[1]}`" if len(names) == 2 else "any two of " + ", ".join(f"`{n}`" for n in names)
+        lines.append(f"| {refused} | {_cell(reason)} |")
     if len(replacers) > 1:
-        lines.append("At most one of " + ", ".join(f"`{n}`" for n in replacers) + " (each replaces the surrogate "
-                     "on a token subset).")
-        lines.append("")
-    lines.append("Any other combination stacks: plugins on different stages compose, and hooks of one stage chain in "
-                 "the order of `plugins`.")
+        lines += ["", "At most one plugin per stack may replace the base surrogate, since a token's loss can have only "
+                  "one replacement: " + ", ".join(f"`{n}`" for n in replacers) + " (and any plugin whose options make "
+                  "it one, see the table below)."]
+    lines += [
+        "",
+        "Every other combination stacks: plugins on different stages compose, and hooks of one stage chain in the "
+        "order of `plugins` (each sees what the previous one left).",
+        "",
+        "## What each plugin replaces, and its loss types",
+        "",
+        "A plugin that only adjusts or adds (token weights, loss terms, reward bonuses, scaled advantages) shows `-` "
+        "under *replaces*. A stack with any sampling- or loss-stage plugin computes the loss on the plugin loss path, "
+        f"which implements `loss_type` {', '.join(f'`{t}`' for t in SUPPORTED_LOSS_TYPES)}; otherwise TRL computes "
+        "it with any of its loss types. *any* below: the plugin itself works with every loss type; the stack's "
+        "other plugins decide.",
+        "",
+        "| plugin | stages | replaces | loss types |",
+        "|---|---|---|---|",
+    ]
+    for name, cls in plugins.items():
+        replaces = "; ".join(cls.replaces) or "-"
+        if cls.replaces_surrogate and "surrogate" not in replaces:
+            replaces = f"{replaces}; the base surrogate on a token subset".lstrip("-; ")
+        loss_types = "any" if cls.supported_loss_types() is None else loss_types_text(cls)
+        lines.append(f"| [`{name}`](plugins/{name}.md) | {', '.join(cls.stages()) or '-'} | {_cell(replaces)} | "
+                     f"{_cell(loss_types)} |")
+    lines += [
+        "",
+        "## GPU and vLLM validation",
+        "",
+        "Everything above is enforced and tested on CPU with Hugging Face generation (the test suite, including "
+        "two-process runs). The matrix has not yet been run on a GPU, nor with vLLM (server or colocate mode): "
+        "[`scripts/gpu_smoke.py`](../scripts/gpu_smoke.py) runs every plugin alone (QLoRA, bf16 compute) and the "
+        "recommended stacks (bf16) for a few steps on a CUDA machine and writes a JSON report; its results will be "
+        "recorded here.",
+    ]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -270,6 +369,7 @@ def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     plugins = builtin_plugins() if plugins is None else dict(plugins)
     pages = {f"plugins/{name}.md": plugin_page(cls) for name, cls in plugins.items()}
     pages["plugins/index.md"] = index_page(plugins)
+    pages["compatibility.md"] = compatibility_page(plugins)
     pages["hooks.md"] = hooks_page()
     return pages
 
@@ -277,7 +377,7 @@ def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
 def _generated_on_disk(out: Path) -> set[str]:
     """Relative paths of generated pages present under ``out`` (recognised by their first line)."""
     found = set()
-    for path in [out / "hooks.md", *sorted((out / "plugins").glob("*.md"))]:
+    for path in [out / "hooks.md", out / "compatibility.md", *sorted((out / "plugins").glob("*.md"))]:
         if path.is_file() and path.read_text(encoding="utf-8").startswith(GENERATED):
             found.add(path.relative_to(out).as_posix())
     return found

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from .collectives import HeldRewardErrors
 from .contexts import Completion
 from .errors import GenerationBudgetExceeded, PluginError
-from .rewards_guard import HeldRewardErrors
 
 
 #: How a process that waited names the failure of another process's reward scoring in the sampling stage.

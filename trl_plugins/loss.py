@@ -2,8 +2,8 @@
 
 Used instead of TRL's method only when a stack has loss hooks or sampling hooks (which may inject off-policy
 tokens); with no plugins the trainer calls TRL's own method. With no loss contribution and no off-policy
-tokens this function reproduces TRL's loss and gradients (``tests/test_loss_equivalence.py``), for every loss
-type it supports. Order of operations (TRL's, with our additions marked +):
+tokens this function reproduces TRL's loss and gradients (checked by ``tests/test_reduction.py`` and
+``tests/test_loss_stage.py``). Order of operations (TRL's, with our additions marked +):
 
 1. per-token log-probs and entropies through TRL's fused LM head (+ hidden states captured for head stats);
 2. TRL's entropy mask (``top_entropy_quantile``);
@@ -28,6 +28,11 @@ from .contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from .errors import IncompatiblePluginsError
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+#: Hooks whose presence in a stack makes the trainer compute the loss here instead of TRL (sampling hooks may inject
+#: off-policy tokens; the trainer's SAMPLING_HOOKS + LOSS_HOOKS).
+LOSS_PATH_HOOKS = (
+    "trl_plugins_generation_prompts", "trl_plugins_after_generation", "trl_plugins_loss_advantages", "trl_plugins_loss",
+)
 
 
 def policy_moves_before_loss(args: Any, num_iterations: int | None = None) -> bool:
@@ -48,6 +53,23 @@ def check_loss_type(loss_type: str) -> None:
         raise IncompatiblePluginsError(
             f"loss_type={loss_type!r} is not supported together with loss- or sampling-stage plugins; "
             f"supported: {', '.join(SUPPORTED_LOSS_TYPES)}."
+        )
+
+
+def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
+    """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
+
+    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss (:func:`shaped_offpolicy_loss`) is shared by every
+    plugin of a run, so a plugin's documented gamma (LUFFY: 0.1) is a check on the run setting, not a second knob.
+    """
+    import math
+
+    run_gamma = getattr(args, "offpolicy_shaping_gamma", 0.1)
+    if not math.isclose(float(run_gamma), float(gamma)):
+        raise IncompatiblePluginsError(
+            f"{plugin}: gamma={gamma} but the run's offpolicy_shaping_gamma={run_gamma}. The shaped off-policy branch "
+            f"p/(p+gamma) is shared by every plugin of a run; set offpolicy_shaping_gamma: {gamma} in the config (or "
+            f"the plugin's gamma to {run_gamma})."
         )
 
 

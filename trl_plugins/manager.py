@@ -175,6 +175,10 @@ class PluginStack:
             announce(None)
         return results
 
+    def check_loss_type(self, loss_type: str) -> None:
+        """Refuse a ``loss_type`` an enabled plugin is not defined for (at trainer construction)."""
+        check_loss_type(self.plugins, loss_type)
+
     @property
     def needs_head_stats(self) -> bool:
         return any(p.needs_head_stats for p in self.plugins if self.has_loss(p))
@@ -217,18 +221,29 @@ def build_plugins(names: Iterable[str], plugin_config: Mapping[str, Mapping[str,
 
 
 def check_compatibility(plugins: list[Plugin]) -> None:
-    """Refuse "pick one" pairs and more than one surrogate-replacing plugin, with the reason."""
+    """Refuse "pick one" pairs and more than one surrogate-replacing plugin; the error states the reason."""
     names = {p.name for p in plugins}
     for p in plugins:
-        for other in p.conflicts_with:
+        for other, reason in p.conflicts().items():
             if other in names:
-                reason = p.conflict_reason or "they act on the same quantity"
                 raise IncompatiblePluginsError(
                     f"Plugins {p.name!r} and {other!r} cannot be stacked: {reason}. Enable only one of them."
                 )
-    replacing = [p.name for p in plugins if p.replaces_surrogate]
+    replacing = [p for p in plugins if p.replaces_surrogate]
     if len(replacing) > 1:
+        what = "; ".join(f"{p.name!r} replaces {', '.join(p.replaces) or 'the base surrogate'}" for p in replacing)
         raise IncompatiblePluginsError(
-            f"Plugins {replacing} each replace the base surrogate on a token subset; at most one may do so in a "
-            "stack. Enable only one of them."
+            f"Plugins {[p.name for p in replacing]} each replace the base surrogate on a token subset ({what}); at "
+            "most one may do so in a stack, since a token's loss can have only one replacement. Enable only one of "
+            "them."
         )
+
+
+def check_loss_type(plugins: Iterable[Plugin], loss_type: str) -> None:
+    """Refuse a ``loss_type`` some plugin is not defined for (its ``loss_types``), with the plugin's reason."""
+    for p in plugins:
+        if p.loss_types and loss_type not in p.loss_types:
+            raise IncompatiblePluginsError(
+                f"Plugin {p.name!r} does not support loss_type={loss_type!r}: {p.loss_types_reason or 'not defined'}."
+                f" Use loss_type {' or '.join(repr(t) for t in p.loss_types)}, or disable {p.name}."
+            )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .hookspecs import HOOK_STAGES, STAGE_ORDER
@@ -22,8 +23,15 @@ class Plugin:
         summary: one line for ``trl-plugins list``.
         needs_head_stats: the loss hook uses ``ctx.head_stats()`` (chunked LM-head statistics).
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
-        conflicts_with: names of plugins that act on the same quantity ("pick one"); refused together.
-        conflict_reason: why, shown in the error.
+        replaces: the stage quantities the plugin replaces outright rather than adjusts (e.g. ``"the advantages"``,
+            ``"the base surrogate on ..."``); shown in ``trl-plugins show`` and ``docs/compatibility.md``.
+        conflicts_with: plugins that act on the same quantity ("pick one"), refused together: a mapping
+            ``{name: reason}``, or a tuple of names sharing ``conflict_reason``. The reason is the error message's:
+            say what both do and why stacking them is wrong, in a self-contained sentence.
+        conflict_reason: the reason for every name of a tuple ``conflicts_with``.
+        loss_types: the ``loss_type`` values the plugin is defined for (checked when the trainer is built); empty:
+            every loss type the run accepts (see :meth:`supported_loss_types`).
+        loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
     """
@@ -35,8 +43,11 @@ class Plugin:
     Options: ClassVar[type[PluginOptions]] = PluginOptions
     needs_head_stats: ClassVar[bool] = False
     replaces_surrogate: ClassVar[bool] = False
-    conflicts_with: ClassVar[tuple[str, ...]] = ()
+    replaces: ClassVar[tuple[str, ...]] = ()
+    conflicts_with: ClassVar[tuple[str, ...] | Mapping[str, str]] = ()
     conflict_reason: ClassVar[str] = ""
+    loss_types: ClassVar[tuple[str, ...]] = ()
+    loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: PluginOptions | None = None):
@@ -56,6 +67,28 @@ class Plugin:
         """The training stages this plugin hooks (lifecycle hooks are not a stage), in pipeline order."""
         used = {HOOK_STAGES[h] for h in cls.hook_names()}
         return [s for s in STAGE_ORDER if s in used]
+
+    @classmethod
+    def conflicts(cls) -> dict[str, str]:
+        """``{plugin name: reason}`` of the plugins this one refuses to be stacked with."""
+        if isinstance(cls.conflicts_with, Mapping):
+            return dict(cls.conflicts_with)
+        return {name: cls.conflict_reason or "they act on the same quantity" for name in cls.conflicts_with}
+
+    @classmethod
+    def supported_loss_types(cls) -> tuple[str, ...] | None:
+        """The ``loss_type`` values a run with this plugin accepts; None: any of TRL's (TRL computes the loss).
+
+        Plugins with sampling or loss hooks run the plugin loss path (:mod:`trl_plugins.loss`), which implements
+        ``SUPPORTED_LOSS_TYPES``; :attr:`loss_types` narrows that further.
+        """
+        from .loss import LOSS_PATH_HOOKS, SUPPORTED_LOSS_TYPES
+
+        if cls.loss_types:
+            return tuple(cls.loss_types)
+        if any(hook in LOSS_PATH_HOOKS for hook in cls.hook_names()):
+            return SUPPORTED_LOSS_TYPES
+        return None
 
     @classmethod
     def distribution(cls) -> str:

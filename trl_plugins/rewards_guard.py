@@ -25,27 +25,23 @@ function, the parameter and the dataset's columns -- instead of a ``TypeError`` 
 
 With several processes a reward function may fail on one of them only (a NaN for one row, a judge timing out), while
 the others go on to TRL's gather of the reward matrix and would wait there until the collective's timeout. The
-trainer therefore hands the guards a :class:`HeldRewardErrors`: while it is holding, a failing call records its error
-and returns placeholder zeros (so do the remaining reward functions, without running), TRL's gather completes on
-every process, and the trainer then raises on every process together (the failing one its own error, the others a
-``PluginError`` naming it).
+trainer therefore hands the guards a :class:`~trl_plugins.collectives.HeldRewardErrors`: while it is holding, a
+failing call records its error and returns placeholder zeros (so do the remaining reward functions, without running),
+TRL's gather completes on every process, and the trainer then raises on every process together (the failing one its
+own error, the others a ``PluginError`` naming it; the flag mechanics are in :mod:`trl_plugins.collectives`).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
+from .collectives import HeldRewardErrors
 from .errors import PluginConfigError, PluginError
 
-__all__ = [
-    "HeldRewardErrors", "RewardValueError", "check_reward_columns", "check_reward_values", "guard_reward_funcs",
-    "is_guarded",
-]
+__all__ = ["RewardValueError", "check_reward_columns", "check_reward_values", "guard_reward_funcs", "is_guarded"]
 
 #: Arguments TRL passes to every reward function besides the dataset columns.
 TRL_REWARD_ARGUMENTS = frozenset(
@@ -114,62 +110,6 @@ def check_reward_values(name: str, values: Any, prompts: Sequence | None = None,
             f"Reward function {name!r} returned {problem} for {where}{context}. Rewards must be finite numbers; "
             "return None for a completion the function cannot score (TRL then ignores that column for the row)."
         )
-
-
-class HeldRewardErrors:
-    """Reward-function errors of this process, held back while :attr:`holding` (see the module docstring).
-
-    Thread-safe: TRL runs async reward functions on its own event-loop thread.
-    """
-
-    def __init__(self):
-        self.holding = False
-        self._errors: list[BaseException] = []
-        self._lock = threading.Lock()
-
-    def hold(self, error: BaseException) -> bool:
-        """Record ``error`` and return True while holding; return False (the caller raises) otherwise."""
-        if not self.holding:
-            return False
-        with self._lock:
-            self._errors.append(error)
-        return True
-
-    @contextmanager
-    def holding_while(self, enabled: bool) -> Iterator[None]:
-        """Hold errors inside the block when ``enabled`` (several processes); forget any stale ones first."""
-        self.take()
-        self.holding = enabled
-        try:
-            yield
-        finally:
-            self.holding = False
-
-    @property
-    def failed(self) -> bool:
-        """Holding an error already: later reward functions of the same call are skipped (placeholder zeros)."""
-        return self.holding and bool(self._errors)
-
-    def take(self) -> BaseException | None:
-        """The first held error (None when every call succeeded); forgets all of them."""
-        with self._lock:
-            first = self._errors[0] if self._errors else None
-            self._errors.clear()
-        return first
-
-    def gather_with_flag(self, gather: Any, values: Sequence[int], device: Any, what: str) -> Any:
-        """(P, k) long tensor: every process's ``values`` (k ints), all-gathered in one collective together with
-        whether this process holds an error; when any process does, every process raises (the holder its own error,
-        the others a ``PluginError`` naming it). ``gather``: the accelerator's all-gather."""
-        import torch
-
-        from .rollouts import raise_for_flags
-
-        error = self.take()
-        local = torch.tensor([*values, int(error is not None)], dtype=torch.long, device=device)
-        gathered = gather(local).view(-1, len(values) + 1).cpu()
-        raise_for_flags(gathered[:, -1].tolist(), what, error)
-        return gathered[:, :-1]
 
 
 def _placeholder(kwargs: dict) -> list[float]:

@@ -10,7 +10,7 @@ Training runs on the tiny model:
     :func:`record_run` trains a few steps and records, per generation batch and optimizer step, the
     completions, rewards, advantages, losses and gradients, so two runs can be compared exactly.
     :func:`assert_runs_equal` compares two such records.
-    :func:`assert_reduces_to_vanilla` is invariant 2 in one call: the plugin in its neutral setting gives the
+    :func:`assert_reduces_to_vanilla` is the neutral-setting check in one call: the plugin in its neutral setting gives the
     same run as ``trl.GRPOTrainer`` for each loss type.
 
 Hand-made stage contexts for unit tests (no model, no trainer; stub services record what the plugin asked):
@@ -58,7 +58,7 @@ from .services import RunInfo, StageServices
 from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
 from .plugin import Plugin
 
-#: The loss types of invariant 1 / 2 (TRL's token- and sequence-normalised objectives).
+#: The loss types of the reduction and neutral-setting checks (TRL's token- and sequence-normalised objectives).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
@@ -278,7 +278,7 @@ def assert_reduces_to_vanilla(
     require_signal: bool = True,
     **config: Any,
 ) -> dict[str, RunRecord]:
-    """Invariant 2: ``plugin`` with the options ``plugin_config`` (its neutral setting) gives the same run as
+    """Neutral setting: ``plugin`` with the options ``plugin_config`` (its neutral setting) gives the same run as
     ``trl.GRPOTrainer`` with the same seed, for each of ``loss_types``.
 
     Both runs train ``steps`` optimizer steps on the tiny model and are compared with :func:`assert_runs_equal`
@@ -1084,7 +1084,7 @@ def run_hook(
 class SimulatedCollective:
     """All-gather across threads standing for processes (concatenation in rank order, like
     ``accelerator.gather``). A process that does not join a collective makes the others time out with an
-    error instead of hanging: that is the deadlock invariant 5 forbids."""
+    error instead of hanging: that is the deadlock the framework must never allow."""
 
     def __init__(self, num_processes: int, timeout: float = 30.0):
         self.num_processes = num_processes
@@ -1154,7 +1154,7 @@ def _check_layout(global_index: Sequence[int], group_ids: Sequence[int], index_i
 
 
 def assert_group_sizes(obj: Any, num_generations: int | None = None) -> None:
-    """Invariant 3: exactly G rows per prompt, and a row's group and index come from its global position.
+    """Group structure: exactly G rows per prompt, and a row's group and index come from its global position.
 
     ``obj`` is a stage context (prompt, rollout, reward or advantage), a generation batch returned by
     ``trainer._generate_and_score_completions`` (a dict; pass ``num_generations``) or a :class:`RunRecord`.
@@ -1225,7 +1225,7 @@ def _all_nan(values: Sequence[float]) -> bool:
 
 
 def assert_offpolicy_logprobs_nan(obj: Any, prompt_swapped: Sequence[bool] | None = None) -> None:
-    """Invariant 4 (provenance): every off-policy token, and every token of a row trained under another prompt
+    """Provenance: every off-policy token, and every token of a row trained under another prompt
     than it was sampled from, has a NaN sampling log-prob, so TRL's vLLM importance-sampling correction and
     off-policy masks leave it alone; flags and log-probs have one entry per completion token.
 
@@ -1319,11 +1319,6 @@ if pytest is not None:
         for name in registered:
             unregister_plugin(name)
 
-
-
-def clone_model(model):
-    """A deep copy of ``model`` (for side-by-side runs from identical weights)."""
-    return copy.deepcopy(model)
 
 
 def digit_fraction_reward(completions, **kwargs) -> list[float]:

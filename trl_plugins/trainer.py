@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.data_utils import apply_chat_template, is_conversational
 
+from .collectives import HeldRewardErrors
 from .config import PluginGRPOConfig
 from .contexts import (
     EXTRA_PREFIX,
@@ -47,7 +48,7 @@ from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
-from .rewards_guard import HeldRewardErrors, check_reward_columns, guard_reward_funcs
+from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
@@ -111,6 +112,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
+        stack.check_loss_type(self.loss_type)
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -432,10 +434,6 @@ class PluginGRPOTrainer(GRPOTrainer):
             if logprobs is not None:
                 logprobs[i] = []
         return prompt_ids, completion_ids, None, completions, logprobs, {}, None, tool_images
-
-    def _any_process(self, flag: bool) -> bool:
-        flags = self.accelerator.gather(torch.tensor([int(flag)], device=self.accelerator.device))
-        return bool(flags.any().item())
 
     def _decode_completion(self, completion_ids: list[int], prompt: Any) -> Any:
         text = self.processing_class.batch_decode([completion_ids], skip_special_tokens=True)[0]

@@ -1,4 +1,4 @@
-"""CANON (specs/methods_loss_adv.md section 4.1, "Tests"): the advantage formula, its identities, the tie rule,
+"""CANON: the advantage formula, its identities, the tie rule,
 the plugin's advantage hook on a hand-built context, and the lam = 0.5 == Dr.GRPO identity end to end."""
 
 import math

@@ -1,4 +1,4 @@
-"""critique_grpo: Critique-GRPO as in its official code, specs/methods_sampling.md sections 5.2 and 6.
+"""critique_grpo: Critique-GRPO as in its official code.
 
 Hook tests on hand-built RolloutContexts (real tiny tokenizer, bundled verifier, a scripted generation service and a
 loopback critic endpoint); a trainer-level run checks slot 0's training prompt and provenance on the tiny model."""

@@ -1,4 +1,4 @@
-"""cure: critical-token re-concatenation (specs/methods_loss_adv.md section 3.3, "Tests").
+"""cure: critical-token re-concatenation.
 
 The critical position is chosen among the top-k valid positions (never index 0, never a special token); the branch
 prompt is the exact concatenation prompt + response[:t*]; the group keeps G = n1 (1 + n2) rows; n2 = 0 is vanilla.

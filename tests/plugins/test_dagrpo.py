@@ -1,4 +1,4 @@
-"""DaGRPO (specs/methods_loss_adv.md section 2, "Test ideas"): the pair-masked advantage on hand-made groups (delta = 0
+"""DaGRPO: the pair-masked advantage on hand-made groups (delta = 0
 is mean-centred GRPO, all-equal scores give zeros, a symmetric mask sums to zero), the three scorers, the anchors
 of the sampling stage, the scores carried from the reward stage to the advantage stage, and two end-to-end runs
 (neutral setting == trl.GRPOTrainer; anchors trained off-policy)."""

@@ -1,4 +1,4 @@
-"""DisCO (specs/methods_loss_adv.md section 4.7, "Tests"): sequence weights from the group structure (computed at the
+"""DisCO: sequence weights from the group structure (computed at the
 advantage stage), the weighted surrogate's gradient equals the grouped objective's on a tiny model (on-policy), the
 squared-hinge KL, the loss hook's replacement and penalty, the configuration checks and an end-to-end run."""
 
@@ -230,8 +230,9 @@ def _configure(**overrides):
 
 @pytest.mark.filterwarnings("ignore:canon:UserWarning")
 def test_configure_refuses_other_loss_types_and_warns():
-    with pytest.raises(IncompatiblePluginsError, match="loss_type='grpo'.*'dapo'"):
-        _configure(loss_type="dapo")
+    refused = "'disco' does not support loss_type='dapo'.*Use loss_type 'grpo'"
+    with pytest.raises(IncompatiblePluginsError, match=refused):
+        build_plugins(["disco"]).check_loss_type("dapo")
     with pytest.warns(UserWarning, match="beta"):
         _configure(beta=0.04)
     with pytest.warns(UserWarning, match="top_entropy_quantile"):

@@ -1,4 +1,4 @@
-"""empo: label-free semantic-cluster reward (EMPO) and majority-vote reward (TTRL), catalog RWD-02 / P10.
+"""empo: label-free semantic-cluster reward (EMPO) and majority-vote reward (TTRL).
 
 Exact rewards on a hand-built RewardContext (whole groups, answers gathered), the optional entropy filter, the
 neutral setting (weight 0) against trl.GRPOTrainer, and a short label-free run (EMPO is the only reward)."""

@@ -1,4 +1,4 @@
-"""fbos_rl: FBOS-RL feedback-guided second round with EPA/ECC, specs/methods_sampling.md sections 4.3-4.6 and 6.
+"""fbos_rl: FBOS-RL feedback-guided second round with EPA/ECC.
 
 Unit tests drive the sampling and advantage hooks on hand-built contexts (real tiny tokenizer, bundled verifier and
 feedback, a scripted generation service); trainer-level tests check the rollout budget (exactly G per prompt through

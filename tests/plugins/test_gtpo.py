@@ -1,4 +1,4 @@
-"""GTPO (Simoni et al., specs/methods_loss_adv.md section 4.6, "Tests (Simoni)"): no positive/negative pair gives
+"""GTPO (Simoni et al.): no positive/negative pair gives
 delta = 1; identical prefixes give conflict runs that stop at the first divergence (and end-aligned terminal runs);
 negative completions get zero gradient on conflict tokens; Hbar > 0.7 gives zero gradient for that completion;
 group quantities are computed at the advantage stage; neutral settings and end-to-end runs."""

@@ -1,4 +1,4 @@
-"""hint_scaffold: GHPO (group mode) and Scaf-GRPO (one mode), specs/methods_sampling.md sections 5.4, 5.5 and 6.
+"""hint_scaffold: GHPO (group mode) and Scaf-GRPO (one mode).
 
 Unit tests drive the after-generation hook on a hand-built RolloutContext with a scripted generation service;
 an end-to-end run on the tiny model checks that replaced rows are trained under the hinted prompts' token ids."""

@@ -1,4 +1,4 @@
-"""KL-Cov (specs/methods_loss_adv.md section 3.1, "Tests"): beta_kl = 0 gives -A r everywhere, the selected set is
+"""KL-Cov: beta_kl = 0 gives -A r everywhere, the selected set is
 the top-k of the manual covariance, the KL term vanishes when lp == lp_old, the gradient at a selected token is
 -A r + beta_kl sign(lp - lp_old); the generation-batch scope; the on-policy subtlety end to end."""
 
@@ -165,9 +165,8 @@ def test_configure_and_conflicts():
     with pytest.raises(IncompatiblePluginsError, match="kl_cov.*entropy_coef"):
         build_plugins(["kl_cov"]).call("trl_plugins_configure", trainer=None,
                                        args=SimpleNamespace(entropy_coef=0.1, loss_type="dapo"))
-    with pytest.raises(IncompatiblePluginsError, match="loss_type='sapo'"):
-        build_plugins(["kl_cov"]).call("trl_plugins_configure", trainer=None,
-                                       args=SimpleNamespace(entropy_coef=0.0, loss_type="sapo"))
+    with pytest.raises(IncompatiblePluginsError, match="'kl_cov' does not support loss_type='sapo': .*clipped"):
+        build_plugins(["kl_cov"]).check_loss_type("sapo")
     with pytest.raises(PluginConfigError, match="beta_kl"):
         build_plugins(["kl_cov"], {"kl_cov": {"beta_kl": -1.0}})
 

@@ -1,4 +1,4 @@
-"""length_shaping: LASER / LASER-D / LASER-DE step bonus and (difficulty-aware) DLER truncation (catalog RWD-13/14).
+"""length_shaping: LASER / LASER-D / LASER-DE step bonus and (difficulty-aware) DLER truncation.
 
 Exact formulas on tensors and on a hand-built RewardContext; the neutral setting (alpha = 0) reproduces
 trl.GRPOTrainer (apart from the added all-zero column); a short LASER-D run trains and logs its metrics."""

@@ -1,4 +1,4 @@
-"""LLDS (catalog LOS-09; official code vengdeng/LLDS @c19a094): the regulariser activates only when an action's
+"""LLDS (official code vengdeng/LLDS @c19a094): the regulariser activates only when an action's
 (or response's) likelihood dropped during the update and only on its tokens whose likelihood dropped; nothing
 happens on-policy or with lam = 0; the gradient pushes exactly those log-probs up; end-to-end runs."""
 

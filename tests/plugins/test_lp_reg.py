@@ -1,4 +1,4 @@
-"""Lp-Reg (specs/methods_loss_adv.md section 1, "Property tests (CPU)"): selection, replacement loss and
+"""Lp-Reg: selection, replacement loss and
 gradient, support of the replacement, neutral settings and end-to-end runs on the tiny model."""
 
 import math

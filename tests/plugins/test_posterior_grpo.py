@@ -1,5 +1,5 @@
-"""posterior_grpo: success-gated PRM process reward (Posterior-GRPO) and the Trust-GRPO mode (SophiaVL-R1),
-catalog RWD-04/05 (P9). Transform tests on hand-built RewardContexts; trainer runs check the reward column, the
+"""posterior_grpo: success-gated PRM process reward (Posterior-GRPO) and the Trust-GRPO mode (SophiaVL-R1).
+Transform tests on hand-built RewardContexts; trainer runs check the reward column, the
 neutral setting and the stack with scope sharing one PRM instance."""
 
 import math

@@ -1,4 +1,4 @@
-"""r3l: reflect-then-retry (specs/methods_sampling.md section 5.3, from the official code).
+"""r3l: reflect-then-retry (from the official code).
 
 Pure functions (report parsing and validation, guidance, step boundaries, amplified advantages), the sampling hook
 on hand-built RolloutContexts with a scripted service (half the group retries, invalid/perfect reports keep the

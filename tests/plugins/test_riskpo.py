@@ -1,4 +1,4 @@
-"""RiskPO (specs/methods_loss_adv.md section 4.4, "Tests"): the MVaR paper advantage and the four credit rules on
+"""RiskPO: the MVaR paper advantage and the four credit rules on
 hand-computed bundles, an independent reference, the spec's properties (constant S, shape of gR, sum-mean credit,
 B = 1, order inside a bundle), the advantage hook and a short end-to-end run."""
 

@@ -1,4 +1,4 @@
-"""rlpr: reference-answer probability reward (catalog RWD-01 / P7) and std filtering of low-variance groups.
+"""rlpr: reference-answer probability reward and std filtering of low-variance groups.
 
 The reward is checked exactly against a direct forward of the tiny policy; the filter on a hand-built
 AdvantageContext; the neutral setting (weight 0, no filter) reproduces trl.GRPOTrainer; a short run trains."""

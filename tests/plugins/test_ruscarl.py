@@ -1,4 +1,4 @@
-"""ruscarl: specs/methods_sampling.md section 2.7 (CPU faithfulness checks) plus end-to-end runs.
+"""ruscarl: CPU faithfulness checks plus end-to-end runs.
 
 Pure checks (schedule, k = round(N rho), scaffold, reward arithmetic, the judge never sees the scaffold) drive the
 plugin's functions and hooks directly; the runs use the tiny model: the neutral setting (scaffold off) reproduces

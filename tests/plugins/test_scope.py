@@ -1,4 +1,4 @@
-"""scope: SCOPE step-wise correction of failed rollouts, specs/methods_sampling.md sections 3.3-3.7 and 6.
+"""scope: SCOPE step-wise correction of failed rollouts.
 
 Unit tests drive the after-generation hook on hand-built RolloutContexts (the real tiny tokenizer, the bundled
 tasks' reward and programmatic PRM, stub teachers / generation service); trainer-level tests use a scripted

@@ -1,4 +1,4 @@
-"""seed_grpo: semantic-entropy advantage scaling (catalog ADV-03 / P12).
+"""seed_grpo: semantic-entropy advantage scaling.
 
 The exact factor f(alpha SE / log G), zero entropy leaves advantages unchanged, alpha = 0 reproduces
 trl.GRPOTrainer, clustering is shared with empo (computed once), and a short empo + seed_grpo run trains."""

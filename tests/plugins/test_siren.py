@@ -1,4 +1,4 @@
-"""SIREN (specs/methods_loss_adv.md section 3.2, "Tests"): the anchored term (zero at the anchor, c = 0 is the base
+"""SIREN: the anchored term (zero at the anchor, c = 0 is the base
 loss), the nucleus rule (p above the mass: restricted full entropy; p_max >= p: empty nucleus, H = 0, no gradient),
 the strict per-row quantile mask, the gradient 2c(H_agg - H_0) dH_agg and an SGD step lowering H_agg, the
 self-anchor, memory (no (B, T, V) tensor), and end-to-end runs."""

@@ -1,6 +1,6 @@
-"""Stacking (issue 5, DESIGN.md invariant 6): every loss plugin of this family runs end to end together with an
-advantage plugin (CANON, loss_type="dr_grpo"), and the "pick one" pairs of catalog.md section 3.5 are refused at
-construction with a message that names both sides and says why."""
+"""Stacking: every loss plugin of this family runs end to end together with an advantage plugin (CANON,
+loss_type="dr_grpo"), and the "pick one" pairs (docs/compatibility.md) are refused at construction with a message
+that names both sides and says why."""
 
 import pytest
 import torch
@@ -34,14 +34,16 @@ def test_loss_plugin_stacks_with_canon_end_to_end(tmp_path, name):
     assert f"plugins/{name}/{metric}" in log
 
 
+ENTROPY = "remedy for entropy collapse acting on an overlapping set of tokens"
 PICK_ONE = [
-    ("lp_reg", "clip_cov", "steer entropy on overlapping token sets"),
-    ("lp_reg", "kl_cov", "steer entropy on overlapping token sets"),
-    ("lp_reg", "siren", "steer entropy on overlapping token sets"),
-    ("clip_cov", "kl_cov", "steer entropy on overlapping token sets"),
-    ("siren", "clip_cov", "steer entropy on overlapping token sets"),
-    ("siren", "kl_cov", "steer entropy on overlapping token sets"),
+    ("lp_reg", "clip_cov", ENTROPY),
+    ("lp_reg", "kl_cov", ENTROPY),
+    ("lp_reg", "siren", ENTROPY),
+    ("clip_cov", "kl_cov", ENTROPY),
+    ("siren", "clip_cov", ENTROPY),
+    ("siren", "kl_cov", ENTROPY),
     ("gtpo", "llds", "protect the likelihood of tokens in good responses"),
+    ("empo", "rlpr", "replace the correctness reward"),
 ]
 
 
@@ -55,7 +57,7 @@ def test_pick_one_pairs_are_refused_by_the_config(tmp_path, first, second, reaso
         PluginGRPOConfig(output_dir=str(tmp_path), plugins=names, report_to="none", use_cpu=True)
     message = str(info.value)
     assert f"'{first}'" in message and f"'{second}'" in message
-    assert reason in message and "pick one" in message
+    assert reason in message and "Enable only one of them" in message and "section" not in message
 
 
 @pytest.mark.parametrize("name", ["siren", "clip_cov", "kl_cov", "lp_reg"])
@@ -64,4 +66,4 @@ def test_trl_entropy_bonus_is_refused_by_the_trainer(tmp_path, name):
         make_tiny_trainer(plugins=[name], entropy_coef=0.01, output_dir=str(tmp_path))
     message = str(info.value)
     assert name in message and "entropy_coef=0.01" in message
-    assert "steer entropy on overlapping token" in message
+    assert ENTROPY in message

@@ -1,4 +1,4 @@
-"""STEER (specs/methods_loss_adv.md section 3.4, "Tests"): A = 0 gives Omega = 0 and w = 1; w stays in
+"""STEER: A = 0 gives Omega = 0 and w = 1; w stays in
 [lambda_min, 1]; the argmax token gets exactly lambda_min when max|Omega| >= 0.02; lambda_min = 1 is the base loss;
 w is monotone non-increasing in |Omega|; no gradient flows through w. Plus the Omega formula, the linear mapping,
 the dual clip, the entropy source and end-to-end runs."""

@@ -62,8 +62,15 @@ def _train(tmp_path, capsys, monkeypatch, overrides=(), **config):
         ),
         pytest.param(
             {"plugins": ["lp_reg", "clip_cov"]},
-            ["Plugins 'lp_reg' and 'clip_cov' cannot be stacked", "Enable only one"],
+            ["Plugins 'lp_reg' and 'clip_cov' cannot be stacked: each is a complete remedy for entropy collapse",
+             "Enable only one"],
             id="incompatible-pair",
+        ),
+        pytest.param(
+            {"plugins": ["disco"], "loss_type": "dapo"},
+            ["Plugin 'disco' does not support loss_type='dapo': the DisCO score is a token-mean per response",
+             "Use loss_type 'grpo', or disable disco"],
+            id="loss-type-a-plugin-is-not-defined-for",
         ),
         pytest.param(
             {"plugins": ["canon"], "plugin_config": {"lp_reg": {"kappa": 0.1}}},

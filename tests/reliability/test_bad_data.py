@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from trl_plugins import PluginConfigError, PluginError
+from trl_plugins.collectives import HeldRewardErrors
 from trl_plugins.rewards_guard import (
-    HeldRewardErrors,
     RewardValueError,
     check_reward_values,
     guard_reward_funcs,

@@ -1,7 +1,7 @@
 """Faults of external components -- judge, PRM, teacher -- inside real training steps.
 
 Every endpoint is a real HTTP server on loopback (``serve_openai_compatible``) whose handler misbehaves: down, slow,
-trickling bytes, HTTP 429 / 500, invalid JSON, garbage answers. The contract (DESIGN.md section 6): bounded retries
+trickling bytes, HTTP 429 / 500, invalid JSON, garbage answers. The contract: bounded retries
 with exponential backoff, then an ``EndpointError`` naming the URL -- never a silent zero reward, never a hang. Every
 test bounds its wall time. (``tests/components`` covers each client alone; here the faults travel through a plugin and
 the trainer.)

@@ -1,5 +1,5 @@
-"""Two processes on CPU (gloo, ``accelerate launch``) against one: invariant 5 (collectives never deadlock or
-mis-assign) and equality with the single-process run where the run is deterministic.
+"""Two processes on CPU (gloo, ``accelerate launch``) against one: collectives never deadlock or
+mis-assign, and equality with the single-process run where the run is deterministic.
 
 One launch of ``mp_worker.py`` under ``docs/accelerate/cpu_2proc.yaml`` runs four phases (see the worker's docstring):
 a deterministic ``hint_scaffold + canon + lp_reg`` run whose groups straddle the two ranks, an asymmetric run where the

@@ -1,4 +1,4 @@
-"""Invariant 7 under a real crash: a run killed with SIGKILL in the middle of a step resumes from its last checkpoint
+"""Checkpoint and resume under a real crash: a run killed with SIGKILL in the middle of a step resumes from its last checkpoint
 with every plugin's state restored, and continues exactly as the unbroken run (final parameters, plugin state).
 
 The killed run is a separate Python process (``resume_worker.py``); the unbroken and the resumed runs train in this

@@ -1,12 +1,12 @@
 """Property-based tests (hypothesis) of the stage contracts: random group sizes, rank splits, masks and NaN patterns.
 
 * ``group_layout``: every rank split of a global batch gives each row its global index, group and index in group,
-  with exactly G rows per group over the ranks (invariant 3);
+  with exactly G rows per group over the ranks;
 * ``RolloutContext.replace_row`` / ``splice``: any sequence of edits keeps G rows per group, one provenance flag and
   one log-prob per token, NaN on off-policy tokens and on prompt-swapped rows, the spliced prefix token-exact, and a
-  refused edit changes nothing (invariant 4);
+  refused edit changes nothing;
 * the generation service: for any request counts per rank, every rank issues the same backend calls and gets back
-  exactly its own results; a budget refusal is taken by every rank together (invariant 5);
+  exactly its own results; a budget refusal is taken by every rank together;
 * loss aggregation: masked positions never matter; splitting rows over ranks (DDP averages the ranks' losses) gives
   the single-process loss for grpo / dr_grpo / dapo / luspo; neutral contributions are no-ops;
 * advantage transforms of built-in plugins keep the shape and stay finite for any NaN pattern of rewards ("every

@@ -1,4 +1,4 @@
-"""External components: OpenAI-compatible client, judges, PRMs, teachers (see DESIGN.md section 6)."""
+"""External components: OpenAI-compatible client, judges, PRMs, teachers."""
 
 from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
 from .local_server import chat_response, serve_openai_compatible

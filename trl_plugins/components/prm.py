@@ -1,4 +1,4 @@
-"""Process reward models (PRMs): one score in [0, 1] per reasoning step of a completion (DESIGN.md section 6).
+"""Process reward models (PRMs): one score in [0, 1] per reasoning step of a completion.
 
 Common interface (:class:`ProcessRewardModel`), batched over rows:
 
@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..answers import completion_text
+from ..text import completion_text
 from ..errors import PluginConfigError
 from ..options import PluginOptions, option
 from .client import EndpointConfig, EndpointError, OpenAICompatibleClient

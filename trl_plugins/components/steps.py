@@ -7,7 +7,7 @@ Conventions shared by the PRMs (:mod:`trl_plugins.components.prm`), the teachers
 * a *step* is a non-empty piece of the completion text between separators, stripped of surrounding whitespace
   (Qwen2.5-Math-PRM convention: separator ``"\\n\\n"``; the bundled arithmetic tasks: one step per line, ``"\\n"``,
   exactly :func:`trl_plugins.tasks.arithmetic.split_steps`);
-* step indices are **0-based** (the spec's "first error k* = 3" of ``[0.9, 0.8, 0.3, 0.9]`` is index 2 here).
+* step indices are **0-based** (a "first error k* = 3" of ``[0.9, 0.8, 0.3, 0.9]`` is index 2 here).
 """
 
 from __future__ import annotations

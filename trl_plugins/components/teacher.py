@@ -1,4 +1,4 @@
-"""Teachers / correctors: who writes off-policy text for the policy (DESIGN.md section 6).
+"""Teachers / correctors: who writes off-policy text for the policy.
 
 Common interface (:class:`Teacher`), batched:
 

@@ -51,7 +51,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..answers import completion_text  # re-exported: the bundled reward functions read it
+from ..text import completion_text  # re-exported: the bundled reward functions read it
 
 __all__ = [
     "LEVELS",

@@ -1,15 +1,22 @@
-"""trl_plugins.rollouts: collective helpers for sampling plugins, on simulated processes (threads with a working
-all-gather, ``trl_plugins.testing.run_on_processes``)."""
+"""trl_plugins.collectives: gathers that fail together, on simulated processes (threads with a working all-gather,
+``trl_plugins.testing.run_on_processes``)."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trl_plugins.errors import PluginConfigError, PluginError
-from trl_plugins.rollouts import (
-    fail_together, gather_floats, gather_id_lists, gather_objects_together, raise_together, run_together,
+from trl_plugins.collectives import (
+    HeldRewardErrors,
+    fail_together,
+    gather_floats,
+    gather_id_lists,
+    gather_ints_together,
+    gather_objects_together,
+    raise_together,
+    run_together,
 )
+from trl_plugins.errors import PluginConfigError, PluginError
 from trl_plugins.testing import run_on_processes
 
 
@@ -98,3 +105,33 @@ def test_gather_objects_together_stops_every_process_when_one_fails():
     first, second = _outcome(fn)
     assert isinstance(second, TimeoutError)
     assert isinstance(first, PluginError) and "probe: process 1 failed" in str(first)
+
+
+def test_gather_ints_together_returns_every_process_values_or_raises_on_all():
+    ok = _outcome(lambda ctx, rank: gather_ints_together(ctx.gather, [rank, 10 + rank], torch.device("cpu"), "c", None))
+    for got in ok:
+        assert got.tolist() == [[0, 10], [1, 11]]
+    errors = [None, ValueError("row 2: nan")]
+    failed = _outcome(lambda ctx, rank: gather_ints_together(ctx.gather, [rank], torch.device("cpu"), "counts",
+                                                             errors[rank]))
+    assert isinstance(failed[0], PluginError) and "counts: process 1 failed" in str(failed[0])
+    assert failed[1] is errors[1]
+
+
+def test_held_reward_errors_ride_in_the_gather_and_are_forgotten_once_raised():
+    def fn(ctx, rank):
+        held = HeldRewardErrors()
+        with held.holding_while(True):
+            if rank == 0:
+                assert held.hold(KeyError("judge down"))
+            assert held.failed == (rank == 0)
+        try:
+            held.gather_with_flag(ctx.gather, [3], torch.device("cpu"), "reward functions")
+        except Exception as exc:
+            first = exc
+        return first, held.gather_with_flag(ctx.gather, [rank], torch.device("cpu"), "reward functions").tolist()
+
+    (error0, after0), (error1, after1) = _outcome(fn)
+    assert isinstance(error0, KeyError)
+    assert isinstance(error1, PluginError) and "reward functions: process 0 failed" in str(error1)
+    assert after0 == after1 == [[0], [1]]  # taken: the next gather raises nothing
