@@ -73,6 +73,11 @@ class _StageContext:
         return self.services.run()
 
     @property
+    def device(self) -> torch.device:
+        """The device of the run's collectives (the accelerator's): put tensors given to :meth:`gather` there."""
+        return torch.device(self.run.device)
+
+    @property
     def tokenizer(self) -> Any:
         """The run's text tokenizer (TRL's ``processing_class``, or its ``.tokenizer`` for a multimodal processor)."""
         return self._service("tokenizer")
@@ -112,10 +117,10 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
 
 
 def context_device(ctx: Any) -> torch.device:
-    """The device of a context's collectives: the trainer's accelerator device (CPU for hand-built contexts)."""
-    trainer = getattr(ctx, "trainer", None)
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.device if accelerator is not None else torch.device("cpu")
+    """The device of a context's collectives (``ctx.device``: the accelerator's; CPU for the kit's contexts and for
+    stand-ins without a device)."""
+    device = getattr(ctx, "device", None)
+    return device if device is not None else torch.device("cpu")
 
 
 # =============================================================================================== sampling

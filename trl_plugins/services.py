@@ -29,12 +29,14 @@ class RunInfo:
             resolved; else ``args.max_steps``; 0 when unknown).
         reward_func_names: TRL's reward column names, in column order (plugin reward functions included).
         num_processes: processes taking part in the run's collectives.
+        device: the device of the run's collectives (the accelerator's), as a string.
     """
 
     max_completion_length: int | None = None
     max_steps: int = 0
     reward_func_names: tuple[str, ...] = ()
     num_processes: int = 1
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)

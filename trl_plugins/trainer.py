@@ -179,6 +179,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             max_steps=max_steps if max_steps > 0 else max(int(self.args.max_steps), 0),
             reward_func_names=tuple(self.reward_func_names),
             num_processes=self.accelerator.num_processes,
+            device=str(self.accelerator.device),
         )
 
     def _plugin_metric_sink(self, key: str, value: float) -> None:
