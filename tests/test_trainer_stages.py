@@ -877,7 +877,7 @@ class ServicesProbe(Plugin):
     @hookimpl
     def trl_plugins_after_generation(self, ctx):
         ServicesProbe.seen = dict(
-            tokenizer=ctx.tokenizer, run=ctx.run, mode=ctx.mode, prompt_ids=list(ctx.prompt_ids[0]),
+            tokenizer=ctx.tokenizer, run=ctx.run, mode=ctx.mode, device=ctx.device, prompt_ids=list(ctx.prompt_ids[0]),
             completion_ids=list(ctx.completion_ids[0]),
             logprobs=ctx.policy_logprobs([ctx.prompt_ids[0], ctx.prompt_ids[1]], [ctx.completion_ids[0], [5]]),
             padded=ctx.gather_padded(torch.tensor([[1, 2]]), dim=1, pad_value=-1),
@@ -898,6 +898,7 @@ def test_contexts_get_the_trainers_services():
     seen = ServicesProbe.seen
     assert seen["tokenizer"] is trainer.processing_class and seen["mode"] == seen["advantage_mode"] == "train"
     assert seen["run"].max_completion_length == 8 and seen["run"].num_processes == 1
+    assert seen["device"] == trainer.accelerator.device
     assert seen["reward_func_names"] == ("digit_fraction_reward",)
     assert seen["padded"].tolist() == [[1, 2]]  # one process: nothing to pad
     # ctx.policy_logprobs == a plain forward of the row (temperature-scaled log-softmax at the completion tokens)
