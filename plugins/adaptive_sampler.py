@@ -34,7 +34,8 @@ is drawn (auto: the smallest delay the prefetch allows); this makes the draws a 
 history alone, so every process draws the same and a resumed run draws what the unbroken run drew. The state
 (per-prompt accuracy, streaks, pruned set, domain buffer, pending outcomes) is saved in every checkpoint.
 
-A rollout is "correct" when its weighted reward is above ``success_threshold``. With ``variance_mix = 0``, no
+A rollout is "correct" when its verifier column is above ``success_threshold`` (the first reward function that is
+not a placeholder unless ``success_column`` names another; other reward columns never change the verdict). With ``variance_mix = 0``, no
 ``domain_column`` and ``prune_solved = false`` the plugin keeps TRL's own sampler (vanilla GRPO). ``shuffle_dataset
 = False`` is ignored once the sampler is replaced (the draws are random by construction).
 """
@@ -48,12 +49,13 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
-from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, PluginError, RewardContext, hookimpl, option
 from trl_plugins.text import completion_text
+from trl_plugins.success import SuccessOptions
 
 
 @dataclass
-class AdaptiveSamplerOptions(PluginOptions):
+class AdaptiveSamplerOptions(SuccessOptions):
     variance_mix: float = option(
         0.5, min=0.0, max=1.0,
         help="lam: share of the sampling probability given by the variance score (MMR1 VAS mixes VPS-weighted and "
@@ -75,7 +77,8 @@ class AdaptiveSamplerOptions(PluginOptions):
         reconstructed=True,
     )
     success_threshold: float = option(
-        0.5, help="A rollout is correct when its weighted reward is above this value.", reconstructed=True
+        0.5, help="A rollout is correct when its verifier column (success_column) is above this value.",
+        reconstructed=True,
     )
     prune_solved: bool = option(True, help="RAPO: drop prompts whose last prune_after groups were all correct.")
     prune_after: int = option(
@@ -418,14 +421,14 @@ class AdaptiveSamplerPlugin(Plugin):
     def record_outcome(self, ctx: RewardContext, k: int, chunk: list[int]) -> None:
         o = self.options
         G = ctx.num_generations
-        rewards = (ctx.rewards_per_func * ctx.reward_weights.unsqueeze(0)).nansum(dim=1).double().cpu()
-        if rewards.numel() != len(chunk) * G:
+        success = ctx.success(o.success_rule).cpu()  # (N,) on the verifier column only
+        if success.numel() != len(chunk) * G:
             raise PluginError(
-                f"adaptive_sampler: generation batch {k} has {rewards.numel()} rows but its chunk holds {len(chunk)} "
+                f"adaptive_sampler: generation batch {k} has {success.numel()} rows but its chunk holds {len(chunk)} "
                 f"prompts x {G} generations."
             )
         self._check_rows(ctx, chunk)
-        correct = (rewards > o.success_threshold).double().view(-1, G)
+        correct = success.double().view(-1, G)
         accuracy = correct.mean(dim=1).tolist()
         diversity: list[float | None] = [None] * len(chunk)
         if o.diversity_weight > 0:

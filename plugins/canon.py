@@ -15,7 +15,14 @@ Entropy version, with ``mu-``/``mu+`` the mean rewards of ``C-``/``C+``::
 Length version: ``alpha`` multiplies ``R_i`` in ``C+`` and ``mu+`` in ``C-`` instead. No std normalisation.
 Identity: ``lam = 0.5``, ``alpha = 1``, ``b = 0`` and even ``G`` give ``A_i = R_i - mean(R)`` (Dr.GRPO).
 
-Defaults are the paper's (alpha = 1, b = 0, lam = 1). The paper divides by the maximal length ``Lmax``; TRL's
+Defaults are the paper's (alpha = 1, b = 0, lam = 1). ``lam`` can also change during training
+(``lam_schedule``): ``"annealed"`` is the official code's annealed estimator (biuboomc/CANON,
+``dr_entropy_token_budget_annel``): the inter-group weight is the **batch accuracy**, the mean reward of the
+generation batch (first intra-group, later inter-group as accuracy rises); ``"annealed_reverse"`` uses one minus
+it (the official code's commented-out alternative, first inter, later intra). The batch mean is clamped to [0, 1]
+(the official code assumes 0/1 rewards and does not clamp). ``"linear"`` moves ``lam`` linearly to ``lam_final``
+over ``max_steps``: a schedule of this plugin, not of the paper. The official code's cosine-with-restart schedules
+are not offered. The paper divides by the maximal length ``Lmax``; TRL's
 ``loss_type="dr_grpo"`` (recommended) already divides by ``max_completion_length``, so the plugin does not
 (``divide_by_max_length`` restores it for other loss types). Ties in the metric are broken by the row's global
 position (stable sort), so the split is deterministic.
@@ -29,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 
 @dataclass
@@ -43,13 +50,33 @@ class CanonOptions(PluginOptions):
     )
     alpha: float = option(1.0, help="Scale on R_i (C+) / mu- (C-) in the entropy version (Eq. 8); 1 = paper default.")
     b: float = option(0.0, help="Bias added to the high half's inter-group term (subtracted for the low half).")
+    lam_schedule: Literal["constant", "annealed", "annealed_reverse", "linear"] = option(
+        "constant",
+        help="constant: lam. annealed (official annealed estimator): lam = the generation batch's mean reward "
+        "(accuracy), clamped to [0, 1]. annealed_reverse: 1 - that mean (official commented-out variant). "
+        "linear: lam to lam_final over max_steps (not from the paper).",
+    )
     lam_final: float | None = option(
-        None, min=0.0, max=1.0,
-        help="If set, lam moves linearly from `lam` to `lam_final` over the run's max_steps (annealed variant).",
+        None, min=0.0, max=1.0, help="End value of lam_schedule='linear' (required there, refused otherwise).",
     )
     divide_by_max_length: bool = option(
         False, help="Divide advantages by max_completion_length (the paper's 1/Lmax); off because dr_grpo already does.",
     )
+
+    def validate(self) -> None:
+        if (self.lam_schedule == "linear") != (self.lam_final is not None):
+            raise PluginConfigError(
+                f"Options of plugin 'canon': lam_final={self.lam_final!r} with lam_schedule={self.lam_schedule!r}; "
+                "lam_final is required with lam_schedule='linear' and allowed only there."
+            )
+
+
+def batch_accuracy_lam(rewards: torch.Tensor, reverse: bool = False) -> float:
+    """The official annealed inter-group weight: the mean of ``rewards`` (N,) (NaN ignored) clamped to [0, 1];
+    ``reverse`` gives one minus it. An all-NaN batch gives 0.5."""
+    valid = rewards[~torch.isnan(rewards)]
+    accuracy = min(max(float(valid.float().mean()), 0.0), 1.0) if valid.numel() else 0.5
+    return 1.0 - accuracy if reverse else accuracy
 
 
 def canon_advantages(
@@ -113,10 +140,12 @@ class CanonPlugin(Plugin):
         self._max_steps = max(int(getattr(args, "max_steps", 0) or 0), 1)
         self._max_len = trainer.max_completion_length
 
-    def current_lam(self, step: int) -> float:
-        """lam at ``step`` (constant, or linear from lam to lam_final over max_steps)."""
+    def current_lam(self, step: int, rewards: torch.Tensor) -> float:
+        """lam for a generation batch at ``step`` with combined rewards (N,), by ``lam_schedule``."""
         o = self.options
-        if o.lam_final is None:
+        if o.lam_schedule in ("annealed", "annealed_reverse"):
+            return batch_accuracy_lam(rewards, reverse=o.lam_schedule == "annealed_reverse")
+        if o.lam_schedule == "constant":
             return o.lam
         frac = min(max(step / self._max_steps, 0.0), 1.0)
         return o.lam + (o.lam_final - o.lam) * frac
@@ -128,7 +157,7 @@ class CanonPlugin(Plugin):
             metric = ctx.policy_stats().mean_entropy
         else:
             metric = ctx.completion_lengths
-        lam = self.current_lam(ctx.step)
+        lam = self.current_lam(ctx.step, ctx.rewards)
         adv, gaps = canon_advantages(ctx.rewards, metric, ctx.num_generations, lam, o.alpha, o.b, o.metric)
         if o.divide_by_max_length:
             adv = adv / self._max_len

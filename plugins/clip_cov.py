@@ -28,7 +28,8 @@ run's ``seed``; saved in checkpoints), never the global RNG. Off-policy (injecte
 their loss is the shaped off-policy branch, not the clipped surrogate.
 
 Incompatible: Lp-Reg, KL-Cov, SIREN and TRL's entropy bonus (``entropy_coef``) steer entropy on overlapping
-token sets ("pick one", see ``docs/compatibility.md``); ``loss_type`` cispo / sapo have no PPO clip to complement.
+token sets ("pick one", see ``docs/compatibility.md``); ``loss_type`` cispo / sapo / vespo have no PPO clip to
+complement.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
 
 PICK_KEY = "clip_cov_pick"
-CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 ENTROPY_PICK_ONE = (
     "each is a complete remedy for entropy collapse acting on an overlapping set of tokens (high-covariance, "
     "low-probability or high-entropy ones); stacked, their corrections compound and match neither paper"
@@ -132,7 +133,7 @@ def global_token_advantages(ctx: AdvantageContext, width: int) -> torch.Tensor:
 
 
 #: Why Clip-Cov and KL-Cov refuse the loss types outside CLIPPED_LOSS_TYPES (``Plugin.loss_types_reason``).
-CLIPPED_ONLY = "it is defined on the PPO clipped surrogate, which loss_type 'cispo' and 'sapo' do not have"
+CLIPPED_ONLY = "it is defined on the PPO clipped surrogate, which loss_type 'cispo', 'sapo' and 'vespo' do not have"
 
 
 def check_no_entropy_bonus(name: str, args) -> None:

@@ -9,8 +9,10 @@ Follows the official implementation (zhangxy-2019/critique-GRPO):
 3. One refinement per response, sampled by the **policy** from a fresh single-turn chat (a generic system prompt;
    the user message holds the question, the previous response and the critique, and asks to fix the errors and
    reason step by step). Generated through the trainer's generation service: one collective call per batch.
-4. Refinements are scored with the training reward; per group **one** is picked: the first whose reward reaches
-   success (``> success_threshold``; reward 1 for 0/1 verifiers), else the highest-scoring one.
+4. Refinements are scored on the verifier column (``success_column``: the first reward function that is not a
+   placeholder by default; other reward columns never count, as the official code scores math-verify only); per
+   group **one** is picked: the first whose verifier value reaches success (``> success_threshold``; 1 for 0/1
+   verifiers), else the highest-scoring one.
 5. It **replaces slot 0** of its group (7 own + 1 refinement for G = 8), attached after the **original question**
    (prompt swap) and fully off-policy: shaped branch ``-A p/(p+gamma)`` with gamma = 0.1, NaN sampling log-probs.
 6. Advantages are mean-centred over the G rows (``grpo_use_std=False``): use ``scale_rewards="none"`` (warned
@@ -32,13 +34,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.collectives import gather_id_lists, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.text import completion_text
+from trl_plugins.success import SuccessOptions
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (
@@ -53,7 +56,7 @@ CRITIC_SYSTEM = (
 
 
 @dataclass
-class CritiqueGrpoOptions(PluginOptions):
+class CritiqueGrpoOptions(SuccessOptions):
     critique_type: Literal["text", "simple_gt", "simple"] = option(
         "simple_gt", help="Critique: a critic LLM's text, 'correct/incorrect + ground truth', or 'correct/incorrect'."
     )
@@ -77,7 +80,10 @@ class CritiqueGrpoOptions(PluginOptions):
     require_success: bool = option(
         False, help="Replace only when the chosen refinement succeeds (official: always replace)."
     )
-    success_threshold: float = option(0.5, help="A response is correct when its weighted reward is above this value.")
+    success_threshold: float = option(
+        0.5, help="A response is correct when its verifier column (success_column) is above this (official: the "
+        "math-verify score equals 1)."
+    )
     gamma: float = option(
         0.1, min=0.0, min_exclusive=True,
         help="gamma of the shaped off-policy branch (official 0.1); must equal the run's offpolicy_shaping_gamma.",
@@ -174,7 +180,7 @@ class CritiqueGrpoPlugin(Plugin):
             return
         G, B = ctx.num_generations, len(ctx)
         device = context_device(ctx)
-        initial = ctx.score(range(B)).float().cpu()
+        initial = ctx.reward_columns(range(B)).verifier(o.success_rule).float().cpu()  # (B,) verifier, NaN = failed
         correct = (initial > o.success_threshold).tolist()
         rows = [i for i in range(B) if o.refine == "all" or not correct[i]]
         texts = [completion_text(ctx.completions[i]) for i in rows]
@@ -189,7 +195,8 @@ class CritiqueGrpoPlugin(Plugin):
         local[:, 0] = initial
         if rows:
             decoded = [ctx.decode(r.completion_ids, i) for i, r in zip(rows, refinements)]
-            local[rows, 1] = ctx.score(rows, decoded).float().cpu()
+            # NaN in column 1 means "not refined": a verifier None is -inf (never a success, never the best)
+            local[rows, 1] = ctx.reward_columns(rows, decoded).verifier(o.success_rule, missing=-math.inf).float().cpu()
         by_row = {i: r.completion_ids for i, r in zip(rows, refinements)}
         scores = ctx.gather(local.to(device)).cpu()  # (N, 2): initial, refinement
         ids = gather_id_lists(ctx, [by_row.get(i, []) for i in range(B)])

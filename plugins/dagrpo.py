@@ -37,8 +37,9 @@ Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
 Scores are read at the reward stage, from the final completions (after every sampling plugin), and carried to the
 advantage stage of the same batch.
 
-Off-policy anchors (sampling stage). A group with fewer than ``min_positives`` successful rollouts (weighted
-reward above ``success_threshold``) gets one failed rollout (slot ``anchor_index``, or the next failed slot)
+Off-policy anchors (sampling stage). A group with fewer than ``min_positives`` successful rollouts (verifier column
+above ``success_threshold``; the first reward function that is not a placeholder unless ``success_column`` names
+another) gets one failed rollout (slot ``anchor_index``, or the next failed slot)
 replaced by the dataset's reference solution (``solution`` column) tokenized with the trainer's tokenizer plus
 EOS. Its tokens are marked off-policy, so the loss trains them through the framework's shaped branch
 ``-A p/(p+gamma)`` (LUFFY, gamma = ``offpolicy_shaping_gamma``) with no importance ratio and no vLLM IS
@@ -64,19 +65,19 @@ from trl_plugins import (
     Plugin,
     PluginConfigError,
     PluginError,
-    PluginOptions,
     RewardContext,
     RolloutContext,
     hookimpl,
     option,
 )
 from trl_plugins.text import completion_text
+from trl_plugins.success import SuccessOptions
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 
 
 @dataclass
-class DaGRPOOptions(PluginOptions):
+class DaGRPOOptions(SuccessOptions):
     scorer: Literal["prm", "similarity", "reward"] = option(
         "prm",
         help="Fine-grained scorer: programmatic step verifier on the 'problem' column, token similarity between "
@@ -109,7 +110,6 @@ class DaGRPOOptions(PluginOptions):
         1, min=1, help="Anchor groups with fewer successful rollouts than this (1 = groups with none).",
         reconstructed=True,
     )
-    success_threshold: float = option(0.0, help="A rollout succeeds when its weighted reward is above this value.")
     anchor_index: int = option(
         0, min=0, help="Slot replaced by the anchor (the next failed slot if that one succeeded).", reconstructed=True
     )
@@ -280,8 +280,7 @@ class DaGRPOPlugin(Plugin):
         if not o.anchors:
             return
         G = ctx.num_generations
-        scores = ctx.gather(ctx.score(range(len(ctx))))  # (N,) collective
-        success = (scores > o.success_threshold).view(-1, G)
+        success = ctx.gather(ctx.success(range(len(ctx)), rule=o.success_rule)).view(-1, G)  # verifier column only
         slots = anchor_slots(success, o.min_positives, o.anchor_index)
         rows = [i for i in range(len(ctx)) if slots[ctx.group_ids[i]] == ctx.index_in_group[i]]
         self._check_solutions(ctx, rows)

@@ -29,6 +29,7 @@ import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.answers import batch_clusters, cluster_fractions, get_extractor, majority_votes, semantic_entropy
+from trl_plugins.success import mark_placeholder
 
 from .rlpr import CORRECTNESS_PICK_ONE
 
@@ -100,7 +101,7 @@ class EmpoPlugin(Plugin):
             return [0.0] * len(completions)
 
         empo.reward_weight = self.options.reward_weight
-        return [empo]
+        return [mark_placeholder(empo)]
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):

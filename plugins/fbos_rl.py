@@ -17,6 +17,8 @@ the trainer's first round; rows ``G1..G-1`` are **deferred** (``PromptContext.de
 them) and filled in round 2 through the generation service, one collective call per batch -- exactly G rollouts per
 prompt, G1 under x and G2 under FAPs. Round-2 slot ``s`` takes its FAP from the ``s``-th failed round-1 attempt,
 cycling when fewer than G2 failed; groups without failure sample their round-2 rows under x (``all_success``).
+Success and failure are decided on the verifier column (``success_column``: the first reward function that is not a
+placeholder by default, above ``success_threshold``); other reward columns never change the verdict.
 
 Advantages (advantage stage, global batch): sub-groups per prompt -- rows under x (round 1 and EPA copies) and ECC
 rows -- each normalised on its own (``A = r - mean``, divided by the sub-group std when ``scale_rewards="group"``);
@@ -49,7 +51,6 @@ from trl_plugins import (
     AdvantageContext,
     Plugin,
     PluginConfigError,
-    PluginOptions,
     PromptContext,
     RolloutContext,
     hookimpl,
@@ -60,6 +61,7 @@ from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.success import SuccessOptions
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -74,7 +76,7 @@ ROLES = ("round1", "epa", "ecc")
 
 
 @dataclass
-class FbosRlOptions(PluginOptions):
+class FbosRlOptions(SuccessOptions):
     g1: int | None = option(
         None, min=1, reconstructed=True,
         help="Round-1 rollouts per group (G1); the other G - G1 are feedback-guided round-2 rollouts. None: G // 2.",
@@ -126,7 +128,9 @@ class FbosRlOptions(PluginOptions):
         help="subgroup: normalise rewards within (prompt, x-rows) and (prompt, ECC rows); recentre: centre the "
         "incoming advantages within those sub-groups; none: keep them.",
     )
-    success_threshold: float = option(0.5, help="A rollout is correct when its weighted reward is above this value.")
+    success_threshold: float = option(
+        0.5, help="A rollout is correct when its verifier column (success_column) is above this value."
+    )
     gamma: float = option(
         0.1, min=0.0, min_exclusive=True, reconstructed=True,
         help="gamma of the shaped off-policy branch; must equal the run's offpolicy_shaping_gamma.",
@@ -335,7 +339,8 @@ class FbosRlPlugin(Plugin):
         # round 1: rewards and attempts of every group, gathered (a group may straddle processes)
         local = torch.full((B,), math.nan)
         if round1:
-            local[round1] = ctx.score(round1).float().cpu()
+            # the verifier column only (success rule); a verifier None is -inf (NaN marks unscored rows here)
+            local[round1] = ctx.reward_columns(round1).verifier(o.success_rule, missing=-math.inf).float().cpu()
         r1 = ctx.gather(local.to(device)).cpu()
         attempts = gather_id_lists(ctx, [ctx.completion_ids[i] if i in in_round1 else [] for i in range(B)])
         tok = ctx.tokenizer
@@ -370,7 +375,7 @@ class FbosRlPlugin(Plugin):
         # round-2 rewards (FAP rows only), gathered with their sources
         local2 = torch.full((B, 2), math.nan)
         if fap_rows:
-            local2[fap_rows, 0] = ctx.score(fap_rows).float().cpu()
+            local2[fap_rows, 0] = ctx.reward_columns(fap_rows).verifier(o.success_rule, missing=-math.inf).float().cpu()
             local2[fap_rows, 1] = torch.tensor([float(sources[i]) for i in fap_rows])
         r2 = ctx.gather(local2.to(device)).cpu()
         epa_rows = self._epa(ctx, r1, r2, fap_rows, G, g1) if o.epa and self.epa_step(ctx.step) else []

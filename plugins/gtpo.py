@@ -18,14 +18,22 @@ neither a KL term nor a reference model is needed. Facts from the official code 
 2. Token weights: a conflict token of a positive completion gets ``positive_weight`` (2), of a negative one
    ``negative_weight`` (0, its negative update is skipped); every other token 1. The forward and backward
    weights multiply (a token in both runs of a positive completion gets 4). Inactive completions keep 1.
-3. Each completion's loss is divided by ``max(n_conflict, 1)``, ``n_conflict`` = its number of conflict tokens
-   (forward or terminal run) (``divide_by_conflicts``).
+3. Each completion's loss is divided by ``max(n_conflict, 1)`` (``divide_by_conflicts``). The official code counts
+   ``n_conflict`` by OR-ing the forward run's mask with the terminal run's mask while the latter is still in
+   end-aligned coordinates, so a completion with both runs counts the **longer** run, not both
+   (``conflict_count="longer_run"``, default). ``conflict_count="union"`` counts the tokens in either run at their
+   true positions (the plugin's earlier count; up to twice the official one).
 4. Entropy filter: ``Hbar_i`` = the completion's mean full-vocabulary entropy under the current policy (no
    grad). ``Hbar_i > entropy_threshold`` (0.7, about ln 2) sets ``A_i = 0`` (the completion is dropped);
    otherwise ``A_i <- A_i - entropy_scale * Hbar_i`` (0.1), for every completion including ``A_i = 0`` ones.
 5. Objective: per-completion token-mean of ``-delta_t A_i r_t`` with ``r = 1`` carrying gradient (on-policy
    REINFORCE), no KL. In TRL this is the weight ``delta / max(n_conflict, 1)`` on TRL's surrogate, whose value
-   and gradient equal that at ``r = 1``; ``loss_type="grpo"`` gives the per-completion token-mean.
+   and gradient equal that at ``r = 1``; ``loss_type="grpo"`` gives the per-completion token-mean. The official
+   code **sums** the completions' losses (its backward returns the summed gradient and ignores the gradient
+   accumulation scaling), where TRL averages them over the micro-batch and divides by the accumulation steps:
+   ``completion_reduction="sum"`` (default) multiplies the weights by ``B * gradient_accumulation_steps`` so that
+   with ``loss_type="grpo"`` the step's gradient is the official sum; ``"mean"`` keeps TRL's scale (the two differ
+   by a constant factor, which Adam mostly absorbs but gradient clipping does not).
 
 Everything group-level (conflicts, counts) and the entropy filter are computed at the **advantage stage** over
 the global batch (TRL shuffles and splits the batch before the loss), from one no-grad forward of the current
@@ -35,7 +43,8 @@ uses raw logits (identical at temperature 1). Tokens are compared only at valid 
 
 Defaults (official ``config.yaml`` and constants): entropy_threshold = 0.7, entropy_scale = 0.1,
 positive_weight = 2, negative_weight = 0, beta = 0. The neutral setting ``positive_weight = negative_weight = 1``,
-``divide_by_conflicts = false``, ``entropy_threshold = None``, ``entropy_scale = 0`` is exactly TRL's loss.
+``divide_by_conflicts = false``, ``entropy_threshold = None``, ``entropy_scale = 0``,
+``completion_reduction = "mean"`` is exactly TRL's loss.
 
 Incompatible: LLDS ("pick one": both protect the likelihood of tokens in good responses; ``docs/compatibility.md``).
 """
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
@@ -64,7 +74,17 @@ class GtpoOptions(PluginOptions):
     )
     terminal_run: bool = option(True, help="Also protect the conflict run aligned at the completions' end.")
     divide_by_conflicts: bool = option(
-        True, help="Divide each completion's loss by max(number of its conflict tokens, 1), as the official code."
+        True, help="Divide each completion's loss by max(n_conflict, 1), as the official code (count: conflict_count)."
+    )
+    conflict_count: Literal["longer_run", "union"] = option(
+        "longer_run",
+        help="n_conflict: longer_run (official: its mask OR mixes forward and end-aligned positions, which counts "
+        "the longer of the two runs) or union (tokens in either run at their true positions).",
+    )
+    completion_reduction: Literal["sum", "mean"] = option(
+        "sum",
+        help="sum (official): completions' losses add up (weights x B x gradient_accumulation_steps, exact with "
+        "loss_type='grpo'); mean: TRL's average over completions.",
     )
     entropy_threshold: float | None = option(
         0.7, min=0.0, help="Completions with mean entropy above this get A = 0; None disables the filter."
@@ -140,6 +160,18 @@ def conflict_weights(
     return torch.where(forward, w_conf, one) * torch.where(terminal, w_conf, one)
 
 
+def conflict_counts(forward: torch.Tensor, terminal: torch.Tensor, mode: str) -> torch.Tensor:
+    """(N,) number of conflict tokens per completion. forward, terminal: (N, T) bool runs in original positions.
+
+    ``"union"``: tokens in either run. ``"longer_run"``: ``max(len(forward run), len(terminal run))``, what the
+    official code's OR of the forward mask with the (still end-aligned) terminal mask counts, both runs starting
+    at index 0 of their own alignment.
+    """
+    if mode == "union":
+        return (forward | terminal).sum(-1)
+    return torch.maximum(forward.sum(-1), terminal.sum(-1))
+
+
 def entropy_filter(
     advantages: torch.Tensor, mean_entropy: torch.Tensor, threshold: float | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,8 +220,18 @@ class GtpoPlugin(Plugin):
         "tokens are compared only at loss-mask positions (the official code compares every non-pad id)",
     )
 
+    gradient_accumulation_steps = 1  # set at configure (completion_reduction='sum')
+
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        self.gradient_accumulation_steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        loss_type = getattr(args, "loss_type", "grpo")
+        if loss_type != "grpo":
+            warnings.warn(
+                f"gtpo: the official loss is a per-completion token mean (loss_type='grpo'); with "
+                f"loss_type={loss_type!r} TRL's {loss_type} aggregation weighs the completions instead.",
+                stacklevel=2,
+            )
         if args.beta != 0:
             warnings.warn(
                 f"gtpo: the method needs no KL term (the paper uses beta=0); beta={args.beta} keeps TRL's "
@@ -209,9 +251,11 @@ class GtpoPlugin(Plugin):
         if not o.terminal_run:
             terminal = torch.zeros_like(forward)
         delta = conflict_weights(forward, terminal, row_adv, o.positive_weight, o.negative_weight)
-        conflict = (forward | terminal) & (row_adv != 0).unsqueeze(1)
+        active = (row_adv != 0).unsqueeze(1)
+        conflict = (forward | terminal) & active
         if o.divide_by_conflicts:
-            delta = delta / conflict.sum(-1, keepdim=True).clamp(min=1).to(delta.dtype)
+            counts = conflict_counts(forward & active, terminal & active, o.conflict_count)
+            delta = delta / counts.clamp(min=1).unsqueeze(1).to(delta.dtype)
         ctx.set_local_extra(WEIGHT_KEY, delta[ctx.process_slice, :local_width].clone())
         ctx.advantages, dropped = entropy_filter(
             ctx.advantages, stats.mean_entropy, o.entropy_threshold, o.entropy_scale
@@ -225,5 +269,7 @@ class GtpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
-        weights = ctx.extras[WEIGHT_KEY]
-        ctx.scale_tokens(weights[:, : ctx.per_token_logps.size(1)].to(ctx.per_token_logps.dtype))
+        weights = ctx.extras[WEIGHT_KEY][:, : ctx.per_token_logps.size(1)].to(ctx.per_token_logps.dtype)
+        if self.options.completion_reduction == "sum":  # TRL averages over the B rows and the accumulation steps
+            weights = weights * (ctx.per_token_logps.size(0) * self.gradient_accumulation_steps)
+        ctx.scale_tokens(weights)

@@ -9,12 +9,17 @@ rollouts whose outcome is correct**::
 
 so among correct rollouts the better-reasoned ones are preferred, and a wrong answer can never earn process credit.
 
-``mode="trust"`` (Trust-GRPO, SophiaVL-R1) pays the process ("thinking") reward to every rollout, scaled by a
-per-group **trust weight** and an **annealing** factor::
+``mode="trust"`` (Trust-GRPO, SophiaVL-R1) pays the process ("thinking") reward scaled by a per-group **trust
+weight** and an **annealing** factor, as the official SophiaVL-R1 reward code does::
 
+    groups whose rollouts are all correct or all wrong get no process reward (trust_one_sided="zero")
+    rows with outcome < trust_min_outcome (0.2) are not scored (process reward 0)
     mu_c, mu_w = mean process reward of the group's correct / incorrect rollouts
-    trust_g    = 1 if mu_c >= mu_w (or the group lacks correct or incorrect rollouts) else exp(mu_c - mu_w)
-    R_i        = R_outcome_i + w * trust_g * exp(-step / T) * agg(PRM step scores of i)
+    trust_g    = 1 if mu_c >= mu_w else exp(mu_c - mu_w)
+    R_i        = R_outcome_i + w * trust_g * exp(-step / T) * agg(PRM step scores of i),   w = 0.3
+
+``trust_one_sided="full"`` (trust 1 for one-sided groups), ``trust_min_outcome=None`` (score every row) and
+``process_weight=1.0`` reproduce this project's earlier trust mode (not official).
 
 The process reward is a named reward column (``posterior_process``; TRL's weights -- ``process_weight`` -- and
 logging apply). The column is filled at the reward-transform stage, where the gathered outcome column is in view:
@@ -23,8 +28,10 @@ the PRM scores only the rows that need it (correct ones in ``posterior`` mode), 
 The PRM is the shared component of :mod:`trl_plugins.components.prm` (same options as ``scope``: the two plugins get
 one instance -- SCOPE locates errors in failures, Posterior-GRPO rewards the process of successes). The papers train
 their own reasoning / thinking reward models; using a PRM's aggregated step scores is our reconstruction, as are the
-aggregation (mean), the weight (1.0), the outcome threshold (0.5), and in trust mode the annealing horizon T (the
-run's max_steps). Metrics: ``process_reward_mean`` (over paid rows), ``paid_fraction``, ``trust_weight_mean``,
+aggregation (mean), the weight in posterior mode (1.0), the outcome threshold (0.5), and in trust mode the annealing
+horizon T (the run's max_steps; the official configuration uses 500 steps). The outcome column is chosen by the
+success rule (:mod:`trl_plugins.success`): ``outcome_reward``, by default the first reward function that is not a
+placeholder column. Metrics: ``process_reward_mean`` (over paid rows), ``paid_fraction``, ``trust_weight_mean``,
 ``anneal_factor``.
 """
 
@@ -38,6 +45,7 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.collectives import gather_objects_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
+from trl_plugins.success import SuccessRule, mark_placeholder
 from trl_plugins.text import completion_text
 
 COLUMN = "posterior_process"
@@ -52,12 +60,26 @@ class PosteriorGrpoOptions(PRMOptions):
         "(SophiaVL-R1) trust-weighted, annealed process reward for every rollout."
     )
     outcome_reward: str | None = option(
-        None, help="Name of the outcome reward column (None: the first reward function that is not this plugin's)."
+        None, help="Name of the outcome reward column (None: the first reward function that is not a placeholder)."
     )
     outcome_threshold: float = option(
         0.5, reconstructed=True, help="An outcome is correct when its reward is above this value."
     )
-    process_weight: float = option(1.0, min=0.0, reconstructed=True, help="TRL reward weight of the process column.")
+    process_weight: float | None = option(
+        None, min=0.0,
+        help="TRL reward weight of the process column. None: 0.3 in trust mode (official SophiaVL-R1) and 1.0 in "
+        "posterior mode [reconstructed].",
+    )
+    trust_one_sided: Literal["zero", "full"] = option(
+        "zero",
+        help="trust mode, groups whose rollouts are all correct or all wrong: no process reward (official "
+        "SophiaVL-R1) or the full process reward with trust 1 (not official).",
+    )
+    trust_min_outcome: float | None = option(
+        0.2,
+        help="trust mode: only rows whose outcome reward is at least this are scored by the PRM, the others get 0 "
+        "(official 0.2); None scores every row (not official).",
+    )
     aggregate: Literal["mean", "min", "last", "prod"] = option(
         "mean", reconstructed=True, help="How step scores become one process reward (mean step score by default)."
     )
@@ -66,7 +88,7 @@ class PosteriorGrpoOptions(PRMOptions):
     )
     anneal_steps: float | None = option(
         None, min=0.0, min_exclusive=True, reconstructed=True,
-        help="T of the annealing (None: the run's max_steps).",
+        help="T of the annealing (None: the run's max_steps; the official configuration uses 500).",
     )
     step_separator: str | None = option(None, help="Step separator (None: the PRM's convention).")
     problem_column: str = option("problem", help="Dataset column read by the programmatic PRM.")
@@ -86,13 +108,17 @@ def aggregate_scores(scores: list[float], how: str) -> float:
     return math.prod(scores)
 
 
-def trust_weights(process: torch.Tensor, correct: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Trust-GRPO weight per group (G,) -> repeated per row (N,): 1 if the correct rollouts' mean process reward is
-    at least the incorrect ones' (or one side is empty), else ``exp(mu_correct - mu_incorrect)`` (< 1)."""
+def trust_weights(process: torch.Tensor, correct: torch.Tensor, group_size: int,
+                  one_sided: float = 0.0) -> torch.Tensor:
+    """Trust-GRPO weight per group -> repeated per row (N,): 1 if the correct rollouts' mean process reward is at
+    least the incorrect ones', else ``exp(mu_correct - mu_incorrect)`` (< 1); ``one_sided`` for a group whose
+    rollouts are all correct or all wrong (official SophiaVL-R1: 0)."""
     P, C = process.view(-1, group_size), correct.view(-1, group_size)
     out = torch.ones(P.size(0))
     for g in range(P.size(0)):
-        if C[g].any() and (~C[g]).any():
+        if not (C[g].any() and (~C[g]).any()):
+            out[g] = one_sided
+        else:
             mu_c, mu_w = P[g][C[g]].mean(), P[g][~C[g]].mean()
             if mu_c < mu_w:
                 out[g] = torch.exp(mu_c - mu_w)
@@ -114,7 +140,7 @@ class PosteriorGrpoPlugin(Plugin):
     Options = PosteriorGrpoOptions
     reconstructed = (
         "process reward = mean PRM step score (the papers train holistic reasoning/thinking reward models)",
-        "process_weight = 1.0, outcome_threshold = 0.5",
+        "process_weight = 1.0 in posterior mode, outcome_threshold = 0.5",
         "trust mode: annealing horizon T = max_steps",
         "PRM Qwen/Qwen2.5-Math-PRM-7B, shared with scope when configured alike",
     )
@@ -130,8 +156,8 @@ class PosteriorGrpoPlugin(Plugin):
     @hookimpl
     def trl_plugins_reward_functions(self, args):
         func = _named(posterior_process_reward, COLUMN)
-        func.reward_weight = self.options.process_weight
-        return [func]
+        func.reward_weight = self.process_weight()
+        return [mark_placeholder(func)]
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -146,6 +172,13 @@ class PosteriorGrpoPlugin(Plugin):
             )
         if not [n for n in names if n != COLUMN]:
             raise PluginConfigError("posterior_grpo needs an outcome reward function besides its own column.")
+
+    def process_weight(self) -> float:
+        """TRL weight of the process column: the option, else 0.3 in trust mode (official) and 1.0 in posterior."""
+        o = self.options
+        if o.process_weight is not None:
+            return o.process_weight
+        return 0.3 if o.mode == "trust" else 1.0
 
     def anneal_factor(self, step: int) -> float:
         o = self.options
@@ -169,14 +202,20 @@ class PosteriorGrpoPlugin(Plugin):
         if COLUMN not in names:
             return
         col = names.index(COLUMN)
-        outcome_col = names.index(o.outcome_reward) if o.outcome_reward else next(
-            k for k, n in enumerate(names) if n != COLUMN)
         if self.prm is None:
             self.prm = prm_from_options(o)
-        outcome = ctx.rewards_per_func[:, outcome_col].float().cpu()
-        correct = torch.nan_to_num(outcome, nan=0.0) > o.outcome_threshold
-        local_correct = correct[ctx.process_slice].tolist()
-        rows = [j for j in range(len(ctx.local_rows)) if o.mode == "trust" or local_correct[j]]
+        outcome = torch.nan_to_num(ctx.verifier(SuccessRule(o.outcome_reward)).float().cpu(), nan=0.0)  # (N,)
+        correct = outcome > o.outcome_threshold
+        if o.mode == "posterior":
+            scored = correct
+        else:  # trust: no PRM call for rows that get no process reward anyway
+            scored = torch.ones_like(correct) if o.trust_min_outcome is None else outcome >= o.trust_min_outcome
+            if o.trust_one_sided == "zero":
+                groups = correct.view(-1, ctx.num_generations)
+                two_sided = (groups.any(dim=1) & (~groups).any(dim=1)).repeat_interleave(ctx.num_generations)
+                scored = scored & two_sided
+        local_scored = scored[ctx.process_slice].tolist()
+        rows = [j for j in range(len(ctx.local_rows)) if local_scored[j]]
         # (N,) collective; a PRM failing on one process stops every process together
         process = torch.tensor(
             gather_objects_together(ctx, self.name, self._local_process_rewards, ctx, rows), dtype=torch.float32
@@ -186,10 +225,11 @@ class PosteriorGrpoPlugin(Plugin):
             paid = correct
             ctx.log_metric("paid_fraction", paid.float().mean().item())
         else:
-            trust = trust_weights(process, correct, ctx.num_generations)
+            trust = trust_weights(process, correct, ctx.num_generations,
+                                  one_sided=0.0 if o.trust_one_sided == "zero" else 1.0)
             factor = self.anneal_factor(ctx.step)
             values = trust * factor * process
-            paid = torch.ones_like(correct)
+            paid = scored
             ctx.log_metric("trust_weight_mean", trust.mean().item())
             ctx.log_metric("anneal_factor", factor)
         if paid.any():

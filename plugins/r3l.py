@@ -35,7 +35,8 @@ Mapping onto TRL (and what differs):
 * Steps: the official math workflow's first attempt is a 3-attempt dialogue with "Correct/Incorrect" feedback
   turns and a step is an assistant turn; here the first attempt is TRL's single completion and a step is one
   non-empty line (the bundled tasks write one step per line). The trajectory shown for reflection ends with the
-  reward feedback ("Correct."/"Incorrect.", from the run's reward functions).
+  reward feedback ("Correct."/"Incorrect."), decided on the verifier column (``success_column``: the first reward
+  function that is not a placeholder by default, above ``success_threshold``); other reward columns never count.
 * ``retry_start="pivot"`` (default, reconstructed): the retry replays the first attempt's first
   ``retry_from_step`` steps token-exactly (``prefix_ids``) and continues under the guidance, as the official
   step-environment workflows (WebShop/ALFWorld) replay the pre-pivot steps; ``"beginning"`` retries from scratch
@@ -50,7 +51,9 @@ Mapping onto TRL (and what differs):
 * ``reflection_source="task_feedback"`` replaces the policy's report by one built from the bundled tasks'
   verifier (outcome from :func:`~trl_plugins.tasks.arithmetic.verify`, root cause and suggestion from
   :func:`~trl_plugins.tasks.arithmetic.feedback`, ``retry_from_step`` = first wrong step), for tests and the demo:
-  a tiny model almost never writes valid JSON, so with ``"policy"`` nearly every slot keeps its first sample.
+  a tiny model almost never writes valid JSON, so with ``"policy"`` nearly every slot keeps its first sample. A batch
+  in which no report is valid (nothing retried: the step is GRPO with the amplification only) is warned once and
+  logged as ``fallback_no_valid_reflection`` (1.0 for such a batch).
 
 Neutral setting: ``retry_fraction=0``, ``baseline="trl"``, ``amplify=false`` (and ``loss="trl"``) is plain GRPO.
 """
@@ -68,12 +71,13 @@ from trl_plugins import (
     LossContext,
     Plugin,
     PluginConfigError,
-    PluginOptions,
     RolloutContext,
     hookimpl,
     option,
 )
 from trl_plugins.collectives import gather_id_lists
+from trl_plugins.contexts import context_device
+from trl_plugins.success import SuccessOptions
 from trl_plugins.text import completion_text
 
 PIVOT_KEY = "r3l_pivot_tokens"
@@ -104,7 +108,7 @@ solving the task, but do not mention the analysis or an earlier attempt in your 
 
 
 @dataclass
-class R3LOptions(PluginOptions):
+class R3LOptions(SuccessOptions):
     retry_fraction: float = option(
         0.5, min=0.0, max=0.5,
         help="Fraction of each group used as reflect-and-retry slots (official: half); 0 turns retries off.",
@@ -132,7 +136,13 @@ class R3LOptions(PluginOptions):
         True, help="Positive amplification: r >= success_reward -> A = 1; elif A >= 0 -> A *= amplify_scale."
     )
     amplify_scale: float = option(3.0, min=0.0, help="Multiplier of non-negative advantages (official: 3).")
-    success_reward: float = option(1.0, help="Reward at or above which a rollout counts as a full success (A = 1).")
+    success_reward: float = option(
+        1.0, help="Advantage stage: combined reward at or above which a rollout counts as a full success (A = 1)."
+    )
+    success_threshold: float = option(
+        0.5, help="Reflection feedback: an attempt is 'Correct.' when its verifier column (success_column) is above "
+        "this (official: the math verifier's score is 1)."
+    )
     loss: Literal["trl", "opmd"] = option(
         "trl", help="'trl': keep TRL's surrogate (loss_type); 'opmd': -A log pi / (1 + tau) on every loss token."
     )
@@ -340,9 +350,9 @@ class R3LPlugin(Plugin):
             ctx.annotations[i]["r3l"] = "first" if ctx.index_in_group[i] < first_count else "slot"
         # every process needs the paired first attempt, which may live on another process
         all_ids = gather_id_lists(ctx, ctx.completion_ids)
-        all_scores = None
-        if o.reflection_source == "policy":  # the reflection shows the attempt's correctness feedback
-            all_scores = ctx.gather(ctx.score(range(len(ctx)))).cpu().tolist()
+        all_correct = None
+        if o.reflection_source == "policy":  # the reflection shows the attempt's correctness (verifier column only)
+            all_correct = ctx.gather(ctx.success(range(len(ctx)), rule=o.success_rule)).cpu().tolist()
         slots = [i for i in range(len(ctx)) if ctx.index_in_group[i] >= first_count]
         pairs = {i: ctx.group_ids[i] * G + (ctx.index_in_group[i] - first_count) for i in slots}
 
@@ -353,7 +363,7 @@ class R3LPlugin(Plugin):
 
         # 1. reflection reports (one collective generation call when the policy writes them)
         if o.reflection_source == "policy":
-            requests = [self._reflection_prompt(ctx, i, steps[i], all_scores[pairs[i]]) for i in slots]
+            requests = [self._reflection_prompt(ctx, i, steps[i], all_correct[pairs[i]]) for i in slots]
             replies = ctx.service.generate(prompts=requests)
             reports = {i: parse_report(reply.text) for i, reply in zip(slots, replies)}
         else:
@@ -393,14 +403,21 @@ class R3LPlugin(Plugin):
                 r3l_first_pivot_tokens=first_pivot if o.pivotal_credit else 0,
             )
         n = max(len(slots), 1)
+        valid_and_slots = ctx.gather(torch.tensor([[n_valid, len(slots)]], device=context_device(ctx))).sum(dim=0)
+        self.report_fallback(
+            ctx, "no_valid_reflection", int(valid_and_slots[1]) > 0 and int(valid_and_slots[0]) == 0,
+            "no reflection report of this batch was valid JSON with a usable step, so no attempt was retried and the "
+            "step reduced to GRPO with the R3L advantage amplification. A policy too weak to write the report "
+            "causes this; reflection_source='task_feedback' (bundled tasks) or a stronger model avoid it.",
+        )
         ctx.log_metric("valid_reflection_fraction", n_valid / n)
         ctx.log_metric("perfect_reflection_fraction", n_perfect / n)
         ctx.log_metric("retry_fraction", len(retry_rows) / n)
         ctx.log_metric("extra_rollouts", len(retries) + (len(slots) if o.reflection_source == "policy" else 0))
 
-    def _reflection_prompt(self, ctx: RolloutContext, i: int, steps: list[str], score: float) -> Any:
+    def _reflection_prompt(self, ctx: RolloutContext, i: int, steps: list[str], correct: bool) -> Any:
         o = self.options
-        feedback = "Correct." if score >= o.success_reward else "Incorrect."
+        feedback = "Correct." if correct else "Incorrect."
         trajectory = format_trajectory(_question(ctx.prompts[i]), steps, feedback)
         user = o.reflection_user_template.format(trajectory=trajectory)
         if isinstance(ctx.prompts[i], str):

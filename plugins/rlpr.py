@@ -5,31 +5,47 @@ Verifier-free RL for free-form answers. A response ``o = (z, y)`` is its reasoni
 policy itself how likely ``y*`` is after its own reasoning:
 
 1. ``o' = z || y*``; one extra **no-grad** forward of the policy on ``[prompt + z + y*]`` gives the per-token
-   probabilities ``p_j`` of the ``y*`` tokens (the framework's ``policy_logprobs`` service, TRL's log-probs:
-   no full-vocabulary logits are kept, the sampling temperature applies).
+   probabilities ``p_j`` of the ``y*`` tokens (through the framework's ``policy_logprobs`` service:
+   no full-vocabulary logits are kept, the sampling temperature applies as in TRL's log-probs).
 2. Probability reward: the **mean** token probability ``r = (1/|y*|) sum_j p_j`` (more robust than the sequence
    likelihood, which collapses on long answers).
 3. Debiasing: ``r_hat = clip(r - r_0, 0, 1)`` with ``r_0`` the same mean probability of ``y*`` directly after the
    prompt (no reasoning), so that only the reasoning's contribution is rewarded (``debias=false`` keeps ``r``).
+   As in the official code (OpenBMB/RLPR), ``r_0`` is computed **once with the initial policy**: at the first
+   training reward call, before any update, for every (prompt, reference) pair of the training dataset, and then
+   looked up (``baseline="initial"``). A pair not in the dataset (e.g. a prompt a sampling plugin rewrote, or an
+   iterable dataset that cannot be scanned) gets its ``r_0`` from the policy of the step it first appears in, kept
+   from then on (metric ``late_baseline_fraction``). ``baseline="current"`` recomputes ``r_0`` with the current
+   policy at every step instead (the plugin's earlier behaviour; not the official recipe).
 4. Standard-deviation filtering (advantage stage): prompts whose rewards barely vary across the group carry no
    learning signal and mostly noise; groups whose ``rlpr`` reward std is below a threshold get zero advantages.
-   The threshold follows an exponential moving average of the per-step mean group std (RLPR's adaptive
-   curriculum); ``std_threshold`` fixes it instead.
+   Official recipe (OpenBMB/RLPR ``reproduce_qwen.sh`` and its trainer): threshold = ``std_filter_beta`` (0.5)
+   times an exponential moving average (ratio 0.99) of the per-step mean group std. Steps are counted from 1,
+   one per training generation batch. The steps ``ema_start_step`` (6) .. ``filter_start_step - 1`` (10) only record
+   their mean group std; at ``filter_start_step`` (11) the average starts as the mean of those records, and each
+   later step first folds in the previous step's mean. The threshold of a step therefore never uses that step's
+   own batch; no group is filtered before step 11. ``std_threshold`` fixes the threshold instead (from step 1).
 
 The reward is the column ``rlpr``. Splitting ``z`` from ``y``: ``z`` is the completion up to and including the first
 match of ``answer_marker`` (default: ``Answer:``, the bundled tasks' answer line), and ``y*`` is
 ``answer_template`` filled with the row's ``answer`` column; a completion without a marker keeps all its text as
 ``z`` followed by ``answer_prefix``.
 
-Reconstructed (options marked so): the marker/template defaults (the paper uses its own answer tags), the prefix
-used for ``r_0``, the EMA decay (0.99) and its initialisation (the first batch's mean std), the unbiased std, and
-updating the EMA with the current batch before filtering.
+Differences from the official code: filtered groups get zero advantages where the official trainer drops them and
+refills the batch with new prompts (DAPO-style dynamic sampling); the official reward adds a 0.1-weighted format
+score (add a format reward function for it), and its filter reads the std of that total reward where the plugin
+reads the std of the ``rlpr`` column. Reconstructed (options marked so): the marker/template defaults (the
+paper uses its own answer tags), the prefix used for ``r_0``, the unbiased std. The earlier filter of this plugin
+(threshold = the moving average itself, updated with the current batch before filtering, from the first step) is
+``std_filter_beta=1, ema_start_step=1, filter_start_step=1, threshold_uses_current_batch=true``.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
@@ -59,13 +75,36 @@ class RlprOptions(PluginOptions):
         reconstructed=True,
     )
     debias: bool = option(True, help="Subtract the no-reasoning probability r_0 and clip to [0, 1].")
+    baseline: Literal["initial", "current"] = option(
+        "initial",
+        help="Policy that gives r_0. initial (official): computed once with the initial policy for every "
+        "(prompt, reference) pair of the training dataset before the first update; current: recomputed with the "
+        "current policy at every step (not the official recipe).",
+    )
     reward_weight: float = option(1.0, help="TRL reward weight of the rlpr column.")
     std_filter: bool = option(True, help="Zero the advantages of groups whose rlpr reward std is below the threshold.")
     std_threshold: float | None = option(
-        None, min=0.0, help="Fixed std threshold; None = exponential moving average of the per-step mean group std."
+        None, min=0.0,
+        help="Fixed std threshold, applied from step 1; None = std_filter_beta x moving average of the per-step "
+        "mean group std (official).",
     )
-    ema_decay: float = option(0.99, min=0.0, max=1.0, help="Decay of the threshold's moving average.",
-                              reconstructed=True)
+    std_filter_beta: float = option(
+        0.5, min=0.0,
+        help="Threshold = beta x moving average (official recipes: 0.5 for Qwen, 0.9 for Llama, 1.0 for Gemma).",
+    )
+    ema_decay: float = option(0.99, min=0.0, max=1.0, help="Decay of the threshold's moving average (official 0.99).")
+    ema_start_step: int = option(
+        6, min=1, help="First step (1-based, one per training generation batch) whose mean group std is recorded "
+        "to start the moving average (official 6).",
+    )
+    filter_start_step: int = option(
+        11, min=1, help="First step that filters (official 11); earlier steps keep every group.",
+    )
+    threshold_uses_current_batch: bool = option(
+        False,
+        help="Fold the current batch into the moving average before filtering it (the plugin's earlier behaviour); "
+        "official: a step's threshold uses only the steps before it.",
+    )
 
     def validate(self) -> None:
         try:
@@ -74,6 +113,11 @@ class RlprOptions(PluginOptions):
             raise PluginConfigError(f"Option 'answer_marker' of plugin 'rlpr' is not a valid regex: {exc}.") from exc
         if "{answer}" not in self.answer_template:
             raise PluginConfigError("Option 'answer_template' of plugin 'rlpr' must contain {answer}.")
+        if self.ema_start_step > self.filter_start_step:
+            raise PluginConfigError(
+                f"Options of plugin 'rlpr': ema_start_step={self.ema_start_step} must not exceed "
+                f"filter_start_step={self.filter_start_step}."
+            )
 
 
 # --------------------------------------------------------------------------------------------- pure functions
@@ -110,6 +154,62 @@ def ema_update(previous: float | None, value: float, decay: float) -> float:
     return value if previous is None else decay * previous + (1.0 - decay) * value
 
 
+@dataclass
+class StdThresholdSchedule:
+    """The std filter's threshold over training: ``beta`` x a moving average of the per-step mean group std.
+
+    Steps are 1-based, one per call of :meth:`advance`. Steps ``ema_start .. filter_start - 1`` only record their
+    batch's mean group std; at ``filter_start`` the average starts as the mean of those records (the step's own
+    mean when there are none) and every later step first folds in the previous step's mean (``decay`` on the old
+    value). With ``include_current`` the current batch is folded in before its threshold is taken (the first
+    value then initialises the average). Non-finite means are not recorded.
+    """
+
+    beta: float
+    decay: float
+    ema_start: int
+    filter_start: int
+    include_current: bool = False
+    step: int = 0
+    warmup_means: list[float] = field(default_factory=list)
+    ema: float | None = None
+    pending: float | None = None
+
+    def advance(self, batch_mean: float) -> float:
+        """Account for one training batch of mean group std ``batch_mean``; return its threshold (0 = keep all)."""
+        self.step += 1
+        value = batch_mean if math.isfinite(batch_mean) else None
+        if self.step < self.filter_start:
+            if self.step >= self.ema_start and value is not None:
+                self.warmup_means.append(value)
+            return 0.0
+        if self.ema is None and self.warmup_means:
+            self.ema = sum(self.warmup_means) / len(self.warmup_means)
+            self.warmup_means = []
+        elif self.pending is not None:
+            self.ema = ema_update(self.ema, self.pending, self.decay)
+        self.pending = None
+        if self.include_current or self.ema is None:
+            if value is not None:
+                self.ema = ema_update(self.ema, value, self.decay)
+        else:
+            self.pending = value
+        return self.threshold()
+
+    def threshold(self) -> float:
+        """The current threshold without advancing (0 before the average exists)."""
+        return 0.0 if self.ema is None or self.step < self.filter_start else self.beta * self.ema
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "warmup_means": list(self.warmup_means), "ema": self.ema, "pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("step", 0))
+        self.warmup_means = list(state.get("warmup_means", []))
+        self.ema = state.get("ema")
+        self.pending = state.get("pending")
+
+
 class RlprPlugin(Plugin):
     """Reference-answer probability reward (reward stage) with std filtering of low-variance groups (advantage)."""
 
@@ -123,22 +223,32 @@ class RlprPlugin(Plugin):
     conflict_reason = CORRECTNESS_PICK_ONE
     reconstructed = (
         "answer_marker / answer_template / answer_prefix defaults fit the bundled tasks (paper: its answer tags)",
-        "threshold EMA: decay 0.99, initialised with the first batch's mean group std, updated before filtering",
         "unbiased (Bessel) group std",
+        "filtered groups get zero advantages (official: dropped and the batch refilled with new prompts)",
+        "r_0 of a (prompt, reference) pair missing from the training dataset comes from the policy of the step it "
+        "first appears in (official: such a batch is skipped)",
     )
 
     def __init__(self, options=None):
         super().__init__(options)
+        o = self.options
         self.services: StageServices | None = None
-        self.threshold: float | None = None
+        self.dataset: Any = None
+        self.schedule = StdThresholdSchedule(
+            beta=o.std_filter_beta, decay=o.ema_decay, ema_start=o.ema_start_step,
+            filter_start=o.filter_start_step, include_current=o.threshold_uses_current_batch,
+        )
+        self.baselines: dict[tuple, float] = {}  # (prompt ids, target ids) -> r_0 (baseline="initial")
+        self.dataset_scanned = False
 
     def required_columns(self) -> list[str]:
         return [self.options.answer_column]
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        # the reward function runs inside TRL's reward call, outside any stage context: it uses the run's services
+        # the reward function runs inside TRL's reward call, outside any stage context: it keeps the run's services
         self.services = trainer.plugin_services
+        self.dataset = getattr(trainer, "train_dataset", None)  # scanned once for the initial-policy baselines
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
@@ -152,7 +262,7 @@ class RlprPlugin(Plugin):
 
     # ------------------------------------------------------------------------------------------ reward
     def answer_probabilities(self, contexts: list[list[int]], targets: list[list[int]]) -> torch.Tensor:
-        """Mean probability of each ``targets[i]`` after ``contexts[i]`` under the current policy (no grad); (R,)."""
+        """Mean probability of each ``targets[i]`` after ``contexts[i]`` under the current policy (no grad)."""
         logps = self.services.policy_logprobs(contexts, targets)  # one (len(targets[i]),) tensor per row
         return torch.stack([
             mean_token_probability(lp.float().unsqueeze(0), torch.ones(1, lp.numel(), device=lp.device))[0]
@@ -178,24 +288,63 @@ class RlprPlugin(Plugin):
             for p, c in zip(prompt_ids, completions, strict=True)
         ]
         r = self.answer_probabilities(contexts, targets)
+        log_metric = columns.get("log_metric")
         if o.debias:
-            unique: dict[tuple, int] = {}
-            base_ctx, base_tgt, index = [], [], []
-            for p, t in zip(prompt_ids, targets):
-                key = (tuple(p), tuple(t))
-                if key not in unique:
-                    unique[key] = len(base_ctx)
-                    base_ctx.append(p + encode(o.answer_prefix))
-                    base_tgt.append(t)
-                index.append(unique[key])
-            r0 = self.answer_probabilities(base_ctx, base_tgt)[torch.tensor(index)]
-            reward = debiased_reward(r, r0)
+            reward = debiased_reward(r, self.baseline_probabilities(prompt_ids, targets, encode, log_metric))
         else:
             reward = r
-        log_metric = columns.get("log_metric")
         if callable(log_metric):
             log_metric("plugins/rlpr/answer_probability", float(r.mean()))
         return reward.tolist()
+
+    def baseline_probabilities(self, prompt_ids: list[list[int]], targets: list[list[int]], encode,
+                               log_metric=None) -> torch.Tensor:
+        """(B,) ``r_0``: the mean probability of each target directly after its prompt and ``answer_prefix``.
+
+        ``baseline="current"``: the current policy, every call. ``baseline="initial"``: looked up in the values the
+        initial policy gave the training dataset (scanned at the first training call); a pair not found is
+        computed now and kept.
+        """
+        o = self.options
+        keys = [(tuple(p), tuple(t)) for p, t in zip(prompt_ids, targets)]
+        if o.baseline == "current":
+            unique = list(dict.fromkeys(keys))
+            values = dict(zip(unique, self._prefix_probabilities(unique, encode).tolist()))
+            return torch.tensor([values[k] for k in keys])
+        if not self.dataset_scanned and self.services.run().mode == "train":
+            self.dataset_scanned = True
+            self._scan_training_dataset(encode)
+        missing = list(dict.fromkeys(k for k in keys if k not in self.baselines))
+        if missing:
+            self.baselines.update(zip(missing, self._prefix_probabilities(missing, encode).tolist()))
+        if callable(log_metric):
+            late = set(missing)
+            log_metric("plugins/rlpr/late_baseline_fraction", sum(k in late for k in keys) / max(len(keys), 1))
+        return torch.tensor([self.baselines[k] for k in keys])
+
+    def _prefix_probabilities(self, keys: list[tuple], encode, chunk: int = 64) -> torch.Tensor:
+        """Mean target probability after ``prompt + answer_prefix`` for (prompt ids, target ids) keys, in chunks."""
+        prefix = encode(self.options.answer_prefix)
+        parts = [
+            self.answer_probabilities([list(p) + prefix for p, _ in keys[i : i + chunk]],
+                                      [list(t) for _, t in keys[i : i + chunk]])
+            for i in range(0, len(keys), chunk)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _scan_training_dataset(self, encode) -> None:
+        """``r_0`` of every (prompt, reference) pair of the training dataset under the current (initial) policy."""
+        dataset = self.dataset
+        o = self.options
+        columns = getattr(dataset, "column_names", None) or []
+        if not hasattr(dataset, "__len__") or "prompt" not in columns or o.answer_column not in columns:
+            return
+        prompts, answers = dataset["prompt"], dataset[o.answer_column]
+        targets = [encode(o.answer_template.format(answer=str(a))) for a in answers]
+        keys = list(dict.fromkeys(
+            (tuple(p), tuple(t)) for p, t in zip(self.services.tokenize_prompts(list(prompts)), targets)
+        ))
+        self.baselines.update(zip(keys, self._prefix_probabilities(keys, encode).tolist()))
 
     # ------------------------------------------------------------------------------------------ advantage
     @hookimpl
@@ -208,10 +357,10 @@ class RlprPlugin(Plugin):
         training = ctx.mode == "train"
         if o.std_threshold is not None:
             threshold = o.std_threshold
+        elif training:
+            threshold = self.schedule.advance(float(stds.mean()))
         else:
-            threshold = ema_update(self.threshold, float(stds.mean()), o.ema_decay)
-            if training:
-                self.threshold = threshold
+            threshold = self.schedule.threshold()
         keep = stds >= threshold
         rows = keep.repeat_interleave(ctx.num_generations).to(ctx.advantages.device, ctx.advantages.dtype)
         ctx.advantages = ctx.advantages * rows.view((-1,) + (1,) * (ctx.advantages.dim() - 1))
@@ -227,8 +376,11 @@ class RlprPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_state_dict(self):
-        return {"threshold": self.threshold}
+        return {"schedule": self.schedule.state_dict(), "baselines": dict(self.baselines),
+                "dataset_scanned": self.dataset_scanned}
 
     @hookimpl
     def trl_plugins_load_state_dict(self, state):
-        self.threshold = state.get("threshold")
+        self.schedule.load_state_dict(state.get("schedule", {}))
+        self.baselines = dict(state.get("baselines", {}))
+        self.dataset_scanned = bool(state.get("dataset_scanned", False))

@@ -10,14 +10,16 @@ code (IANNXANG/RuscaRL):
 2. Inter-step decay ("step_sigmoid"): with ``t`` the 1-based step and ``T`` the total steps,
    ``x = clip((t-1)/(T-1), 0, 1)`` and ``sigma = 1/(1 + exp(s (x - x0)))`` (clipped to [0, 1]); the paper runs
    ``x0 = 0.2, s = 125`` (our defaults): sigma ~ 1 until ~15 % of training, 0.5 at 20 %, ~0.002 at 25 %.
-   Other rules of the code: "step_linear" ``(T - t)/(T - 1)``, "step_power" ``(1 - x)^n``; "constant" is 1.
+   Other rules of the code: "step_linear" ``(T - t)/(T - 1)``, "step_power" ``(1 - x)^n`` (n = 1 by default, as
+   the official configuration); "constant" is 1.
 3. Ratio ``rho_i = lambda_i * sigma``. With ``N`` rubric items: ``rho >= 1`` shows all items in order; otherwise
    ``k = round(N * rho)`` (Python's round: half to even) items drawn uniformly without replacement (seeded here by
    ``seed``, the step and the row's global index; the original is unseeded). "math_linear": the format item
    (second to last) always, the first ``round(rho (N - 2))`` other items in order, the final-answer item (last)
    only when ``rho = 1``.
 4. Scaffold (our wording of the official structure): a header, "points to include" (positive items with their
-   points), "points to avoid" (negative items with their penalty), a closing request, and (default on) a warning
+   points), "points to avoid" (negative items with their penalty; items worth 0 points are left out, as the
+   official code does), a closing request, and (default on) a warning
    not to mention or reveal the criteria. ``k = 0``: no system block (``add_base_when_zero=False``, the paper's
    script) or a bare base system line.
 5. Prompt swap: rows are **generated** under the scaffolded prompt and **trained** under the original prompt
@@ -26,6 +28,10 @@ code (IANNXANG/RuscaRL):
 6. Reward: one judge call per rubric item on the **original** conversation (system messages removed; the judge
    never sees the scaffold) plus the completion; ``S = sum_j met_j p_j / sum_{p_j > 0} p_j`` (0 without positive
    items), not clipped (``S < 0`` when penalties are met). It is added as the reward column ``ruscarl_rubric``.
+   Items tagged for rule checking (a ``verifier:rule`` tag with ``function:math_verify`` and ``parameters:<answer>``)
+   are checked by rule, as the official code does, not by the judge: met when the completion's final answer equals
+   ``<answer>`` (the official code calls the ``math_verify`` package; here the answer is the last ``\\boxed{}`` or last
+   number, compared after normalisation -- a reconstruction). ``rule_items="judge"`` sends them to the judge.
    A row with an *empty* rubric list is refused when training starts (``empty_rubrics='error'``) or, with
    ``empty_rubrics='skip'``, scored ``None`` (TRL leaves it out of the weighted sum) -- never a silent 0.
 
@@ -52,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
+from trl_plugins.answers import extract_boxed_or_last_number, normalize_answer
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
 from trl_plugins.text import completion_text
@@ -79,9 +86,7 @@ class RuscaRLOptions(PluginOptions):
     )
     x0: float = option(0.2, min=0.0, max=1.0, help="Midpoint of the step sigmoid (fraction of training).")
     steepness: float = option(125.0, min=0.0, help="Steepness s of the step sigmoid.")
-    power: float = option(
-        2.0, min=0.0, help="Exponent n of the 'step_power' rule (1 - x)^n.", reconstructed=True
-    )
+    power: float = option(1.0, min=0.0, help="Exponent n of the 'step_power' rule (1 - x)^n (official default: 1).")
     selection: Literal["random", "math_linear"] = option(
         "random", help="Which k items are shown: a seeded random subset, or the math_linear rule."
     )
@@ -128,6 +133,12 @@ class RuscaRLOptions(PluginOptions):
         "error", help="After the retries: raise (default, never a silent zero) or count the item as not met (code)."
     )
     judge_problem_column: str = option("problem", help="Dataset column the rule-based judge reads (judge='rule').")
+    rule_items: Literal["rule", "judge"] = option(
+        "rule",
+        help="Rubric items tagged 'verifier:rule' + 'function:math_verify' + 'parameters:<answer>': checked by rule "
+        "(official; final answer equals <answer>, exact match after normalisation instead of the math_verify package) "
+        "or sent to the judge like the other items (not official).",
+    )
 
     def validate(self) -> None:
         if self.judge == "endpoint" and not self.judge_base_url:
@@ -149,7 +160,7 @@ def group_ratio(index_in_group: int, group_size: int, rule: str = "linear", k_fu
 
 def step_decay(
     step: int, total_steps: int, rule: str = "step_sigmoid", x0: float = 0.2, steepness: float = 125.0,
-    power: float = 2.0,
+    power: float = 1.0,
 ) -> float:
     """sigma(t) for the 1-based step ``step`` of ``total_steps``; in [0, 1]."""
     if rule == "constant":
@@ -192,7 +203,7 @@ def _points(p: Any) -> str:
 def scaffold_text(items: list[dict], warning: bool = True) -> str:
     """The scaffold system text for the shown ``items`` (positive ones to include, negative ones to avoid)."""
     include = [it for it in items if float(it["points"]) > 0]
-    avoid = [it for it in items if float(it["points"]) <= 0]
+    avoid = [it for it in items if float(it["points"]) < 0]  # 0-point items are left out (official)
     parts = [HEADER]
     j = 0
     if include:
@@ -233,6 +244,24 @@ def rubric_reward_value(items: list[dict], verdicts: list[bool]) -> float:
     return sum(float(it["points"]) for it, met in zip(items, verdicts, strict=True) if met) / total
 
 
+def rule_verdict(item: dict, completion: str) -> bool | None:
+    """The verdict of a rubric item tagged for rule checking, or None for an item the judge grades.
+
+    An item is rule-checked when one of its ``tags`` starts with ``verifier:rule`` and it names
+    ``function:math_verify`` with ``parameters:<answer>`` (the official tags): it is met when the completion's final
+    answer (last ``\\boxed{}``, else last number) equals ``<answer>`` after :func:`~trl_plugins.answers.normalize_answer`.
+    """
+    tags = [str(t) for t in (item.get("tags") or [])]
+    if not any(t.startswith("verifier:rule") for t in tags):
+        return None
+    function = next((t.split(":", 1)[1] for t in tags if t.startswith("function:")), None)
+    parameter = next((t.split(":", 1)[1] for t in tags if t.startswith("parameters:")), None)
+    if function != "math_verify" or parameter is None:
+        return None
+    answer = extract_boxed_or_last_number(completion)
+    return answer is not None and normalize_answer(answer) == normalize_answer(parameter)
+
+
 def original_conversation(prompt: Any) -> list[dict]:
     """The conversation the judge sees: the original prompt's messages without system messages."""
     if isinstance(prompt, str):
@@ -250,7 +279,7 @@ class RuscaRLPlugin(Plugin):
     Options = RuscaRLOptions
     replaces = ("the generation prompts (rubric scaffolds)",)
     reconstructed = (
-        "power=2.0: exponent of the 'step_power' rule (the code's default is not stated in the spec)",
+        "rule-checked items: exact match of the normalised final answer (official: the math_verify package)",
         "seeded item subsets (seed, step, global row index); the original draws them unseeded",
         "scaffold inserted as a system message before templating (official: templated block prepended to tokens)",
         "judge_on_unparsable='error': the official code counts an unparsable verdict as not met",
@@ -339,7 +368,7 @@ class RuscaRLPlugin(Plugin):
                 f"(columns: {', '.join(sorted(columns))})."
             )
         keys = [k for k in columns if k not in ("trainer_state", "log_extra", "log_metric", "environments")]
-        requests, spans = [], []
+        requests, spans, rule_checked = [], [], 0
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
             row = {k: columns[k][i] for k in keys}
             items = list(rubrics[i] or [])
@@ -351,15 +380,22 @@ class RuscaRLPlugin(Plugin):
             start = len(requests)
             conversation = original_conversation(prompt)
             text = completion_text(completion)
-            requests.extend(JudgeRequest(conversation, text, item, row) for item in items)
-            spans.append((start, len(requests), items))
-        verdicts = self.judge.grade(requests) if requests else []
-        scores = [rubric_reward_value(items, verdicts[a:b]) if items else None for a, b, items in spans]
+            by_rule = [rule_verdict(item, text) if self.options.rule_items == "rule" else None for item in items]
+            rule_checked += sum(v is not None for v in by_rule)
+            requests.extend(JudgeRequest(conversation, text, item, row) for item, v in zip(items, by_rule) if v is None)
+            spans.append((start, len(requests), items, by_rule))
+        graded = self.judge.grade(requests) if requests else []
+        scores = []
+        for a, b, items, by_rule in spans:
+            judged = iter(graded[a:b])
+            verdicts = [next(judged) if v is None else v for v in by_rule]
+            scores.append(rubric_reward_value(items, verdicts) if items else None)
         scored = [s for s in scores if s is not None]
         log_metric = columns.get("log_metric")
         if callable(log_metric) and scored:
             log_metric("plugins/ruscarl/rubric_score_clipped", sum(min(max(s, 0.0), 1.0) for s in scored) / len(scored))
             log_metric("plugins/ruscarl/judge_requests", float(len(requests)))
+            log_metric("plugins/ruscarl/rule_checked_items", float(rule_checked))
         return scores
 
     # ------------------------------------------------------------------------------------------ sampling

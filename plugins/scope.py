@@ -9,12 +9,12 @@ off-policy branch ``-A p/(p+gamma)`` (LUFFY, gamma = 0.1) and get NaN sampling l
 
 Per generation batch::
 
-    r_i      = weighted reward of rollout i (the training reward functions, TRL's weights)
-    failed   = {i : r_i <= success_threshold} in the selected groups (scope_groups)
+    r_i      = verifier value of rollout i (success_column: the first non-placeholder reward function by default)
+    failed   = {i : not r_i > success_threshold} in the selected groups (scope_groups); other columns never count
     s_i      = PRM step scores of rollout i;  k_i = min{k : s_i[k] < threshold}  (0-based)
     prefix_i = the completion's token ids up to the start of step k_i (no re-tokenization)
     y'_i     = prefix_i + correction            (mode, below)
-    accept   = reward(y'_i) > success_threshold (accept="correct_only")
+    accept   = verifier(y'_i) > success_threshold (accept="correct_only")
     per group: at most max_per_group accepted repairs, the longest verified prefix (largest k_i) first
 
 Modes (who writes the correction): ``teacher_suffix`` -- a teacher LLM continues from the prefix to the end;
@@ -35,7 +35,8 @@ The PRM and teacher are real components (:mod:`trl_plugins.components.prm`, :mod
 built once per configuration and shared with other plugins asking for the same one (Posterior-GRPO rewards the
 process of successes with the same PRM). Metrics: ``rectified_fraction`` (rows replaced / N), ``acceptance_rate``
 (accepted repairs / repairs tried), ``candidate_fraction``, ``prm_no_error_fraction``, ``mean_prefix_steps``,
-``prefix_token_fraction``.
+``prefix_token_fraction``, and ``fallback_prm_found_no_error`` (1.0 in a batch where the PRM found no error in any
+failed rollout, so every repair was skipped; warned once).
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.success import SuccessOptions
 
 
 @dataclass
-class ScopeOptions(PRMOptions):
+class ScopeOptions(PRMOptions, SuccessOptions):
     plugin_name: ClassVar[str] = "scope"
 
     mode: Literal["teacher_suffix", "teacher_step", "reference_suffix"] = option(
@@ -105,14 +107,17 @@ class ScopeOptions(PRMOptions):
     )
     accept: Literal["correct_only", "improved", "any"] = option(
         "correct_only", reconstructed=True,
-        help="Keep a repair if it is correct (reward > success_threshold), if it beats the original reward, or always.",
+        help="Keep a repair if it is correct (verifier > success_threshold), if its verifier value beats the "
+        "original's, or always.",
     )
     max_per_group: int = option(1, min=1, reconstructed=True, help="Most repaired rollouts per group (M).")
     tie_break: Literal["random", "first"] = option(
         "random", reconstructed=True,
         help="Among repairs with the same verified prefix: a seeded random one, or the first in the group.",
     )
-    success_threshold: float = option(0.5, help="A rollout is correct when its weighted reward is above this value.")
+    success_threshold: float = option(
+        0.5, help="A rollout is correct when its verifier column (success_column) is above this value (NaN = failure)."
+    )
     append_eos: bool = option(True, help="End teacher / reference corrections with the EOS token.")
     gamma: float = option(
         0.1, min=0.0, min_exclusive=True, reconstructed=True,
@@ -221,9 +226,9 @@ class ScopePlugin(Plugin):
         G, B = ctx.num_generations, len(ctx)
         device = context_device(ctx)
 
-        local_scores = ctx.score(range(B)).float().cpu()
-        scores = ctx.gather(local_scores.to(device)).cpu()  # (N,)
-        success = scores > o.success_threshold
+        columns = ctx.reward_columns(range(B))
+        local_scores = columns.verifier(o.success_rule).float().cpu()  # (B,) verifier values, NaN = failure
+        success = ctx.gather(columns.success(o.success_rule).to(device)).cpu()  # (N,) bool, on the verifier only
         has_success = success.view(-1, G).any(dim=1)
         eligible = {"all": torch.ones_like(has_success), "no_success": ~has_success, "partial": has_success}[
             o.scope_groups
@@ -244,7 +249,7 @@ class ScopePlugin(Plugin):
                 ctx.replace_row(r.row, r.ids, offpolicy=r.offpolicy, logprobs=r.logprobs)
             ctx.annotations[r.row]["scope_first_error"] = r.first_error
             ctx.annotations[r.row]["scope_prefix_tokens"] = r.prefix_tokens
-        self._log(ctx, scores.numel(), candidates, no_error, tried, accepted, chosen, device)
+        self._log(ctx, success.numel(), candidates, no_error, tried, accepted, chosen, device)
 
     def _decode(self, tok, ids) -> str:
         return tok.decode(list(ids), skip_special_tokens=True)
@@ -330,11 +335,14 @@ class ScopePlugin(Plugin):
         o = self.options
         if not repairs:
             return []
-        new_scores = ctx.score([r.row for r in repairs], [ctx.decode(r.ids, r.row) for r in repairs]).float().cpu()
+        columns = ctx.reward_columns([r.row for r in repairs], [ctx.decode(r.ids, r.row) for r in repairs])
+        correct = columns.success(o.success_rule).tolist()
+        new_scores = torch.nan_to_num(columns.verifier(o.success_rule).float().cpu(), nan=-math.inf)
+        before = torch.nan_to_num(original, nan=-math.inf)
         out = []
-        for r, score in zip(repairs, new_scores.tolist()):
-            if o.accept == "any" or (o.accept == "correct_only" and score > o.success_threshold) or (
-                o.accept == "improved" and score > float(original[r.row])
+        for r, ok, score in zip(repairs, correct, new_scores.tolist()):
+            if o.accept == "any" or (o.accept == "correct_only" and ok) or (
+                o.accept == "improved" and score > float(before[r.row])
             ):
                 out.append(r)
         return out
@@ -379,6 +387,13 @@ class ScopePlugin(Plugin):
         ctx.log_metric("repairs_tried", n_tried)
         if n_candidates:
             ctx.log_metric("prm_no_error_fraction", n_no_error / n_candidates)
+        self.report_fallback(
+            ctx, "prm_found_no_error",
+            self.options.no_error_policy == "skip" and bool(n_candidates) and n_no_error == n_candidates,
+            "the PRM found no wrong step in any failed rollout of this batch (it disagrees with the verifier), so "
+            "every repair was skipped (no_error_policy='skip') and the step is plain GRPO. Check the PRM and its "
+            "threshold, or set no_error_policy='last_step'.",
+        )
         if n_chosen:
             ctx.log_metric("mean_prefix_steps", sum_k / n_chosen)
             ctx.log_metric("prefix_token_fraction", sum_frac / n_chosen)

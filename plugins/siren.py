@@ -9,9 +9,9 @@ in ``ray_trainer.py``; restated, not copied):
    is the tokens whose **inclusive** cumulative probability is ``< top_p`` (the crossing token is excluded; the
    nucleus may be empty). ``q`` = the probabilities renormalised over the nucleus and ``H_p = -sum q log q``
    (0 for an empty nucleus), **with gradient** through the logits. Computed by
-   ``ctx.head_stats().top_p_entropy_with_grad(top_p, k_max, mode="siren")``: the nucleus ids are chosen under
-   no_grad in chunks of the LM head and only those logits are recomputed with grad, so no ``(B, T, V)`` tensor
-   is ever built.
+   ``ctx.head_stats().top_p_entropy_with_grad(top_p, k_max, mode="siren")``: the LM head is applied in chunks of
+   tokens, forward and again in the backward (which forms the gradient chunk by chunk), so no ``(B, T, V)``
+   tensor is ever built, whatever ``k_max`` and the nucleus width.
 2. *Peak-entropy mask* over positions, per sequence: ``tau_b`` = the ``quantile`` (0.8) quantile of ``H_p[b, :]``
    over valid tokens (linear interpolation); ``M = H_p > tau_b`` (strict), the top ~20 % of each response.
 3. *Aggregate* (seq-mean-token-mean): ``H_agg = mean_b( sum_t M H_p / sum_t M )``, a row with an empty mask
@@ -24,8 +24,8 @@ in ``ray_trainer.py``; restated, not copied):
    result is not invariant to gradient accumulation (as in the original).
 
 Defaults (``exp_scripts/siren.sh``): top_p = 0.8, quantile = 0.8, coef = ``entropy_coeff`` = 0.005. The official
-code considers the top 10000 candidates; ``k_max`` = 2048 caps them here for memory (the gradient path keeps
-``N_tokens * K`` floats, ``K`` = the widest nucleus of the batch, at most ``k_max``), which only matters when a
+code considers the top 10000 candidates; ``k_max`` = 2048 caps them here (each chunk's top-k workspace is
+``chunk_size * k_max``, within the chunked bound of ``chunk_size * V`` for any value), which only matters when a
 0.8-nucleus has more than 2048 tokens. Recommended PG settings of the paper: ``loss_type="dr_grpo"``, ``scale_rewards="none"``, symmetric clip
 0.28. TRL's ``entropy_coef`` (a global bonus) and ``top_entropy_quantile`` (a global mask on the PG loss, a
 different thing) must stay off. ``coef = 0`` is exactly TRL's loss.
@@ -56,7 +56,7 @@ class SirenOptions(PluginOptions):
     )
     k_max: int = option(
         2048, min=1,
-        help="Most likely candidates the nucleus is chosen from (official: 10000); memory at most N_tokens * k_max.",
+        help="Most likely candidates the nucleus is chosen from (official: 10000); top-k workspace chunk_size * k_max.",
         reconstructed=True,
     )
     anchor: float | None = option(

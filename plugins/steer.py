@@ -41,9 +41,9 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
 
 OLD_ENTROPY_KEY = "steer_old_entropy"
-DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 MIN_SCALE = 0.02  # floor of max|Omega| in the exp mapping (official code)
 
 
@@ -153,8 +153,8 @@ class SteerPlugin(Plugin):
         o = self.options
         moves = policy_moves(trainer, args)
         self._use_old_entropy = o.entropy_source == "old" or (o.entropy_source == "auto" and moves)
-        if args.loss_type not in DUAL_CLIP_LOSS_TYPES:
-            self._dual_clip = None  # cispo / sapo have no clipped max(L1, L2) to dual-clip
+        if args.loss_type not in CLIPPED_LOSS_TYPES:
+            self._dual_clip = None  # cispo / sapo / vespo have no clipped max(L1, L2) to dual-clip
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):

@@ -6,10 +6,12 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins.loss import shaped_offpolicy_loss
+from trl_plugins import loss_rules as rules
+from trl_plugins.loss_rules import shaped_offpolicy_loss
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    make_loss_context,
     make_tiny_trainer,
     record_run,
     temporary_plugin,
@@ -115,30 +117,15 @@ def _reset_probes():
     ProbeA.seen = []
 
 
-def _manual_per_token_loss(trainer, inputs, logps):
-    """Clipped surrogate on policy tokens, ``-A p/(p+gamma)`` on off-policy tokens (written out independently)."""
-    A = inputs["advantages"]
-    A = A.unsqueeze(1) if A.dim() == 1 else A
-    old = inputs.get("old_per_token_logps", logps)
-    ratio = torch.exp(logps - old)
-    clipped = torch.clamp(ratio, 1 - trainer.epsilon_low, 1 + trainer.epsilon_high)
-    surrogate = -torch.min(ratio * A, clipped * A)
-    p = logps.exp()
-    shaped = -A * p / (p + GAMMA)
-    return torch.where(inputs["offpolicy_mask"].bool(), shaped, surrogate)
-
-
-def _manual_aggregate(loss_type, per_token_loss, mask, trainer, inputs):
-    """TRL's aggregation per loss_type, with gradient_accumulation_steps = steps_per_generation = 1."""
-    if loss_type == "grpo":
-        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    if loss_type == "bnpo":
-        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1)
-    if loss_type == "dr_grpo":
-        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * trainer.max_completion_length)
-    if loss_type == "dapo":
-        return (per_token_loss * mask).sum() / inputs["num_items_in_batch"].clamp(min=1)
-    raise AssertionError(loss_type)
+def _aggregate(trainer, per_token_loss, mask, inputs, loss_type=None):
+    """The framework's aggregation of ``per_token_loss`` as the trainer's loss path applies it to ``inputs``."""
+    loss, _ = rules.aggregate(
+        loss_type or trainer.loss_type, per_token_loss, mask, num_items_in_batch=inputs["num_items_in_batch"],
+        max_completion_length=trainer.max_completion_length,
+        gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
+        steps_per_generation=trainer.args.steps_per_generation,
+    )
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------- through a trainer
@@ -180,22 +167,28 @@ def test_offpolicy_tokens_take_shaped_branch_in_training(loss_type):
     A = inputs["advantages"].unsqueeze(1).expand_as(logps)
     assert A.abs().sum() > 0
 
-    # the per-token surrogate the loss stage built: shaped on off-policy tokens, clipped elsewhere
-    expected_tokens = _manual_per_token_loss(trainer, inputs, logps)
-    torch.testing.assert_close(ctx.per_token_loss.detach(), expected_tokens, atol=1e-6, rtol=1e-5)
-    p = logps.exp()
-    torch.testing.assert_close(ctx.per_token_loss.detach()[off], (-A * p / (p + GAMMA))[off], atol=1e-6, rtol=1e-5)
-    # the micro-batch loss, recomputed by hand from the recorded micro-batch
-    expected = _manual_aggregate(loss_type, expected_tokens, mask, trainer, inputs)
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-5)
+    # the per-token surrogate the loss stage built: the framework's shaped branch on off-policy tokens, TRL's clipped
+    # surrogate elsewhere (the kit builds both from the same rules; here the trainer must feed them its tensors)
+    kit = dict(old_per_token_logps=inputs.get("old_per_token_logps", logps), advantages=inputs["advantages"],
+               mask=mask, loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high)
+    shaped = make_loss_context(logps, offpolicy_mask=off, offpolicy_gamma=GAMMA, **kit)
+    torch.testing.assert_close(ctx.per_token_loss.detach(), shaped.per_token_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ctx.per_token_loss.detach()[off], rules.shaped_offpolicy_loss(logps, A, GAMMA)[off],
+                               atol=1e-6, rtol=1e-5)
+    clipped = make_loss_context(logps, **kit)
+    assert not torch.allclose(clipped.per_token_loss.expand_as(logps)[off], shaped.per_token_loss[off])
+    # the micro-batch loss, recomputed from the recorded micro-batch
+    torch.testing.assert_close(loss, _aggregate(trainer, shaped.per_token_loss, mask, inputs), atol=1e-6, rtol=1e-5)
 
-    # gradient w.r.t. log pi: -A gamma p/(p+gamma)^2 on off-policy tokens, -A (ratio 1, unclipped) elsewhere
-    if loss_type == "bnpo":
-        weight = 1.0 / mask.sum()
-    else:
-        weight = 1.0 / (mask.size(0) * trainer.max_completion_length)
-    expected_grad = torch.where(off, -A * GAMMA * p / (p + GAMMA) ** 2, -A) * mask * weight
-    torch.testing.assert_close(grads[0], expected_grad, atol=1e-7, rtol=1e-4)
+    # gradient w.r.t. log pi: on the first pass (ratio 1) -A per loss token on policy tokens and LUFFY's
+    # -A gamma p/(p+gamma)^2 on off-policy tokens, both times the same normaliser of the loss type
+    p = logps.exp()
+    valid = mask.bool()
+    normaliser = grads[0][valid & ~off] / -A[valid & ~off]
+    assert torch.allclose(normaliser, normaliser[0].expand_as(normaliser), rtol=1e-5) and normaliser[0] > 0
+    luffy = -A * GAMMA * p / (p + GAMMA) ** 2
+    torch.testing.assert_close(grads[0][valid & off], normaliser[0] * luffy[valid & off], atol=1e-7, rtol=1e-4)
+    assert torch.count_nonzero(grads[0][~valid]) == 0
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
@@ -292,7 +285,7 @@ def test_add_token_loss_aggregates_like_loss_type(loss_setup, loss_type, monkeyp
     base, _, _ = _loss(trainer, inputs)
     ProbeA.action = lambda ctx: ctx.add_token_loss(term)
     loss, _, _ = _loss(trainer, inputs)
-    torch.testing.assert_close(loss - base, _manual_aggregate(loss_type, term, mask, trainer, inputs), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(loss - base, _aggregate(trainer, term, mask, inputs), atol=1e-6, rtol=1e-5)
 
 
 def test_additive_terms_are_not_scaled_by_token_weights(loss_setup):
@@ -313,7 +306,9 @@ def test_replace_tokens_then_weights_multiply(loss_setup):
     values = torch.full_like(mask, 0.7)
     ProbeB.action = lambda c: c.replace_tokens(replace, values)
     loss, _, _ = _loss(trainer, inputs)
-    expected = (torch.where(replace, values, base_tokens) * mask).sum() / mask.sum()
+    replaced = base_tokens.clone()
+    replaced[replace] = 0.7
+    expected = _aggregate(trainer, replaced, mask, inputs)
     torch.testing.assert_close(loss, expected)
     ProbeA.action = lambda c: c.scale_tokens(torch.full_like(c.per_token_loss, 0.5))
     loss, _, _ = _loss(trainer, inputs)
@@ -346,13 +341,13 @@ def test_vllm_is_ratio_is_one_on_offpolicy_tokens(loss_setup, monkeypatch):
     for is_ratio in (torch.full_like(mask, 0.25), torch.full((mask.size(0), 1), 0.25)):  # token / sequence modes
         batch = dict(inputs, importance_sampling_ratio=is_ratio)
         loss, _, _ = _loss(trainer, batch)
-        expected = (tokens * torch.where(off, 1.0, 0.25) * mask).sum() / mask.sum()
+        expected = _aggregate(trainer, tokens * torch.where(off, 1.0, 0.25), mask, inputs)
         torch.testing.assert_close(loss, expected)
     # without off-policy tokens the ratio applies everywhere (TRL's behaviour)
     batch = dict(inputs, importance_sampling_ratio=torch.full_like(mask, 0.25))
     batch["offpolicy_mask"] = torch.zeros_like(off)
     loss, _, ctx2 = _loss(trainer, batch)
-    torch.testing.assert_close(loss, 0.25 * (ctx2.per_token_loss.detach() * mask).sum() / mask.sum())
+    torch.testing.assert_close(loss, 0.25 * _aggregate(trainer, ctx2.per_token_loss.detach(), mask, inputs))
 
 
 def test_trl_off_policy_mask_is_one_on_offpolicy_tokens(loss_setup, monkeypatch):
@@ -364,10 +359,61 @@ def test_trl_off_policy_mask_is_one_on_offpolicy_tokens(loss_setup, monkeypatch)
     off = batch["offpolicy_mask"].bool()
     mask = batch["completion_mask"].float()
     tokens = ctx.per_token_loss.detach()
-    expected = (tokens * off * mask).sum() / mask.sum()
+    expected = _aggregate(trainer, tokens * off, mask, inputs)
     assert expected.abs() > 0
     torch.testing.assert_close(loss, expected)
     # with no off-policy tokens the whole micro-batch is masked
     batch["offpolicy_mask"] = torch.zeros_like(off)
     loss, _, _ = _loss(trainer, batch)
     assert loss.item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- TRL's metrics
+
+
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max")
+
+
+@pytest.fixture(scope="module")
+def sequence_setup(loss_batch):
+    """A trainer at sequence-level importance sampling whose stack has a ``trl_plugins_loss_advantages`` hook, and
+    a batch where row 0 is clipped high, row 3 clipped low, rows 1-2 inside the range (rows of unequal lengths)."""
+    with temporary_plugin(ProbeA):
+        trainer = make_tiny_trainer(plugins=["test_probe_a"], reward_funcs=[digit_fraction_reward],
+                                    importance_sampling_level="sequence", log_level="error")
+        inputs = loss_batch(trainer)
+        inputs["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        yield trainer, inputs
+
+
+def _loss_and_clip_metrics(trainer, compute_loss, inputs):
+    trainer._metrics["train"].clear()
+    loss = compute_loss(trainer, trainer.model, inputs)
+    return loss.detach(), {key: trainer._metrics["train"][key] for key in CLIP_METRICS}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "luspo"])
+def test_sequence_level_clip_ratios_stay_per_sequence_with_loss_advantage_hooks(sequence_setup, loss_type,
+                                                                                 monkeypatch):
+    """TRL logs one clip indicator per sequence at sequence-level IS; expanding the advantages to (B, T) for the
+    hooks must not turn the clip ratios into token-weighted means (nor change the loss)."""
+    trainer, inputs = sequence_setup
+    monkeypatch.setattr(trainer, "loss_type", loss_type)
+    trl_loss, trl_metrics = _loss_and_clip_metrics(trainer, GRPOTrainer._compute_loss, inputs)
+    assert trl_metrics["clip_ratio/low_mean"] == [0.25] and trl_metrics["clip_ratio/high_mean"] == [0.25]
+
+    # the hook keeps the advantages per row: TRL's loss and metrics, exactly
+    loss, metrics = _loss_and_clip_metrics(trainer, type(trainer)._compute_loss, inputs)
+    assert ProbeA.seen[-1].advantages.shape == (4, inputs["completion_ids"].size(1))  # the hook saw (B, T)
+    assert torch.equal(loss, trl_loss)
+    assert metrics == trl_metrics
+
+    # token advantages scaled by positive per-token factors: each sequence is still clipped or not as a whole
+    def scale_per_token(ctx):
+        ctx.advantages = ctx.advantages * torch.linspace(0.5, 2.0, ctx.advantages.size(1))
+
+    ProbeA.adv_action = scale_per_token
+    loss, metrics = _loss_and_clip_metrics(trainer, type(trainer)._compute_loss, inputs)
+    assert not torch.equal(loss, trl_loss)
+    assert metrics == trl_metrics

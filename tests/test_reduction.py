@@ -1,15 +1,17 @@
 """Reduction (no plugins: exactly TRL) and the neutral setting of the loss path.
 
 With no plugins, ``PluginGRPOTrainer`` must be identical to ``trl.GRPOTrainer`` with the same seed:
-completions, rewards, advantages, per-micro-step losses, gradients and final parameters. The second test runs
+completions, rewards, advantages, per-micro-step losses, gradients and final parameters. The other tests run
 the plugin loss path (used whenever a stack has loss or sampling hooks) with a plugin that contributes
-nothing, which must also reproduce TRL exactly.
+nothing, which must also reproduce TRL exactly: for every loss type TRL offers, at both importance-sampling
+levels, and with TRL's loss options.
 """
 
 import pytest
 from trl import GRPOTrainer
 
 from trl_plugins import Plugin, hookimpl
+from trl_plugins.loss_rules import LOSS_TYPES as ALL_LOSS_TYPES
 from trl_plugins.tasks.tiny import build_and_save
 from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
 
@@ -52,6 +54,32 @@ def test_plugin_loss_path_with_neutral_plugin_is_identical(loss_type, vanilla_ru
     trainer = make_tiny_trainer(loss_type=loss_type, plugins=["neutral_loss"], **RUN)
     assert trainer._uses_plugin_loss
     assert_runs_equal(vanilla_runs[loss_type], record_run(trainer))
+
+
+#: The other loss types, and sequence-level importance sampling (GSPO, LUSPO), over two passes per generation
+#: batch so that the importance ratios differ from 1 (clipping, SAPO's gate and VESPO's weights act).
+MOVING_RATIO_CASES = [(lt, "token") for lt in ALL_LOSS_TYPES if lt not in LOSS_TYPES] + [
+    ("grpo", "sequence"),
+    ("luspo", "sequence"),
+    ("dapo", "sequence"),
+]
+
+
+@pytest.mark.parametrize(("loss_type", "level"), MOVING_RATIO_CASES)
+def test_plugin_loss_path_with_neutral_plugin_is_identical_for_every_loss_type(loss_type, level, temporary_plugin):
+    temporary_plugin(NeutralLossPlugin)
+    run = dict(RUN, loss_type=loss_type, importance_sampling_level=level, num_iterations=2)
+    vanilla = record_run(make_tiny_trainer(GRPOTrainer, **run))
+    trainer = make_tiny_trainer(plugins=["neutral_loss"], **run)
+    assert trainer._uses_plugin_loss
+    ours = record_run(trainer)
+    assert any(g.abs().sum() > 0 for grads in vanilla.grads for g in grads.values())
+    assert_runs_equal(vanilla, ours)
+    # TRL's logged metrics (clip ratios, cispo_clip_ratio, vespo/phi_seq_mean, entropy ...) are TRL's too
+    assert len(ours.logs) == len(vanilla.logs)
+    for theirs, mine in zip(vanilla.logs, ours.logs):
+        timing_free = [k for k in theirs if not any(word in k for word in ("time", "runtime", "per_second"))]
+        assert {k: mine.get(k) for k in timing_free} == {k: theirs[k] for k in timing_free}
 
 
 @pytest.mark.parametrize("extra", [dict(beta=0.05), dict(entropy_coef=0.01), dict(top_entropy_quantile=0.5)])

@@ -23,9 +23,9 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins import loss_rules as rules
 from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.testing import (
-    LOSS_TYPES,
     StubGenerationService,
     assert_group_sizes,
     assert_offpolicy_logprobs_nan,
@@ -228,52 +228,50 @@ def test_advantage_context_defaults_are_trls():
     assert ctx.advantages.tolist() == [7.0, 8.0]
 
 
-def test_loss_context_surrogate_and_shaped_branch():
+def test_loss_context_defaults_ratio_and_shaped_branch():
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.0]], requires_grad=True)
     old = torch.tensor([[-1.5, -2.0, -0.2], [-0.3, -0.2, -2.5]])
     adv = torch.tensor([1.0, -2.0])
     off = torch.tensor([[False, False, False], [False, False, True]])
     ctx = make_loss_context(lp, old_per_token_logps=old, advantages=adv, offpolicy_mask=off, offpolicy_gamma=0.1)
+    on_policy = make_loss_context(lp, old_per_token_logps=old, advantages=adv)
     assert ctx.advantages.shape == (2, 1)  # per row, as the framework passes it without loss_advantages hooks
-    r = torch.exp(lp - old)
-    a = adv[:, None]
-    expected = -torch.min(r * a, torch.clamp(r, 0.8, 1.2) * a)
-    p = lp[1, 2].exp()
-    expected = expected.clone()
-    expected[1, 2] = 2.0 * p / (p + 0.1)  # -A f(p), A = -2
-    torch.testing.assert_close(ctx.per_token_loss, expected)
-    torch.testing.assert_close(ctx.coef_1, r)
-    torch.testing.assert_close(ctx.log_ratio, lp - old)
+    weights = rules.importance_weights(lp, old, ctx.mask, "token")
+    assert torch.equal(ctx.coef_1, weights.coef_1) and torch.equal(ctx.log_ratio, lp - old)
+    # off-policy tokens take the framework's shaped branch, every other token the surrogate of the context
+    # without off-policy tokens
+    shaped = rules.shaped_offpolicy_loss(lp, ctx.advantages, 0.1)
+    assert torch.equal(ctx.per_token_loss[off], shaped[off])
+    assert torch.equal(ctx.per_token_loss[~off], on_policy.per_token_loss[~off])
     assert ctx.num_items_in_batch == 6 and ctx.completion_ids.shape == (2, 3)
-    cispo = make_loss_context(lp, old_per_token_logps=old, advantages=adv, loss_type="cispo", epsilon_high=1.1)
-    torch.testing.assert_close(cispo.per_token_loss, -torch.clamp(r, max=1.1) * a * lp)
     default = make_loss_context(shape=(3, 5))
     assert default.per_token_logps.requires_grad and default.advantages.flatten().tolist() == [1.0, -1.0, 1.0]
     assert torch.equal(default.old_per_token_logps, default.per_token_logps.detach())
+    sequence = make_loss_context(lp, old_per_token_logps=old, advantages=adv, importance_sampling_level="sequence")
+    assert sequence.coef_1.shape == (2, 1) and sequence.per_token_loss.shape == (2, 1)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"])
-def test_loss_from_context_composes_like_the_framework(loss_type):
-    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    ctx = make_loss_context(shape=(2, 3), mask=mask, loss_type=loss_type)
-    w = torch.tensor([[2.0, 1.0, 1.0], [0.5, 1.0, 1.0]])
-    term = torch.full((2, 3), 0.1)
-    repl = torch.tensor([[True, False, False], [False, False, False]])
-    ctx.set_active_plugin("kit_test")
-    ctx.scale_tokens(w)
-    ctx.add_token_loss(term)
-    ctx.add_loss(torch.tensor(0.25))
-    ctx.replace_tokens(repl, torch.full((2, 3), 9.0))
-    per_token = torch.where(repl, torch.full((2, 3), 9.0), ctx.per_token_loss) * w + term
-    if loss_type == "grpo":
-        expected = ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
-    elif loss_type == "bnpo" or loss_type == "dapo":
-        expected = (per_token * mask).sum() / mask.sum()
-    elif loss_type == "dr_grpo":
-        expected = (per_token * mask).sum() / (2 * 8)
-    else:
-        expected = (per_token * mask).sum(-1).mean()
-    torch.testing.assert_close(loss_from_context(ctx, max_completion_length=8), expected + 0.25)
+def test_loss_context_sapo_is_the_sigmoid_gate_not_the_clipped_surrogate():
+    """The kit once built the clipped surrogate for every loss type but cispo (the trainer comparison below checks
+    each type's values against the trainer's loss path)."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -2.0]], requires_grad=True)
+    old = lp.detach() - 0.1  # ratio 1.105, inside the clip range: the clipped surrogate is -r A
+    sapo = make_loss_context(lp, old_per_token_logps=old, loss_type="sapo")
+    clipped = make_loss_context(lp, old_per_token_logps=old, loss_type="grpo")
+    assert not torch.allclose(sapo.per_token_loss, clipped.per_token_loss)
+    hot = make_loss_context(lp, old_per_token_logps=old, loss_type="sapo",
+                            loss_options={"sapo_temperature_neg": 5.0})
+    assert torch.equal(hot.per_token_loss[0], sapo.per_token_loss[0])  # row 0 has A > 0: positive temperature
+    assert not torch.equal(hot.per_token_loss[1], sapo.per_token_loss[1])
+
+
+def test_loss_context_refuses_unknown_settings():
+    with pytest.raises(ValueError, match=r"loss_type='ppo' is unknown; allowed: grpo, bnpo, .*vespo"):
+        make_loss_context(loss_type="ppo")
+    with pytest.raises(ValueError, match=r"importance_sampling_level='row' is unknown"):
+        make_loss_context(importance_sampling_level="row")
+    with pytest.raises(ValueError, match=r"unknown loss option\(s\) \['sapo_temp'\]; allowed: delta, sapo_temperature_"):
+        make_loss_context(loss_type="sapo", loss_options={"sapo_temp": 2.0})
 
 
 # ============================================================================================ enabling and calling
@@ -355,39 +353,86 @@ def test_builtin_plugin_on_kit_contexts_across_processes():
 
 
 class KitLossProbe(Plugin):
-    """Contributes every kind of loss term and keeps the context, to compare the kit's composition."""
+    """Contributes every kind of loss term (replacement, weights, token and scalar terms) and keeps the context,
+    to compare the kit's composition with the trainer's."""
 
     name = "kit_loss_probe"
+    replaces_surrogate = True
     seen = []
+
+    @staticmethod
+    def contribute(ctx):
+        T = ctx.mask.size(1)
+        ctx.replace_tokens(torch.arange(T).expand_as(ctx.mask) % 5 == 1, 0.3 * ctx.per_token_logps)
+        ctx.scale_tokens(torch.linspace(0.5, 1.5, T))
+        ctx.add_token_loss(0.01 * ctx.per_token_logps ** 2)
+        ctx.add_loss(0.125 * ctx.per_token_logps.mean())
 
     @hookimpl
     def trl_plugins_loss(self, ctx):
-        ctx.scale_tokens(torch.linspace(0.5, 1.5, ctx.mask.size(1)))
-        ctx.add_token_loss(0.01 * ctx.per_token_logps ** 2)
-        ctx.add_loss(0.125 * ctx.per_token_logps.mean())
+        KitLossProbe.contribute(ctx)
         KitLossProbe.seen.append(ctx)
 
 
 @pytest.fixture(scope="module")
-def probe_batch():
+def probe_batch(loss_batch):
     with temporary_plugin(KitLossProbe):
         trainer = make_tiny_trainer(plugins=["kit_loss_probe"], reward_funcs=[digit_fraction_reward], log_level="error")
-        trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop otherwise
-        ds = trainer.train_dataset
-        inputs = trainer._generate_and_score_completions([dict(ds[0]) for _ in range(trainer.num_generations)])
-        yield trainer, inputs
+        yield trainer, loss_batch(trainer)
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_loss_from_context_equals_the_trainer_loss(probe_batch, loss_type, monkeypatch):
-    trainer, inputs = probe_batch
+def _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, level, options, monkeypatch):
     monkeypatch.setattr(trainer, "loss_type", loss_type)
+    monkeypatch.setattr(trainer, "importance_sampling_level", level)
+    for name, value in options.items():
+        monkeypatch.setattr(trainer.args, name, value)
     KitLossProbe.seen = []
     loss = trainer._compute_loss(trainer.model, inputs)
     (ctx,) = KitLossProbe.seen
     assert inputs["advantages"].abs().sum() > 0
-    torch.testing.assert_close(loss_from_context(ctx, trainer.max_completion_length), loss)
+    assert not torch.equal(ctx.coef_1, torch.ones_like(ctx.coef_1))
+
+    kit = make_loss_context(
+        ctx.per_token_logps, old_per_token_logps=inputs["old_per_token_logps"], advantages=inputs["advantages"],
+        mask=ctx.mask, loss_type=loss_type, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+        importance_sampling_level=level, num_items_in_batch=inputs["num_items_in_batch"], loss_options=options,
+    )
+    assert torch.equal(kit.coef_1, ctx.coef_1)
+    assert torch.equal(kit.per_token_loss, ctx.per_token_loss)
+    kit.set_active_plugin("kit_loss_probe")
+    KitLossProbe.contribute(kit)
+    kit_loss = loss_from_context(kit, trainer.max_completion_length)
+    assert torch.equal(kit_loss, loss)
+    (grad,) = torch.autograd.grad(loss, ctx.per_token_logps, retain_graph=True)
+    (kit_grad,) = torch.autograd.grad(kit_loss, ctx.per_token_logps)
+    assert torch.equal(kit_grad, grad) and grad.abs().sum() > 0
+    return ctx
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", rules.LOSS_TYPES)
+def test_kit_loss_equals_the_trainer_loss(probe_batch, loss_type, level, monkeypatch):
+    """The kit's context (surrogate of every loss type, importance ratio at both levels) and its loss with every
+    kind of plugin contribution equal the trainer's loss path on the same micro-batch, value and gradient."""
+    trainer, inputs = probe_batch
+    _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, level, {}, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "options"),
+    [
+        ("grpo", {"delta": 1.1}),
+        ("sapo", {"sapo_temperature_pos": 1.5, "sapo_temperature_neg": 0.7}),
+        ("vespo", {"vespo_k_pos": 1.0, "vespo_lambda_pos": 2.0, "vespo_k_neg": 2.0, "vespo_lambda_neg": 4.0}),
+    ],
+)
+def test_kit_loss_equals_the_trainer_loss_with_loss_options(probe_batch, loss_type, options, monkeypatch):
+    trainer, inputs = probe_batch
+    ctx = _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, "token", options, monkeypatch)
+    monkeypatch.undo()
+    default = make_loss_context(ctx.per_token_logps, old_per_token_logps=inputs["old_per_token_logps"],
+                                advantages=inputs["advantages"], mask=ctx.mask, loss_type=loss_type)
+    assert not torch.equal(default.per_token_loss, ctx.per_token_loss)  # the options do act
 
 
 class ContractProbe(Plugin):

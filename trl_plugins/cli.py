@@ -38,7 +38,8 @@ def describe_plugin(name: str) -> str:
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
     from .docs import stacking_notes
 
-    notes = ["Uses chunked LM-head statistics (never the full logits)."] if cls.needs_head_stats else []
+    head_note = "Uses chunked LM-head statistics (at most chunk_size x V logits at a time, gradient path included)."
+    notes = [head_note] if cls.needs_head_stats else []
     notes += stacking_notes(cls, code=str)
     lines.append("Stacking:")
     for note in notes:

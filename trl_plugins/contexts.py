@@ -15,6 +15,14 @@ import torch
 
 from .errors import PluginError
 from .services import RunInfo, StageServices, gather_padded
+from .success import (
+    DEFAULT_RULE,
+    RewardColumns,
+    SuccessRule,
+    is_placeholder,
+    success_mask,
+    verifier_column,
+)
 
 #: Prefix of the generation-batch keys that carry per-row plugin extras to the loss stage.
 EXTRA_PREFIX = "plugin_extra::"
@@ -234,18 +242,32 @@ class RolloutContext(_StageContext):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
-        """Weighted reward of local rows ``indices`` for the given completions (default: their current ones).
+    def reward_columns(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> RewardColumns:
+        """Every reward function's value for local rows ``indices`` and the given completions (default: their current
+        ones): a :class:`~trl_plugins.success.RewardColumns` with the (len(indices), K) matrix (NaN where a function
+        returned None and in placeholder columns), the column names and TRL's weights.
 
-        Runs the trainer's reward functions locally (no gather) on ``(rows[i], completions[j])`` and returns
-        the weighted sum (len(indices),), as TRL combines them. Use it to test candidates before accepting.
-        With several processes a reward function's error here is held (its rows score 0.0) and raised on every
-        process together at the next framework collective (generation service, policy entropies, end of stage), so a
-        failure on one process never leaves the others waiting in your ``gather``.
+        Runs the trainer's reward functions locally (no gather, no reward transforms). With several processes a
+        reward function's error here is held (its rows score 0.0) and raised on every process together at the next
+        framework collective (generation service, policy entropies, end of stage), so a failure on one process never
+        leaves the others waiting in your ``gather``.
         """
         comps = [self.completions[i] for i in indices] if completions is None else list(completions)
         score = self._service("score")
-        return score([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps)
+        return RewardColumns.of(score([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps))
+
+    def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
+        """Weighted reward (len(indices),) of local rows ``indices``, as TRL combines the columns (weighted nansum of
+        :meth:`reward_columns`). To decide whether an answer is *correct*, use :meth:`success` instead: a weighted
+        sum mixes partial-credit and placeholder columns into the verdict."""
+        return self.reward_columns(indices, completions).weighted_sum()
+
+    def success(
+        self, indices: Sequence[int], completions: Sequence[Any] | None = None, rule: SuccessRule = DEFAULT_RULE
+    ) -> torch.Tensor:
+        """(len(indices),) bool: which completions succeed under ``rule`` -- decided on the verifier column only
+        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
+        return self.reward_columns(indices, completions).success(rule)
 
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
         """Token ids of prompts exactly as TRL tokenizes them for generation (chat template applied)."""
@@ -378,6 +400,20 @@ class RewardContext(_StageContext):
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
         return self._service("gather_object")(values)
 
+    def _placeholders(self) -> list[bool]:
+        funcs = getattr(self.trainer, "reward_funcs", None) or ()
+        return [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
+
+    def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
+        """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
+        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
+        return success_mask(self.rewards_per_func, self.reward_func_names, rule, self._placeholders())
+
+    def verifier(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
+        """(N,) the verifier column of ``rewards_per_func`` (``rule.column``, default: the first reward function that
+        is not a placeholder)."""
+        return self.rewards_per_func[:, verifier_column(self.reward_func_names, self._placeholders(), rule.column)]
+
 
 # =============================================================================================== advantage
 @dataclass
@@ -472,11 +508,13 @@ class LossContext(_StageContext):
         entropies: (B, T) full-vocabulary entropies, with grad.
         advantages: token advantages: (B, T) when the advantage stage gave token-level ones or a
             ``loss_advantages`` hook is present (it always sees (B, T)); otherwise (B, 1), broadcasting over T.
+            (Advantages the ``loss_advantages`` hooks leave constant along each row build the surrogate per row.)
         mask: (B, T) loss mask (completion mask times tool mask).
         offpolicy_mask: (B, T) bool, tokens trained through the shaped off-policy branch.
         log_ratio: (B, T) or (B, 1) ``log pi_theta - log pi_old`` at TRL's importance-sampling level.
         coef_1: ``exp(log_ratio)``, the importance ratio.
-        per_token_loss: (B, T) the base surrogate (TRL's, by ``loss_type``; off-policy tokens already shaped).
+        per_token_loss: the base surrogate (TRL's, by ``loss_type``: :mod:`trl_plugins.loss_rules`; off-policy
+            tokens already shaped): (B, T), or (B, 1) at sequence-level importance sampling with per-row advantages.
         extras: per-row tensors attached at the advantage stage (first dim B).
         loss_type, epsilon_low, epsilon_high, beta: the run's settings.
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
@@ -523,7 +561,10 @@ class LossContext(_StageContext):
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).
 
-        Available only to plugins declaring ``needs_head_stats = True``; never materialises (B, T, V) logits.
+        Available only to plugins declaring ``needs_head_stats = True``. Every statistic, the gradient path of
+        ``top_p_entropy_with_grad`` included, works on blocks of at most ``chunk_size`` rows of V logits, so no
+        (B, T, V) logits are built for any ``k_max`` or nucleus width (``nucleus_ids`` alone returns an
+        ``(N, min(k_max, V))`` id tensor, by design).
         """
         if self.services.head_stats is None:
             raise PluginError(

@@ -10,7 +10,8 @@ distribution. This module provides them:
 * :func:`lm_head_of` returns the LM head ``(weight, bias, logit_scale, softcap)`` read the way TRL reads it.
 * :class:`HeadStats` projects the valid completion positions through the head ``chunk_size`` tokens at a time,
   in float32 and under ``torch.no_grad()``, and reduces each ``(chunk, V)`` block to per-token statistics.
-  It never builds a ``(B, T, V)`` tensor.
+  It never builds a ``(B, T, V)`` tensor; neither does the one statistic with gradient (the top-p entropy),
+  which recomputes each chunk in its backward instead of keeping its logits.
 
 Logit transform (identical to TRL's fused kernel)::
 
@@ -202,7 +203,7 @@ def capture_hidden_states(model: nn.Module) -> Iterator[CapturedHidden]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Logit transform and the gradient path for gathered logits
+# Logit transform and the gradient path of the nucleus entropy
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -230,72 +231,64 @@ def transform_logits_(z: torch.Tensor, logit_scale: float = 1.0, softcap: float 
     return z
 
 
-class _GatheredLogits(torch.autograd.Function):
-    """Raw logits ``h[n] . W[ids[n, k]] (+ bias[ids[n, k]])`` for selected ids only, in float32.
+class _NucleusEntropy(torch.autograd.Function):
+    """Nucleus entropy ``H (N,)`` of hidden rows ``h (N, d)`` with gradient, recomputed chunk by chunk.
 
-    Inputs: ``h (N, d)``, ``W (V, d)``, ``bias (V,)`` or ``None``, ``ids (N, K)`` (all in ``[0, V)``), ``rows`` =
-    rows processed per block, ``dense``: how a block is computed. Output ``(N, K)`` float32. Nothing of block size is
-    saved for backward (only ``ids``); the weight gradient is accumulated into one dense ``(V, d)`` float32 buffer.
-
-    * ``dense=False`` (``K * d < V``: few candidates, large vocabulary): gather ``W[ids]``, a ``(rows, K, d)`` block.
-    * ``dense=True`` (otherwise): the block's full logits ``h W^T``, a ``(rows, V)`` block (one matrix product),
-      then pick the ``K`` columns; backward scatters the gradient into ``(rows, V)`` and uses two matrix products.
-      Same extra memory for ``rows * V <= chunk * V`` and far faster than gathering ``K * d > V`` weights per row.
+    Forward: for each chunk of ``stats.chunk_size`` rows, project through the head (no grad), pick the nucleus and
+    reduce it to ``H``. Only ``h``, the head and ``H`` are saved. Backward: project each chunk again, pick the same
+    nucleus, and form the gradient directly: with ``q`` the nucleus distribution,
+    ``dH/dz_k = -q_k (log q_k + H)`` on nucleus ids (0 elsewhere), times the derivative of the logit transform,
+    scattered into the chunk's ``(rows, V)`` block, then ``grad_h = g W`` and ``grad_W += g^T h`` (``grad_b +=
+    sum_rows g``), the head cast to float32 ``vocab_tile`` rows at a time. So no tensor has more than
+    ``chunk_size * V`` elements (plus the ``(V, d)`` float32 gradient buffer of the head when it requires grad),
+    whatever the nucleus width.
     """
 
     @staticmethod
-    def forward(ctx, h, weight, bias, ids, rows, dense=False):
-        out = torch.empty(ids.shape, device=h.device, dtype=torch.float32)
-        w32 = weight.float() if dense else None
-        for s in range(0, ids.shape[0], rows):
-            idx = ids[s : s + rows]
-            if dense:
-                block = h[s : s + rows].float() @ w32.T  # (n, V)
-                if bias is not None:
-                    block += bias.float()
-                out[s : s + rows] = block.gather(1, idx)
-                continue
-            w_sel = weight[idx].float()  # (n, K, d)
-            out[s : s + rows] = torch.einsum("nd,nkd->nk", h[s : s + rows].float(), w_sel)
-            if bias is not None:
-                out[s : s + rows] += bias[idx].float()
-        ctx.save_for_backward(h, weight, bias, ids)
-        ctx.rows, ctx.dense = rows, dense
-        return out
+    def forward(ctx, h, weight, bias, stats, top_p, k_max, mode):
+        H = torch.empty(h.shape[0], device=h.device, dtype=torch.float32)
+        with torch.no_grad():
+            for s in range(0, h.shape[0], stats.chunk_size):
+                z = stats._project(h[s : s + stats.chunk_size])
+                H[s : s + z.shape[0]] = stats._nucleus(z, top_p, k_max, mode)[3]
+                del z
+        ctx.save_for_backward(h, weight, bias, H)
+        ctx.stats, ctx.top_p, ctx.k_max, ctx.mode = stats, top_p, k_max, mode
+        return H
 
     @staticmethod
-    def backward(ctx, grad_out):
-        h, weight, bias, ids = ctx.saved_tensors
-        rows = ctx.rows
+    def backward(ctx, grad_H):
+        h, weight, bias, H = ctx.saved_tensors
+        stats = ctx.stats
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_out = grad_out.float()
         grad_h = torch.zeros(h.shape, device=h.device, dtype=torch.float32) if need_h else None
         grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if need_w else None
-        grad_b = None
-        if need_b:
-            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32)
-            grad_b.index_add_(0, ids.reshape(-1), grad_out.reshape(-1))
-        w32 = weight.float() if ctx.dense and need_h else None
-        for s in range(0, ids.shape[0], rows):
-            g = grad_out[s : s + rows]  # (n, K)
-            idx = ids[s : s + rows]
-            if ctx.dense:
-                g_full = torch.zeros(g.shape[0], weight.shape[0], device=g.device, dtype=torch.float32)
-                g_full.scatter_add_(1, idx, g)  # (n, V): duplicate ids add up, as in the gathered path
-                if need_h:
-                    grad_h[s : s + rows] = g_full @ w32
-                if need_w:
-                    grad_w += g_full.T @ h[s : s + rows].float()
-                continue
-            if need_h:
-                grad_h[s : s + rows] = torch.einsum("nk,nkd->nd", g, weight[idx].float())
-            if need_w:
-                contrib = g.unsqueeze(-1) * h[s : s + rows].float().unsqueeze(1)  # (n, K, d)
-                grad_w.index_add_(0, idx.reshape(-1), contrib.reshape(-1, h.shape[-1]))
+        grad_b = torch.zeros(bias.shape, device=bias.device, dtype=torch.float32) if need_b else None
+        grad_H = grad_H.float()
+        tile = weight.shape[0] if weight.dtype == torch.float32 else stats.vocab_tile  # one product when float32
+        with torch.no_grad():
+            for s in range(0, h.shape[0], stats.chunk_size):
+                h_rows = h[s : s + stats.chunk_size].float()
+                z = stats._project(h_rows)  # (n, V), transformed
+                ids, keep, logq, _ = stats._nucleus(z, ctx.top_p, ctx.k_max, ctx.mode)
+                H_rows = H[s : s + z.shape[0], None]
+                g = torch.where(keep, -logq.exp() * (logq + H_rows), torch.zeros_like(logq))
+                g = g * grad_H[s : s + z.shape[0], None] * stats.transform_slope(z.gather(1, ids))
+                g_full = z.zero_().scatter_add_(1, ids, g)  # (n, V), reusing the block
+                for v in range(0, weight.shape[0], tile):
+                    w_tile = weight[v : v + tile].float()
+                    if need_h:
+                        grad_h[s : s + z.shape[0]] += g_full[:, v : v + tile] @ w_tile
+                    if need_w:
+                        grad_w[v : v + tile] += g_full[:, v : v + tile].T @ h_rows
+                if need_b:
+                    grad_b += g_full.sum(0)
+                del z, g_full
         return (
             None if grad_h is None else grad_h.to(h.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -322,7 +315,8 @@ class HeadStats:
             ``(chunk_size, V)`` float32 blocks, including the top-k workspace of the top-p methods; it never grows
             with the number of tokens.
         vocab_tile: when ``weight`` is not float32, it is cast to float32 ``vocab_tile`` rows at a time, so no full
-            float32 copy of the head is made.
+            float32 copy of the head is made (gradient path included; a head that itself requires grad gets its
+            gradient accumulated in one ``(V, d)`` float32 buffer).
 
     Valid positions are ordered row-major (``completion_mask.nonzero()`` order); ``N`` denotes their number.
     Methods returning ``(B, C)`` put 0 at invalid positions.
@@ -541,6 +535,26 @@ class HeadStats:
         probs = torch.exp(vals - torch.logsumexp(z, dim=-1, keepdim=True))  # true (full-vocab) probabilities
         return vals, ids, probs
 
+    def _nucleus(self, z: torch.Tensor, top_p: float, k_max: int | None, mode: str):
+        """The nucleus of logits ``z (n, V)``: ids ``(n, k)`` (most likely first), keep mask ``(n, k)``, ``log q``
+        ``(n, k)`` (0 outside the nucleus) and the nucleus entropy ``H (n,)`` (0 for an empty nucleus)."""
+        vals, ids, probs = self._top(z, k_max)
+        keep = self._nucleus_keep(probs, top_p, mode)
+        zk = vals.masked_fill(~keep, -math.inf)
+        lse = torch.logsumexp(zk, dim=-1, keepdim=True)
+        logq = torch.where(keep, zk - lse, torch.zeros_like(zk))
+        H = -(logq.exp() * logq).masked_fill(~keep, 0.0).sum(-1)
+        return ids, keep, logq, torch.where(keep.any(-1), H, torch.zeros_like(H))
+
+    def transform_slope(self, z: torch.Tensor) -> torch.Tensor:
+        """``dz / draw`` of the logit transform, from transformed logits ``z`` (any shape)."""
+        slope = self.logit_scale / self.temperature
+        if self.softcap is None:
+            return torch.full_like(z, slope)
+        cap = self.softcap or 1.0
+        t = z * (self.temperature / cap)  # tanh(scaled raw / cap)
+        return slope * (1.0 - t * t)
+
     def top_p_entropy(self, top_p: float, k_max: int | None = None, mode: str = "cover") -> torch.Tensor:
         """``(B, C)`` float32, no grad: entropy of the nucleus distribution ``q = p|_nucleus / p(nucleus)``.
 
@@ -548,21 +562,11 @@ class HeadStats:
         :meth:`_nucleus_keep`; default ``"cover"`` = smallest set with mass ``>= top_p``). An empty nucleus (only
         possible with ``"siren"``) gives 0. Workspace per chunk: top-k values, int64 ids and probs, ``n * k`` each.
         """
-
-        def fn(z, rows):
-            vals, _, probs = self._top(z, k_max)
-            keep = self._nucleus_keep(probs, top_p, mode)
-            zk = vals.masked_fill(~keep, -math.inf)
-            lse = torch.logsumexp(zk, dim=-1, keepdim=True)
-            logq = torch.where(keep, zk - lse, torch.zeros_like(zk))
-            H = -(logq.exp() * logq).masked_fill(~keep, 0.0).sum(-1)
-            return torch.where(keep.any(-1), H, torch.zeros_like(H))
-
-        return self.to_bc(self.map_chunks(fn))
+        return self.to_bc(self.map_chunks(lambda z, rows: self._nucleus(z, top_p, k_max, mode)[3]))
 
     def nucleus_ids(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
         """``(N, min(k_max, V))`` int64, no grad: nucleus token ids per valid position, most likely first, padded
-        with -1.
+        with -1. The result itself is ``N * min(k_max, V)`` ids (the full vocabulary width when ``k_max >= V``).
 
         Row ``n`` is the ``n``-th valid position in row-major order (see :meth:`to_bc`). The nucleus is chosen as in
         :meth:`top_p_entropy` among the ``k_max`` most likely tokens, so a nucleus larger than ``k_max`` is truncated.
@@ -574,30 +578,19 @@ class HeadStats:
 
         return self.map_chunks(fn)
 
-    def top_p_entropy_with_grad(self, top_p: float, k_max: int, mode: str = "cover") -> torch.Tensor:
+    def top_p_entropy_with_grad(self, top_p: float, k_max: int | None, mode: str = "cover") -> torch.Tensor:
         """``(B, C)`` float32: nucleus entropy WITH autograd through the hidden states (and the head).
 
-        The nucleus ids come from :meth:`nucleus_ids` (no grad), cut to the widest nucleus ``K <= k_max``. Only those
-        logits are then recomputed with grad, ``h[b,t] . W[ids]`` (+ bias), transformed as usual, renormalised over
-        the nucleus, and ``-sum q log q`` is returned; invalid positions and empty nuclei give 0 with zero gradient.
-        Memory: ``N * K`` for the selected logits (kept for backward) plus a transient block of at most
-        ``chunk_size * V`` elements (``chunk_size`` rows of full logits when ``K * d >= V``, else gathered weights). Gradients reach ``hidden`` (thus the model),
-        ``weight`` and ``bias`` when those require grad.
+        Same value as :meth:`top_p_entropy`. The gradient is exact for the chosen nucleus (the choice itself is
+        piecewise constant): each chunk of ``chunk_size`` valid tokens is projected once in the forward and once
+        again in the backward, and its gradient formed directly (see :class:`_NucleusEntropy`), so the memory is
+        that of the no-grad statistics (a few ``(chunk_size, V)`` float32 blocks) for any ``k_max`` and nucleus
+        width, plus ``N * d`` for the saved hidden rows and, when the head requires grad, its ``(V, d)`` float32
+        gradient buffer. Invalid positions and empty nuclei give 0 with zero gradient. Gradients reach ``hidden``
+        (thus the model), ``weight`` and ``bias`` when those require grad.
         """
-        ids = self.nucleus_ids(top_p, k_max, mode)  # (N, K), K = min(k_max, V)
-        ids = ids[:, : max(1, int((ids >= 0).sum(-1).max().item()) if ids.numel() else 1)]  # widest nucleus
-        pad = ids < 0
+        if mode not in _NUCLEUS_MODES:
+            raise ValueError(f"mode must be one of {_NUCLEUS_MODES}, got {mode!r}")
         h = self._valid(self.hidden_c)  # (N, d), graph kept
-        d, K = h.shape[-1], ids.shape[1]
-        dense = K * d >= self.vocab_size
-        rows = self.chunk_size if dense else max(1, (self.chunk_size * self.vocab_size) // max(1, K * d))
-        raw = _GatheredLogits.apply(h, self.weight, self.bias, ids.clamp(min=0), rows, dense)  # (N, K)
-        z = transform_logits(raw, self.logit_scale, self.softcap, self.temperature)
-        empty = pad.all(-1, keepdim=True)
-        # Empty rows get finite zeros everywhere (no NaN in backward); their entropy is zeroed below.
-        z = z.masked_fill(pad & ~empty, -math.inf).masked_fill(empty, 0.0)
-        logq = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        logq = torch.where(pad, torch.zeros_like(logq), logq)
-        H = -(logq.exp() * logq).sum(-1)
-        H = torch.where(empty.squeeze(-1), torch.zeros_like(H), H)
+        H = _NucleusEntropy.apply(h, self.weight, self.bias, self, top_p, k_max, mode)
         return self.to_bc(H)

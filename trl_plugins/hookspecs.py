@@ -168,7 +168,11 @@ def trl_plugins_transform_advantages(ctx: AdvantageContext) -> None:
 # --------------------------------------------------------------------------------------------- loss
 @hookspec
 def trl_plugins_loss_advantages(ctx: LossContext) -> None:
-    """Transform the token advantages ``ctx.advantages`` (B, T) of a micro-batch before the surrogate is built."""
+    """Transform the token advantages ``ctx.advantages`` (B, T) of a micro-batch before the surrogate is built.
+
+    Per-row advantages arrive expanded to (B, T); when the hooks leave them constant along each row, the surrogate
+    and TRL's metrics use them per row, exactly as TRL does.
+    """
 
 
 @hookspec

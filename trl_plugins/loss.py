@@ -2,18 +2,22 @@
 
 Used instead of TRL's method only when a stack has loss hooks or sampling hooks (which may inject off-policy
 tokens); with no plugins the trainer calls TRL's own method. With no loss contribution and no off-policy
-tokens this function reproduces TRL's loss and gradients (checked by ``tests/test_reduction.py`` and
-``tests/test_loss_stage.py``). Order of operations (TRL's, with our additions marked +):
+tokens this function reproduces TRL's loss and gradients bit for bit, for every loss type (checked by
+``tests/test_reduction.py`` and ``tests/test_loss_stage.py``). The formulas live in :mod:`trl_plugins.loss_rules`;
+this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's metrics. Order of operations
+(TRL's, with our additions marked +):
 
 1. per-token log-probs and entropies through TRL's fused LM head (+ hidden states captured for head stats);
 2. TRL's entropy mask (``top_entropy_quantile``);
-3. token advantages (B, T) (+ ``trl_plugins_loss_advantages`` chain);
+3. token advantages (B, T) (+ ``trl_plugins_loss_advantages`` chain; advantages the hooks keep per row go back
+   to (B, 1), so the surrogate and the metrics are TRL's);
 4. old log-probs, TRL's off-policy sequence mask (+ never applied to off-policy tokens), importance ratio;
 5. reference KL;
 6. base surrogate by ``loss_type`` (+ off-policy tokens: ``-A * p / (p + gamma)``, LUFFY shaping, no ratio);
 7. (+ ``trl_plugins_loss``: token-subset replacement, multiplicative weights, additive token terms);
 8. masks multiply, vLLM IS ratio (+ 1 on off-policy tokens), ``beta * KL`` added, aggregation by ``loss_type``;
-9. entropy bonus, MoE aux loss (+ scalar plugin terms); TRL's metrics.
+9. entropy bonus, MoE aux loss (+ scalar plugin terms); TRL's metrics (+ at sequence-level importance sampling,
+   clip ratios stay per sequence when plugin token advantages vary along a row).
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ from typing import Any
 
 import torch
 
+from . import loss_rules as rules
 from .contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from .errors import IncompatiblePluginsError
 
-SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo")
+SUPPORTED_LOSS_TYPES = rules.LOSS_TYPES
 #: Hooks whose presence in a stack makes the trainer compute the loss here instead of TRL (sampling hooks may inject
 #: off-policy tokens; the trainer's SAMPLING_HOOKS + LOSS_HOOKS).
 LOSS_PATH_HOOKS = (
@@ -59,8 +64,9 @@ def check_loss_type(loss_type: str) -> None:
 def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
     """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
 
-    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss (:func:`shaped_offpolicy_loss`) is shared by every
-    plugin of a run, so a plugin's documented gamma (LUFFY: 0.1) is a check on the run setting, not a second knob.
+    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss (:func:`~trl_plugins.loss_rules.shaped_offpolicy_loss`)
+    is shared by every plugin of a run, so a plugin's documented gamma (LUFFY: 0.1) is a check on the run setting,
+    not a second knob.
     """
     import math
 
@@ -71,21 +77,6 @@ def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
             f"p/(p+gamma) is shared by every plugin of a run; set offpolicy_shaping_gamma: {gamma} in the config (or "
             f"the plugin's gamma to {run_gamma})."
         )
-
-
-def shaped_offpolicy_loss(per_token_logps: torch.Tensor, advantages: torch.Tensor, gamma: float) -> torch.Tensor:
-    """LUFFY policy shaping for off-policy tokens: ``-A * f(p)`` with ``f(p) = p / (p + gamma)``, p = exp(logp).
-
-    No importance ratio and no clipping. Gradient w.r.t. log p: ``-A * gamma * p / (p + gamma)^2``.
-
-    Args:
-        per_token_logps: (B, T) log pi_theta, with grad.
-        advantages: (B, T) or (B, 1).
-    Returns:
-        (B, T) per-token loss.
-    """
-    p = per_token_logps.exp()
-    return -advantages * (p / (p + gamma))
 
 
 def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.Tensor:
@@ -130,11 +121,15 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     if t.top_entropy_quantile < 1.0:
         entropy_mask = t.get_high_entropy_mask(entropies, mask, 1 - t.top_entropy_quantile)
 
+    settings = rules.LossSettings.from_trainer(t)
     advantages = inputs["advantages"]
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
+    per_row_advantages = advantages.size(1) == 1
     offpolicy = inputs.get(OFFPOLICY_KEY)
     offpolicy = torch.zeros_like(mask, dtype=torch.bool) if offpolicy is None else offpolicy.bool()
+    has_offpolicy = bool(offpolicy.any())
+    offpolicy_tokens = offpolicy if has_offpolicy else None
     old_per_token_logps = inputs.get("old_per_token_logps")
     old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
     extras = {k[len(EXTRA_PREFIX):]: v for k, v in inputs.items() if k.startswith(EXTRA_PREFIX)}
@@ -164,10 +159,10 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     )
 
     if stack.has("trl_plugins_loss_advantages"):
-        if ctx.advantages.size(1) == 1:
+        if per_row_advantages:
             ctx.advantages = ctx.advantages.expand(-1, logits_to_keep).clone()
         stack.call("trl_plugins_loss_advantages", ctx)
-    advantages = ctx.advantages
+    advantages = rules.rows_if_constant(ctx.advantages) if per_row_advantages else ctx.advantages
 
     if t.off_policy_mask_threshold is not None:
         sampling_per_token_logps = inputs.get("sampling_per_token_logps", old_per_token_logps)
@@ -181,68 +176,53 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         # Injected (off-policy) tokens are never masked by TRL's off-policy sequence mask
         off_policy_mask = torch.where(offpolicy, torch.ones_like(off_policy_mask), off_policy_mask)
 
-    log_ratio = per_token_logps - old_per_token_logps
-    if t.importance_sampling_level == "token":
-        log_importance_weights = log_ratio
-    elif t.importance_sampling_level == "sequence":
-        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-        log_importance_weights = log_importance_weights.unsqueeze(-1)
-    else:
-        raise ValueError(f"Unknown importance sampling level: {t.importance_sampling_level}.")
-    coef_1 = torch.exp(log_importance_weights)
-    ctx.log_ratio, ctx.coef_1 = log_importance_weights, coef_1
+    weights = rules.importance_weights(per_token_logps, old_per_token_logps, mask, settings.importance_sampling_level)
+    ctx.log_ratio, ctx.coef_1 = weights.log_weights, weights.coef_1
 
+    per_token_kl = None
     if t.beta != 0.0:
-        ref_per_token_logps = inputs["ref_per_token_logps"]
-        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-        if args.use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
+        per_token_kl = rules.reference_kl(
+            per_token_logps, inputs["ref_per_token_logps"], weights.coef_1 if args.use_bias_correction_kl else None
+        )
 
-    if t.loss_type == "cispo":
-        clamped_ratios = torch.clamp(coef_1, max=t.epsilon_high).detach()
-        per_token_loss = -clamped_ratios * advantages * per_token_logps
-    elif t.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        coef_2 = torch.clamp(coef_1, 1 - t.epsilon_low, 1 + t.epsilon_high)
-        if args.delta is not None:
-            coef_1 = torch.clamp(coef_1, max=args.delta)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    elif t.loss_type == "sapo":
-        temperatures = torch.where(advantages > 0, args.sapo_temperature_pos, args.sapo_temperature_neg)
-        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
-        per_token_loss = -soft_coef_1 * advantages
-    else:  # refused at construction by check_loss_type
-        raise ValueError(f"Unknown loss type: {t.loss_type}")
-
-    if offpolicy.any():
-        shaped = shaped_offpolicy_loss(per_token_logps, advantages, args.offpolicy_shaping_gamma)
-        per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
+    is_ratio = None
+    if t.use_vllm and t.vllm_importance_sampling_correction:
+        is_ratio = rules.offpolicy_neutral_ratio(inputs["importance_sampling_ratio"], offpolicy_tokens)
+    in_surrogate = rules.ratio_enters_surrogate(settings.loss_type)
+    surrogate = rules.base_surrogate(
+        settings, per_token_logps, weights, advantages, mask, is_ratio if in_surrogate else None
+    )
+    per_token_loss = rules.shape_offpolicy_tokens(
+        surrogate.per_token_loss, per_token_logps, advantages, offpolicy_tokens, settings.offpolicy_gamma
+    )
 
     ctx.per_token_loss = per_token_loss
     if stack.has("trl_plugins_loss"):
         stack.call("trl_plugins_loss", ctx)
-        if ctx.replacement is not None:
-            replace_mask, values = ctx.replacement
-            per_token_loss = torch.where(replace_mask, values, per_token_loss.expand_as(values))
-        for weights in ctx.token_weights:
-            per_token_loss = per_token_loss * weights
+    per_token_loss = rules.compose_token_loss(
+        per_token_loss,
+        replacement=ctx.replacement,
+        token_weights=ctx.token_weights,
+        token_terms=ctx.token_terms,
+        off_policy_mask=off_policy_mask if t.off_policy_mask_threshold is not None else None,
+        entropy_mask=entropy_mask,
+        importance_sampling_ratio=None if in_surrogate else is_ratio,
+        beta=t.beta,
+        per_token_kl=per_token_kl,
+    )
 
-    if t.off_policy_mask_threshold is not None:
-        per_token_loss = per_token_loss * off_policy_mask
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if t.use_vllm and t.vllm_importance_sampling_correction:
-        is_ratio = inputs["importance_sampling_ratio"]
-        if offpolicy.any():
-            is_ratio = torch.where(offpolicy, torch.ones_like(per_token_loss), is_ratio.expand_as(per_token_loss))
-        per_token_loss = per_token_loss * is_ratio
-    if t.beta != 0.0:
-        per_token_loss = per_token_loss + t.beta * per_token_kl
-    for term in ctx.token_terms:
-        per_token_loss = per_token_loss + term
-
-    loss, policy_loss = _aggregate(t, per_token_loss, mask, inputs, mode)
-    for term in ctx.scalar_terms:
-        loss = loss + term
+    loss, policy_loss = rules.aggregate(
+        settings.loss_type,
+        per_token_loss,
+        mask,
+        num_items_in_batch=inputs["num_items_in_batch"],
+        max_completion_length=t.max_completion_length,
+        num_processes=t.accelerator.num_processes,
+        gradient_accumulation_steps=t.current_gradient_accumulation_steps,
+        steps_per_generation=args.steps_per_generation,
+        mode=mode,
+    )
+    loss = rules.add_scalar_terms(loss, ctx.scalar_terms)
 
     if t._entropy_bonus_enabled:
         loss = _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode)
@@ -251,39 +231,12 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         loss = loss + t.router_aux_loss_coef * aux_loss / normalizer
         t._metrics[mode]["aux_loss"].append(t.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-    _log_trl_metrics(t, mode, mask, entropies, coef_1, advantages, per_token_kl if t.beta != 0.0 else None)
-    if offpolicy.any() or stack.has("trl_plugins_after_generation"):
+    _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages)
+    if has_offpolicy or stack.has("trl_plugins_after_generation"):
         t._metrics[mode]["plugins/framework/offpolicy_token_fraction"].append(
             _global_masked_mean(t, offpolicy.float(), mask)
         )
     return loss
-
-
-def _aggregate(t: Any, per_token_loss: torch.Tensor, mask: torch.Tensor, inputs: dict, mode: str):
-    """TRL's aggregation by loss_type; returns (loss to backpropagate, policy loss for logging)."""
-    if t.loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return loss / normalizer, loss.detach()
-    if t.loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return loss / normalizer, loss.detach()
-    if t.loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * t.max_completion_length)
-        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return loss / normalizer, loss.detach()
-    if t.loss_type in ("cispo", "dapo"):
-        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / t.accelerator.num_processes
-        if mode == "train":
-            normalizer = normalizer * t.current_gradient_accumulation_steps / t.args.steps_per_generation
-        loss = (per_token_loss * mask).sum() / normalizer
-        return loss, loss.detach()
-    if t.loss_type == "luspo":
-        loss = (per_token_loss * mask).sum(-1).mean()
-        normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
-        return loss / normalizer, loss.detach()
-    raise ValueError(f"Unknown loss type: {t.loss_type}")
 
 
 def _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode):
@@ -324,9 +277,21 @@ def _global_masked_mean(t: Any, x: torch.Tensor, mask: torch.Tensor) -> float:
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def _log_trl_metrics(t, mode, mask, entropies, coef_1, advantages, per_token_kl) -> None:
-    """TRL's own loss metrics (kl, entropy, clip ratios), so dashboards look the same with plugins on."""
+def _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages) -> None:
+    """TRL's own loss metrics (kl, entropy, clip ratios, VESPO's phi), so dashboards look the same with plugins on.
+
+    TRL logs the clip ratios and ``phi`` per sequence at sequence-level importance sampling (one value per row).
+    When ``trl_plugins_loss_advantages`` hooks turned per-row advantages into advantages that vary along a row,
+    the per-token indicators are first averaged within each row (:func:`~trl_plugins.loss_rules.per_sequence`),
+    so every sequence still counts once, as in TRL.
+    """
     from trl.trainer.utils import nanmax, nanmin
+
+    coef_1 = surrogate.coef_1
+    per_row = per_row_advantages and coef_1.size(1) == 1
+
+    def at_trl_level(x):
+        return rules.per_sequence(x, mask) if per_row else x
 
     def masked_seq_mean(x):
         if x.shape[1] == 1:
@@ -336,20 +301,25 @@ def _log_trl_metrics(t, mode, mask, entropies, coef_1, advantages, per_token_kl)
     if per_token_kl is not None:
         t._metrics[mode]["kl"].append(_global_masked_mean(t, per_token_kl, mask))
     t._metrics[mode]["entropy"].append(_global_masked_mean(t, entropies, mask))
-    if t.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if t.loss_type in rules.CLIPPED_LOSS_TYPES:
         is_low_clipped = (coef_1 < 1 - t.epsilon_low) & (advantages < 0)
         is_high_clipped = (coef_1 > 1 + t.epsilon_high) & (advantages > 0)
         is_region_clipped = is_low_clipped | is_high_clipped
-        t._metrics[mode]["clip_ratio/low_mean"].append(_global_masked_mean(t, is_low_clipped.float(), mask))
-        t._metrics[mode]["clip_ratio/high_mean"].append(_global_masked_mean(t, is_high_clipped.float(), mask))
-        t._metrics[mode]["clip_ratio/region_mean"].append(_global_masked_mean(t, is_region_clipped.float(), mask))
-        gathered_low_clip = t.accelerator.gather(masked_seq_mean(is_low_clipped.float()))
+        low, high = at_trl_level(is_low_clipped.float()), at_trl_level(is_high_clipped.float())
+        t._metrics[mode]["clip_ratio/low_mean"].append(_global_masked_mean(t, low, mask))
+        t._metrics[mode]["clip_ratio/high_mean"].append(_global_masked_mean(t, high, mask))
+        region = at_trl_level(is_region_clipped.float())
+        t._metrics[mode]["clip_ratio/region_mean"].append(_global_masked_mean(t, region, mask))
+        gathered_low_clip = t.accelerator.gather(masked_seq_mean(low))
         t._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_low_clip).item())
-        gathered_high_clip = t.accelerator.gather(masked_seq_mean(is_high_clipped.float()))
+        gathered_high_clip = t.accelerator.gather(masked_seq_mean(high))
         t._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_high_clip).item())
     elif t.loss_type == "cispo":
-        is_cispo_clipped = (coef_1 > t.epsilon_high) & (advantages > 0)
-        t._metrics[mode]["cispo_clip_ratio"].append(_global_masked_mean(t, is_cispo_clipped.float(), mask))
+        is_cispo_clipped = at_trl_level(((coef_1 > t.epsilon_high) & (advantages > 0)).float())
+        t._metrics[mode]["cispo_clip_ratio"].append(_global_masked_mean(t, is_cispo_clipped, mask))
+    elif t.loss_type == "vespo":  # phi is per sequence in TRL whenever the advantages are per row
+        phi = rules.per_sequence(surrogate.vespo_weights, mask) if per_row_advantages else surrogate.vespo_weights
+        t._metrics[mode]["vespo/phi_seq_mean"].append(_global_masked_mean(t, phi, mask))
 
 
 def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, mask: torch.Tensor):

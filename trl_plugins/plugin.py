@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -52,6 +53,17 @@ class Plugin:
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
+
+    def report_fallback(self, ctx: Any, key: str, happened: bool, message: str) -> None:
+        """Make a silent fallback visible: log ``fallback_<key>`` (1.0 when it ``happened`` in this batch, else 0.0)
+        through ``ctx.log_metric``, and the first time it happens warn with ``message`` (once per plugin instance).
+
+        Call it on every process with the same ``happened`` (decide it on gathered data) so the metric agrees."""
+        ctx.log_metric(f"fallback_{key}", 1.0 if happened else 0.0)
+        warned = self.__dict__.setdefault("_warned_fallbacks", set())
+        if happened and key not in warned:
+            warned.add(key)
+            warnings.warn(f"{self.name}: {message}", RuntimeWarning, stacklevel=2)
 
     def required_columns(self) -> list[str]:
         """Dataset columns this plugin reads (checked against the training dataset at construction)."""

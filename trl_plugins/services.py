@@ -30,6 +30,7 @@ class RunInfo:
         reward_func_names: TRL's reward column names, in column order (plugin reward functions included).
         num_processes: processes taking part in the run's collectives.
         device: the device of the run's collectives (the accelerator's), as a string.
+        mode: "train" or "eval" (whether the policy is in training mode now).
     """
 
     max_completion_length: int | None = None
@@ -37,6 +38,7 @@ class RunInfo:
     reward_func_names: tuple[str, ...] = ()
     num_processes: int = 1
     device: str = "cpu"
+    mode: str = "train"
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,6 +57,7 @@ from .errors import GenerationBudgetExceeded, PluginError
 from .services import RunInfo, StageServices
 from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
 from .plugin import Plugin
+from .success import RewardColumns, is_placeholder
 
 #: The loss types of the reduction and neutral-setting checks (TRL's token- and sequence-normalised objectives).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -580,18 +581,22 @@ def _text_codec(tokenizer: Any) -> tuple[Callable, Callable, Callable]:
 
 
 def _weighted_scorer(reward_funcs: Sequence[Callable], weights: Sequence[float] | None) -> Callable:
-    weights = list(weights) if weights is not None else [1.0] * len(reward_funcs)
+    """The trainer's scorer contract for stub contexts: every reward function's column (NaN for None and for
+    placeholder columns), with the functions' names and ``weights``."""
+    weights = torch.tensor(list(weights) if weights is not None else [1.0] * len(reward_funcs), dtype=torch.float32)
+    names = [getattr(f, "__name__", f"reward_{k}") for k, f in enumerate(reward_funcs)]
+    placeholders = tuple(is_placeholder(f) for f in reward_funcs)
 
-    def score(rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
-        if not rows:
-            return torch.zeros(0)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
-        ids = [char_encode(prompt_text(c)) for c in completions]
-        total = torch.zeros(len(rows))
-        for func, weight in zip(reward_funcs, weights):
-            values = func(prompts=prompts, completions=completions, completion_ids=ids, **columns)
-            total += weight * torch.tensor([math.nan if v is None else float(v) for v in values]).nan_to_num(0.0)
-        return total
+    def score(rows: list[dict], prompts: list, completions: list) -> RewardColumns:
+        values = torch.full((len(rows), len(reward_funcs)), math.nan)
+        if rows:
+            columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+            ids = [char_encode(prompt_text(c)) for c in completions]
+            for k, func in enumerate(reward_funcs):
+                if not placeholders[k]:
+                    out = func(prompts=prompts, completions=completions, completion_ids=ids, **columns)
+                    values[:, k] = torch.tensor([math.nan if v is None else float(v) for v in out])
+        return RewardColumns(values, names, weights, placeholders)
 
     return score
 
@@ -628,7 +633,8 @@ def make_rollout_context(
         rows: the local dataset rows (default: :func:`stub_rows` with one group per completion group).
         service: the generation service (default: a :class:`StubGenerationService`; read ``ctx.service.calls``).
         reward_funcs, reward_weights: what ``ctx.score`` runs (TRL's reward-function signature, weighted sum);
-            default :func:`digit_fraction_reward`. ``scorer(rows, prompts, completions) -> (n,)`` replaces both.
+            default :func:`digit_fraction_reward`; ``ctx.success`` decides on the first non-placeholder one.
+            ``scorer(rows, prompts, completions) -> RewardColumns`` (or an (n, K) / (n,) tensor) replaces both.
         sampling_logprob: the sampling log-prob of every generated token (vLLM), or a function of the token's
             position; None imitates HF generation (``ctx.sampling_logprobs is None``).
         process_index, gather: the process this context stands for and its all-gather (default: one process,
@@ -892,6 +898,7 @@ def make_loss_context(
     loss_type: str = "dapo",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    importance_sampling_level: str = "token",
     beta: float = 0.0,
     ref_per_token_logps: torch.Tensor | None = None,
     sampling_per_token_logps: torch.Tensor | None = None,
@@ -900,11 +907,13 @@ def make_loss_context(
     offpolicy_gamma: float = 0.1,
     extras: dict[str, torch.Tensor] | None = None,
     completion_ids: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | None = None,
     head_stats: Any = None,
     iteration: int = 0,
     mode: str = "train",
     gradient_accumulation_steps: int = 1,
     seed: int = 0,
+    loss_options: Mapping[str, Any] | None = None,
     run: RunInfo | None = None,
     **services: Any,
 ) -> LossContext:
@@ -912,15 +921,33 @@ def make_loss_context(
 
     Defaults (B, T = ``shape``): deterministic log-probs in (-3, 0) with grad, old log-probs equal to them
     (ratio 1, as in the first pass over a batch), advantages ``[1, -1, 1, ...]`` per row, every token in the
-    mask. ``advantages`` (B,) becomes (B, 1), as the framework passes it when no plugin implements
-    ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The surrogate is TRL's clipped one (``grpo``,
-    ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``) or CISPO's; tokens in ``offpolicy_mask`` take the shaped branch
-    ``-A p/(p+gamma)``. Use :func:`loss_from_context` for the micro-batch loss with the plugins' contributions.
-    ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives it); ``run`` is what
-    ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the metrics the plugin logs.
+    mask, ``num_items_in_batch`` = the mask's sum. ``advantages`` (B,) becomes (B, 1), as the framework passes it
+    when no plugin implements ``trl_plugins_loss_advantages``; a (B, T) tensor is kept. The importance ratio
+    (``importance_sampling_level``) and the surrogate of ``loss_type`` are the framework's own
+    (:mod:`trl_plugins.loss_rules`: TRL's clipped surrogate, CISPO, SAPO's sigmoid gate, VESPO's gamma weights);
+    tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` sets the other fields
+    of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
+    ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the
+    plugins' contributions. ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
+    it); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
+    metrics the plugin logs.
     """
-    from .loss import shaped_offpolicy_loss
+    from . import loss_rules as rules
 
+    loss_options = dict(loss_options or {})
+    named = {"loss_type", "epsilon_low", "epsilon_high", "importance_sampling_level", "offpolicy_gamma"}
+    allowed = [f.name for f in fields(rules.LossSettings) if f.name not in named]
+    unknown = sorted(set(loss_options) - set(allowed))
+    if unknown:
+        raise ValueError(f"make_loss_context: unknown loss option(s) {unknown}; allowed: {', '.join(allowed)}.")
+    settings = rules.LossSettings(
+        loss_type=loss_type,
+        epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high,
+        importance_sampling_level=importance_sampling_level,
+        offpolicy_gamma=offpolicy_gamma,
+        **loss_options,
+    )
     if per_token_logps is None:
         g = torch.Generator().manual_seed(seed)
         per_token_logps = (-3 * torch.rand(*shape, generator=g)).requires_grad_(True)
@@ -933,16 +960,12 @@ def make_loss_context(
         advantages = advantages.unsqueeze(1)
     mask = torch.ones(B, T) if mask is None else mask
     offpolicy = torch.zeros(B, T, dtype=torch.bool) if offpolicy_mask is None else offpolicy_mask.bool()
-    log_ratio = per_token_logps - old
-    coef_1 = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
-    else:
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-    if offpolicy.any():
-        shaped = shaped_offpolicy_loss(per_token_logps, advantages, offpolicy_gamma)
-        per_token_loss = torch.where(offpolicy, shaped, per_token_loss.expand_as(shaped))
+    weights = rules.importance_weights(per_token_logps, old, mask, settings.importance_sampling_level)
+    surrogate = rules.base_surrogate(settings, per_token_logps, weights, advantages, mask)
+    per_token_loss = rules.shape_offpolicy_tokens(
+        surrogate.per_token_loss, per_token_logps, advantages, offpolicy if offpolicy.any() else None,
+        settings.offpolicy_gamma,
+    )
     if completion_ids is None:
         completion_ids = torch.arange(B * T).view(B, T) % 50
     metrics = MetricsRecorder()
@@ -961,12 +984,12 @@ def make_loss_context(
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
         beta=beta,
-        num_items_in_batch=mask.sum(),
+        num_items_in_batch=mask.sum() if num_items_in_batch is None else num_items_in_batch,
         iteration=iteration,
         mode=mode,
         gradient_accumulation_steps=gradient_accumulation_steps if mode == "train" else 1,
-        log_ratio=log_ratio,
-        coef_1=coef_1,
+        log_ratio=weights.log_weights,
+        coef_1=weights.coef_1,
         per_token_loss=per_token_loss,
         services=stub_services(metrics, run=run, head_stats=None if head_stats is None else (lambda: head_stats),
                                **services),
@@ -978,34 +1001,26 @@ def make_loss_context(
 def loss_from_context(ctx: LossContext, max_completion_length: int | None = None) -> torch.Tensor:
     """The micro-batch loss the framework builds from a loss context after the ``trl_plugins_loss`` hooks.
 
-    Composition (as in :mod:`trl_plugins.loss`, one process, no gradient accumulation, no KL or entropy terms):
-    the replaced token subset, times every plugin's token weights, plus the additive token terms, aggregated by
-    ``ctx.loss_type`` (``dr_grpo`` divides by ``B * max_completion_length``, default T), plus the scalar terms.
+    The framework's own rules (:func:`~trl_plugins.loss_rules.compose_token_loss`,
+    :func:`~trl_plugins.loss_rules.aggregate`) for one process, no gradient accumulation and none of TRL's extra
+    factors (no KL, entropy mask, off-policy sequence mask, vLLM ratio or entropy bonus): the replaced token subset,
+    times every plugin's token weights, plus the additive token terms, aggregated by ``ctx.loss_type``
+    (``dr_grpo`` divides by ``B * max_completion_length``, default T), plus the scalar terms.
     """
-    per_token = ctx.per_token_loss
-    if ctx.replacement is not None:
-        replace_mask, values = ctx.replacement
-        per_token = torch.where(replace_mask, values, per_token.expand_as(values))
-    for weights in ctx.token_weights:
-        per_token = per_token * weights
-    for term in ctx.token_terms:
-        per_token = per_token + term
-    m = ctx.mask
-    if ctx.loss_type in ("grpo", "sapo"):
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif ctx.loss_type == "bnpo":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    elif ctx.loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (per_token.size(0) * (max_completion_length or per_token.size(1)))
-    elif ctx.loss_type in ("dapo", "cispo"):
-        loss = (per_token * m).sum() / ctx.num_items_in_batch.clamp(min=1.0)
-    elif ctx.loss_type == "luspo":
-        loss = (per_token * m).sum(-1).mean()
-    else:
-        raise ValueError(f"Unknown loss type: {ctx.loss_type}")
-    for term in ctx.scalar_terms:
-        loss = loss + term
-    return loss
+    from . import loss_rules as rules
+
+    per_token = rules.compose_token_loss(
+        ctx.per_token_loss, replacement=ctx.replacement, token_weights=ctx.token_weights, token_terms=ctx.token_terms
+    )
+    loss, _ = rules.aggregate(
+        ctx.loss_type,
+        per_token,
+        ctx.mask,
+        num_items_in_batch=ctx.num_items_in_batch,
+        max_completion_length=max_completion_length or ctx.mask.size(1),
+        mode=ctx.mode,
+    )
+    return rules.add_scalar_terms(loss, ctx.scalar_terms)
 
 
 # ------------------------------------------------------------------------------------------ enabling and calling

@@ -50,6 +50,7 @@ from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugin
 from .manager import PluginStack, build_plugins
 from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices
+from .success import RewardColumns, check_success_columns, is_placeholder
 
 PLUGIN_STATE_FILE = "trl_plugins_state.pt"
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -116,6 +117,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
+            check_success_columns(list(stack), list(self.reward_func_names),
+                                  [is_placeholder(f) for f in self.reward_funcs])
 
     # ------------------------------------------------------------------------------------------ construction
     @staticmethod
@@ -180,6 +183,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             reward_func_names=tuple(self.reward_func_names),
             num_processes=self.accelerator.num_processes,
             device=str(self.accelerator.device),
+            mode="train" if self.model.training else "eval",
         )
 
     def _plugin_metric_sink(self, key: str, value: float) -> None:
@@ -442,11 +446,15 @@ class PluginGRPOTrainer(GRPOTrainer):
             return [{"role": "assistant", "content": text}]
         return text
 
-    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> torch.Tensor:
-        """Weighted reward of candidate completions on this process only (no gather, no logging)."""
+    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> RewardColumns:
+        """Every reward function's value for candidate completions on this process only (no gather, no logging):
+        the (n, K) matrix, NaN where a function returned None and in placeholder columns (filled at the reward stage,
+        so not run here); ``RolloutContext.score`` takes TRL's weighted nansum of it."""
         device = self.accelerator.device
+        placeholders = tuple(is_placeholder(f) for f in self.reward_funcs)
         if not rows:
-            return torch.zeros(0, device=device)
+            return RewardColumns(torch.zeros(0, len(self.reward_funcs), device=device), list(self.reward_func_names),
+                                 self.reward_weights.to(device), placeholders)
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [r[k] for r in rows] for k in keys}
         kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
@@ -457,8 +465,10 @@ class PluginGRPOTrainer(GRPOTrainer):
             for c in completions
         ]
         columns = []
-        for func, proc in zip(self.reward_funcs, self.reward_processing_classes):
-            if isinstance(func, nn.Module):
+        for func, proc, placeholder in zip(self.reward_funcs, self.reward_processing_classes, placeholders):
+            if placeholder:
+                values = [float("nan")] * len(rows)
+            elif isinstance(func, nn.Module):
                 if is_conversational({"prompt": prompts[0]}):
                     texts = [
                         apply_chat_template({"messages": p + c}, proc, **self.chat_template_kwargs)["text"]
@@ -476,8 +486,8 @@ class PluginGRPOTrainer(GRPOTrainer):
                     out = asyncio.run_coroutine_threadsafe(_await(out), self.async_loop).result()
                 values = [float("nan") if v is None else float(v) for v in out]
             columns.append(torch.tensor(values, dtype=torch.float32, device=device))
-        matrix = torch.stack(columns, dim=1)
-        return (matrix * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        return RewardColumns(torch.stack(columns, dim=1), list(self.reward_func_names), self.reward_weights.to(device),
+                             placeholders)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)

@@ -10,7 +10,14 @@ import torch
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
-from trl_plugins.testing import digit_fraction_reward, make_advantage_context, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    build_stack,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_tiny_trainer,
+    record_run,
+    run_hook,
+)
 from trl_plugins_builtin.canon import canon_advantages
 
 
@@ -185,7 +192,8 @@ def test_hook_length_metric_uses_completion_lengths_without_forward():
 
 
 def test_hook_lam_schedule_and_max_length_division():
-    stack = _configured({"lam": 1.0, "lam_final": 0.5, "divide_by_max_length": True}, loss_type="dapo", max_steps=10)
+    stack = _configured({"lam": 1.0, "lam_schedule": "linear", "lam_final": 0.5, "divide_by_max_length": True},
+                        loss_type="dapo", max_steps=10)
     ctx, _, sink = _ctx(step=5)
     stack.call("trl_plugins_transform_advantages", ctx)
     expected, _ = canon_advantages(REWARDS, ENTROPY, G, 0.75, 1.0, 0.0, "entropy")
@@ -230,3 +238,55 @@ def test_lam_half_end_to_end_is_group_mean_centering(tmp_path):
     for log in logs:
         assert log["plugins/canon/lam"] == 0.5
         assert "plugins/canon/high_minus_low_reward" in log and "plugins/canon/abs_advantage" in log
+
+
+# ------------------------------------------------------------------------------------------ annealed schedule
+def _official_annealed(rewards, entropy, G):
+    """The official annealed estimator restated: m = 1 - mean(all rewards); high half (upper ceil(G/2) by
+    entropy): (1 - m)(R - mu_low) + m (R - mu_high); low half: (1 - m)(R - mu_high) + m (R - mu_low)."""
+    m = 1 - sum(rewards) / len(rewards)
+    out = []
+    for start in range(0, len(rewards), G):
+        R, H = rewards[start:start + G], entropy[start:start + G]
+        order = sorted(range(G), key=lambda j: (H[j], j))
+        low, high = order[: G // 2], order[G // 2:]
+        mu_low, mu_high = sum(R[j] for j in low) / len(low), sum(R[j] for j in high) / len(high)
+        for j in range(G):
+            if j in high:
+                out.append((1 - m) * (R[j] - mu_low) + m * (R[j] - mu_high))
+            else:
+                out.append((1 - m) * (R[j] - mu_high) + m * (R[j] - mu_low))
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_annealed_schedule_is_the_official_batch_accuracy_weight(seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards = (torch.rand(12, generator=g) > 0.4).float()  # 0/1 accuracy rewards, as in the official recipe
+    entropy = torch.rand(12, generator=g)
+    stack = build_stack("canon", {"canon": {"lam_schedule": "annealed"}}, loss_type="dr_grpo")
+    stats = PolicyStats(per_token_logps=torch.zeros(12, 2), entropies=torch.zeros(12, 2), mask=torch.ones(12, 2),
+                        completion_ids=torch.zeros(12, 2, dtype=torch.long), mean_entropy=entropy)
+    ctx = make_advantage_context(rewards, num_generations=4, policy_stats=stats)
+    run_hook(stack, "trl_plugins_transform_advantages", ctx)
+    torch.testing.assert_close(ctx.advantages, _official_annealed(rewards.tolist(), entropy.tolist(), 4))
+    assert ctx.metrics["plugins/canon/lam"] == [pytest.approx(rewards.mean().item())]
+
+
+def test_annealed_lam_values():
+    stack = build_stack("canon", {"canon": {"lam_schedule": "annealed"}}, loss_type="dr_grpo")
+    reverse = build_stack("canon", {"canon": {"lam_schedule": "annealed_reverse"}}, loss_type="dr_grpo")
+    rewards = torch.tensor([1.0, 0.0, 1.0, float("nan")])
+    assert stack.plugins[0].current_lam(0, rewards) == pytest.approx(2 / 3)  # NaN rows ignored
+    assert reverse.plugins[0].current_lam(0, rewards) == pytest.approx(1 / 3)
+    assert stack.plugins[0].current_lam(0, torch.tensor([2.0, 1.5])) == 1.0  # clamped to [0, 1]
+    assert stack.plugins[0].current_lam(0, torch.tensor([-1.0, -2.0])) == 0.0
+
+
+def test_lam_final_only_with_the_linear_schedule():
+    with pytest.raises(PluginConfigError, match="lam_final=0.5 with lam_schedule='constant'"):
+        build_plugins(["canon"], {"canon": {"lam_final": 0.5}})
+    with pytest.raises(PluginConfigError, match="lam_final=None with lam_schedule='linear'"):
+        build_plugins(["canon"], {"canon": {"lam_schedule": "linear"}})
+    with pytest.raises(PluginConfigError, match="lam_schedule"):
+        build_plugins(["canon"], {"canon": {"lam_schedule": "cosine"}})

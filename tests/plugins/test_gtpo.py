@@ -12,13 +12,16 @@ from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugi
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.testing import (
     assert_runs_equal,
+    build_stack,
     digit_fraction_reward,
+    loss_from_context,
     make_advantage_context,
     make_loss_context,
     make_tiny_trainer,
     record_run,
+    run_hook,
 )
-from trl_plugins_builtin.gtpo import WEIGHT_KEY, conflict_runs, conflict_weights, entropy_filter
+from trl_plugins_builtin.gtpo import WEIGHT_KEY, conflict_counts, conflict_runs, conflict_weights, entropy_filter
 
 # Group 0 (rows 0-2): row 0 positive, row 1 negative, row 2 positive (one token shorter, padded with 0).
 # Group 1 (rows 3-5): no negative completion, although it shares every token with group 0's rows.
@@ -114,9 +117,9 @@ ENTROPY = torch.tensor([0.3, 0.5, 0.9, 0.1, 0.2, 0.6])
 def test_advantage_stage_weights_and_filter():
     ctx = _adv_ctx(ADV, ENTROPY)
     sink = ctx.metrics
-    build_plugins(["gtpo"]).call("trl_plugins_transform_advantages", ctx)
+    build_plugins(["gtpo"], {"gtpo": {"conflict_count": "union"}}).call("trl_plugins_transform_advantages", ctx)
     w = ctx.local_extras[WEIGHT_KEY]
-    # delta / max(n_conflict, 1): rows 0 and 1 have 4 conflict tokens, row 2 one
+    # delta / max(n_conflict, 1), union count: rows 0 and 1 have 4 conflict tokens, row 2 one
     assert w[:3].tolist() == [[0.5, 0.5, 0.25, 0.5, 0.5], [0, 0, 0.25, 0, 0], [2, 1, 1, 1, 1]]  # exact in binary
     assert torch.all(w[3:] == 1)
     # row 2 (0.9 > 0.7) dropped; others shifted by -0.1 Hbar (row 4 had A = 0 and gets -0.02)
@@ -144,7 +147,7 @@ def test_loss_gradients_conflict_tokens_and_dropped_completions():
     """Negative completions get zero gradient on their conflict tokens, positive ones an amplified gradient, and a
     completion with Hbar > 0.7 gets no gradient at all (TRL's grpo aggregation: per-completion token-mean)."""
     actx = _adv_ctx(ADV, ENTROPY)
-    stack = build_plugins(["gtpo"], {"gtpo": {"divide_by_conflicts": False}})
+    stack = build_plugins(["gtpo"], {"gtpo": {"divide_by_conflicts": False, "completion_reduction": "mean"}})
     stack.call("trl_plugins_transform_advantages", actx)
     weights = actx.local_extras[WEIGHT_KEY]
     lp = (-torch.rand(6, 5, generator=torch.Generator().manual_seed(0))).requires_grad_(True)
@@ -172,7 +175,7 @@ def test_configure_and_conflicts():
 
 # ------------------------------------------------------------------------------------------ end to end (tiny model)
 NEUTRAL = {"positive_weight": 1.0, "negative_weight": 1.0, "divide_by_conflicts": False, "entropy_threshold": None,
-           "entropy_scale": 0.0}
+           "entropy_scale": 0.0, "completion_reduction": "mean"}
 
 
 def _trainer(tmp_path, name, reward=digit_fraction_reward, max_steps=2, **config):
@@ -216,3 +219,65 @@ def test_identical_greedy_completions_are_all_conflict_tokens_end_to_end(tmp_pat
     for log in (log for log in run.logs if "loss" in log):
         assert log["plugins/gtpo/conflict_token_fraction"] == 1.0
         assert log["plugins/gtpo/negative_conflict_token_fraction"] == 0.5
+
+
+# ------------------------------------------------------------------------------------------ official normaliser / sum
+def _official_style_count(forward, terminal, mask):
+    """The official n_conflict, restated: OR of the forward-run mask with the terminal-run mask left in end-aligned
+    positions (index s = s-th token from the end), masked by the validity of the *original* positions."""
+    lengths = mask.sum(-1)
+    end_aligned = torch.zeros_like(terminal)
+    for i in range(terminal.size(0)):
+        n = int(lengths[i])
+        end_aligned[i, :n] = terminal[i, :n].flip(0)
+    return ((forward | end_aligned) & mask.bool()).sum(-1)
+
+
+def test_official_conflict_count_is_the_longer_run():
+    forward, terminal = conflict_runs(IDS, MASK, ADV, 3)
+    assert conflict_counts(forward, terminal, "longer_run")[:3].tolist() == [2, 2, 1]  # runs of 2 and 2 -> 2
+    assert conflict_counts(forward, terminal, "union")[:3].tolist() == [4, 4, 1]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):  # random groups with shared prefixes and suffixes
+        ids = torch.randint(0, 3, (8, 7), generator=g)
+        lengths = torch.randint(1, 8, (8,), generator=g)
+        mask = (torch.arange(7) < lengths.unsqueeze(1)).long()
+        ids = ids * mask
+        adv = torch.randn(8, generator=g).round()
+        fwd, term = conflict_runs(ids, mask, adv, 4)
+        assert torch.equal(conflict_counts(fwd, term, "longer_run"), _official_style_count(fwd, term, mask))
+
+
+def test_advantage_stage_divides_by_the_official_count():
+    stats = PolicyStats(per_token_logps=torch.zeros(6, 5), entropies=torch.zeros(6, 5), mask=MASK,
+                        completion_ids=IDS, mean_entropy=ENTROPY)
+    ctx = make_advantage_context(torch.zeros(6), num_generations=3, advantages=ADV, policy_stats=stats,
+                                 completion_lengths=MASK.sum(-1))
+    run_hook("gtpo", "trl_plugins_transform_advantages", ctx, loss_type="grpo")
+    w = ctx.local_extras[WEIGHT_KEY]
+    # delta / max(n_conflict, 1) with n_conflict = 2 for rows 0 and 1 (forward and terminal runs of 2), 1 for row 2
+    assert w[:3].tolist() == [[1, 1, 0.5, 1, 1], [0, 0, 0.5, 0, 0], [2, 1, 1, 1, 1]]
+    assert torch.all(w[3:] == 1)
+
+
+def test_completion_reduction_sum_is_the_official_sum_over_the_steps_completions():
+    B, T, GA = 4, 3, 2
+    weights = torch.tensor([[1.0, 0.5, 2.0]] * B)
+    losses = {}
+    for reduction in ("sum", "mean"):
+        stack = build_stack("gtpo", {"gtpo": {"completion_reduction": reduction}}, gradient_accumulation_steps=GA,
+                            loss_type="grpo")
+        ctx = make_loss_context(shape=(B, T), loss_type="grpo", extras={WEIGHT_KEY: weights})
+        run_hook(stack, "trl_plugins_loss", ctx)
+        losses[reduction] = loss_from_context(ctx)
+        (grad,) = torch.autograd.grad(losses[reduction] / GA, ctx.per_token_logps)  # TRL divides by GA
+        if reduction == "sum":  # official: sum over completions of -sum_t A delta r_t / n_tok, r = 1 with grad
+            adv = ctx.advantages.expand(B, T)
+            expected = -(adv * weights) / T
+            torch.testing.assert_close(grad, expected)
+    torch.testing.assert_close(losses["sum"], losses["mean"] * B * GA)
+
+
+def test_configure_warns_without_the_per_completion_token_mean():
+    with pytest.warns(UserWarning, match="loss_type='dapo'"):
+        build_stack("gtpo", loss_type="dapo")

@@ -153,11 +153,11 @@ def test_group_mode_groups_rescued_at_different_levels():
     assert ctx.training_prompts == [_hinted("Q0", "AB")] * 2 + [_hinted("Q1", "ABCDEF")] * 2
 
 
-def test_no_level_succeeds_keeps_the_original_rollouts():
+def test_no_level_succeeds_keeps_the_original_rollouts_when_asked():
     service = ScriptedService(need={})
     ctx = make_ctx([["no", "no", "no"]], 3, service=service)
     before = _snapshot(ctx, range(3))
-    run_plugin(ctx)
+    run_plugin(ctx, on_no_success="original")
     assert len(service.calls) == 3  # 25, 50 and 75 % were tried
     assert _snapshot(ctx, range(3)) == before and not ctx.changed
     assert ctx.metrics["plugins/hint_scaffold/rescued_group_fraction"] == [0.0]

@@ -78,10 +78,10 @@ def test_laser_fixed_target_fills_its_column():
     assert ctx.metrics["plugins/length_shaping/mean_target"] == [5.0]
 
 
-def test_laser_d_targets_by_difficulty():
+def test_laser_d_ecr_estimator_targets_by_difficulty():  # the non-official estimator (option)
     # G = 4, max_len 8, budgets 1..8. Group 0 easy (acc 1): lengths 2,3,6,8 -> ECR(2) = 4 * 1/4 = 1 -> target 2.
     # Group 1 hard (acc 1/4): its only correct answer has length 7 -> ECR(7) = 4 * 1/4 = 1 -> target 7.
-    plugin = _plugin(max_len=8, mode="laser_d", alpha=1.0)
+    plugin = _plugin(max_len=8, mode="laser_d", alpha=1.0, target_estimator="ecr")
     acc = [1, 1, 1, 1, 0, 0, 1, 0]
     ctx = _reward_ctx([[a, 0] for a in acc], ["acc", "length_shaping"], [2, 3, 6, 8, 1, 2, 7, 8], [False] * 8, G=4)
     plugin.trl_plugins_transform_rewards(ctx)
@@ -89,7 +89,7 @@ def test_laser_d_targets_by_difficulty():
     assert ctx.rewards_per_func[:, 1].tolist() == [1, 0, 0, 0, 0, 0, 1, 0]
     assert ctx.metrics["plugins/length_shaping/target_medium"] == [8.0]  # no medium prompt yet: max length
     state = plugin.trl_plugins_state_dict()
-    fresh = _plugin(max_len=8, mode="laser_d", alpha=1.0)
+    fresh = _plugin(max_len=8, mode="laser_d", alpha=1.0, target_estimator="ecr")
     fresh.trl_plugins_load_state_dict(state=state)
     assert fresh.targets == [2, None, 7] and len(fresh.history) == 1
 

@@ -13,6 +13,7 @@ from trl_plugins.head_stats import OUT_OF_KEEP_SET, HeadStats
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    loss_from_context,
     make_advantage_context,
     make_loss_context,
     make_tiny_trainer,
@@ -124,21 +125,14 @@ def test_lp_reg_token_loss_sequence_level_ratio_broadcasts():
 
 
 # ------------------------------------------------------------------------------------------ loss hook
-def _loss_ctx(lp, lp_old, adv, mask, extras=None, head_stats=None):
+def _loss_ctx(lp, lp_old, adv, mask, extras=None, head_stats=None, completion_ids=None):
+    """The kit's loss context of the recipe's aggregation (dapo: token-mean over the micro-batch)."""
     B, T = lp.shape
-    return make_loss_context(lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, extras=extras,
-                             loss_type="dapo", head_stats=head_stats, entropies=torch.zeros(B, T),
-                             completion_ids=torch.zeros(B, T, dtype=torch.long))
-
-
-def _combine(ctx):
-    """The framework's rule (trl_plugins.loss): replacement where the plugin's mask is set, masked mean."""
-    per_token = ctx.per_token_loss
-    if ctx.replacement is not None:
-        repl, values = ctx.replacement
-        per_token = torch.where(repl, values, per_token)
-    m = ctx.mask
-    return (per_token * m).sum() / m.sum()
+    return make_loss_context(
+        lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, loss_type="dapo", extras=extras,
+        entropies=torch.zeros(B, T), head_stats=head_stats,
+        completion_ids=torch.zeros(B, T, dtype=torch.long) if completion_ids is None else completion_ids,
+    )
 
 
 def test_loss_hook_support_of_the_replacement():
@@ -156,7 +150,6 @@ def test_loss_hook_support_of_the_replacement():
     # every token outside S also has lp < proxy, so only the selection excludes it
     assert bool(((LOGPS < proxy) | _set((1, 0), (1, 2))).all())
     ctx = _loss_ctx(lp, lp_old, ADV, MASK, extras={PROXY_KEY: proxy})
-    sink = ctx.metrics
     stack = build_plugins(["lp_reg"], {"lp_reg": {"rho": 0.5, "beta": 0.9}})
     stack.call("trl_plugins_loss", ctx)
 
@@ -165,11 +158,11 @@ def test_loss_hook_support_of_the_replacement():
     assert torch.equal(repl, _set((0, 1), (0, 3)))
     expected_values = lp_reg_token_loss(lp, ctx.coef_1, ADV, proxy, 0.9, 10.0)
     torch.testing.assert_close(values[repl], expected_values[repl])
-    assert sink["plugins/lp_reg/selected_token_fraction"] == [pytest.approx(4 / 9)]
-    assert sink["plugins/lp_reg/regularised_token_fraction"] == [pytest.approx(2 / 9)]
+    assert ctx.metrics["plugins/lp_reg/selected_token_fraction"] == [pytest.approx(4 / 9)]
+    assert ctx.metrics["plugins/lp_reg/regularised_token_fraction"] == [pytest.approx(2 / 9)]
 
-    total = _combine(ctx)
-    base = (ctx.per_token_loss * MASK).sum() / MASK.sum()
+    total = loss_from_context(ctx)
+    base = loss_from_context(_loss_ctx(lp, lp_old, ADV, MASK))
     (grad,) = torch.autograd.grad(total - base, lp)
     assert torch.equal(grad != 0, _set((0, 1), (0, 3)))
     # At a replaced token the base is unclipped (A < 0 and r >= 1 - eps), so the policy-gradient parts -A r cancel
@@ -216,16 +209,13 @@ def test_kappa_tiny_on_policy_is_exactly_the_base_loss():
     stats = HeadStats(hidden, C, mask, W, None, chunk_size=4)
     lp = stats.label_logprob(labels).clone().requires_grad_(True)
     adv = -torch.ones(B, C)  # every token negative, rho = 1: everything selected
-    ctx = _loss_ctx(lp, lp.detach().clone(), adv, mask, head_stats=stats)
-    ctx.inputs["completion_ids"] = labels
+    ctx = _loss_ctx(lp, lp.detach().clone(), adv, mask, head_stats=stats, completion_ids=labels)
     build_plugins(["lp_reg"], {"lp_reg": {"kappa": 1e-12, "rho": 1.0, "proxy_source": "current"}}).call(
         "trl_plugins_loss", ctx
     )
     assert torch.equal(stats.min_p_logprob(labels, 1e-12), lp.detach())
     assert ctx.replacement is None
-    loss = _combine(ctx)
-    base = (ctx.per_token_loss * mask).sum() / mask.sum()
-    assert torch.equal(loss, base)
+    assert torch.equal(loss_from_context(ctx), loss_from_context(_loss_ctx(lp, lp.detach().clone(), adv, mask)))
 
 
 @pytest.mark.parametrize("mode", ["minp", "fixed"])
@@ -238,8 +228,7 @@ def test_tokens_outside_keep_set_never_regularised(mode):
     stats = HeadStats(hidden, C, mask, W, None, chunk_size=5)
     lp = logp_full.gather(-1, labels[..., None]).squeeze(-1).clone().requires_grad_(True)
     adv = -torch.ones(B, C)
-    ctx = _loss_ctx(lp, lp.detach().clone(), adv, mask, head_stats=stats)
-    ctx.inputs["completion_ids"] = labels
+    ctx = _loss_ctx(lp, lp.detach().clone(), adv, mask, head_stats=stats, completion_ids=labels)
     build_plugins(["lp_reg"], {"lp_reg": {"kappa": kappa, "rho": 1.0, "threshold_mode": mode,
                                           "proxy_source": "current"}}).call("trl_plugins_loss", ctx)
     proxy = stats.min_p_logprob(labels, kappa, mode)

@@ -32,7 +32,8 @@ def test_aggregate_and_trust_weights():
     w = trust_weights(process, correct, 2)
     assert w[:2].tolist() == [1.0, 1.0]  # correct rollouts get the higher process reward: trusted
     torch.testing.assert_close(w[2:4], torch.full((2,), math.exp(0.2 - 0.8)))  # reversed: down-weighted
-    assert w[4:].tolist() == [1.0] * 4  # one side empty: weight 1
+    assert w[4:].tolist() == [0.0] * 4  # one side empty: no process reward (official SophiaVL-R1)
+    assert trust_weights(process, correct, 2, one_sided=1.0)[4:].tolist() == [1.0] * 4  # trust_one_sided="full"
 
 
 class CountingPRM(FunctionPRM):
@@ -76,14 +77,15 @@ def test_process_reward_only_for_correct_outcomes():
 def test_trust_mode_weights_and_anneals_every_rollout():
     prm = CountingPRM()
     texts = ["a", "a\nb", "a\nb", "a"]  # process: 0.5, 0.75, 0.75, 0.5
-    ctx = _run(_reward_ctx([1.0, 0.0, 0.0, 1.0], texts, 2, step=5), prm, mode="trust")
+    ctx = _run(_reward_ctx([1.0, 0.0, 0.0, 1.0], texts, 2, step=5), prm, mode="trust", trust_min_outcome=None)
     assert len(prm.seen) == 4
     factor = math.exp(-5 / 10)
     trust = math.exp(0.5 - 0.75)  # the wrong rollout of each group got the higher process reward
     torch.testing.assert_close(ctx.rewards_per_func[:, 1],
                                torch.tensor([0.5, 0.75, 0.75, 0.5]) * trust * factor)
     assert ctx.metrics["plugins/posterior_grpo/anneal_factor"] == [pytest.approx(factor)]
-    ctx = _run(_reward_ctx([1.0, 0.0], ["a", "a"], 2, step=5), CountingPRM(), mode="trust", anneal="none")
+    ctx = _run(_reward_ctx([1.0, 0.0], ["a", "a"], 2, step=5), CountingPRM(), mode="trust", anneal="none",
+               trust_min_outcome=None)
     assert ctx.rewards_per_func[:, 1].tolist() == [0.5, 0.5]
 
 

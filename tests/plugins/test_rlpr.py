@@ -10,9 +10,17 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.testing import digit_fraction_reward, make_advantage_context, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    build_stack,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_tiny_trainer,
+    record_run,
+    run_hook,
+)
 from trl_plugins.trainer import prompt_completion_batch
 from trl_plugins_builtin.rlpr import (
+    StdThresholdSchedule,
     debiased_reward,
     ema_update,
     group_std,
@@ -96,20 +104,24 @@ def test_std_filter_fixed_threshold():
     assert ctx.metrics["plugins/rlpr/kept_group_fraction"] == [pytest.approx(1 / 3)]
 
 
+PREVIOUS_FILTER = {"std_filter_beta": 1.0, "ema_start_step": 1, "filter_start_step": 1,
+                   "threshold_uses_current_batch": True}  # the plugin's filter before the official recipe
+
+
 def test_std_filter_ema_threshold_and_state():
-    plugin = build_plugins(["rlpr"], {"rlpr": {"ema_decay": 0.5}}).plugins[0]
+    plugin = build_plugins(["rlpr"], {"rlpr": {"ema_decay": 0.5, **PREVIOUS_FILTER}}).plugins[0]
     ctx = _adv_ctx([0.0, 0.2, 0.0, 1.0], G=2)  # stds sqrt(.02)=0.1414, sqrt(.5)=0.7071 -> mean 0.4243
     plugin.trl_plugins_transform_advantages(ctx)
     first = (math.sqrt(0.02) + math.sqrt(0.5)) / 2
-    assert plugin.threshold == pytest.approx(first)
+    assert plugin.schedule.ema == pytest.approx(first)
     assert ctx.advantages.tolist() == [0, 0, 1, 1]
     ctx = _adv_ctx([0.0, 0.0, 0.0, 0.3], G=2)  # stds 0, 0.2121 < threshold 0.5 * 0.4243 + 0.5 * 0.1061 = 0.2652
     plugin.trl_plugins_transform_advantages(ctx)
-    assert plugin.threshold == pytest.approx(0.5 * first + 0.5 * math.sqrt(0.045) / 2)
+    assert plugin.schedule.ema == pytest.approx(0.5 * first + 0.5 * math.sqrt(0.045) / 2)
     assert ctx.advantages.tolist() == [0, 0, 0, 0]
     fresh = build_plugins(["rlpr"]).plugins[0]
     fresh.trl_plugins_load_state_dict(state=plugin.trl_plugins_state_dict())
-    assert fresh.threshold == plugin.threshold
+    assert fresh.schedule.ema == plugin.schedule.ema
 
 
 def test_options_and_conflicts_refused():
@@ -154,3 +166,105 @@ def test_end_to_end(tmp_path):
         assert log["rewards/rlpr/mean"] > 0
         assert "plugins/rlpr/kept_group_fraction" in log and "plugins/rlpr/std_threshold" in log
         assert "plugins/rlpr/answer_probability" in log
+
+
+# ------------------------------------------------------------------------------------------ official recipe
+def _filter_step(plugin, rlpr_rewards, G=2):
+    """One advantage-stage call on a batch whose last reward column is ``rlpr_rewards``; returns the context."""
+    rewards = torch.tensor(rlpr_rewards)
+    ctx = make_advantage_context(rewards, num_generations=G, rewards_per_func=torch.stack([rewards * 0, rewards], 1),
+                                 advantages=torch.ones(len(rlpr_rewards)))
+    return run_hook(plugin, "trl_plugins_transform_advantages", ctx)
+
+
+def test_official_std_filter_warms_up_then_filters_below_half_the_moving_average():
+    stack = build_stack("rlpr")
+    plugin = stack.plugins[0]
+    def batch(s):  # group stds (0, s / 10 / sqrt(2)) (unbiased std of two values)
+        return [0.5, 0.5, 0.0, s / 10]
+
+    mean_std = [s / 10 / math.sqrt(2) / 2 for s in range(1, 13)]
+    for s in range(1, 11):  # steps 1..10 never filter, whatever the stds
+        ctx = _filter_step(stack, batch(s))
+        assert ctx.advantages.tolist() == [1, 1, 1, 1]
+        assert ctx.metrics["plugins/rlpr/std_threshold"] == [0.0]
+    assert plugin.schedule.warmup_means == pytest.approx(mean_std[5:10])  # recorded from step 6
+    ema = sum(mean_std[5:10]) / 5  # step 11: the average starts as the mean of steps 6..10
+    ctx = _filter_step(stack, [0.0, 0.18, 0.0, 0.4])  # stds 0.127, 0.283 around 0.5 * ema = 0.141
+    assert ctx.metrics["plugins/rlpr/std_threshold"] == [pytest.approx(0.5 * ema)]
+    assert 0.18 / math.sqrt(2) < 0.5 * ema < 0.4 / math.sqrt(2)
+    assert ctx.advantages.tolist() == [0, 0, 1, 1]
+    # step 12 folds in step 11's mean (not its own batch) before filtering
+    step11_mean = (0.18 / math.sqrt(2) + 0.4 / math.sqrt(2)) / 2
+    ema = 0.99 * ema + 0.01 * step11_mean
+    ctx = _filter_step(stack, [0.0, 10.0, 0.0, 10.0])
+    assert ctx.metrics["plugins/rlpr/std_threshold"] == [pytest.approx(0.5 * ema)]
+    assert ctx.advantages.tolist() == [1, 1, 1, 1]
+
+
+def test_official_schedule_state_survives_a_resume_mid_warm_up():
+    config = {"rlpr": {"ema_start_step": 2, "filter_start_step": 3}}
+    a, b = build_stack("rlpr", config), build_stack("rlpr", config)
+    batches = [[0.0, 0.1, 0.0, 0.3], [0.0, 0.4, 0.0, 0.2], [0.0, 0.25, 0.0, 0.05], [0.0, 0.3, 0.0, 0.3]]
+    for i, values in enumerate(batches):
+        if i == 2:  # b resumes from a's state after two steps
+            b.plugins[0].trl_plugins_load_state_dict(state=a.plugins[0].trl_plugins_state_dict())
+        got_a = _filter_step(a, values).advantages
+        if i >= 2:
+            assert torch.equal(_filter_step(b, values).advantages, got_a)
+    assert b.plugins[0].schedule.ema == a.plugins[0].schedule.ema and b.plugins[0].schedule.step == 4
+
+
+def test_schedule_options_validated():
+    with pytest.raises(PluginConfigError, match="ema_start_step=12 must not exceed filter_start_step=11"):
+        build_plugins(["rlpr"], {"rlpr": {"ema_start_step": 12}})
+    with pytest.raises(PluginConfigError, match="baseline"):
+        build_plugins(["rlpr"], {"rlpr": {"baseline": "first"}})
+
+
+@pytest.mark.parametrize("baseline", ["initial", "current"])
+def test_debiasing_baseline_comes_from_the_initial_policy(tmp_path, baseline):
+    trainer = make_tiny_trainer(plugins=["rlpr"], plugin_config={"rlpr": {"baseline": baseline}},
+                                reward_funcs=[digit_fraction_reward], output_dir=str(tmp_path), log_level="error")
+    trainer.model.train()
+    plugin = trainer.plugin_stack.plugins[0]
+    func = trainer.reward_funcs[-1]
+    tok = trainer.processing_class
+    enc = lambda s: tok(text=s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    row = trainer.train_dataset[0]
+    p_ids = trainer.generation_service.tokenize([row["prompt"]])[0]
+    target = enc(f" {row['answer']}")
+    completion = [[{"role": "assistant", "content": "thinking\nAnswer: 1"}]]
+
+    def reward(model):
+        r = _manual_mean_prob(model, p_ids + enc("thinking\nAnswer:") + target, len(target))
+        return r, _manual_mean_prob(model, p_ids + enc("\nAnswer:") + target, len(target))
+
+    got = func(prompts=[row["prompt"]], completions=completion, completion_ids=[[1]], answer=[row["answer"]])
+    r, r0_initial = reward(trainer.model)
+    assert got[0] == pytest.approx(min(max(r - r0_initial, 0.0), 1.0), abs=1e-5)
+    if baseline == "initial":  # the first call scanned the whole training dataset with the initial policy
+        assert len(plugin.baselines) == len({(p, a) for p, a in zip(map(str, trainer.train_dataset["prompt"]),
+                                                                     trainer.train_dataset["answer"])})
+        resumed = build_plugins(["rlpr"]).plugins[0]  # a checkpoint keeps them (no second scan on resume)
+        resumed.trl_plugins_load_state_dict(state=plugin.trl_plugins_state_dict())
+        assert resumed.baselines == plugin.baselines and resumed.dataset_scanned
+    with torch.no_grad():  # the policy moves on
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    got = func(prompts=[row["prompt"]], completions=completion, completion_ids=[[1]], answer=[row["answer"]])
+    r_now, r0_now = reward(trainer.model)
+    assert abs(r0_now - r0_initial) > 1e-3
+    expected_r0 = r0_initial if baseline == "initial" else r0_now
+    assert got[0] == pytest.approx(min(max(r_now - expected_r0, 0.0), 1.0), abs=1e-5)
+
+
+def test_threshold_schedule_without_warm_up_and_with_non_finite_means():
+    s = StdThresholdSchedule(beta=0.5, decay=0.9, ema_start=1, filter_start=1)
+    assert s.advance(0.4) == pytest.approx(0.2)  # no records: the first batch starts the average
+    assert s.advance(0.8) == pytest.approx(0.2)  # its own batch is not used yet
+    assert s.advance(float("nan")) == pytest.approx(0.5 * (0.9 * 0.4 + 0.1 * 0.8))  # folds in 0.8
+    assert s.advance(1.0) == pytest.approx(0.5 * (0.9 * 0.4 + 0.1 * 0.8))  # the NaN batch was not recorded
+    previous = StdThresholdSchedule(beta=1.0, decay=0.9, ema_start=1, filter_start=1, include_current=True)
+    assert previous.advance(0.4) == pytest.approx(0.4)
+    assert previous.advance(0.8) == pytest.approx(0.9 * 0.4 + 0.1 * 0.8)  # the batch itself is folded in first

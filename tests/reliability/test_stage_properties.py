@@ -8,7 +8,7 @@
 * the generation service: for any request counts per rank, every rank issues the same backend calls and gets back
   exactly its own results; a budget refusal is taken by every rank together;
 * loss aggregation: masked positions never matter; splitting rows over ranks (DDP averages the ranks' losses) gives
-  the single-process loss for grpo / dr_grpo / dapo / luspo; neutral contributions are no-ops;
+  the single-process loss for every loss type but bnpo; neutral contributions are no-ops;
 * advantage transforms of built-in plugins keep the shape and stay finite for any NaN pattern of rewards ("every
   reward function returned None" rows).
 """
@@ -31,7 +31,7 @@ from hypothesis import strategies as st  # noqa: E402
 from trl_plugins import GenerationBudgetExceeded, PluginError  # noqa: E402
 from trl_plugins.contexts import group_layout  # noqa: E402
 from trl_plugins.generation import GenerationService  # noqa: E402
-from trl_plugins.loss import _aggregate  # noqa: E402
+from trl_plugins.loss_rules import LOSS_TYPES, aggregate  # noqa: E402
 from trl_plugins.testing import (  # noqa: E402
     SimulatedCollective,
     build_stack,
@@ -245,14 +245,12 @@ def test_generation_service_is_collective_safe_for_any_request_counts(counts, bu
 
 # ============================================================================================ loss aggregation
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-SPLIT_INVARIANT = ("grpo", "dr_grpo", "dapo", "luspo")  # bnpo normalises by each rank's own token count (TRL)
+SPLIT_INVARIANT = tuple(lt for lt in LOSS_TYPES if lt != "bnpo")  # bnpo: each rank's own token count (TRL)
 
 
-def _trainer_stub(loss_type, num_processes=1, max_len=8):
-    return SimpleNamespace(loss_type=loss_type, current_gradient_accumulation_steps=1, max_completion_length=max_len,
-                           accelerator=SimpleNamespace(num_processes=num_processes),
-                           args=SimpleNamespace(steps_per_generation=1))
+def _aggregate(loss_type, per_token, mask, num_items, num_processes=1):
+    return aggregate(loss_type, per_token, mask, num_items_in_batch=num_items, max_completion_length=8,
+                     num_processes=num_processes)[0]
 
 
 @st.composite
@@ -272,10 +270,9 @@ def batch(draw):
 @given(batch(), st.sampled_from(LOSS_TYPES))
 def test_masked_positions_never_change_the_loss(case, loss_type):
     _P, per_token, mask = case
-    inputs = {"num_items_in_batch": mask.sum()}
-    loss, _ = _aggregate(_trainer_stub(loss_type), per_token, mask, inputs, "train")
+    loss = _aggregate(loss_type, per_token, mask, mask.sum())
     noisy = torch.where(mask.bool(), per_token, per_token + 1e3 * torch.randn_like(per_token))
-    loss2, _ = _aggregate(_trainer_stub(loss_type), noisy, mask, inputs, "train")
+    loss2 = _aggregate(loss_type, noisy, mask, mask.sum())
     torch.testing.assert_close(loss, loss2)
     assert torch.isfinite(loss)
 
@@ -285,12 +282,8 @@ def test_masked_positions_never_change_the_loss(case, loss_type):
 def test_rank_split_averages_to_the_single_process_loss(case, loss_type):
     P, per_token, mask = case
     num_items = mask.sum()
-    full, _ = _aggregate(_trainer_stub(loss_type), per_token, mask, {"num_items_in_batch": num_items}, "train")
-    stub = _trainer_stub(loss_type, num_processes=P)
-    ranks = [
-        _aggregate(stub, lp, m, {"num_items_in_batch": num_items}, "train")[0]
-        for lp, m in zip(per_token.chunk(P), mask.chunk(P))
-    ]
+    full = _aggregate(loss_type, per_token, mask, num_items)
+    ranks = [_aggregate(loss_type, lp, m, num_items, num_processes=P) for lp, m in zip(per_token.chunk(P), mask.chunk(P))]
     torch.testing.assert_close(torch.stack(ranks).mean(), full)  # DDP averages the ranks' gradients
 
 
