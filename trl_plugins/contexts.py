@@ -19,7 +19,6 @@ from .success import (
     DEFAULT_RULE,
     RewardColumns,
     SuccessRule,
-    is_placeholder,
     success_mask,
     verifier_column,
 )
@@ -401,8 +400,8 @@ class RewardContext(_StageContext):
         return self._service("gather_object")(values)
 
     def _placeholders(self) -> list[bool]:
-        funcs = getattr(self.trainer, "reward_funcs", None) or ()
-        return [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
+        flags = self.run.placeholder_columns
+        return list(flags) if len(flags) == len(self.reward_func_names) else []
 
     def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only

@@ -31,6 +31,7 @@ class RunInfo:
         num_processes: processes taking part in the run's collectives.
         device: the device of the run's collectives (the accelerator's), as a string.
         mode: "train" or "eval" (whether the policy is in training mode now).
+        placeholder_columns: per reward column, whether its function is a placeholder (filled by a transform).
     """
 
     max_completion_length: int | None = None
@@ -39,6 +40,7 @@ class RunInfo:
     num_processes: int = 1
     device: str = "cpu"
     mode: str = "train"
+    placeholder_columns: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             num_processes=self.accelerator.num_processes,
             device=str(self.accelerator.device),
             mode="train" if self.model.training else "eval",
+            placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
         )
 
     def _plugin_metric_sink(self, key: str, value: float) -> None:
