@@ -407,11 +407,10 @@ class AdaptiveSamplerPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         """Read (never change) the gathered rewards: record the outcome of the chunk this batch was drawn from."""
-        trainer = ctx.trainer
-        if not self.options.active or (trainer is not None and not trainer.model.training):
+        if not self.options.active or ctx.mode != "train":
             return
         k = self.batches_seen
-        step = int(getattr(getattr(trainer, "state", None), "global_step", 0) or 0)
+        step = ctx.step
         if k == 0 and step > 0 and not self._restored:
             raise PluginError(
                 f"adaptive_sampler: training resumed at step {step} without this plugin's saved state (the checkpoint "

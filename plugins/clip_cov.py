@@ -122,14 +122,6 @@ def random_pick(candidates: torch.Tensor, n: int, generator: torch.Generator) ->
     return picked.view_as(candidates)
 
 
-def gather_padded(ctx: AdvantageContext, local: torch.Tensor, pad: float = 0.0) -> torch.Tensor:
-    """All-gather a local (B, T_local) tensor into (N, T_max), padding the time dimension across processes."""
-    trainer = ctx.trainer
-    if trainer is not None and trainer.accelerator.num_processes > 1:
-        local = trainer.accelerator.pad_across_processes(local, dim=1, pad_index=pad)
-    return ctx.gather(local)
-
-
 def global_token_advantages(ctx: AdvantageContext, width: int) -> torch.Tensor:
     """The advantage-stage advantages as (N, width) token advantages (broadcast from (N,), cut or zero-padded)."""
     adv = ctx.advantages
@@ -205,7 +197,7 @@ class ClipCovPlugin(Plugin):
             return
         stats = ctx.policy_stats()
         local_width = stats.per_token_logps.size(1)
-        logps = gather_padded(ctx, stats.per_token_logps)  # (N, T_max) pre-update log-probs
+        logps = ctx.gather_padded(stats.per_token_logps)  # (N, T_max) pre-update log-probs
         mask = ctx.completion_mask().bool()
         adv = global_token_advantages(ctx, mask.size(1))
         cov = token_covariance(adv, logps, mask)

@@ -40,7 +40,6 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.collectives import gather_id_lists
 from trl_plugins.contexts import context_device
-from trl_plugins.text import completion_text
 
 
 @dataclass
@@ -165,7 +164,7 @@ class CurePlugin(Plugin):
 
         # 1-2. critical position of each local original (entropy forward is collective: every process calls it)
         entropies = ctx.policy_entropies(originals) if o.selection == "entropy" else [None] * len(originals)
-        tokenizer = _tokenizer(ctx)
+        tokenizer = ctx.tokenizer
         special = set(int(t) for t in getattr(tokenizer, "all_special_ids", []) or [])
         positions = [-1] * len(ctx)
         chosen_entropy = []
@@ -176,7 +175,7 @@ class CurePlugin(Plugin):
             order = None
             if o.selection == "random":
                 order = torch.randperm(len(ids), generator=gen).tolist() if ids else []
-            texts = _token_texts(ctx, ids, i, tokenizer)
+            texts = _token_texts(ids, tokenizer)
             cands = critical_candidates(
                 ent if ent is not None else [0.0] * len(ids), ids, texts, special, o.top_k, o.min_token_chars, order
             )
@@ -212,16 +211,6 @@ class CurePlugin(Plugin):
             ctx.log_metric("critical_token_entropy", sum(chosen_entropy) / len(chosen_entropy))
 
 
-def _tokenizer(ctx: RolloutContext) -> Any:
-    trainer = ctx.trainer
-    if trainer is None:
-        return None
-    proc = getattr(trainer, "processing_class", None)
-    return getattr(proc, "tokenizer", proc)
-
-
-def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) -> list[str]:
+def _token_texts(ids: list[int], tokenizer: Any) -> list[str]:
     """Decoded text of each token on its own (special tokens kept, as the official check decodes them)."""
-    if tokenizer is not None:
-        return [tokenizer.decode([int(t)]) for t in ids]
-    return [completion_text(ctx.decode([int(t)], row)) for t in ids]
+    return [tokenizer.decode([int(t)]) for t in ids]

@@ -310,13 +310,8 @@ def anchor_slots(success: torch.Tensor, min_positives: int, anchor_index: int) -
     return slots
 
 
-def _tokenizer_of(trainer: Any) -> Any:
-    processing_class = trainer.processing_class
-    return getattr(processing_class, "tokenizer", processing_class)
-
-
-def _encode(trainer: Any, text: str) -> list[int]:
-    ids = trainer.processing_class(text=text, add_special_tokens=False)["input_ids"]
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer(text=text, add_special_tokens=False)["input_ids"]
     if ids and isinstance(ids[0], list):  # processors return a batch
         ids = ids[0]
     return list(ids)
@@ -431,14 +426,14 @@ class DaGRPOPlugin(Plugin):
             rows = [i for i in range(len(ctx)) if slots[ctx.group_ids[i]] == ctx.index_in_group[i]]
             refill = []
         self._check_solutions(ctx, rows)
-        eos = _tokenizer_of(ctx.trainer).eos_token_id
+        tokenizer = ctx.tokenizer
         for i in rows:
-            ids = _encode(ctx.trainer, ctx.rows[i][o.solution_column]) + [eos]
+            ids = _encode(tokenizer, ctx.rows[i][o.solution_column]) + [tokenizer.eos_token_id]
             ctx.replace_row(i, ids, offpolicy=True, training_prompt=None)
             ctx.annotations[i][ANCHOR_ANNOTATION] = True
         if reserve:  # collective: groups without an anchor get their reserved rollout now
             for i, c in zip(refill, ctx.service.generate(prompts=[ctx.prompts[i] for i in refill])):
-                ctx.replace_row(i, c.completion_ids or [eos], logprobs=c.logprobs if c.completion_ids else None)
+                ctx.replace_row(i, c.completion_ids or [tokenizer.eos_token_id], logprobs=c.logprobs if c.completion_ids else None)
         n_groups = success.size(0)
         ctx.log_metric("no_positive_group_fraction", float((success.sum(1) == 0).float().mean()))
         ctx.log_metric("anchored_group_fraction", sum(anchored) / max(n_groups, 1))
@@ -480,10 +475,9 @@ class DaGRPOPlugin(Plugin):
             local_ids = getattr(ctx, "local_completion_ids", None)
             if local_ids is not None:  # the generated token ids
                 tokens = ctx.gather_object([list(ids) for ids in local_ids])
-            else:  # the completion text, re-tokenized (characters without a trainer)
+            else:  # the completion text, re-tokenized
                 texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
-                encode = (lambda t: _encode(ctx.trainer, t)) if ctx.trainer is not None else list
-                tokens = [encode(t) for t in texts]
+                tokens = [_encode(ctx.tokenizer, t) for t in texts]
             self._pending = {"distinctiveness": similarity_distinctiveness(tokens, ctx.num_generations,
                                                                            o.similarity, o.ngram)}
 

@@ -224,9 +224,6 @@ class DiscoPlugin(Plugin):
         values = disco_token_loss(ctx.per_token_logps, ctx.old_per_token_logps, ctx.advantages, o.score)
         ctx.replace_tokens(valid, values.expand_as(ctx.per_token_logps))
         penalty, kl = kl_hinge_penalty(ctx.per_token_logps, ctx.old_per_token_logps, ctx.mask, o.beta, o.delta)
-        trainer = ctx.trainer
-        if ctx.mode == "train" and trainer is not None:
-            penalty = penalty / trainer.current_gradient_accumulation_steps
-        ctx.add_loss(penalty)
+        ctx.add_loss(penalty / ctx.gradient_accumulation_steps)
         ctx.log_metric("kl", kl.item())
         ctx.log_metric("kl_penalty_active", float(kl.item() > o.delta))

@@ -438,7 +438,7 @@ class FbosRlPlugin(Plugin):
             local[round1] = ctx.reward_columns(round1).verifier(o.success_rule, missing=-math.inf).float().cpu()
         r1 = ctx.gather(local.to(device)).cpu()
         attempts = gather_id_lists(ctx, [ctx.completion_ids[i] if i in in_round1 else [] for i in range(B)])
-        tok = ctx.trainer.processing_class
+        tok = ctx.tokenizer
 
         # round 2: one prompt per deferred row (a FAP, or the original prompt for groups without failure)
         sources: dict[int, int] = {}  # local round-2 row -> global row of its round-1 attempt

@@ -244,11 +244,7 @@ class GtpoPlugin(Plugin):
         o = self.options
         stats = ctx.policy_stats()
         local_width = stats.completion_ids.size(1)
-        trainer = ctx.trainer
-        ids = stats.completion_ids
-        if trainer is not None and trainer.accelerator.num_processes > 1:
-            ids = trainer.accelerator.pad_across_processes(ids, dim=1, pad_index=-1)
-        ids = ctx.gather(ids)  # (N, T_max)
+        ids = ctx.gather_padded(stats.completion_ids, dim=1, pad_value=-1)  # (N, T_max)
         mask = ctx.completion_mask().bool()  # (N, T_max)
         row_adv = _row_advantage(ctx.advantages, mask)
         forward, terminal = conflict_runs(ids, mask, row_adv, ctx.num_generations, o.terminal_run)

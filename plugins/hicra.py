@@ -166,8 +166,7 @@ class HicraPlugin(Plugin):
         ids = ctx.local_completion_ids
         if ids is None:
             ids = ctx.policy_stats().completion_ids
-        processing_class = ctx.trainer.processing_class
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        tokenizer = ctx.tokenizer
 
         def batch_decode(id_lists):
             return tokenizer.batch_decode(id_lists, skip_special_tokens=True)

@@ -45,7 +45,6 @@ from .clip_cov import (
     CLIPPED_ONLY,
     ENTROPY_PICK_ONE,
     check_no_entropy_bonus,
-    gather_padded,
     global_token_advantages,
     token_covariance,
 )
@@ -145,7 +144,7 @@ class KlCovPlugin(Plugin):
             return
         stats = ctx.policy_stats()
         local_width = stats.per_token_logps.size(1)
-        logps = gather_padded(ctx, stats.per_token_logps)
+        logps = ctx.gather_padded(stats.per_token_logps)
         mask = ctx.completion_mask().bool()
         cov = token_covariance(global_token_advantages(ctx, mask.size(1)), logps, mask)
         selected = top_covariance(cov, mask, num_to_select(int(mask.sum()), o.ratio))

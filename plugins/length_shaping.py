@@ -380,7 +380,7 @@ class LengthShapingPlugin(Plugin):
             target = o.target_length or max(1, self.max_len // 2)
             return torch.full_like(lengths, target)
         buckets = difficulty_buckets(acc, tuple(o.difficulty_edges)).repeat_interleave(G)
-        if ctx.trainer is None or ctx.trainer.model.training:  # statistics from training rollouts only
+        if ctx.mode == "train":  # statistics from training rollouts only
             self.history.append((lengths.cpu(), correct.cpu(), buckets.cpu()))
             all_len = torch.cat([h[0] for h in self.history])
             all_cor = torch.cat([h[1] for h in self.history])

@@ -180,9 +180,5 @@ class LpRegPlugin(Plugin):
 
 def _gather_values(ctx: AdvantageContext, local: torch.Tensor) -> torch.Tensor:
     """All-gather a variable-length 1-D tensor (pad with +inf, drop the padding)."""
-    trainer = ctx.trainer
-    if trainer is None or trainer.accelerator.num_processes == 1:
-        return local
-    padded = trainer.accelerator.pad_across_processes(local, dim=0, pad_index=math.inf)
-    values = trainer.accelerator.gather(padded)
+    values = ctx.gather_padded(local, dim=0, pad_value=math.inf)
     return values[torch.isfinite(values)]

@@ -359,7 +359,7 @@ class R3LPlugin(Plugin):
         slots = [i for i in range(len(ctx)) if ctx.index_in_group[i] >= first_count]
         pairs = {i: ctx.group_ids[i] * G + (ctx.index_in_group[i] - first_count) for i in slots}
 
-        tokenizer = _tokenizer(ctx)
+        tokenizer = ctx.tokenizer
         firsts = {i: all_ids[pairs[i]] for i in slots}
         first_texts = {i: completion_text(ctx.decode(firsts[i], i)) for i in slots}
         steps = {i: split_lines_as_steps(first_texts[i]) for i in slots}
@@ -383,7 +383,7 @@ class R3LPlugin(Plugin):
                 ctx.annotations[i]["r3l"] = "kept_perfect" if is_valid else "kept_invalid"
                 continue
             guidance = o.guidance_template.format(report=json.dumps(reports[i], indent=2, ensure_ascii=False))
-            first_pivot = step_prefix_tokens(_token_texts(ctx, firsts[i], i, tokenizer), step) if step else 0
+            first_pivot = step_prefix_tokens(_token_texts(firsts[i], tokenizer), step) if step else 0
             prefix = firsts[i][:first_pivot] if o.retry_start == "pivot" else []
             retry_rows.append(i)
             retry_prompts.append(with_guidance(ctx.prompts[i], guidance))
@@ -399,7 +399,7 @@ class R3LPlugin(Plugin):
             if o.retry_start == "pivot":
                 retry_pivot = min(first_pivot, len(ctx.completion_ids[i]))
             else:
-                retry_pivot = step_prefix_tokens(_token_texts(ctx, ctx.completion_ids[i], i, tokenizer), step)
+                retry_pivot = step_prefix_tokens(_token_texts(ctx.completion_ids[i], tokenizer), step)
             ctx.annotations[i].update(
                 r3l="retry", r3l_pair=pairs[i], r3l_step=step,
                 r3l_pivot_tokens=retry_pivot if o.pivotal_credit else 0,
@@ -509,15 +509,6 @@ def _question(prompt: Any) -> str:
     return ""
 
 
-def _tokenizer(ctx: RolloutContext) -> Any:
-    trainer = ctx.trainer
-    if trainer is None:
-        return None
-    proc = getattr(trainer, "processing_class", None)
-    return getattr(proc, "tokenizer", proc)
-
-
-def _token_texts(ctx: RolloutContext, ids: list[int], row: int, tokenizer: Any) -> list[str]:
-    if tokenizer is not None:
-        return [tokenizer.decode([int(t)]) for t in ids]
-    return [completion_text(ctx.decode([int(t)], row)) for t in ids]
+def _token_texts(ids: list[int], tokenizer: Any) -> list[str]:
+    """Decoded text of each token on its own."""
+    return [tokenizer.decode([int(t)]) for t in ids]

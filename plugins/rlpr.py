@@ -5,7 +5,7 @@ Verifier-free RL for free-form answers. A response ``o = (z, y)`` is its reasoni
 policy itself how likely ``y*`` is after its own reasoning:
 
 1. ``o' = z || y*``; one extra **no-grad** forward of the policy on ``[prompt + z + y*]`` gives the per-token
-   probabilities ``p_j`` of the ``y*`` tokens (through the trainer's own ``_get_per_token_logps_and_entropies``:
+   probabilities ``p_j`` of the ``y*`` tokens (through the framework's ``policy_logprobs`` service:
    no full-vocabulary logits are kept, the sampling temperature applies as in TRL's log-probs).
 2. Probability reward: the **mean** token probability ``r = (1/|y*|) sum_j p_j`` (more robust than the sequence
    likelihood, which collapses on long answers).
@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.text import completion_text
 
@@ -211,27 +211,6 @@ class StdThresholdSchedule:
         self.pending = state.get("pending")
 
 
-def left_right_batch(contexts: list[list[int]], targets: list[list[int]], pad_id: int):
-    """Left-padded contexts followed by right-padded targets, TRL's prompt/completion layout.
-
-    Returns input_ids (B, Lc + A), attention_mask (B, Lc + A), target mask (B, A) and A.
-    """
-    Lc = max(len(c) for c in contexts)
-    A = max(1, max(len(t) for t in targets))
-    B = len(contexts)
-    ids = torch.full((B, Lc + A), pad_id, dtype=torch.long)
-    att = torch.zeros((B, Lc + A), dtype=torch.long)
-    tmask = torch.zeros((B, A), dtype=torch.long)
-    for i, (c, t) in enumerate(zip(contexts, targets)):
-        ids[i, Lc - len(c) : Lc] = torch.tensor(c, dtype=torch.long)
-        att[i, Lc - len(c) : Lc] = 1
-        if t:
-            ids[i, Lc : Lc + len(t)] = torch.tensor(t, dtype=torch.long)
-            att[i, Lc : Lc + len(t)] = 1
-            tmask[i, : len(t)] = 1
-    return ids, att, tmask, A
-
-
 class RlprPlugin(Plugin):
     """Reference-answer probability reward (reward stage) with std filtering of low-variance groups (advantage)."""
 
@@ -254,7 +233,8 @@ class RlprPlugin(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         o = self.options
-        self.trainer: Any = None
+        self.services: StageServices | None = None
+        self.dataset: Any = None
         self.schedule = StdThresholdSchedule(
             beta=o.std_filter_beta, decay=o.ema_decay, ema_start=o.ema_start_step,
             filter_start=o.filter_start_step, include_current=o.threshold_uses_current_batch,
@@ -267,8 +247,10 @@ class RlprPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self.trainer = trainer
-        check_column_filled(self.name, getattr(trainer, "train_dataset", None), self.options.answer_column,
+        # the reward function runs inside TRL's reward call, outside any stage context: it keeps the run's services
+        self.services = trainer.plugin_services
+        self.dataset = getattr(trainer, "train_dataset", None)  # scanned once for the initial-policy baselines
+        check_column_filled(self.name, self.dataset, self.options.answer_column,
                             "the reward is the policy's probability of the reference answer, which an empty answer "
                             "turns into the probability of the answer prefix alone")
 
@@ -285,26 +267,21 @@ class RlprPlugin(Plugin):
     # ------------------------------------------------------------------------------------------ reward
     def answer_probabilities(self, contexts: list[list[int]], targets: list[list[int]]) -> torch.Tensor:
         """Mean probability of each ``targets[i]`` after ``contexts[i]`` under the current policy (no grad)."""
-        trainer = self.trainer
-        tok = trainer.processing_class
-        pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        ids, att, tmask, A = left_right_batch(contexts, targets, pad_id)
-        device = trainer.accelerator.device
-        with torch.no_grad():
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, ids.to(device), att.to(device), A, batch_size=trainer.args.per_device_train_batch_size
-            )
-        return mean_token_probability(logps.float(), tmask.to(device).float()).cpu()
+        logps = self.services.policy_logprobs(contexts, targets)  # one (len(targets[i]),) tensor per row
+        return torch.stack([
+            mean_token_probability(lp.float().unsqueeze(0), torch.ones(1, lp.numel(), device=lp.device))[0]
+            for lp in logps
+        ]).cpu()
 
     def rewards(self, prompts: list, completions: list, columns: dict) -> list[float]:
         o = self.options
-        if self.trainer is None:
+        if self.services is None:
             raise PluginConfigError("rlpr: the plugin was not configured with a trainer.")
         refs = columns.get(o.answer_column)
         if refs is None:
             raise PluginConfigError(f"rlpr: the reward function got no {o.answer_column!r} column.")
-        tok = self.trainer.processing_class
-        prompt_ids = self.trainer.generation_service.tokenize(list(prompts))
+        tok = self.services.tokenizer
+        prompt_ids = self.services.tokenize_prompts(list(prompts))
 
         def encode(text: str) -> list[int]:
             return list(tok(text=text, add_special_tokens=False)["input_ids"])
@@ -338,7 +315,7 @@ class RlprPlugin(Plugin):
             unique = list(dict.fromkeys(keys))
             values = dict(zip(unique, self._prefix_probabilities(unique, encode).tolist()))
             return torch.tensor([values[k] for k in keys])
-        if not self.dataset_scanned and self.trainer.model.training:
+        if not self.dataset_scanned and self.services.run().mode == "train":
             self.dataset_scanned = True
             self._scan_training_dataset(encode)
         missing = list(dict.fromkeys(k for k in keys if k not in self.baselines))
@@ -361,7 +338,7 @@ class RlprPlugin(Plugin):
 
     def _scan_training_dataset(self, encode) -> None:
         """``r_0`` of every (prompt, reference) pair of the training dataset under the current (initial) policy."""
-        dataset = getattr(self.trainer, "train_dataset", None)
+        dataset = self.dataset
         o = self.options
         columns = getattr(dataset, "column_names", None) or []
         if not hasattr(dataset, "__len__") or "prompt" not in columns or o.answer_column not in columns:
@@ -369,7 +346,7 @@ class RlprPlugin(Plugin):
         prompts, answers = dataset["prompt"], dataset[o.answer_column]
         targets = [encode(o.answer_template.format(answer=str(a))) for a in answers]
         keys = list(dict.fromkeys(
-            (tuple(p), tuple(t)) for p, t in zip(self.trainer.generation_service.tokenize(list(prompts)), targets)
+            (tuple(p), tuple(t)) for p, t in zip(self.services.tokenize_prompts(list(prompts)), targets)
         ))
         self.baselines.update(zip(keys, self._prefix_probabilities(keys, encode).tolist()))
 
@@ -381,7 +358,7 @@ class RlprPlugin(Plugin):
             return
         values = ctx.rewards_per_func[:, self._column(ctx)]
         stds = group_std(values, ctx.num_generations)
-        training = ctx.trainer is None or ctx.trainer.model.training
+        training = ctx.mode == "train"
         if o.std_threshold is not None:
             threshold = o.std_threshold
         elif training:
@@ -396,9 +373,9 @@ class RlprPlugin(Plugin):
         ctx.log_metric("reward_std", float(stds.mean()))
 
     def _column(self, ctx: AdvantageContext) -> int:
-        names = getattr(ctx.trainer, "reward_func_names", None) if ctx.trainer is not None else None
-        if names and COLUMN in names:
-            return list(names).index(COLUMN)
+        names = ctx.run.reward_func_names
+        if COLUMN in names:
+            return names.index(COLUMN)
         return ctx.rewards_per_func.size(1) - 1
 
     @hookimpl

@@ -413,7 +413,7 @@ class RuscaRLPlugin(Plugin):
     # ------------------------------------------------------------------------------------------ sampling
     def total_steps(self, ctx: PromptContext) -> int:
         """T: the trainer's ``state.max_steps`` once training runs (epochs resolved), else ``args.max_steps``."""
-        T = int(getattr(getattr(ctx.trainer, "state", None), "max_steps", 0) or 0)
+        T = ctx.run.max_steps
         return T if T > 0 else self._total_steps
 
     def row_ratio(self, index_in_group: int, group_size: int, step: int, total_steps: int) -> tuple[float, float]:

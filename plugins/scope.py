@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from trl_plugins import (
@@ -201,14 +201,14 @@ class ScopePlugin(Plugin):
         if self.prm is None:
             self.prm = prm_from_options(o)
         if self.teacher is None:
-            self.teacher = self._build_teacher(trainer)
+            self.teacher = self._build_teacher(getattr(trainer, "max_completion_length", None))
 
-    def _build_teacher(self, trainer: Any = None):
+    def _build_teacher(self, max_completion_length: int | None = None):
         o = self.options
         separator = self.prm.separator if self.prm is not None else (o.step_separator or "\n\n")
         if o.mode == "reference_suffix" or o.teacher == "reference":
             return ReferenceTeacher(o.solution_column, separator)
-        max_tokens = o.teacher_max_tokens or getattr(trainer, "max_completion_length", None) or 1024
+        max_tokens = o.teacher_max_tokens or max_completion_length or 1024
         return shared_teacher(
             o.teacher, model=o.teacher_model, base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env,
             temperature=o.teacher_temperature, max_tokens=max_tokens, timeout=o.teacher_timeout,
@@ -224,8 +224,8 @@ class ScopePlugin(Plugin):
         if self.prm is None:
             self.prm = prm_from_options(o)
         if self.teacher is None:
-            self.teacher = self._build_teacher(ctx.trainer)
-        tok = ctx.trainer.processing_class
+            self.teacher = self._build_teacher(ctx.run.max_completion_length)
+        tok = ctx.tokenizer
         G, B = ctx.num_generations, len(ctx)
         device = context_device(ctx)
 
@@ -286,7 +286,7 @@ class ScopePlugin(Plugin):
     def _rectify(self, ctx: RolloutContext, repairs: list[_Repair], tok) -> None:
         """Fill each repair's candidate ids / provenance / log-probs (teacher_step: policy continuation)."""
         o = self.options
-        max_len = ctx.trainer.max_completion_length
+        max_len = ctx.run.max_completion_length
         eos = [tok.eos_token_id] if o.append_eos and tok.eos_token_id is not None else []
         rows = [ctx.rows[r.row] for r in repairs]
         prompts = [ctx.prompts[r.row] for r in repairs]

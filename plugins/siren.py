@@ -150,7 +150,7 @@ class SirenPlugin(Plugin):
         """Self-anchor H_0 from the rollout policy, once (first batch), over the whole global batch."""
         if self.anchor is not None:
             return
-        if ctx.trainer is not None and not ctx.trainer.model.training:
+        if ctx.mode != "train":
             return  # the anchor comes from the first *training* batch
         o = self.options
         stats = ctx.policy_stats(head_stats=True)
@@ -170,10 +170,7 @@ class SirenPlugin(Plugin):
             if ctx.mode == "train":
                 self.anchor = anchor
         term = anchored_term(h_agg, anchor, o.coef)
-        trainer = ctx.trainer
-        if ctx.mode == "train" and trainer is not None:
-            term = term / trainer.current_gradient_accumulation_steps
-        ctx.add_loss(term)
+        ctx.add_loss(term / ctx.gradient_accumulation_steps)
         ctx.log_metric("topp_entropy", float(h_agg.detach()))
         ctx.log_metric("anchor", anchor)
         ctx.log_metric("entropy_gap", float(h_agg.detach()) - anchor)

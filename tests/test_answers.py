@@ -20,6 +20,7 @@ from trl_plugins.answers import (
     normalize_answer,
     semantic_entropy,
 )
+from trl_plugins.testing import make_reward_context
 
 
 def test_extractors():
@@ -76,21 +77,13 @@ def test_semantic_entropy_values():
     assert max_semantic_entropy(1) == 0.0
 
 
-class _Ctx:
-    def __init__(self, completions, G):
-        self.local_completions = completions
-        self.num_generations = G
-        self.gathers = 0
-
-    def gather_object(self, values):
-        self.gathers += 1
-        return values
-
-
 def test_batch_clusters_is_computed_once_per_context():
-    ctx = _Ctx([[{"role": "assistant", "content": "Answer: 3"}], "Answer: 3", "Answer: 4", "junk"], 2)
+    gathered = []
+    completions = [[{"role": "assistant", "content": "Answer: 3"}], "Answer: 3", "Answer: 4", "junk"]
+    ctx = make_reward_context([0.0] * 4, num_generations=2, completions=completions,
+                              gather_object=lambda values: gathered.append(values) or values)
     answers, clusters = batch_clusters(ctx, "task")
     assert answers == ["3", "3", "4", None]
     assert clusters == [[0, 0], [0, None]]
     assert batch_clusters(ctx, "task") == (answers, clusters)
-    assert ctx.gathers == 1
+    assert len(gathered) == 1

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from trl_plugins import LossContext, PluginError, RolloutContext
-from trl_plugins.contexts import group_layout
+from trl_plugins.contexts import group_layout, masked_sampling_logprobs
+from trl_plugins.services import StageServices, gather_padded
 
 # ---------------------------------------------------------------------------------------------- group layout
 
@@ -79,9 +80,8 @@ def _rollout(logprobs=True):
         num_generations=2,
         step=0,
         annotations=[{}, {}, {}],
+        services=StageServices(tokenize_prompts=_tokenize, decode=lambda ids, prompt: "|".join(map(str, ids))),
     )
-    ctx._tokenizer = _tokenize
-    ctx._decoder = lambda ids, row: "|".join(map(str, ids))
     return ctx
 
 
@@ -187,7 +187,7 @@ def test_splice_out_of_range_errors():
 # ---------------------------------------------------------------------------------------------- loss context
 
 
-def _loss_ctx(B=2, T=3):
+def _loss_ctx(B=2, T=3, services=None):
     z = torch.zeros(B, T)
     return LossContext(
         inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
@@ -207,27 +207,27 @@ def _loss_ctx(B=2, T=3):
         num_items_in_batch=torch.tensor(6.0),
         iteration=0,
         mode="train",
+        services=services or StageServices(),
     )
 
 
 def test_replace_tokens_refuses_second_replacer():
     ctx = _loss_ctx()
-    ctx._active_plugin = "first"
+    ctx.set_active_plugin("first")
     mask = torch.ones(2, 3, dtype=torch.bool)
     ctx.replace_tokens(mask, torch.ones(2, 3))
     ctx.replace_tokens(mask, 2 * torch.ones(2, 3))  # the same plugin may call it again (last call wins)
     assert torch.equal(ctx.replacement[1], 2 * torch.ones(2, 3))
-    ctx._active_plugin = "second"
+    ctx.set_active_plugin("second")
     with pytest.raises(PluginError, match="'first' and 'second' both replace the surrogate"):
         ctx.replace_tokens(mask, torch.zeros(2, 3))
     assert torch.equal(ctx.replacement[1], 2 * torch.ones(2, 3))
 
 
 def test_loss_context_collects_contributions_and_metrics():
-    ctx = _loss_ctx()
     logged = {}
-    ctx._metric_sink = lambda k, v: logged.setdefault(k, []).append(v)
-    ctx._active_plugin = "probe"
+    ctx = _loss_ctx(services=StageServices(metric_sink=lambda k, v: logged.setdefault(k, []).append(v)))
+    ctx.set_active_plugin("probe")
     ctx.scale_tokens(torch.full((2, 3), 0.5))
     ctx.add_token_loss(torch.ones(2, 3))
     ctx.add_loss(torch.tensor(3.0))
@@ -240,6 +240,34 @@ def test_loss_context_collects_contributions_and_metrics():
 
 def test_head_stats_without_declaration_errors():
     ctx = _loss_ctx()
-    ctx._active_plugin = "greedy"
+    ctx.set_active_plugin("greedy")
     with pytest.raises(PluginError, match="'greedy'.*needs_head_stats"):
         ctx.head_stats()
+
+
+# ---------------------------------------------------------------------------------------------- services
+
+
+def test_missing_service_names_member_and_context():
+    ctx = _rollout()  # its services provide tokenize_prompts and decode only
+    with pytest.raises(PluginError, match=r"RolloutContext: 'score' is not available"):
+        ctx.score([0])
+    with pytest.raises(PluginError, match=r"RolloutContext: 'tokenizer' is not available"):
+        ctx.tokenizer
+    with pytest.raises(PluginError, match=r"LossContext: 'masked_mean' is not available"):
+        _loss_ctx().global_masked_mean(torch.ones(2, 3))
+
+
+def test_masked_sampling_logprobs_rule():
+    nan = float("nan")
+    assert _same(masked_sampling_logprobs([-1.0, -2.0, -3.0], [False, True, False], False), [-1.0, nan, -3.0])
+    assert _same(masked_sampling_logprobs([-1.0, -2.0], [False, False], True), [nan, nan])
+
+
+def test_gather_padded_pads_to_the_longest_process():
+    # two simulated processes: the gather concatenates this process's tensor with a longer one of process 1
+    def gather(t):  # sizes (1,) first, then the padded (1, T_max) rows
+        return torch.cat([t, torch.tensor([3]) if t.dim() == 1 else torch.tensor([[7, 7, 7]])])
+
+    out = gather_padded(gather, torch.tensor([[1, 2]]), dim=1, pad_value=-1)
+    assert out.tolist() == [[1, 2, -1], [7, 7, 7]]

@@ -95,7 +95,7 @@ def test_default_options_are_the_neutral_setting(stage, tmp_path):
     cls = getattr(_load_module(root / "src" / names.package / "plugin.py", f"_scaffold_neutral_{stage}"), names.cls)
     hook, ctx = _neutral_contexts(stage)
     snapshot = {k: (v.clone() if isinstance(v, torch.Tensor) else repr(v)) for k, v in vars(ctx).items()
-                if k not in ("metrics", "_metric_sink", "_active_plugin", "trainer")}
+                if k not in ("metrics", "services", "_active_plugin")}
     run_hook(build_stack(cls, max_completion_length=12), hook, ctx)
     for key, before in snapshot.items():
         after = getattr(ctx, key)

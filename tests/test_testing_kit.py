@@ -15,8 +15,10 @@ from trl_plugins import (
     GenerationBudgetExceeded,
     Plugin,
     PluginConfigError,
+    PluginError,
     PluginOptions,
     RewardContext,
+    RunInfo,
     available_plugins,
     hookimpl,
     option,
@@ -44,6 +46,7 @@ from trl_plugins.testing import (
     run_on_processes,
     stub_rows,
     temporary_plugin,
+    tiny_tokenizer,
 )
 
 
@@ -109,6 +112,32 @@ def test_rollout_context_stub_services():
     assert text.completions == ["a", "b"] and text.sampling_logprobs is None and text.prompts == ["Q0", "Q0"]
     deferred = make_rollout_context([["a", "b"]], deferred=[1])
     assert deferred.deferred == [False, True] and deferred.completion_ids[1] == []
+
+
+def test_kit_services_with_a_real_tokenizer_and_missing_members():
+    tok = tiny_tokenizer()
+    ctx = make_rollout_context([["12", "ab"]], tokenizer=tok, eos=True, run=RunInfo(max_completion_length=7))
+    assert ctx.tokenizer is tok and ctx.run.max_completion_length == 7 and ctx.mode == "train"
+    assert ctx.completion_ids[0] == tok("12", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    template = tok.apply_chat_template(ctx.prompts[0], add_generation_prompt=True, tokenize=False)
+    assert ctx.prompt_ids[0] == tok(template, add_special_tokens=False)["input_ids"]  # as TRL tokenizes prompts
+    assert ctx.decode(ctx.completion_ids[1], 1) == [{"role": "assistant", "content": "ab"}]  # EOS skipped
+    with pytest.raises(PluginError, match="RolloutContext: 'policy_logprobs' is not available"):
+        ctx.policy_logprobs([[1]], [[2]])
+    chars = make_rollout_context([["ab", "c"]])  # default: the character tokenizer of the kit's ids
+    assert chars.tokenizer.decode(chars.completion_ids[0]) == "ab"
+    assert chars.tokenizer("ab")["input_ids"] == chars.completion_ids[0]
+
+
+def test_reward_context_of_one_process_among_several():
+    def work(rank, gather):
+        ctx = make_reward_context([[0.0], [1.0], [2.0], [3.0]], num_generations=2, num_processes=2,
+                                  process_index=rank, completions=["a", "b", "c", "d"], gather=gather)
+        return ctx.process_slice, ctx.local_completions, ctx.gather_object([rank])
+
+    (s0, c0, g0), (s1, c1, g1) = run_on_processes(2, work)
+    assert (s0, s1) == (slice(0, 2), slice(2, 4)) and (c0, c1) == (["a", "b"], ["c", "d"])
+    assert g0 == g1 == [0, 1]
 
 
 def test_rollout_edits_and_provenance_assertion():
@@ -370,7 +399,7 @@ def _assert_kit_loss_equals_trainer_loss(trainer, inputs, loss_type, level, opti
     )
     assert torch.equal(kit.coef_1, ctx.coef_1)
     assert torch.equal(kit.per_token_loss, ctx.per_token_loss)
-    kit._active_plugin = "kit_loss_probe"
+    kit.set_active_plugin("kit_loss_probe")
     KitLossProbe.contribute(kit)
     kit_loss = loss_from_context(kit, trainer.max_completion_length)
     assert torch.equal(kit_loss, loss)

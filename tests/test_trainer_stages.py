@@ -290,7 +290,7 @@ class ReplaceRows(Plugin):
             global_index=list(ctx.global_index), group_ids=list(ctx.group_ids),
             index_in_group=list(ctx.index_in_group), n=len(ctx),
         )
-        digits = ctx.trainer.processing_class("1234567", add_special_tokens=False)["input_ids"]
+        digits = ctx.tokenizer("1234567", add_special_tokens=False)["input_ids"]
         for i in range(len(ctx)):
             if ctx.index_in_group[i] == 0:
                 ctx.replace_row(i, digits)
@@ -865,3 +865,49 @@ def test_missing_plugin_state_on_resume_warns_and_starts_fresh(tmp_path):
         torch.save({"__framework__": {}, "test_counter": {"count": 7}}, tmp_path / PLUGIN_STATE_FILE)
         trainer._load_optimizer_and_scheduler(str(tmp_path))
         assert plugin.count == 7
+
+
+# ============================================================================================ (g) real services
+
+
+class ServicesProbe(Plugin):
+    """Records what the contexts' services give in a real run (tokenizer, run settings, mode, policy log-probs)."""
+
+    name = "test_services_probe"
+    seen = {}
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx):
+        ServicesProbe.seen = dict(
+            tokenizer=ctx.tokenizer, run=ctx.run, mode=ctx.mode, device=ctx.device, prompt_ids=list(ctx.prompt_ids[0]),
+            completion_ids=list(ctx.completion_ids[0]),
+            logprobs=ctx.policy_logprobs([ctx.prompt_ids[0], ctx.prompt_ids[1]], [ctx.completion_ids[0], [5]]),
+            padded=ctx.gather_padded(torch.tensor([[1, 2]]), dim=1, pad_value=-1),
+        )
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx):
+        ServicesProbe.seen["advantage_mode"] = ctx.mode
+        ServicesProbe.seen["reward_func_names"] = ctx.run.reward_func_names
+
+
+def test_contexts_get_the_trainers_services():
+    with temporary_plugin(ServicesProbe):
+        trainer = make_tiny_trainer(plugins=["test_services_probe"], reward_funcs=[digit_fraction_reward],
+                                    log_level="error", max_completion_length=8)
+        trainer._generate_single_turn = _fake_single_turn()
+        _generate(trainer, _rows(trainer, 1))
+    seen = ServicesProbe.seen
+    assert seen["tokenizer"] is trainer.processing_class and seen["mode"] == seen["advantage_mode"] == "train"
+    assert seen["run"].max_completion_length == 8 and seen["run"].num_processes == 1
+    assert seen["device"] == trainer.accelerator.device
+    assert seen["reward_func_names"] == ("digit_fraction_reward",)
+    assert seen["padded"].tolist() == [[1, 2]]  # one process: nothing to pad
+    # ctx.policy_logprobs == a plain forward of the row (temperature-scaled log-softmax at the completion tokens)
+    p, c = seen["prompt_ids"], seen["completion_ids"]
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1].float()
+    expected = torch.log_softmax(logits / trainer.temperature, -1).gather(1, torch.tensor(c)[:, None])[:, 0]
+    got, short = seen["logprobs"]
+    assert got.shape == (len(c),) and short.shape == (1,)
+    torch.testing.assert_close(got.float(), expected, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ from .hookspecs import hookimpl
 from .manager import available_plugins, build_plugins, register_plugin, unregister_plugin
 from .options import PluginOptions, option
 from .plugin import Plugin
+from .services import RunInfo, StageServices
 
 __version__ = "0.1.0"
 
@@ -45,6 +46,8 @@ __all__ = [
     "PromptContext",
     "RewardContext",
     "RolloutContext",
+    "RunInfo",
+    "StageServices",
     "UnknownPluginError",
     "available_plugins",
     "build_plugins",

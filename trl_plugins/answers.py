@@ -237,10 +237,10 @@ def batch_clusters(ctx: Any, extractor: str | Extractor = "task") -> tuple[list[
     """Answers (N,) and per-group cluster ids of the **global** batch at the reward stage (collective, cached).
 
     Gathers the local completions' answers with ``ctx.gather_object`` (every process must call it) and caches the
-    result on ``ctx`` per extractor, so several plugins in one stack extract and cluster once.
+    result in ``ctx.shared`` per extractor, so several plugins in one stack extract and cluster once.
     """
     key = extractor if isinstance(extractor, str) else f"{getattr(extractor, '__module__', '')}:{extractor!r}"
-    cache = ctx.__dict__.setdefault("_answer_clusters", {})
+    cache = ctx.shared.setdefault("answer_clusters", {})
     if key not in cache:
         func = get_extractor(extractor)
         local = [func(completion_text(c)) for c in ctx.local_completions]

@@ -7,18 +7,18 @@ reward functions, ``G`` group size. Global row ``g`` is in group ``g // G`` at i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .errors import PluginError
+from .services import RunInfo, StageServices, gather_padded
 from .success import (
     DEFAULT_RULE,
     RewardColumns,
     SuccessRule,
-    is_placeholder,
     success_mask,
     verifier_column,
 )
@@ -29,18 +29,88 @@ EXTRA_PREFIX = "plugin_extra::"
 OFFPOLICY_KEY = "offpolicy_mask"
 
 
-class _MetricsMixin:
-    """``log_metric`` for contexts: records under ``plugins/<active plugin>/<name>`` in TRL's logs."""
+#: The services of a context built without any (every member raises a ``PluginError`` naming itself).
+NO_SERVICES = StageServices()
+
+
+def masked_sampling_logprobs(logprobs: Sequence[float], offpolicy: Sequence[bool], prompt_swapped: bool) -> list[float]:
+    """The sampling log-probs a row trains with: NaN on off-policy tokens, NaN on every token of a prompt-swapped row.
+
+    NaN tells TRL's vLLM importance-sampling correction (and its off-policy masks) to leave the token alone: an
+    off-policy token was not sampled from the policy, and a swapped row's tokens were sampled under another prompt
+    than the one the loss conditions on. ``logprobs`` and ``offpolicy`` have one entry per completion token.
+    """
+    if prompt_swapped:
+        return [float("nan")] * len(logprobs)
+    return [float("nan") if off else lp for lp, off in zip(logprobs, offpolicy)]
+
+
+class _StageContext:
+    """What every stage context shares: its services (a constructor argument), metrics, the active plugin.
+
+    Members read from ``self.services`` (a :class:`~trl_plugins.services.StageServices`); a member the services
+    lack raises a ``PluginError`` naming the member and the context.
+    """
 
     _active_plugin: str | None = None
-    _metric_sink: Callable[[str, float], None] | None = None
+
+    def set_active_plugin(self, name: str | None) -> None:
+        """Name the plugin whose hook runs now (None: the framework); the plugin manager calls this."""
+        self._active_plugin = name
+
+    @property
+    def active_plugin(self) -> str | None:
+        """Name of the plugin whose hook runs now (None outside a hook)."""
+        return self._active_plugin
+
+    def _service(self, member: str) -> Any:
+        return self.services.require(member, type(self).__name__)
 
     def log_metric(self, name: str, value: float) -> None:
         """Log a scalar under ``plugins/<plugin>/<name>`` (averaged per logging step, like TRL's metrics)."""
-        if self._metric_sink is None:
+        sink = self.services.metric_sink
+        if sink is None:
             return
         plugin = self._active_plugin or "framework"
-        self._metric_sink(f"plugins/{plugin}/{name}", float(value))
+        sink(f"plugins/{plugin}/{name}", float(value))
+
+    @property
+    def run(self) -> RunInfo:
+        """Read-only settings of the run (:class:`~trl_plugins.services.RunInfo`: max_completion_length, ...)."""
+        return self.services.run()
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the run's collectives (the accelerator's): put tensors given to :meth:`gather` there."""
+        return torch.device(self.run.device)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The run's text tokenizer (TRL's ``processing_class``, or its ``.tokenizer`` for a multimodal processor)."""
+        return self._service("tokenizer")
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """All-gather a (B, ...) tensor into (N, ...) in global row order (collective: call on every process)."""
+        return self._service("gather")(tensor)
+
+    def gather_padded(self, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
+        """Pad ``tensor`` along ``dim`` to the largest size on any process, then all-gather along dim 0.
+
+        (B, T_local) -> (N, T_max) with ``dim=1``; a variable-length (n_local,) -> (P * n_max,) with ``dim=0``
+        (drop the padding by its ``pad_value``). Collective: call on every process.
+        """
+        return gather_padded(self._service("gather"), tensor, dim, pad_value)
+
+    def policy_logprobs(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """No-grad per-token log-probs of ``completion_ids[i]`` after ``prompt_ids[i]`` under the current policy.
+
+        Temperature applied as in TRL's log-probs; one (len(completion_ids[i]),) tensor per row. Runs on this
+        process only (forward chunks of ``per_device_train_batch_size`` rows; prompts left-padded, completions
+        right-padded, TRL's layout).
+        """
+        return self._service("policy_logprobs")(
+            [list(p) for p in prompt_ids], [list(c) for c in completion_ids]
+        )
 
 
 def group_layout(process_index: int, local_rows: int, num_generations: int) -> tuple[list[int], list[int], list[int]]:
@@ -54,15 +124,15 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
 
 
 def context_device(ctx: Any) -> torch.device:
-    """The device of a context's collectives: the trainer's accelerator device (CPU for hand-built contexts)."""
-    trainer = getattr(ctx, "trainer", None)
-    accelerator = getattr(trainer, "accelerator", None)
-    return accelerator.device if accelerator is not None else torch.device("cpu")
+    """The device of a context's collectives (``ctx.device``: the accelerator's; CPU for the kit's contexts and for
+    stand-ins without a device)."""
+    device = getattr(ctx, "device", None)
+    return device if device is not None else torch.device("cpu")
 
 
 # =============================================================================================== sampling
 @dataclass
-class PromptContext(_MetricsMixin):
+class PromptContext(_StageContext):
     """Sampling stage, before generation: per-row generation and training prompts (local rows).
 
     Attributes:
@@ -74,8 +144,9 @@ class PromptContext(_MetricsMixin):
         num_generations: G.
         step: ``trainer.state.global_step``.
         annotations: per-row dicts; keys become columns of TRL's completions table (e.g. ``hint_level``).
-        trainer: the trainer (read-only use).
         deferred: (B,) rows left out of the first generation round (see :meth:`defer`); empty = none.
+        mode: "train" or "eval" (the sampling-stage hooks run on training batches only).
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
     rows: list[dict]
@@ -88,8 +159,9 @@ class PromptContext(_MetricsMixin):
     num_generations: int
     step: int
     annotations: list[dict]
-    trainer: Any = None
     deferred: list[bool] = field(default_factory=list)
+    mode: str = "train"
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def defer(self, i: int) -> None:
         """Leave local row ``i`` out of the first generation round; a later hook of the step fills it.
@@ -121,7 +193,7 @@ class Completion:
 
 
 @dataclass
-class RolloutContext(_MetricsMixin):
+class RolloutContext(_StageContext):
     """Sampling stage, after generation: the generated local batch, editable row by row.
 
     Attributes:
@@ -141,6 +213,8 @@ class RolloutContext(_MetricsMixin):
         service: the :class:`~trl_plugins.generation.GenerationService` (in-step generation).
         deferred: (B,) True for rows left out of the first generation round (``PromptContext.defer``): they hold an
             empty completion until a hook fills them with :meth:`replace_row`; empty list = no deferred row.
+        mode: "train" or "eval" (the sampling-stage hooks run on training batches only).
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
     rows: list[dict]
@@ -159,14 +233,10 @@ class RolloutContext(_MetricsMixin):
     step: int
     annotations: list[dict]
     service: Any = None
-    trainer: Any = None
-    _scorer: Callable | None = None
-    _gatherer: Callable | None = None
-    _tokenizer: Callable | None = None
-    _decoder: Callable | None = None
-    _entropy_fn: Callable | None = None
     changed: set = field(default_factory=set)
     deferred: list[bool] = field(default_factory=list)
+    mode: str = "train"
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -182,7 +252,8 @@ class RolloutContext(_MetricsMixin):
         leaves the others waiting in your ``gather``.
         """
         comps = [self.completions[i] for i in indices] if completions is None else list(completions)
-        return RewardColumns.of(self._scorer([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps))
+        score = self._service("score")
+        return RewardColumns.of(score([self.rows[i] for i in indices], [self.prompts[i] for i in indices], comps))
 
     def score(self, indices: Sequence[int], completions: Sequence[Any] | None = None) -> torch.Tensor:
         """Weighted reward (len(indices),) of local rows ``indices``, as TRL combines the columns (weighted nansum of
@@ -197,13 +268,9 @@ class RolloutContext(_MetricsMixin):
         (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
         return self.reward_columns(indices, completions).success(rule)
 
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All-gather a (B, ...) tensor into (N, ...) in global row order (collective: call on every process)."""
-        return self._gatherer(tensor)
-
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
         """Token ids of prompts exactly as TRL tokenizes them for generation (chat template applied)."""
-        return self._tokenizer(prompts)
+        return self._service("tokenize_prompts")(prompts)
 
     def policy_entropies(self, indices: Sequence[int]) -> list[torch.Tensor]:
         """Per-token entropies of the current policy's next-token distribution over the completions of local rows
@@ -212,13 +279,12 @@ class RolloutContext(_MetricsMixin):
         Costs a forward pass over those rows. Collective: every process must call it (possibly with no rows); the
         forwards are padded to the same size on every process.
         """
-        if self._entropy_fn is None:
-            raise PluginError("policy_entropies() is not available in this context (no trainer attached).")
-        return self._entropy_fn([self.prompt_ids[i] for i in indices], [self.completion_ids[i] for i in indices])
+        entropies = self._service("policy_entropies")
+        return entropies([self.prompt_ids[i] for i in indices], [self.completion_ids[i] for i in indices])
 
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
-        return self._decoder(completion_ids, row)
+        return self._service("decode")(completion_ids, self.prompts[row])
 
     def replace_row(
         self,
@@ -259,10 +325,7 @@ class RolloutContext(_MetricsMixin):
             if len(lps) != n:
                 raise PluginError(f"replace_row({i}): {len(lps)} log-probs for {n} tokens.")
             swapped = self.prompt_swapped[i] if prompt_swapped is None else prompt_swapped
-            if swapped:  # sampled under another prompt than the training one: no IS correction for any token
-                lps = [float("nan")] * n
-            else:
-                lps = [float("nan") if off else lp for lp, off in zip(lps, flags)]
+            lps = masked_sampling_logprobs(lps, flags, swapped)
         self.completion_ids[i] = list(completion_ids)
         self.offpolicy[i] = flags
         if training_prompt is not None:
@@ -296,7 +359,7 @@ class RolloutContext(_MetricsMixin):
 
 # =============================================================================================== reward
 @dataclass
-class RewardContext(_MetricsMixin):
+class RewardContext(_StageContext):
     """Reward stage: the gathered reward matrix, with the groups in view (same on every process).
 
     Attributes:
@@ -310,6 +373,10 @@ class RewardContext(_MetricsMixin):
         process_slice: the slice of global rows held by this process.
         step: ``trainer.state.global_step``.
         local_completion_ids: this process's B completions as token id lists (unpadded; None if unknown).
+        shared: results the plugins of this reward stage share, by key (e.g. the batch's answer clusters, computed
+            once by :func:`~trl_plugins.answers.batch_clusters` for every plugin that needs them).
+        mode: "train" or "eval".
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
     rewards_per_func: torch.Tensor
@@ -323,17 +390,18 @@ class RewardContext(_MetricsMixin):
     local_completions: list
     process_slice: slice
     step: int
-    trainer: Any = None
     local_completion_ids: list[list[int]] | None = None
-    _object_gatherer: Callable | None = None
+    mode: str = "train"
+    shared: dict[str, Any] = field(default_factory=dict)
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def gather_object(self, values: list) -> list:
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
-        return self._object_gatherer(values)
+        return self._service("gather_object")(values)
 
     def _placeholders(self) -> list[bool]:
-        funcs = getattr(self.trainer, "reward_funcs", None) or ()
-        return [is_placeholder(f) for f in funcs] if len(funcs) == len(self.reward_func_names) else []
+        flags = self.run.placeholder_columns
+        return list(flags) if len(flags) == len(self.reward_func_names) else []
 
     def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
@@ -348,7 +416,7 @@ class RewardContext(_MetricsMixin):
 
 # =============================================================================================== advantage
 @dataclass
-class AdvantageContext(_MetricsMixin):
+class AdvantageContext(_StageContext):
     """Advantage stage over the **global** batch (identical on every process).
 
     Attributes:
@@ -364,6 +432,8 @@ class AdvantageContext(_MetricsMixin):
         process_slice: slice of the global rows held by this process.
         local_completion_ids: (B, T) completion token ids of this process's rows (right-padded, the labels the
             loss sees), for per-token extras set with :meth:`set_local_extra`; None when not provided.
+        mode: "train" or "eval".
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
     rewards_per_func: torch.Tensor
@@ -381,10 +451,8 @@ class AdvantageContext(_MetricsMixin):
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_completion_ids: torch.Tensor | None = None
-    trainer: Any = None
-    _policy_stats: Callable | None = None
-    _completion_mask: Callable | None = None
-    _gatherer: Callable | None = None
+    mode: str = "train"
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def policy_stats(self, head_stats: bool = False) -> PolicyStats:
         """Per-token statistics of the current policy on this process's generation batch (no grad, cached).
@@ -393,15 +461,11 @@ class AdvantageContext(_MetricsMixin):
         ``mean_entropy`` across processes, so call it on every process (contexts are identical, so a plugin
         deciding from context data does).
         """
-        return self._policy_stats(head_stats)
+        return self._service("policy_stats")(head_stats)
 
     def completion_mask(self) -> torch.Tensor:
         """(N, T_max) loss mask of all rows, padded across processes (collective)."""
-        return self._completion_mask()
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """All-gather a local (B, ...) tensor into (N, ...) (collective)."""
-        return self._gatherer(tensor)
+        return self._service("completion_mask")()
 
     def set_local_extra(self, name: str, tensor: torch.Tensor) -> None:
         """Attach a (B, ...) tensor for this process's rows only (e.g. per-token proxy log-probs (B, T))."""
@@ -431,7 +495,7 @@ class PolicyStats:
 
 # =============================================================================================== loss
 @dataclass
-class LossContext(_MetricsMixin):
+class LossContext(_StageContext):
     """Loss stage of one micro-batch (a shuffled slice: it does not hold whole groups).
 
     Attributes (B rows, T positions):
@@ -455,6 +519,9 @@ class LossContext(_MetricsMixin):
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
         iteration: index of the current pass over this generation batch (0 .. num_iterations-1).
         mode: "train" or "eval".
+        gradient_accumulation_steps: TRL's normaliser of this micro-batch's loss (its current gradient-accumulation
+            steps in train mode, 1 in eval); divide a scalar term given to :meth:`add_loss` by it, as TRL does.
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
     inputs: dict
@@ -474,17 +541,16 @@ class LossContext(_MetricsMixin):
     num_items_in_batch: torch.Tensor
     iteration: int
     mode: str
-    trainer: Any = None
+    gradient_accumulation_steps: int = 1
     log_ratio: torch.Tensor | None = None
     coef_1: torch.Tensor | None = None
     per_token_loss: torch.Tensor | None = None
-    _head_stats: Callable | None = None
-    _reducer: Callable | None = None
     token_weights: list[torch.Tensor] = field(default_factory=list)
     token_terms: list[torch.Tensor] = field(default_factory=list)
     scalar_terms: list[torch.Tensor] = field(default_factory=list)
     replacement: tuple[torch.Tensor, torch.Tensor] | None = None
     _replacer: str | None = None
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -499,11 +565,11 @@ class LossContext(_MetricsMixin):
         (B, T, V) logits are built for any ``k_max`` or nucleus width (``nucleus_ids`` alone returns an
         ``(N, min(k_max, V))`` id tensor, by design).
         """
-        if self._head_stats is None:
+        if self.services.head_stats is None:
             raise PluginError(
                 f"Plugin {self._active_plugin!r} called ctx.head_stats() without declaring needs_head_stats = True."
             )
-        return self._head_stats()
+        return self.services.head_stats()
 
     def scale_tokens(self, weights: torch.Tensor) -> None:
         """Multiply the surrogate per token by ``weights`` ((B, T) or broadcastable); weights of plugins multiply."""
@@ -514,7 +580,7 @@ class LossContext(_MetricsMixin):
         self.token_terms.append(term)
 
     def add_loss(self, term: torch.Tensor) -> None:
-        """Add a scalar term to the micro-batch loss (divide by gradient-accumulation steps yourself if needed)."""
+        """Add a scalar term to the micro-batch loss (divide by :attr:`gradient_accumulation_steps` as TRL does)."""
         self.scalar_terms.append(term)
 
     def replace_tokens(self, token_mask: torch.Tensor, values: torch.Tensor) -> None:
@@ -529,4 +595,4 @@ class LossContext(_MetricsMixin):
 
     def global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
         """Token-mean of ``x`` (B, T) over ``mask`` (default: the loss mask) across all processes; for metrics."""
-        return self._reducer(x, self.mask if mask is None else mask)
+        return self._service("masked_mean")(x, self.mask if mask is None else mask)

@@ -329,7 +329,7 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
 
 def hooks_page() -> str:
     """Every hook spec and every stage context, from their docstrings."""
-    from . import contexts, hookspecs
+    from . import contexts, hookspecs, services
 
     lines = [GENERATED, "", "# Hooks and stage contexts", "",
              "The reference of `trl_plugins/hookspecs.py` and `trl_plugins/contexts.py` (their docstrings). A guide: "
@@ -345,8 +345,10 @@ def hooks_page() -> str:
             lines += [f"### `{hook}{signature}`", "", _fenced(inspect.getdoc(func)), ""]
     lines += ["## Stage contexts", "", inspect.cleandoc(contexts.__doc__ or ""), ""]
     for cls in (contexts.PromptContext, contexts.RolloutContext, contexts.RewardContext, contexts.AdvantageContext,
-                contexts.LossContext, contexts.PolicyStats, contexts.Completion):
-        lines += [f"### `{cls.__name__}`", "", _fenced(inspect.getdoc(cls)), ""]
+                contexts.LossContext, contexts.PolicyStats, contexts.Completion, contexts._StageContext,
+                services.RunInfo, services.StageServices):
+        title = "Every context" if cls is contexts._StageContext else cls.__name__
+        lines += [f"### `{title}`", "", _fenced(inspect.getdoc(cls)), ""]
         methods = [
             (n, m) for n, m in vars(cls).items()
             if not n.startswith("_") and (inspect.isfunction(m) or isinstance(m, property))
@@ -355,9 +357,8 @@ def hooks_page() -> str:
             func = member.fget if isinstance(member, property) else member
             doc = inspect.getdoc(func) or ""
             sig = "" if isinstance(member, property) else str(inspect.signature(func)).replace("'", "")
-            lines += [f"#### `{cls.__name__}.{name}{sig}`", "", _fenced(doc), ""]
-    lines += ["### `log_metric(name, value)` (every context)", "",
-              _fenced(inspect.getdoc(contexts._MetricsMixin.log_metric)), ""]
+            lines += [f"#### `{'ctx' if cls is contexts._StageContext else cls.__name__}.{name}{sig}`", "",
+                      _fenced(doc), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

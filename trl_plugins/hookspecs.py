@@ -65,6 +65,9 @@ def trl_plugins_configure(trainer: Any, args: Any) -> None:
 
     Args:
         trainer: the :class:`~trl_plugins.PluginGRPOTrainer` (fully built: model, tokenizer, reward functions).
+            Read settings here; code that runs later outside a stage context (a plugin's reward function) keeps
+            ``trainer.plugin_services`` (:class:`~trl_plugins.StageServices`: tokenizer, ``policy_logprobs`` ...),
+            never the trainer.
         args: its :class:`~trl_plugins.PluginGRPOConfig`.
 
     Raise :class:`~trl_plugins.errors.IncompatiblePluginsError` (or ``PluginConfigError``) for settings the

@@ -23,6 +23,7 @@ this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -151,12 +152,11 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         num_items_in_batch=inputs["num_items_in_batch"],
         iteration=(t._step // args.steps_per_generation) % t.num_iterations,
         mode=mode,
-        trainer=t,
+        gradient_accumulation_steps=t.current_gradient_accumulation_steps if mode == "train" else 1,
+        services=t.plugin_services if capture is None else dataclasses.replace(
+            t.plugin_services, head_stats=_head_stats_factory(t, model, capture, logits_to_keep, mask)
+        ),
     )
-    ctx._metric_sink = t._plugin_metric_sink
-    ctx._reducer = lambda x, m: _global_masked_mean(t, x, m)
-    if capture is not None:
-        ctx._head_stats = _head_stats_factory(t, model, capture, logits_to_keep, mask)
 
     if stack.has("trl_plugins_loss_advantages"):
         if per_row_advantages:

@@ -225,14 +225,15 @@ class PluginStack:
         results = []
         if ctx is not None:
             kwargs["ctx"] = ctx
+        announce = getattr(ctx, "set_active_plugin", None)
         for impl in self._impls[hook]:
-            if ctx is not None and hasattr(ctx, "_active_plugin"):
-                ctx._active_plugin = impl.plugin.name
+            if announce is not None:
+                announce(impl.plugin.name)
             result = impl.function(*[kwargs[a] for a in impl.argnames])
             if result is not None:
                 results.append((impl.plugin, result))
-        if ctx is not None and hasattr(ctx, "_active_plugin"):
-            ctx._active_plugin = None
+        if announce is not None:
+            announce(None)
         return results
 
     def check_loss_type(self, loss_type: str) -> None:

@@ -455,7 +455,8 @@ class ${cls}(Plugin):
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext) -> None:
         # ctx holds this process's B rows: ctx.completion_ids (B lists of token ids), ctx.completions (decoded),
-        # ctx.training_prompts, ctx.group_ids / ctx.index_in_group (from the global position).
+        # ctx.training_prompts, ctx.group_ids / ctx.index_in_group (from the global position). What the run offers
+        # comes through ctx as well (ctx.tokenizer, ctx.run, ctx.gather_padded, ctx.policy_entropies ...).
         retried = 0
         for attempt in range(1, self.options.max_retries + 1):
             rows = hit_length_limit(ctx.completion_ids, self._max_length)

@@ -15,7 +15,8 @@ Training runs on the tiny model:
 
 Hand-made stage contexts for unit tests (no model, no trainer; stub services record what the plugin asked):
     :func:`make_prompt_context`, :func:`make_rollout_context` (with :class:`StubGenerationService`),
-    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context`;
+    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context` (their services are
+    :func:`stub_services`: a :class:`CharTokenizer`, a one-process gather ...; keyword arguments replace any);
     :func:`build_stack` / :func:`run_hook` enable a plugin by name (options validated, ``configure`` called) and
     call one of its hooks; :func:`loss_from_context` composes a loss context's contributions as the framework
     does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
@@ -53,6 +54,7 @@ from .contexts import (
     group_layout,
 )
 from .errors import GenerationBudgetExceeded, PluginError
+from .services import RunInfo, StageServices
 from .manager import PluginStack, available_plugins, build_plugins, register_plugin, unregister_plugin
 from .plugin import Plugin
 from .success import RewardColumns, is_placeholder
@@ -390,10 +392,72 @@ class MetricsRecorder(dict):
         self.setdefault(key, []).append(value)
 
 
-def _attach_metrics(ctx: Any) -> Any:
-    ctx.metrics = MetricsRecorder()
-    ctx._metric_sink = ctx.metrics
-    return ctx
+class CharTokenizer:
+    """The stub tokenizer of the hand-made contexts (``ctx.tokenizer``): one id per character (:func:`char_encode`).
+
+    Enough of a Hugging Face tokenizer for plugins: ``tok(text, add_special_tokens=False)["input_ids"]``,
+    ``encode``, ``decode``, ``batch_decode`` and ``eos_token_id`` / ``pad_token_id`` (id 0, dropped by
+    ``skip_special_tokens=True``).
+    """
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def __call__(self, text: str | list[str] | None = None, add_special_tokens: bool = False, **kwargs: Any) -> dict:
+        if isinstance(text, str):
+            return {"input_ids": char_encode(text)}
+        return {"input_ids": [char_encode(t) for t in text]}
+
+    def encode(self, text: str, add_special_tokens: bool = False, **kwargs: Any) -> list[int]:
+        return char_encode(text)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False, **kwargs: Any) -> str:
+        ids = [int(i) for i in ids]
+        return char_decode([i for i in ids if i != self.eos_token_id] if skip_special_tokens else ids)
+
+    def batch_decode(self, id_lists: Sequence[Sequence[int]], skip_special_tokens: bool = False, **kwargs: Any):
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in id_lists]
+
+
+def _identity_gather(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _local_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def stub_services(
+    metrics: Callable[[str, float], None] | None = None,
+    *,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    tokenizer: Any = None,
+    run: RunInfo | None = None,
+    policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
+    **members: Any,
+) -> StageServices:
+    """The stub :class:`~trl_plugins.services.StageServices` of the kit's contexts (one process unless ``gather``
+    says otherwise).
+
+    Defaults: ``gather`` the identity (``gather.objects``, as :func:`run_on_processes` gives it, gathers Python lists;
+    else a list copy), ``tokenizer`` a :class:`CharTokenizer`, prompts tokenized as their text character by
+    character, ``run`` an empty :class:`~trl_plugins.services.RunInfo`, token means over this process only.
+    ``policy_logprobs`` (no default: a plugin calling it without one gets a ``PluginError``) and any other member
+    (``score``, ``decode``, ``policy_stats`` ...) are passed through.
+    """
+    gather = gather or _identity_gather
+    values = dict(
+        run=(lambda: run) if run is not None else RunInfo,
+        metric_sink=metrics,
+        tokenizer=tokenizer if tokenizer is not None else CharTokenizer(),
+        tokenize_prompts=lambda prompts: [char_encode(prompt_text(p)) for p in prompts],
+        gather=gather,
+        gather_object=getattr(gather, "objects", list),
+        policy_logprobs=policy_logprobs,
+        masked_mean=_local_masked_mean,
+    )
+    values.update(members)
+    return StageServices(**values)
 
 
 def _layout(B: int, G: int, process_index: int) -> tuple[list[int], list[int], list[int]]:
@@ -407,15 +471,19 @@ def make_prompt_context(
     num_generations: int = 4,
     step: int = 0,
     process_index: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> PromptContext:
     """A :class:`~trl_plugins.PromptContext` (sampling stage, before generation) of ``rows`` (default:
     :func:`stub_rows`), as the trainer builds it: generation and training prompts start as the original ones.
+    ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
     ``ctx.metrics`` records the metrics the plugin logs."""
     rows = rows if rows is not None else stub_rows(num_groups, num_generations)
     B, G = len(rows), num_generations
     global_index, group_ids, index_in_group = _layout(B, G, process_index)
     prompts = [r["prompt"] for r in rows]
+    metrics = MetricsRecorder()
     ctx = PromptContext(
         rows=rows,
         prompts=prompts,
@@ -427,9 +495,11 @@ def make_prompt_context(
         num_generations=G,
         step=step,
         annotations=[{} for _ in range(B)],
-        trainer=trainer,
+        mode=mode,
+        services=stub_services(metrics, run=run, **services),
     )
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 class StubGenerationService:
@@ -493,6 +563,23 @@ class StubGenerationService:
         return out
 
 
+def _text_codec(tokenizer: Any) -> tuple[Callable, Callable, Callable]:
+    """(encode text, decode ids, tokenize a prompt) of the kit's rollout contexts: characters without a tokenizer,
+    else the tokenizer's (prompts through its chat template with the generation prompt, as TRL tokenizes them)."""
+    if tokenizer is None:
+        return char_encode, char_decode, lambda prompt: char_encode(prompt_text(prompt))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize_prompt(prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            return encode(prompt)
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False))
+
+    return encode, (lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True)), tokenize_prompt
+
+
 def _weighted_scorer(reward_funcs: Sequence[Callable], weights: Sequence[float] | None) -> Callable:
     """The trainer's scorer contract for stub contexts: every reward function's column (NaN for None and for
     placeholder columns), with the functions' names and ``weights``."""
@@ -523,14 +610,21 @@ def make_rollout_context(
     reward_funcs: Sequence[Callable] | None = None,
     reward_weights: Sequence[float] | None = None,
     scorer: Callable | None = None,
-    sampling_logprob: float | None = -1.0,
+    sampling_logprob: float | Callable[[int], float] | None = -1.0,
     conversational: bool | None = None,
     process_index: int = 0,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     step: int = 0,
     deferred: Sequence[int] = (),
     entropy: Callable[[list[int], list[int]], torch.Tensor] | None = None,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    tokenizer: Any = None,
+    policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None,
+    eos: bool = False,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    annotations: list[dict] | None = None,
+    **services: Any,
 ) -> RolloutContext:
     """A :class:`~trl_plugins.RolloutContext` (sampling stage, after generation) with stub services.
 
@@ -541,18 +635,29 @@ def make_rollout_context(
         reward_funcs, reward_weights: what ``ctx.score`` runs (TRL's reward-function signature, weighted sum);
             default :func:`digit_fraction_reward`; ``ctx.success`` decides on the first non-placeholder one.
             ``scorer(rows, prompts, completions) -> RewardColumns`` (or an (n, K) / (n,) tensor) replaces both.
-        sampling_logprob: the sampling log-prob of every generated token (vLLM); None imitates HF generation
-            (``ctx.sampling_logprobs is None``).
+        sampling_logprob: the sampling log-prob of every generated token (vLLM), or a function of the token's
+            position; None imitates HF generation (``ctx.sampling_logprobs is None``).
         process_index, gather: the process this context stands for and its all-gather (default: one process,
             identity); see :func:`run_on_processes` to simulate several.
         deferred: local rows left out of the first generation round (``PromptContext.defer``): they hold an
             empty completion and ``ctx.deferred[i]`` is True.
         entropy: ``entropy(prompt_ids, completion_ids) -> (len(completion_ids),)`` behind
             ``ctx.policy_entropies``; default 1.0 per token. The calls are recorded in ``ctx.entropy_calls``.
+        run, tokenizer, policy_logprobs: what ``ctx.run``, ``ctx.tokenizer`` (default :class:`CharTokenizer`) and
+            ``ctx.policy_logprobs`` give (see :func:`stub_services`).
 
-    Tokens are characters (:func:`char_encode`), prompts are tokenized as their text, and ``ctx.decode`` gives
-    TRL's completion format (an assistant message list for conversational prompts). ``ctx.metrics`` records the
-    metrics the plugin logs.
+        eos: end each completion's token ids with the tokenizer's EOS id (a generation that stopped).
+        prompt_ids: the rows' prompt token ids (default: the prompts tokenized as described below).
+        annotations: the rows' annotations (e.g. a prompt context's, which the trainer carries over).
+        services: replace any other stub service (``tokenize_prompts``, ``decode``, ``policy_entropies`` ...;
+            see :func:`stub_services`).
+
+    Without ``tokenizer``, tokens are characters (:func:`char_encode`) and prompts are tokenized as their text; with
+    one (e.g. :func:`tiny_tokenizer`), completions are encoded by it, prompts tokenized with its chat template (as
+    TRL does for generation) and ``ctx.decode`` decodes with it (special tokens skipped). ``ctx.decode`` gives TRL's
+    completion format (an assistant message list for conversational prompts). With ``process_index`` > 0 or
+    partial groups (a group straddling processes), the layout comes from the global position, as in the trainer.
+    ``ctx.metrics`` records the metrics the plugin logs.
     """
     if completions and not isinstance(completions[0], str):
         groups = [list(g) for g in completions]
@@ -562,32 +667,41 @@ def make_rollout_context(
         if num_generations is None:
             raise ValueError("make_rollout_context: pass num_generations with a flat list of completions.")
         G, texts = num_generations, list(completions)
-    if len(texts) % G:
-        raise ValueError(f"make_rollout_context: {len(texts)} completions are not whole groups of {G}.")
     B = len(texts)
-    first_group = process_index * B // G
-    rows = rows if rows is not None else stub_rows(B // G, G, conversational=conversational is not False,
-                                                   first_group=first_group)
+    global_index, group_ids, index_in_group = _layout(B, G, process_index)
+    if rows is None:  # one stub row per local row, asking its group's question
+        rows = [stub_rows(1, 1, conversational=conversational is not False, first_group=g)[0] for g in group_ids]
     if len(rows) != B:
         raise ValueError(f"make_rollout_context: {len(rows)} rows for {B} completions.")
     prompts = [r["prompt"] for r in rows]
     if conversational is None:
         conversational = not isinstance(prompts[0], str)
-    global_index, group_ids, index_in_group = _layout(B, G, process_index)
     texts = ["" if i in set(deferred) else t for i, t in enumerate(texts)]
-    ids = [char_encode(t) for t in texts]
+    encode, decode, tokenize_prompt = _text_codec(tokenizer)
+    eos_ids = [tokenizer.eos_token_id if tokenizer else CharTokenizer.eos_token_id] if eos else []
+    ids = [[] if i in set(deferred) else encode(t) + eos_ids for i, t in enumerate(texts)]
 
     def as_completion(text: str) -> Any:
         return [{"role": "assistant", "content": text}] if conversational else text
 
+    logprob_at = sampling_logprob if callable(sampling_logprob) else (lambda j: sampling_logprob)
+    entropy = entropy or (lambda p, c: torch.ones(len(c)))
+    entropy_calls: list[int] = []
+
+    def entropy_fn(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        entropy_calls.append(len(completion_ids))
+        return [entropy(p, c) for p, c in zip(prompt_ids, completion_ids)]
+
+    metrics = MetricsRecorder()
     ctx = RolloutContext(
         rows=rows,
         prompts=prompts,
         training_prompts=list(prompts),
-        prompt_ids=[char_encode(prompt_text(p)) for p in prompts],
+        prompt_ids=[list(p) for p in prompt_ids] if prompt_ids is not None else [tokenize_prompt(p) for p in prompts],
         completion_ids=ids,
         completions=[as_completion(t) for t in texts],
-        sampling_logprobs=None if sampling_logprob is None else [[float(sampling_logprob)] * len(x) for x in ids],
+        sampling_logprobs=None if sampling_logprob is None else [[float(logprob_at(j)) for j in range(len(x))]
+                                                                 for x in ids],
         offpolicy=[[False] * len(x) for x in ids],
         prompt_swapped=[False] * B,
         global_index=global_index,
@@ -595,25 +709,22 @@ def make_rollout_context(
         index_in_group=index_in_group,
         num_generations=G,
         step=step,
-        annotations=[{} for _ in range(B)],
-        service=service if service is not None else StubGenerationService(logprob=sampling_logprob),
-        trainer=trainer,
+        annotations=annotations if annotations is not None else [{} for _ in range(B)],
+        service=service if service is not None else StubGenerationService(
+            logprob=logprob_at(0) if sampling_logprob is not None else None),
+        deferred=[i in set(deferred) for i in range(B)] if deferred else [],
+        mode=mode,
+        services=stub_services(metrics, gather=gather, tokenizer=tokenizer, run=run, policy_logprobs=policy_logprobs,
+                               **{**dict(
+                                   score=scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward],
+                                                                    reward_weights),
+                                   decode=lambda ids_, prompt: as_completion(decode(ids_)),
+                                   tokenize_prompts=lambda ps: [tokenize_prompt(p) for p in ps],
+                                   policy_entropies=entropy_fn,
+                               ), **services}),
     )
-    if deferred:
-        ctx.deferred = [i in set(deferred) for i in range(B)]
-    ctx.entropy_calls = []
-    entropy = entropy or (lambda p, c: torch.ones(len(c)))
-
-    def entropy_fn(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        ctx.entropy_calls.append(len(completion_ids))
-        return [entropy(p, c) for p, c in zip(prompt_ids, completion_ids)]
-
-    ctx._entropy_fn = entropy_fn
-    ctx._scorer = scorer or _weighted_scorer(reward_funcs or [digit_fraction_reward], reward_weights)
-    ctx._gatherer = gather or (lambda t: t)
-    ctx._tokenizer = lambda ps: [char_encode(prompt_text(p)) for p in ps]
-    ctx._decoder = lambda ids_, row: as_completion(char_decode(ids_))
-    return _attach_metrics(ctx)
+    ctx.metrics, ctx.entropy_calls = metrics, entropy_calls
+    return ctx
 
 
 def _as_matrix(values: Any) -> torch.Tensor:
@@ -630,12 +741,22 @@ def make_reward_context(
     rows: list[dict] | None = None,
     completions: list | None = None,
     step: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    local_completion_ids: list[list[int]] | None = None,
+    num_processes: int = 1,
+    process_index: int = 0,
+    **services: Any,
 ) -> RewardContext:
-    """A :class:`~trl_plugins.RewardContext` of one process holding the whole batch.
+    """A :class:`~trl_plugins.RewardContext`: the gathered (N, K) matrix, and the local rows of process
+    ``process_index`` of ``num_processes`` (default: one process holding the whole batch).
 
     ``rewards_per_func`` is (N, K) (or (N,) for one reward function; nested lists are fine). Names default to
-    ``reward_0..``, weights to 1. ``ctx.metrics`` records the metrics the plugin logs.
+    ``reward_0..``, weights to 1. ``rows``, ``completions`` and ``local_completion_ids`` are given for all N rows;
+    the context holds this process's slice. ``local_completion_ids`` default to the completions encoded as
+    characters (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
+    (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
+    metrics the plugin logs.
     """
     matrix = _as_matrix(rewards_per_func).clone()
     N, K = matrix.shape
@@ -644,7 +765,12 @@ def make_reward_context(
         raise ValueError(f"make_reward_context: {N} rows are not whole groups of {G}.")
     rows = rows if rows is not None else stub_rows(N // G, G)
     completions = completions if completions is not None else [[{"role": "assistant", "content": ""}]] * N
+    if local_completion_ids is None:
+        local_completion_ids = [char_encode(prompt_text(c)) for c in completions]
+    B = N // num_processes
+    local = slice(process_index * B, (process_index + 1) * B)
     idx = torch.arange(N)
+    metrics = MetricsRecorder()
     ctx = RewardContext(
         rewards_per_func=matrix,
         reward_func_names=list(reward_func_names or [f"reward_{k}" for k in range(K)]),
@@ -652,16 +778,17 @@ def make_reward_context(
         group_ids=idx // G,
         index_in_group=idx % G,
         num_generations=G,
-        local_rows=rows,
-        local_prompts=[r["prompt"] for r in rows],
-        local_completions=list(completions),
-        process_slice=slice(0, N),
+        local_rows=rows[local],
+        local_prompts=[r.get("prompt") for r in rows[local]],
+        local_completions=list(completions[local]),
+        process_slice=local,
         step=step,
-        trainer=trainer,
-        local_completion_ids=[char_encode(prompt_text(c)) for c in completions],
+        local_completion_ids=list(local_completion_ids[local]),
+        mode=mode,
+        services=stub_services(metrics, run=run, **services),
     )
-    ctx._object_gatherer = list
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 def group_normalized_advantages(rewards: torch.Tensor, num_generations: int, scale: bool = True) -> torch.Tensor:
@@ -701,7 +828,9 @@ def make_advantage_context(
     offpolicy_fraction: Any = None,
     prompt_swapped: Any = None,
     step: int = 0,
-    trainer: Any = None,
+    mode: str = "train",
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
 
@@ -711,7 +840,9 @@ def make_advantage_context(
         advantages: what the chain starts from; default TRL's (:func:`group_normalized_advantages`).
         completion_lengths: (N,); default 4 tokens per row.
         policy_stats: what ``ctx.policy_stats()`` returns; default :func:`stub_policy_stats`. The calls are
-            recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags).
+            recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags). ``ctx.completion_mask()`` is
+            its mask.
+        run: what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
 
     ``ctx.metrics`` records the metrics the plugin logs.
     """
@@ -724,6 +855,13 @@ def make_advantage_context(
     lengths = torch.full((N,), 4.0) if completion_lengths is None else torch.as_tensor(completion_lengths).float()
     stats = policy_stats if policy_stats is not None else stub_policy_stats(N, int(lengths.max().item()))
     idx = torch.arange(N)
+    policy_stats_calls: list[bool] = []
+
+    def policy_stats_fn(head_stats: bool) -> PolicyStats:
+        policy_stats_calls.append(head_stats)
+        return stats
+
+    metrics = MetricsRecorder()
     ctx = AdvantageContext(
         rewards_per_func=_as_matrix(rewards if rewards_per_func is None else rewards_per_func).clone(),
         rewards=rewards,
@@ -740,18 +878,14 @@ def make_advantage_context(
         process_slice=slice(0, N),
         step=step,
         local_completion_ids=stats.completion_ids,
-        trainer=trainer,
+        mode=mode,
+        services=stub_services(metrics, run=run, policy_stats=policy_stats_fn, completion_mask=lambda: stats.mask,
+                               **services),
     )
-    ctx.policy_stats_calls = []
+    ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    return ctx
 
-    def policy_stats_fn(head_stats: bool) -> PolicyStats:
-        ctx.policy_stats_calls.append(head_stats)
-        return stats
 
-    ctx._policy_stats = policy_stats_fn
-    ctx._completion_mask = lambda: stats.mask
-    ctx._gatherer = lambda t: t
-    return _attach_metrics(ctx)
 
 
 def make_loss_context(
@@ -777,9 +911,11 @@ def make_loss_context(
     head_stats: Any = None,
     iteration: int = 0,
     mode: str = "train",
+    gradient_accumulation_steps: int = 1,
     seed: int = 0,
-    trainer: Any = None,
     loss_options: Mapping[str, Any] | None = None,
+    run: RunInfo | None = None,
+    **services: Any,
 ) -> LossContext:
     """A :class:`~trl_plugins.LossContext` of one micro-batch, with the base surrogate built as the framework does.
 
@@ -791,8 +927,10 @@ def make_loss_context(
     (:mod:`trl_plugins.loss_rules`: TRL's clipped surrogate, CISPO, SAPO's sigmoid gate, VESPO's gamma weights);
     tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` sets the other fields
     of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
-    ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the plugins'
-    contributions. ``ctx.metrics`` records the metrics the plugin logs.
+    ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the
+    plugins' contributions. ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
+    it); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
+    metrics the plugin logs.
     """
     from . import loss_rules as rules
 
@@ -830,6 +968,7 @@ def make_loss_context(
     )
     if completion_ids is None:
         completion_ids = torch.arange(B * T).view(B, T) % 50
+    metrics = MetricsRecorder()
     ctx = LossContext(
         inputs={"completion_ids": completion_ids, "completion_mask": mask},
         per_token_logps=per_token_logps,
@@ -848,15 +987,15 @@ def make_loss_context(
         num_items_in_batch=mask.sum() if num_items_in_batch is None else num_items_in_batch,
         iteration=iteration,
         mode=mode,
-        trainer=trainer,
+        gradient_accumulation_steps=gradient_accumulation_steps if mode == "train" else 1,
         log_ratio=weights.log_weights,
         coef_1=weights.coef_1,
         per_token_loss=per_token_loss,
+        services=stub_services(metrics, run=run, head_stats=None if head_stats is None else (lambda: head_stats),
+                               **services),
     )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if head_stats is not None:
-        ctx._head_stats = lambda: head_stats
-    return _attach_metrics(ctx)
+    ctx.metrics = metrics
+    return ctx
 
 
 def loss_from_context(ctx: LossContext, max_completion_length: int | None = None) -> torch.Tensor:
@@ -888,7 +1027,8 @@ def loss_from_context(ctx: LossContext, max_completion_length: int | None = None
 def stub_trainer(args: Any, **attributes: Any) -> SimpleNamespace:
     """A stand-in trainer for ``trl_plugins_configure`` in unit tests: the attributes plugins usually read
     (``args``, ``max_completion_length``, ``num_generations``, ``loss_type``, ``temperature``, ``beta``,
-    ``state.global_step``, ``accelerator.num_processes`` ...); ``attributes`` adds or overrides any."""
+    ``state.global_step``, ``accelerator.num_processes``, ``plugin_services`` (:func:`stub_services`) ...);
+    ``attributes`` adds or overrides any."""
     values = dict(
         args=args,
         max_completion_length=args.max_completion_length,
@@ -901,6 +1041,7 @@ def stub_trainer(args: Any, **attributes: Any) -> SimpleNamespace:
         state=SimpleNamespace(global_step=0, max_steps=args.max_steps),
         accelerator=SimpleNamespace(num_processes=1, process_index=0, is_main_process=True,
                                     device=torch.device("cpu")),
+        plugin_services=stub_services(),
     )
     values.update(attributes)
     return SimpleNamespace(**values)
@@ -989,7 +1130,7 @@ def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], tim
 
     ``gather`` is that process's all-gather; pass it as ``make_rollout_context(..., process_index=rank,
     gather=gather)``. ``gather.objects`` gathers Python lists the same way (a reward context's ``gather_object``:
-    ``ctx._object_gatherer = gather.objects``). The first exception of any process is re-raised (a collective left
+    ``make_reward_context(..., gather=gather)``). The first exception of any process is re-raised (a collective left
     by one process raises ``threading.BrokenBarrierError`` in the others)."""
     collective = SimulatedCollective(num_processes, timeout=timeout)
     results: list[Any] = [None] * num_processes

@@ -16,6 +16,8 @@ Where each stage runs inside TRL 1.16's ``_generate_and_score_completions``:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import inspect
 import os
 import warnings
@@ -48,14 +50,16 @@ from .contexts import (
     RewardContext,
     RolloutContext,
     group_layout,
+    masked_sampling_logprobs,
 )
 from .data_checks import check_training_dataset
 from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
-from .loss import check_loss_type, compute_loss_with_plugins
+from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .rewards_guard import check_reward_columns, guard_reward_funcs
+from .services import RunInfo, StageServices
 from .success import RewardColumns, check_success_columns, is_placeholder
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -114,6 +118,9 @@ class PluginGRPOTrainer(GRPOTrainer):
             args.reward_weights = user_reward_weights
         self.plugin_stack: PluginStack = stack
         self.generation_service = GenerationService(self)
+        #: What stage contexts (and plugin code running outside one, e.g. a plugin's reward function reading it in
+        #: ``trl_plugins_configure``) may ask of the run: tokenizer, collectives, no-grad policy forwards, metrics.
+        self.plugin_services: StageServices = self._build_plugin_services()
         self._pbatch: _BatchState | None = None
         self._per_row_generation = False
         self._uses_sampling = any(stack.has(h) for h in SAMPLING_HOOKS)
@@ -164,6 +171,36 @@ class PluginGRPOTrainer(GRPOTrainer):
                         f"does not have (columns: {', '.join(columns)})."
                     )
 
+    def _build_plugin_services(self) -> StageServices:
+        """The real :class:`~trl_plugins.services.StageServices` of this trainer (batch-independent members)."""
+        processing_class = self.processing_class
+        return StageServices(
+            run=self._run_info,
+            metric_sink=self._plugin_metric_sink,
+            tokenizer=getattr(processing_class, "tokenizer", processing_class),
+            tokenize_prompts=self.generation_service.tokenize,
+            decode=self._decode_completion,
+            score=self._score_locally,
+            gather=lambda tensor: self.accelerator.gather(tensor),  # late-bound: the accelerator may be wrapped
+            gather_object=gather_object,
+            policy_entropies=self._rollout_entropies,
+            policy_logprobs=self._policy_logprobs,
+            masked_mean=functools.partial(_global_masked_mean, self),
+        )
+
+    def _run_info(self) -> RunInfo:
+        """The run's settings as of now (``ctx.run``)."""
+        max_steps = int(getattr(self.state, "max_steps", 0) or 0)
+        return RunInfo(
+            max_completion_length=self.max_completion_length,
+            max_steps=max_steps if max_steps > 0 else max(int(self.args.max_steps), 0),
+            reward_func_names=tuple(self.reward_func_names),
+            num_processes=self.accelerator.num_processes,
+            device=str(self.accelerator.device),
+            mode="train" if self.model.training else "eval",
+            placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
+        )
+
     def _plugin_metric_sink(self, key: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode][key].append(value)
@@ -189,14 +226,28 @@ class PluginGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _generate(self, prompts: list):
+        """TRL's ``_generate`` with the sampling stage: prompt hooks, generation, after-generation hooks.
+
+        Steps: :meth:`_run_prompt_hooks` (per-row generation/training prompts, deferred rows),
+        :meth:`_sample_first_round` (TRL's generation on the same path on every process),
+        :meth:`_rollout_context` (the generated batch under the training prompts), :meth:`_run_after_generation_hooks`
+        (row edits, in-step generation), :meth:`_finish_sampling` (provenance, NaN sampling log-probs, TRL's tuple).
+        """
         state = self._pbatch
         if state is None or state.mode != "train" or not self._uses_sampling:
             if state is not None and self._uses_sampling:  # eval rows: blank annotations keep the table aligned
                 self._log_completion_extra("plugin_annotations", [""] * len(prompts))
             return super()._generate(prompts)
+        pctx = self._run_prompt_hooks(state, prompts)
+        generated = self._sample_first_round(pctx)
+        rctx = self._rollout_context(state, pctx, generated)
+        extra_rollouts = self._run_after_generation_hooks(rctx)
+        return self._finish_sampling(state, rctx, generated, extra_rollouts)
+
+    def _run_prompt_hooks(self, state: _BatchState, prompts: list) -> PromptContext:
+        """The ``generation_prompts`` hooks on the local rows (B = len(prompts), each prompt repeated G times)."""
         B, G = len(prompts), self.num_generations
         global_index, group_ids, index_in_group = group_layout(self.accelerator.process_index, B, G)
-        annotations = [{} for _ in range(B)]
         pctx = PromptContext(
             rows=state.inputs,
             prompts=prompts,
@@ -207,88 +258,96 @@ class PluginGRPOTrainer(GRPOTrainer):
             index_in_group=index_in_group,
             num_generations=G,
             step=self.state.global_step,
-            annotations=annotations,
-            trainer=self,
+            annotations=[{} for _ in range(B)],
+            mode=state.mode,
+            services=self.plugin_services,
         )
-        pctx._metric_sink = self._plugin_metric_sink
         self.plugin_stack.call("trl_plugins_generation_prompts", pctx)
-        swapped = [g != t for g, t in zip(pctx.generation_prompts, pctx.training_prompts)]
-        differs_in_group = any(g != p for g, p in zip(pctx.generation_prompts, prompts))
-        deferred = list(pctx.deferred) if pctx.deferred else [False] * B
-        # Every process must take the same generation path (vLLM server mode gathers across processes)
-        # one (1,) code per process: bit 0 = prompts differ within a group, bit 1 = rows deferred to a later round
-        code = int(differs_in_group) | (2 if any(deferred) else 0)
+        if not pctx.deferred:
+            pctx.deferred = [False] * B
+        return pctx
+
+    def _sample_first_round(self, pctx: PromptContext) -> tuple:
+        """TRL's generation of the generation prompts (deferred rows left out); TRL's 8-tuple of local rows.
+
+        Every process must take the same generation path (vLLM server mode gathers across processes): one (1,)
+        code per process is gathered, bit 0 = prompts differ within a group (one completion per row), bit 1 = rows
+        deferred to a later round.
+        """
+        differs_in_group = any(g != p for g, p in zip(pctx.generation_prompts, pctx.prompts))
+        code = int(differs_in_group) | (2 if any(pctx.deferred) else 0)
         codes = self.accelerator.gather(torch.tensor([code], device=self.accelerator.device))
         self._per_row_generation = bool((codes != 0).any().item())
-        any_deferred = bool(((codes & 2) != 0).any().item())
-        if any_deferred:
-            generated = self._generate_first_round(pctx.generation_prompts, deferred)
-        else:
-            generated = super()._generate(pctx.generation_prompts)
-        (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images) = generated
+        if bool(((codes & 2) != 0).any().item()):
+            return self._generate_first_round(pctx.generation_prompts, pctx.deferred)
+        return super()._generate(pctx.generation_prompts)
+
+    def _rollout_context(self, state: _BatchState, pctx: PromptContext, generated: tuple) -> RolloutContext:
+        """The generated rows as a :class:`RolloutContext`; rows whose training prompt differs from their generation
+        prompt (prompt swap) get the training prompt's ids."""
+        prompt_ids, completion_ids, _tool_mask, completions, logprobs = generated[:5]
         prompt_ids = [list(ids) for ids in prompt_ids]
+        swapped = [g != t for g, t in zip(pctx.generation_prompts, pctx.training_prompts)]
         swapped_rows = [i for i, s in enumerate(swapped) if s]
         if swapped_rows:
             train_ids = self.generation_service.tokenize([pctx.training_prompts[i] for i in swapped_rows])
             for i, ids in zip(swapped_rows, train_ids):
                 prompt_ids[i] = ids
-        logprobs = None if logprobs is None else [list(lp) for lp in logprobs]
-        rctx = RolloutContext(
+        return RolloutContext(
             rows=state.inputs,
-            prompts=prompts,
+            prompts=pctx.prompts,
             training_prompts=list(pctx.training_prompts),
             prompt_ids=prompt_ids,
             completion_ids=[list(c) for c in completion_ids],
             completions=list(completions),
-            sampling_logprobs=logprobs,
+            sampling_logprobs=None if logprobs is None else [list(lp) for lp in logprobs],
             offpolicy=[[False] * len(c) for c in completion_ids],
             prompt_swapped=swapped,
-            global_index=global_index,
-            group_ids=group_ids,
-            index_in_group=index_in_group,
-            num_generations=G,
+            global_index=pctx.global_index,
+            group_ids=pctx.group_ids,
+            index_in_group=pctx.index_in_group,
+            num_generations=pctx.num_generations,
             step=self.state.global_step,
-            annotations=annotations,
+            annotations=pctx.annotations,
             service=self.generation_service,
-            trainer=self,
-            deferred=deferred if any(deferred) else [],
+            deferred=pctx.deferred if any(pctx.deferred) else [],
+            mode=state.mode,
+            services=self.plugin_services,
         )
-        rctx._metric_sink = self._plugin_metric_sink
-        rctx._scorer = self._score_locally
-        rctx._gatherer = self.accelerator.gather
-        rctx._tokenizer = self.generation_service.tokenize
-        rctx._decoder = lambda ids, row: self._decode_completion(ids, prompts[row])
-        rctx._entropy_fn = self._rollout_entropies
-        self.generation_service.begin_batch(prompt_ids[0])
+
+    def _run_after_generation_hooks(self, rctx: RolloutContext) -> float:
+        """The ``after_generation`` hooks; returns the extra rollouts of the batch, summed over processes.
+
+        With several processes ``ctx.score``'s reward errors are held until the next framework collective (the
+        generation service's, or the extra-rollouts count here), where every process raises together. A row
+        deferred at the prompt stage and left unfilled is an error.
+        """
+        self.generation_service.begin_batch(rctx.prompt_ids[0])
         held = self._held_reward_errors
-        # several processes: ctx.score's reward errors are held until the next framework collective (the generation
-        # service's or the extra-rollouts count below), where every process raises together
         with held.holding_while(self.accelerator.num_processes > 1):
             self.plugin_stack.call("trl_plugins_after_generation", rctx)
-        # summed over processes (every process runs this line once per batch), like TRL's gathered metrics; the same
-        # collective raises a reward error held during after_generation, on every process
+        # every process runs this gather once per batch, like TRL's gathered metrics
         used = held.gather_with_flag(self.accelerator.gather, [self.generation_service.used_this_batch],
                                      self.accelerator.device, SCORING_FAILED)
-        extra_rollouts = float(used.sum().item())
-        unfilled = [i for i, d in enumerate(deferred) if d and i not in rctx.changed]
+        unfilled = [i for i, d in enumerate(rctx.deferred) if d and i not in rctx.changed]
         if unfilled:
             raise PluginError(
-                f"Rows {[global_index[i] for i in unfilled]} were deferred to a later generation round "
+                f"Rows {[rctx.global_index[i] for i in unfilled]} were deferred to a later generation round "
                 "(PromptContext.defer) but no after_generation hook filled them with replace_row."
             )
+        return float(used.sum().item())
+
+    def _finish_sampling(self, state: _BatchState, rctx: RolloutContext, generated: tuple, extra_rollouts: float):
+        """Record provenance for the later stages, apply the NaN sampling-log-prob rule, return TRL's 8-tuple."""
+        tool_mask, extra_fields, images, tool_images = generated[2], generated[5], generated[6], generated[7]
         if tool_mask is not None:
             for i in rctx.changed:
                 tool_mask[i] = [1] * len(rctx.completion_ids[i])
         if rctx.sampling_logprobs is not None:  # NaN => TRL's vLLM IS correction leaves the token alone
             for i, lps in enumerate(rctx.sampling_logprobs):
-                if rctx.prompt_swapped[i]:
-                    rctx.sampling_logprobs[i] = [float("nan")] * len(lps)
-                else:
-                    rctx.sampling_logprobs[i] = [
-                        float("nan") if off else lp for lp, off in zip(lps, rctx.offpolicy[i])
-                    ]
-        state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, annotations
-        self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in annotations])
+                rctx.sampling_logprobs[i] = masked_sampling_logprobs(lps, rctx.offpolicy[i], rctx.prompt_swapped[i])
+        state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, rctx.annotations
+        self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in rctx.annotations])
         self._metrics["train"]["plugins/framework/extra_rollouts"].append(extra_rollouts)
         return (
             rctx.prompt_ids,
@@ -300,6 +359,26 @@ class PluginGRPOTrainer(GRPOTrainer):
             images,
             tool_images,
         )
+
+    def _policy_forward(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], entropy: bool):
+        """No-grad forward of the current policy over prompt+completion rows in TRL's layout (prompts left-padded,
+        completions right-padded; an empty prompt or completion stands as one EOS token).
+
+        Returns (R, C) per-token entropies (``entropy``) or log-probs of the completion positions, C the longest
+        completion; chunks of ``per_device_train_batch_size`` rows.
+        """
+        eos_id = self.eos_token_ids[0]
+        pad_id = self._tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        input_ids, attention_mask, c_len = prompt_completion_batch(
+            [p for p, _ in rows], [c for _, c in rows], eos_id if pad_id is None else pad_id, self.accelerator.device
+        )
+        with torch.no_grad():
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, c_len,
+                batch_size=self.args.per_device_train_batch_size, compute_entropy=entropy,
+            )
+        return entropies if entropy else logps
 
     def _rollout_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
         """No-grad per-token entropies of the current policy over completions (``RolloutContext.policy_entropies``).
@@ -313,23 +392,19 @@ class PluginGRPOTrainer(GRPOTrainer):
         max_n = int(counts.max().item())
         if max_n == 0:
             return []
-        pad_id, eos_id = self._tokenizer.pad_token_id, self.eos_token_ids[0]
-        dummy = ([eos_id], [eos_id])
-        rows = list(zip(prompt_ids, completion_ids)) + [dummy] * (max_n - n_local)
-        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in rows]
-        p_len, c_len = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
-        input_ids = torch.full((max_n, p_len + c_len), pad_id, dtype=torch.long, device=acc.device)
-        attention_mask = torch.zeros_like(input_ids)
-        for j, (p, c) in enumerate(rows):  # prompts left-padded, completions right-padded (TRL's layout)
-            input_ids[j, p_len - len(p) : p_len] = torch.tensor(p, device=acc.device)
-            input_ids[j, p_len : p_len + len(c)] = torch.tensor(c, device=acc.device)
-            attention_mask[j, p_len - len(p) : p_len + len(c)] = 1
-        with torch.no_grad():
-            _, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, c_len,
-                batch_size=self.args.per_device_train_batch_size, compute_entropy=True,
-            )
+        dummy = [self.eos_token_ids[0]]
+        entropies = self._policy_forward(
+            list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), True
+        )
         return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def _policy_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
+        process only. Returns one (len(completion),) tensor each."""
+        if not completion_ids:
+            return []
+        logps = self._policy_forward(prompt_ids, completion_ids, False)
+        return [logps[j, : len(c)].detach() for j, c in enumerate(completion_ids)]
 
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
@@ -450,11 +525,10 @@ class PluginGRPOTrainer(GRPOTrainer):
                 local_completions=completions,
                 process_slice=self._process_slice(len(prompts)),
                 step=self.state.global_step,
-                trainer=self,
                 local_completion_ids=[list(ids) for ids in completion_ids_list],
+                mode=state.mode,
+                services=self.plugin_services,
             )
-            ctx._metric_sink = self._plugin_metric_sink
-            ctx._object_gatherer = gather_object
             self.plugin_stack.call("trl_plugins_transform_rewards", ctx)
             rewards_per_func = ctx.rewards_per_func
         state.rewards_per_func = rewards_per_func
@@ -525,12 +599,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             process_slice=self._process_slice(B),
             step=self.state.global_step,
             local_completion_ids=output["completion_ids"],
-            trainer=self,
+            mode=state.mode,
+            services=dataclasses.replace(
+                self.plugin_services,
+                policy_stats=functools.partial(self._policy_stats, output),
+                completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
+            ),
         )
-        ctx._metric_sink = self._plugin_metric_sink
-        ctx._gatherer = acc.gather
-        ctx._policy_stats = lambda head_stats: self._policy_stats(output, head_stats)
-        ctx._completion_mask = lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0))
         self.plugin_stack.call("trl_plugins_transform_advantages", ctx)
         advantages = ctx.advantages[ctx.process_slice]
         if advantages.dim() == 2:
@@ -677,6 +752,25 @@ class PluginGRPOTrainer(GRPOTrainer):
                     f"interrupted while saving): the state of plugins {names} starts fresh instead of being restored.",
                     stacklevel=2,
                 )
+
+
+def prompt_completion_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, device: Any = None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """TRL's prompt/completion layout of R rows: prompts left-padded to the longest prompt P, completions
+    right-padded to the longest completion C (at least 1).
+
+    Returns input_ids (R, P + C), attention_mask (R, P + C) and C (the ``logits_to_keep`` of the forward).
+    """
+    p_len = max(len(p) for p in prompt_ids)
+    c_len = max(1, max(len(c) for c in completion_ids))
+    input_ids = torch.full((len(prompt_ids), p_len + c_len), pad_id, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    for j, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[j, p_len - len(p) : p_len] = torch.tensor(p, dtype=torch.long, device=device)
+        input_ids[j, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long, device=device)
+        attention_mask[j, p_len - len(p) : p_len + len(c)] = 1
+    return input_ids, attention_mask, c_len
 
 
 async def _await(awaitable):

@@ -7,15 +7,21 @@ state round-trips through a real checkpoint."""
 
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from trl_plugins import PluginConfigError, PluginError, RewardContext, build_plugins
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins import PluginConfigError, PluginError, build_plugins
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_reward_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_dataset,
+)
 from trl_plugins.trainer import PLUGIN_STATE_FILE
 from trl_plugins_builtin.adaptive_sampler import (
     AdaptiveRepeatSampler,
@@ -98,16 +104,8 @@ def _reward_ctx(chunk, G, success_of, k):
         s = success_of(idx, k)
         rows += [1.0 if j < round(s * G) else 0.0 for j in range(G)]
     N = len(rows)
-    ctx = RewardContext(
-        rewards_per_func=torch.tensor(rows).unsqueeze(1), reward_func_names=["acc"], reward_weights=torch.tensor([1.0]),
-        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G,
-        local_rows=[{} for _ in range(N)], local_prompts=[None] * N, local_completions=[f"c{j}" for j in range(N)],
-        process_slice=slice(0, N), step=k,
-    )
-    ctx._object_gatherer = lambda values: values
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
-    return ctx
+    return make_reward_context(torch.tensor(rows).unsqueeze(1), num_generations=G, reward_func_names=["acc"],
+                               completions=[f"c{j}" for j in range(N)], step=k)
 
 
 def simulate(plugin, start, stop, bs, G, success_of, lag=1):
@@ -260,13 +258,12 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
 def test_resume_without_the_plugin_state_is_refused_with_the_cause():
     """A run resumed at step > 0 whose checkpoint brought no adaptive_sampler state stops at its first outcome
     with the real cause (not 'the batch does not hold the prompts its sampler drew'); restored state passes."""
-    trainer = SimpleNamespace(model=SimpleNamespace(training=True), state=SimpleNamespace(global_step=5))
-    ctx = SimpleNamespace(trainer=trainer)
+    ctx = make_reward_context([0.0] * 4, num_generations=4, step=5)
     plugin = _plugin(8)
     with pytest.raises(PluginError, match="resumed at step 5 without this plugin's saved state"):
         plugin.trl_plugins_transform_rewards(ctx)
     restored = _plugin(8)
     restored.trl_plugins_load_state_dict(plugin.trl_plugins_state_dict())
     assert restored.trl_plugins_transform_rewards(ctx) is None  # no chunk 0 drawn yet: nothing to record
-    trainer.state.global_step = 0  # a fresh run starts at step 0 without state
+    ctx = make_reward_context([0.0] * 4, num_generations=4, step=0)  # a fresh run starts at step 0 without state
     assert _plugin(8).trl_plugins_transform_rewards(ctx) is None

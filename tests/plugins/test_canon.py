@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, PluginConfigError, build_plugins
+from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.testing import (
     build_stack,
@@ -153,31 +153,14 @@ LENGTHS = torch.tensor([1.0, 9.0, 3.0, 5.0, 8.0, 2.0, 6.0, 4.0])  # a different 
 
 def _ctx(step=0):
     N = REWARDS.numel()
-    calls = []
-
-    def policy_stats(head_stats):
-        calls.append(head_stats)
-        return PolicyStats(per_token_logps=torch.zeros(N, 3), entropies=torch.zeros(N, 3), mask=torch.ones(N, 3),
-                           completion_ids=torch.zeros(N, 3, dtype=torch.long), mean_entropy=ENTROPY)
-
-    sink = {}
-    ctx = AdvantageContext(
-        rewards_per_func=REWARDS[:, None],
-        rewards=REWARDS,
+    stats = PolicyStats(per_token_logps=torch.zeros(N, 3), entropies=torch.zeros(N, 3), mask=torch.ones(N, 3),
+                        completion_ids=torch.zeros(N, 3, dtype=torch.long), mean_entropy=ENTROPY)
+    ctx = make_advantage_context(
+        REWARDS, num_generations=G,
         advantages=torch.full((N,), 123.0),  # TRL's values: must be replaced
-        group_ids=torch.arange(N) // G,
-        index_in_group=torch.arange(N) % G,
-        num_generations=G,
-        completion_lengths=LENGTHS,
-        offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)],
-        process_slice=slice(0, N),
-        step=step,
+        completion_lengths=LENGTHS, policy_stats=stats, step=step,
     )
-    ctx._policy_stats = policy_stats
-    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx, calls, sink
+    return ctx, ctx.policy_stats_calls, ctx.metrics
 
 
 def _configured(options, loss_type="dr_grpo", max_steps=10):

@@ -8,9 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.clip_cov import (
     PICK_KEY,
     already_clipped,
@@ -90,22 +97,12 @@ def test_random_pick_is_deterministic_with_a_seed():
 
 
 # ------------------------------------------------------------------------------------------ loss hook
-def _loss_ctx(lp, lp_old, adv, mask, eps=0.2, extras=None, sink=None):
-    coef_1 = torch.exp(lp - lp_old)
-    base = -torch.min(coef_1 * adv, torch.clamp(coef_1, 1 - eps, 1 + eps) * adv)
+def _loss_ctx(lp, lp_old, adv, mask, eps=0.2, extras=None):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
-        per_token_logps=lp, old_per_token_logps=lp_old, ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.zeros(B, T), advantages=adv, mask=mask, offpolicy_mask=torch.zeros(B, T, dtype=torch.bool),
-        extras=extras or {}, loss_type="dapo", epsilon_low=eps, epsilon_high=eps, beta=0.0,
-        num_items_in_batch=mask.sum(), iteration=0, mode="train", log_ratio=lp - lp_old, coef_1=coef_1,
-        per_token_loss=base,
+    return make_loss_context(
+        lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, loss_type="dapo", epsilon_low=eps,
+        epsilon_high=eps, extras=extras, entropies=torch.zeros(B, T), completion_ids=torch.zeros(B, T, dtype=torch.long),
     )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
 
 
 def _total(ctx):
@@ -140,8 +137,8 @@ def test_picked_tokens_count_validity_and_zero_gradient(ratio):
     unchanged elsewhere."""
     lp, lp_old, adv, mask = _batch(1)
     lp = lp.requires_grad_(True)
-    sink = {}
-    ctx = _loss_ctx(lp, lp_old, adv, mask, sink=sink)
+    ctx = _loss_ctx(lp, lp_old, adv, mask)
+    sink = ctx.metrics
     build_plugins(["clip_cov"], {"clip_cov": {"lb": -1.0, "ub": 1.0, "ratio": ratio}}).call("trl_plugins_loss", ctx)
     picked = ctx.token_weights[0] == 0
     cov = _manual_cov(adv, lp.detach(), mask)
@@ -206,15 +203,8 @@ def test_generation_batch_scope_picks_globally_and_respects_the_current_clip():
     adv = torch.tensor([1.5, -0.5, -1.0, 0.7])
     stats = PolicyStats(per_token_logps=old, entropies=torch.zeros(B, T), mask=mask,
                         completion_ids=torch.zeros(B, T, dtype=torch.long), mean_entropy=torch.zeros(B))
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(B, 1), rewards=torch.zeros(B), advantages=adv, group_ids=torch.arange(B) // 2,
-        index_in_group=torch.arange(B) % 2, num_generations=2, completion_lengths=mask.sum(-1).float(),
-        offpolicy_fraction=torch.zeros(B), prompt_swapped=torch.zeros(B, dtype=torch.bool),
-        annotations=[{} for _ in range(B)], process_slice=slice(0, B), step=0,
-    )
-    ctx._policy_stats = lambda head_stats: stats
-    ctx._gatherer = lambda x: x
-    ctx._completion_mask = lambda: mask
+    ctx = make_advantage_context(torch.zeros(B), num_generations=2, advantages=adv,
+                                 completion_lengths=mask.sum(-1).float(), policy_stats=stats)
     options = {"clip_cov": {"lb": -0.3, "ub": 10.0, "ratio": 0.25, "scope": "generation_batch"}}
     stack = build_plugins(["clip_cov"], options)
     stack.call("trl_plugins_transform_advantages", ctx)

@@ -10,13 +10,20 @@ import pytest
 import torch
 import trl
 
-from trl_plugins import Completion, IncompatiblePluginsError, PluginConfigError, RolloutContext, build_plugins
+from trl_plugins import Completion, IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.local_server import chat_response, serve_openai_compatible
 from trl_plugins.components.teacher import EndpointTeacher
-from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
+from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_tokenizer
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_rollout_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_tokenizer,
+)
 from trl_plugins_builtin.critique_grpo import (
     DEFAULT_REFINEMENT,
     DEFAULT_SYSTEM,
@@ -51,26 +58,14 @@ class ScriptedService:
                            text=self.answers[k]) for k in range(len(prompts))]
 
 
-def make_ctx(texts, G, service, step=0):
-    B = len(texts)
-    gi, gid, idx = group_layout(0, B, G)
+def make_ctx(texts, G, service, step=0, process_index=0, gather=None):
     prompt = [{"role": "user", "content": PROBLEM.question}]
-    rows = [{"prompt": prompt, "answer": "14", "solution": PROBLEM.solution} for _ in range(B)]
-    ids = [_ids(t) for t in texts]
-    ctx = RolloutContext(
-        rows=rows, prompts=[prompt] * B, training_prompts=[prompt] * B,
-        prompt_ids=[TOK.apply_chat_template(prompt, add_generation_prompt=True)] * B, completion_ids=ids,
-        completions=[[{"role": "assistant", "content": t}] for t in texts],
-        sampling_logprobs=[[-1.0] * len(x) for x in ids], offpolicy=[[False] * len(x) for x in ids],
-        prompt_swapped=[False] * B, global_index=gi, group_ids=gid, index_in_group=idx, num_generations=G, step=step,
-        annotations=[{} for _ in range(B)], service=service, trainer=SimpleNamespace(processing_class=TOK))
-    ctx._scorer = lambda rows_, prompts_, comps: torch.tensor(accuracy_reward(comps, [r["answer"] for r in rows_]))
-    ctx._gatherer = lambda t: t
-    ctx._tokenizer = lambda ps: [TOK.apply_chat_template(p, add_generation_prompt=True) for p in ps]
-    ctx._decoder = lambda x, row: [{"role": "assistant", "content": TOK.decode(x, skip_special_tokens=True)}]
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
-    return ctx
+    rows = [{"prompt": prompt, "answer": "14", "solution": PROBLEM.solution} for _ in texts]
+    return make_rollout_context(
+        texts, num_generations=G, rows=rows, service=service, step=step, tokenizer=TOK, eos=True,
+        scorer=lambda rows_, prompts_, comps: torch.tensor(accuracy_reward(comps, [r["answer"] for r in rows_])),
+        process_index=process_index, gather=gather,
+    )
 
 
 def run(ctx, critic=None, **options):
@@ -223,9 +218,7 @@ def test_a_critic_failing_on_one_process_stops_both():
 
     def work(rank, gather):
         texts = [PROBLEM.solution, PROBLEM.solution] if rank == 0 else [WRONG, WRONG]
-        ctx = make_ctx(texts, 4, ScriptedService([PROBLEM.solution] * 2))
-        ctx.global_index, ctx.group_ids, ctx.index_in_group = group_layout(rank, 2, 4)
-        ctx._gatherer = gather
+        ctx = make_ctx(texts, 4, ScriptedService([PROBLEM.solution] * 2), process_index=rank, gather=gather)
         try:
             run(ctx, critic=_FailingCritic(), critique_type="text", critic_base_url="http://127.0.0.1:9/v1")
         except Exception as exc:  # returned: both ranks' outcomes are checked

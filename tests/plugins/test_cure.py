@@ -6,18 +6,18 @@ Unit tests drive the hook on hand-built RolloutContexts with a scripted service;
 model and checks the training batch."""
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import Completion, Plugin, PluginConfigError, RolloutContext, build_plugins, hookimpl
+from trl_plugins import Completion, Plugin, PluginConfigError, build_plugins, hookimpl
 from trl_plugins.contexts import group_layout
 from trl_plugins.testing import (
     SimulatedCollective,
     assert_runs_equal,
     digit_fraction_reward,
+    make_rollout_context,
     make_tiny_trainer,
     record_run,
     temporary_plugin,
@@ -86,30 +86,20 @@ class ScriptedService:
 
 def make_ctx(completions, G, *, process_index=0, gatherer=None, entropy_fn=None, service=None, step=0):
     """``completions``: B lists of token ids (local rows). Prompt ids of group g are [1000 + g]."""
-    B = len(completions)
-    global_index, group_ids, index_in_group = group_layout(process_index, B, G)
-    prompts = [[{"role": "user", "content": f"Q{g}"}] for g in group_ids]
-    ctx = RolloutContext(
-        rows=[{"prompt": p} for p in prompts], prompts=prompts, training_prompts=list(prompts),
-        prompt_ids=[[1000 + g] for g in group_ids], completion_ids=[list(c) for c in completions],
-        completions=[[{"role": "assistant", "content": TOK.decode(c)}] for c in completions],
-        sampling_logprobs=[[-1.0] * len(c) for c in completions], offpolicy=[[False] * len(c) for c in completions],
-        prompt_swapped=[False] * B, global_index=global_index, group_ids=group_ids, index_in_group=index_in_group,
-        num_generations=G, step=step, annotations=[{} for _ in range(B)], service=service or ScriptedService(),
-        trainer=SimpleNamespace(processing_class=TOK, accelerator=SimpleNamespace(device=torch.device("cpu"))),
-    )
-    ctx.entropy_calls = []
+    _, group_ids, _ = group_layout(process_index, len(completions), G)
+    calls = []
 
     def entropies(prompt_ids, completion_ids):
-        ctx.entropy_calls.append([list(c) for c in completion_ids])
+        calls.append([list(c) for c in completion_ids])
         return entropy_fn(prompt_ids, completion_ids) if entropy_fn else [torch.zeros(len(c)) for c in completion_ids]
 
-    ctx._entropy_fn = entropies
-    ctx._gatherer = gatherer or (lambda t: t)
-    ctx._tokenizer = lambda ps: [[1000] for _ in ps]
-    ctx._decoder = lambda ids, row: [{"role": "assistant", "content": TOK.decode(ids)}]
-    ctx.metrics = {}
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
+    ctx = make_rollout_context(
+        [TOK.decode(c) for c in completions], num_generations=G, process_index=process_index, gather=gatherer,
+        service=service or ScriptedService(), step=step, tokenizer=TOK, prompt_ids=[[1000 + g] for g in group_ids],
+        tokenize_prompts=lambda ps: [[1000] for _ in ps],
+        decode=lambda ids, prompt: [{"role": "assistant", "content": TOK.decode(ids)}], policy_entropies=entropies,
+    )
+    ctx.entropy_calls = calls  # every forward's completion ids (the kit's own record counts rows only)
     return ctx
 
 
@@ -219,14 +209,20 @@ class _Recorder(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.seen = []
+        self.trainer = None
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        self.trainer = trainer  # the reference forward below needs the model (a test plugin, not a method)
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx):
         reference = []
+        model, temperature = self.trainer.model, self.trainer.temperature
         for p, c in zip(ctx.prompt_ids, ctx.completion_ids):  # full-vocabulary entropies, one row at a time
             with torch.no_grad():
-                logits = ctx.trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1]
-            reference.append(torch.distributions.Categorical(logits=logits.float() / ctx.trainer.temperature).entropy())
+                logits = model(torch.tensor([p + c])).logits[0, len(p) - 1: len(p) + len(c) - 1]
+            reference.append(torch.distributions.Categorical(logits=logits.float() / temperature).entropy())
         self.seen.append({"before": [list(c) for c in ctx.completion_ids],
                           "prompt_ids": [list(p) for p in ctx.prompt_ids],
                           "entropies": ctx.policy_entropies(range(len(ctx))), "reference": reference})

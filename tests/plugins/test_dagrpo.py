@@ -4,20 +4,22 @@ of the sampling stage, the scores carried from the reward stage to the advantage
 (neutral setting == trl.GRPOTrainer; anchors trained off-policy)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, PluginConfigError, PluginError, RewardContext, RolloutContext, build_plugins
-from trl_plugins.contexts import group_layout
+from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    make_advantage_context,
+    make_reward_context,
+    make_rollout_context,
     make_tiny_trainer,
     record_run,
+    stub_rows,
     tiny_dataset,
     tiny_tokenizer,
 )
@@ -148,28 +150,14 @@ def test_anchor_slots():
 
 # ------------------------------------------------------------------------------------------ reward -> advantage
 def _reward_ctx(texts, G, rows):
-    N = len(texts)
-    ctx = RewardContext(
-        rewards_per_func=torch.zeros(N, 1), reward_func_names=["r"], reward_weights=torch.ones(1),
-        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G, local_rows=rows,
-        local_prompts=["p"] * N, local_completions=[[{"role": "assistant", "content": t}] for t in texts],
-        process_slice=slice(0, N), step=0,
-    )
-    ctx._object_gatherer = lambda values: list(values)
-    return ctx
+    return make_reward_context(torch.zeros(len(texts), 1), num_generations=G, reward_func_names=["r"], rows=rows,
+                               completions=[[{"role": "assistant", "content": t}] for t in texts])
 
 
 def _adv_ctx(rewards, advantages, G):
-    N = rewards.numel()
-    sink = {}
-    ctx = AdvantageContext(
-        rewards_per_func=rewards[:, None], rewards=rewards, advantages=advantages,
-        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G,
-        completion_lengths=torch.ones(N), offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=[{}] * N, process_slice=slice(0, N), step=0,
-    )
-    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx, sink
+    ctx = make_advantage_context(rewards, num_generations=G, advantages=advantages,
+                                 completion_lengths=torch.ones(rewards.numel()))
+    return ctx, ctx.metrics
 
 
 TEXTS = [PROBLEM.solution, "3+4=7\n7*2=14\nAnswer: 15", "3+4=8", "garbage"]  # PRM: 1, 2/3, 0, 0
@@ -241,31 +229,16 @@ def _rollout_ctx(groups, G, solution=PROBLEM.solution, with_logprobs=True):
     """``groups``: one list of G completion texts per group; texts starting with "OK" succeed."""
     tok = tiny_tokenizer()
     B = len(groups) * G
-    global_index, group_ids, index_in_group = group_layout(0, B, G)
-    prompts = [[{"role": "user", "content": f"Q{g}"}] for g in group_ids]
-    rows = [{"prompt": p, "solution": solution} for p in prompts]
-    texts = [t for grp in groups for t in grp]
-    ids = [tok(text=t, add_special_tokens=False)["input_ids"] for t in texts]
-    ctx = RolloutContext(
-        rows=rows, prompts=prompts, training_prompts=list(prompts), prompt_ids=[[5, 6]] * B, completion_ids=ids,
-        completions=[[{"role": "assistant", "content": t}] for t in texts],
-        sampling_logprobs=[[-1.0] * len(x) for x in ids] if with_logprobs else None,
-        offpolicy=[[False] * len(x) for x in ids], prompt_swapped=[False] * B, global_index=global_index,
-        group_ids=group_ids, index_in_group=index_in_group, num_generations=G, step=0,
-        annotations=[{} for _ in range(B)], trainer=SimpleNamespace(processing_class=tok),
-    )
-    ctx.score_calls = []
+    rows = stub_rows(len(groups), G, solution=solution)
+    score_calls = []
 
     def scorer(rows_, prompts_, completions_):
-        ctx.score_calls.append(len(completions_))
+        score_calls.append(len(completions_))
         return torch.tensor([1.0 if c[-1]["content"].startswith("OK") else 0.0 for c in completions_])
 
-    ctx._scorer = scorer
-    ctx._gatherer = lambda t: t
-    ctx._decoder = lambda ids_, row: [{"role": "assistant", "content": tok.decode(ids_, skip_special_tokens=True)}]
-    sink = {}
-    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    ctx.sink = sink
+    ctx = make_rollout_context(groups, num_generations=G, rows=rows, tokenizer=tok, prompt_ids=[[5, 6]] * B,
+                               sampling_logprob=-1.0 if with_logprobs else None, scorer=scorer)
+    ctx.score_calls, ctx.sink = score_calls, ctx.metrics
     return ctx, tok
 
 

@@ -8,9 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, build_plugins
+from trl_plugins import IncompatiblePluginsError, build_plugins
 from trl_plugins.contexts import PolicyStats
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.disco import disco_token_loss, disco_weights, kl_hinge_penalty, sequence_scores
 
 # ------------------------------------------------------------------------------------------ weights
@@ -153,19 +159,13 @@ def test_kl_hinge_has_no_gradient_below_the_budget():
 
 
 # ------------------------------------------------------------------------------------------ hooks
-def _loss_ctx(lp, old, adv, mask, offpolicy=None, trainer=None, sink=None):
+def _loss_ctx(lp, old, adv, mask, offpolicy=None, gradient_accumulation_steps=1):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)}, per_token_logps=lp,
-        old_per_token_logps=old, ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.zeros(B, T), advantages=adv, mask=mask,
-        offpolicy_mask=offpolicy if offpolicy is not None else torch.zeros(B, T, dtype=torch.bool),
-        extras={}, loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, num_items_in_batch=mask.sum(),
-        iteration=0, mode="train", trainer=trainer, per_token_loss=torch.full((B, T), 7.0),
+    return make_loss_context(
+        lp, old_per_token_logps=old, advantages=adv, mask=mask, offpolicy_mask=offpolicy, loss_type="grpo",
+        entropies=torch.zeros(B, T), completion_ids=torch.zeros(B, T, dtype=torch.long),
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
 
 
 @pytest.mark.parametrize("score", ["logL", "Lratio"])
@@ -175,9 +175,8 @@ def test_loss_hook_replaces_valid_on_policy_tokens_and_adds_the_penalty(score):
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     offpolicy = torch.tensor([[False, False, True], [False, False, False]])
     adv = torch.tensor([[2.0], [-1.5]])
-    sink = {}
-    trainer = SimpleNamespace(current_gradient_accumulation_steps=4)
-    ctx = _loss_ctx(lp, old, adv, mask, offpolicy, trainer, sink)
+    ctx = _loss_ctx(lp, old, adv, mask, offpolicy, gradient_accumulation_steps=4)
+    sink = ctx.metrics
     stack = build_plugins(["disco"], {"disco": {"score": score, "beta": 5.0, "delta": 0.001}})
     stack.call("trl_plugins_loss", ctx)
     repl, values = ctx.replacement
@@ -194,26 +193,13 @@ def test_loss_hook_replaces_valid_on_policy_tokens_and_adds_the_penalty(score):
 
 def _adv_ctx(rewards, G, mean_logps):
     N = rewards.numel()
-    calls = []
     T = 3
-
-    def stats(head_stats):
-        calls.append(head_stats)
-        return PolicyStats(per_token_logps=mean_logps[:, None].expand(N, T).clone(), entropies=torch.zeros(N, T),
-                           mask=torch.ones(N, T), completion_ids=torch.zeros(N, T, dtype=torch.long),
-                           mean_entropy=torch.zeros(N))
-
-    sink = {}
-    ctx = AdvantageContext(
-        rewards_per_func=rewards[:, None], rewards=rewards, advantages=torch.zeros(N),
-        group_ids=torch.arange(N) // G, index_in_group=torch.arange(N) % G, num_generations=G,
-        completion_lengths=torch.full((N,), float(T)), offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=[{}] * N, process_slice=slice(0, N), step=0,
-    )
-    ctx._policy_stats = stats
-    ctx._gatherer = lambda t: t
-    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx, calls, sink
+    stats = PolicyStats(per_token_logps=mean_logps[:, None].expand(N, T).clone(), entropies=torch.zeros(N, T),
+                        mask=torch.ones(N, T), completion_ids=torch.zeros(N, T, dtype=torch.long),
+                        mean_entropy=torch.zeros(N))
+    ctx = make_advantage_context(rewards, num_generations=G, advantages=torch.zeros(N),
+                                 completion_lengths=torch.full((N,), float(T)), policy_stats=stats)
+    return ctx, ctx.policy_stats_calls, ctx.metrics
 
 
 @pytest.mark.parametrize(

@@ -9,30 +9,28 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, PluginConfigError, RewardContext, build_plugins
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.testing import (
+    digit_fraction_reward,
+    make_advantage_context,
+    make_reward_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.empo import empo_rewards
 
 
 def reward_ctx(texts, G, names=("acc", "empo")):
     N = len(texts)
-    rows = torch.arange(N)
-    ctx = RewardContext(
-        rewards_per_func=torch.full((N, len(names)), 0.5), reward_func_names=list(names),
-        reward_weights=torch.ones(len(names)), group_ids=rows // G, index_in_group=rows % G, num_generations=G,
-        local_rows=[{} for _ in range(N)], local_prompts=["p"] * N,
-        local_completions=[[{"role": "assistant", "content": t}] for t in texts],
-        process_slice=slice(0, N), step=0,
-    )
-    ctx.gathers = 0
+    gathered = []
 
     def gather(values):
-        ctx.gathers += 1
+        gathered.append(values)
         return values
 
-    ctx._object_gatherer = gather
-    ctx.metrics = {}
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
+    ctx = make_reward_context(torch.full((N, len(names)), 0.5), num_generations=G, reward_func_names=list(names),
+                              completions=[[{"role": "assistant", "content": t}] for t in texts], gather_object=gather)
+    ctx.gathered = gathered
     return ctx
 
 
@@ -55,7 +53,7 @@ def test_transform_fills_the_empo_column_with_whole_groups_in_view(mode, expecte
     stack.call("trl_plugins_transform_rewards", ctx)
     assert ctx.rewards_per_func[:, 1].tolist() == expected
     assert ctx.rewards_per_func[:, 0].tolist() == [0.5] * 8  # other columns untouched
-    assert ctx.gathers == 1
+    assert len(ctx.gathered) == 1
     H0 = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3))  # entropy over the answered rows of group 0
     assert ctx.metrics["plugins/empo/semantic_entropy"] == [pytest.approx(H0 / 2)]
     assert ctx.metrics["plugins/empo/answered_fraction"] == [7 / 8]
@@ -65,13 +63,8 @@ def test_entropy_thresholds_zero_the_advantages_of_filtered_groups():
     stack = build_plugins(["empo"], {"empo": {"entropy_low": 0.1}})
     stack.call("trl_plugins_transform_rewards", reward_ctx(TEXTS, G=4))
     N = 8
-    rows = torch.arange(N)
-    actx = AdvantageContext(
-        rewards_per_func=torch.zeros(N, 2), rewards=torch.zeros(N), advantages=torch.arange(1.0, 9.0),
-        group_ids=rows // 4, index_in_group=rows % 4, num_generations=4, completion_lengths=torch.ones(N),
-        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)], process_slice=slice(0, N), step=0,
-    )
+    actx = make_advantage_context(torch.zeros(N), num_generations=4, rewards_per_func=torch.zeros(N, 2),
+                                  advantages=torch.arange(1.0, 9.0), completion_lengths=torch.ones(N))
     stack.call("trl_plugins_transform_advantages", actx)
     assert actx.advantages.tolist() == [1, 2, 3, 4, 0, 0, 0, 0]  # group 1 has entropy 0 <= 0.1: filtered
 

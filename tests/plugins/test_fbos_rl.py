@@ -6,19 +6,21 @@ the backend), the training prompt of every row and NaN sampling log-probs on EPA
 fbos_rl with canon."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import trl
 
-from trl_plugins import AdvantageContext, Completion, PluginConfigError, PromptContext, RolloutContext, build_plugins
+from trl_plugins import Completion, PluginConfigError, build_plugins
 from trl_plugins.components.prm import arithmetic_row
-from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
+from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, feedback
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    make_advantage_context,
+    make_prompt_context,
+    make_rollout_context,
     make_tiny_trainer,
     record_run,
     tiny_tokenizer,
@@ -59,12 +61,8 @@ def _rows_prompts(n_groups, G):
 
 
 def run_prompts(n_groups, G, **options):
-    rows, prompts = _rows_prompts(n_groups, G)
-    B = len(rows)
-    gi, gid, idx = group_layout(0, B, G)
-    pctx = PromptContext(rows=rows, prompts=prompts, generation_prompts=list(prompts), training_prompts=list(prompts),
-                         global_index=gi, group_ids=gid, index_in_group=idx, num_generations=G, step=0,
-                         annotations=[{} for _ in range(B)])
+    rows, _ = _rows_prompts(n_groups, G)
+    pctx = make_prompt_context(rows, num_generations=G)
     stack = build_plugins(["fbos_rl"], {"fbos_rl": options})
     stack.call("trl_plugins_generation_prompts", pctx)
     return pctx, stack
@@ -93,28 +91,14 @@ def make_ctx(round1_texts, G, *, step=0, service=None, **options):
     """Round-1 texts per group (G1 each); deferred rows hold empty completions as the trainer leaves them."""
     n_groups = len(round1_texts)
     pctx, stack = run_prompts(n_groups, G, **options)
-    rows, prompts = pctx.rows, pctx.prompts
-    B = len(rows)
     texts = []
     for g, group in enumerate(round1_texts):
-        texts += list(group) + [None] * (G - len(group))
-    ids = [_ids(t) if t is not None else [] for t in texts]
-    ctx = RolloutContext(
-        rows=rows, prompts=prompts, training_prompts=list(prompts),
-        prompt_ids=[TOK.apply_chat_template(p, add_generation_prompt=True) for p in prompts],
-        completion_ids=ids, completions=[[{"role": "assistant", "content": t or ""}] for t in texts],
-        sampling_logprobs=[[-1.0] * len(x) for x in ids], offpolicy=[[False] * len(x) for x in ids],
-        prompt_swapped=[False] * B, global_index=pctx.global_index, group_ids=pctx.group_ids,
-        index_in_group=pctx.index_in_group, num_generations=G, step=step, annotations=pctx.annotations,
-        service=service or ScriptedService(), trainer=SimpleNamespace(processing_class=TOK),
-        deferred=list(pctx.deferred),
+        texts += list(group) + [""] * (G - len(group))
+    ctx = make_rollout_context(
+        texts, num_generations=G, rows=pctx.rows, step=step, annotations=pctx.annotations, tokenizer=TOK, eos=True,
+        service=service or ScriptedService(), deferred=[i for i, d in enumerate(pctx.deferred) if d],
+        scorer=lambda rows_, prompts_, comps: torch.tensor(accuracy_reward(comps, [r["answer"] for r in rows_])),
     )
-    ctx._scorer = lambda rows_, prompts_, comps: torch.tensor(accuracy_reward(comps, [r["answer"] for r in rows_]))
-    ctx._gatherer = lambda t: t
-    ctx._tokenizer = lambda ps: [TOK.apply_chat_template(p, add_generation_prompt=True) for p in ps]
-    ctx._decoder = lambda x, row: [{"role": "assistant", "content": TOK.decode(x, skip_special_tokens=True)}]
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
     stack.call("trl_plugins_after_generation", ctx)
     return ctx
 
@@ -181,7 +165,8 @@ def test_fap_ecc_and_epa_rows():
     assert service.calls[0][3][1]["content"] == "junk"
     for i in (2, 3, 6, 7):  # ECC rows: trained under their FAP, on-policy, the service's log-probs kept
         assert ctx.training_prompts[i] == service.calls[0][[2, 3, 6, 7].index(i)]
-        assert ctx.prompt_ids[i] == TOK.apply_chat_template(ctx.training_prompts[i], add_generation_prompt=True)
+        assert ctx.prompt_ids[i] == TOK.apply_chat_template(ctx.training_prompts[i], add_generation_prompt=True,
+                                                            return_dict=False)
         assert ctx.prompt_swapped[i] is False and not any(ctx.offpolicy[i])
         assert ctx.sampling_logprobs[i] == [-0.3] * len(ctx.completion_ids[i])
         assert ctx.annotations[i]["fbos_role"] == "ecc"
@@ -234,13 +219,9 @@ def test_options_epa_off_plain_alternate_and_feedback_kinds():
 # ------------------------------------------------------------------------------------------ advantage hook
 def _adv_ctx(rewards, roles, G, step=0):
     N = len(rewards)
-    rows = torch.arange(N)
-    r = torch.tensor(rewards)
-    return AdvantageContext(
-        rewards_per_func=r.view(-1, 1), rewards=r, advantages=torch.zeros(N), group_ids=rows // G,
-        index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N),
-        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{"fbos_role": x} for x in roles], process_slice=slice(0, N), step=step)
+    return make_advantage_context(torch.tensor(rewards), num_generations=G, advantages=torch.zeros(N),
+                                  completion_lengths=torch.ones(N), annotations=[{"fbos_role": x} for x in roles],
+                                  step=step)
 
 
 @pytest.mark.parametrize("schedule,step,weight", [("joint", 0, 0.5), ("alternate", 0, 0.0), ("alternate", 1, 0.5)])

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.testing import (
     assert_runs_equal,
@@ -103,31 +103,20 @@ def test_entropy_filter():
 
 
 # ------------------------------------------------------------------------------------------ advantage stage
-def _adv_ctx(advantages, entropy, sink=None):
+def _adv_ctx(advantages, entropy):
     N = IDS.size(0)
     stats = PolicyStats(per_token_logps=torch.zeros(N, 5), entropies=torch.zeros(N, 5), mask=MASK, completion_ids=IDS,
                         mean_entropy=entropy)
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(N, 1), rewards=torch.zeros(N), advantages=advantages.clone(),
-        group_ids=torch.arange(N) // 3, index_in_group=torch.arange(N) % 3, num_generations=3,
-        completion_lengths=MASK.sum(-1).float(), offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=[{} for _ in range(N)],
-        process_slice=slice(0, N), step=0,
-    )
-    ctx._policy_stats = lambda head_stats: stats
-    ctx._gatherer = lambda x: x
-    ctx._completion_mask = lambda: MASK
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
+    return make_advantage_context(torch.zeros(N), num_generations=3, advantages=advantages.clone(),
+                                  completion_lengths=MASK.sum(-1).float(), policy_stats=stats)
 
 
 ENTROPY = torch.tensor([0.3, 0.5, 0.9, 0.1, 0.2, 0.6])
 
 
 def test_advantage_stage_weights_and_filter():
-    sink = {}
-    ctx = _adv_ctx(ADV, ENTROPY, sink)
+    ctx = _adv_ctx(ADV, ENTROPY)
+    sink = ctx.metrics
     build_plugins(["gtpo"], {"gtpo": {"conflict_count": "union"}}).call("trl_plugins_transform_advantages", ctx)
     w = ctx.local_extras[WEIGHT_KEY]
     # delta / max(n_conflict, 1), union count: rows 0 and 1 have 4 conflict tokens, row 2 one
@@ -150,17 +139,8 @@ def test_without_conflict_division_and_terminal_run():
 
 def _loss_ctx(lp, adv, weights):
     B, T = lp.shape
-    coef_1 = torch.exp(lp - lp.detach())
-    base = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.2) * adv)
-    ctx = LossContext(
-        inputs={"completion_ids": IDS}, per_token_logps=lp, old_per_token_logps=lp.detach(),
-        ref_per_token_logps=None, sampling_per_token_logps=None, entropies=torch.zeros(B, T), advantages=adv,
-        mask=MASK, offpolicy_mask=torch.zeros(B, T, dtype=torch.bool), extras={WEIGHT_KEY: weights},
-        loss_type="grpo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, num_items_in_batch=MASK.sum(), iteration=0,
-        mode="train", coef_1=coef_1, per_token_loss=base,
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum())
-    return ctx
+    return make_loss_context(lp, advantages=adv, mask=MASK, extras={WEIGHT_KEY: weights}, loss_type="grpo",
+                             completion_ids=IDS, entropies=torch.zeros(B, T))
 
 
 def test_loss_gradients_conflict_tokens_and_dropped_completions():

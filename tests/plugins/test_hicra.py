@@ -9,9 +9,17 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, LossContext, PluginConfigError, build_plugins
+from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_tokenizer
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_tokenizer,
+)
 from trl_plugins_builtin.hicra import (
     DEFAULT_PHRASES,
     MASK_KEY,
@@ -145,16 +153,12 @@ def test_configure_warns_about_double_focusing_with_top_entropy_quantile():
 # ------------------------------------------------------------------------------------------ hooks
 def _adv_ctx(completion_ids, with_ids=True):
     B = completion_ids.size(0)
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(B, 1), rewards=torch.zeros(B), advantages=torch.zeros(B),
-        group_ids=torch.arange(B) // 2, index_in_group=torch.arange(B) % 2, num_generations=2,
-        completion_lengths=torch.ones(B), offpolicy_fraction=torch.zeros(B),
-        prompt_swapped=torch.zeros(B, dtype=torch.bool), annotations=[{}] * B, process_slice=slice(0, B), step=0,
-        local_completion_ids=completion_ids if with_ids else None,
-        trainer=SimpleNamespace(processing_class=tiny_tokenizer()),
-    )
-    ctx._policy_stats = lambda head_stats: PolicyStats(
-        per_token_logps=None, entropies=None, mask=None, completion_ids=completion_ids, mean_entropy=None)
+    stats = PolicyStats(per_token_logps=None, entropies=None, mask=None, completion_ids=completion_ids,
+                        mean_entropy=None)
+    ctx = make_advantage_context(torch.zeros(B), num_generations=2, advantages=torch.zeros(B),
+                                 completion_lengths=torch.ones(B), policy_stats=stats, tokenizer=tiny_tokenizer())
+    if not with_ids:
+        ctx.local_completion_ids = None  # as a trainer without them: the plugin must use the policy-stats forward
     return ctx
 
 
@@ -171,16 +175,10 @@ def test_mask_is_computed_at_the_advantage_stage_and_applied_at_the_loss(with_id
     assert torch.equal(planning, expected)
 
     A = torch.tensor([[2.0] * 7, [-1.0] * 7])
-    sink = {}
-    lctx = LossContext(
-        inputs={"completion_ids": ids}, per_token_logps=torch.zeros(2, 7), old_per_token_logps=torch.zeros(2, 7),
-        ref_per_token_logps=None, sampling_per_token_logps=None, entropies=torch.zeros(2, 7), advantages=A.clone(),
-        mask=torch.tensor([[1] * 7, [1] * 6 + [0]]), offpolicy_mask=torch.zeros(2, 7, dtype=torch.bool),
-        extras={MASK_KEY: planning}, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
-        num_items_in_batch=torch.tensor(13), iteration=0, mode="train",
-    )
-    lctx._reducer = lambda x, m: float((x * m).sum() / m.sum())
-    lctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
+    lctx = make_loss_context(torch.zeros(2, 7), advantages=A.clone(), mask=torch.tensor([[1] * 7, [1] * 6 + [0]]),
+                             extras={MASK_KEY: planning}, loss_type="dapo", completion_ids=ids,
+                             entropies=torch.zeros(2, 7))
+    sink = lctx.metrics
     stack.call("trl_plugins_loss_advantages", lctx)
     torch.testing.assert_close(lctx.advantages, torch.where(expected, A + 0.5 * A.abs(), A))
     assert lctx.advantages[0, 3] == 3.0 and lctx.advantages[1, 0] == -0.5

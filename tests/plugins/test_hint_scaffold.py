@@ -9,9 +9,16 @@ import threading
 import pytest
 import torch
 
-from trl_plugins import Completion, PluginConfigError, RolloutContext, build_plugins
+from trl_plugins import Completion, PluginConfigError, build_plugins
 from trl_plugins.contexts import group_layout
-from trl_plugins.testing import SimulatedCollective, build_stack, make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins.testing import (
+    SimulatedCollective,
+    build_stack,
+    make_rollout_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_dataset,
+)
 from trl_plugins_builtin.hint_scaffold import DEFAULT_TEMPLATE, hint_text, hinted_prompt
 
 SOLUTION = "ABCDEFGH"  # 25 % -> "AB", 50 % -> "ABCD", 75 % -> "ABCDEF"
@@ -76,40 +83,17 @@ def make_ctx(groups, G, *, service=None, step=0, conversational=True, solution=S
         prompt = [{"role": "system", "content": "sys"}, {"role": "user", "content": q}] if conversational else q
         prompts.append(prompt)
         rows.append({"prompt": prompt, "solution": solution, "answer": "1"})
-    texts = [t for g in groups for t in g]
-    ids = [_encode(t) for t in texts]
-    ctx = RolloutContext(
-        rows=rows,
-        prompts=prompts,
-        training_prompts=list(prompts),
-        prompt_ids=[_encode(_text(p)) for p in prompts],
-        completion_ids=ids,
-        completions=[[{"role": "assistant", "content": t}] if conversational else t for t in texts],
-        sampling_logprobs=[[-1.0] * len(x) for x in ids] if with_logprobs else None,
-        offpolicy=[[False] * len(x) for x in ids],
-        prompt_swapped=[False] * B,
-        global_index=global_index,
-        group_ids=group_ids,
-        index_in_group=index_in_group,
-        num_generations=G,
-        step=step,
-        annotations=[{} for _ in range(B)],
-        service=service,
-    )
-    ctx.score_calls = []
+    score_calls = []
 
     def scorer(rows_, prompts_, completions_):
-        ctx.score_calls.append(len(completions_))
+        score_calls.append(len(completions_))
         return _score(rows_, prompts_, completions_)
 
-    ctx._scorer = scorer
-    ctx._gatherer = gatherer or (lambda t: t)
-    ctx._tokenizer = lambda ps: [_encode(_text(p)) for p in ps]
-    ctx._decoder = lambda ids_, row: (
-        [{"role": "assistant", "content": _decode(ids_)}] if conversational else _decode(ids_)
-    )
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
+    # the kit's tokens are characters (ord), like _encode / _decode here
+    ctx = make_rollout_context(groups, num_generations=G, rows=rows, service=service, step=step,
+                               conversational=conversational, process_index=process_index, gather=gatherer,
+                               sampling_logprob=-1.0 if with_logprobs else None, scorer=scorer)
+    ctx.score_calls = score_calls
     return ctx
 
 

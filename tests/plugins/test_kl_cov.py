@@ -9,9 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.kl_cov import SELECT_KEY, kl_cov_token_loss, num_to_select, top_covariance
 
 
@@ -25,23 +32,12 @@ def _manual_cov(adv, lp, mask):
     return out
 
 
-def _loss_ctx(lp, lp_old, adv, mask, extras=None, sink=None, offpolicy=None):
-    coef_1 = torch.exp(lp - lp_old)
-    base = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.2) * adv)
+def _loss_ctx(lp, lp_old, adv, mask, extras=None, offpolicy=None):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
-        per_token_logps=lp, old_per_token_logps=lp_old, ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.zeros(B, T), advantages=adv, mask=mask,
-        offpolicy_mask=torch.zeros(B, T, dtype=torch.bool) if offpolicy is None else offpolicy,
-        extras=extras or {}, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
-        num_items_in_batch=mask.sum(), iteration=0, mode="train", log_ratio=lp - lp_old, coef_1=coef_1,
-        per_token_loss=base,
+    return make_loss_context(
+        lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, offpolicy_mask=offpolicy, extras=extras,
+        loss_type="dapo", entropies=torch.zeros(B, T), completion_ids=torch.zeros(B, T, dtype=torch.long),
     )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
 
 
 def _batch(seed=0, B=3, T=7):
@@ -146,15 +142,8 @@ def test_generation_batch_scope_selects_top_k_globally():
     adv = torch.tensor([0.9, -1.2, 0.3, -0.4])
     stats = PolicyStats(per_token_logps=old, entropies=torch.zeros(B, T), mask=mask,
                         completion_ids=torch.zeros(B, T, dtype=torch.long), mean_entropy=torch.zeros(B))
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(B, 1), rewards=torch.zeros(B), advantages=adv, group_ids=torch.arange(B) // 2,
-        index_in_group=torch.arange(B) % 2, num_generations=2, completion_lengths=mask.sum(-1).float(),
-        offpolicy_fraction=torch.zeros(B), prompt_swapped=torch.zeros(B, dtype=torch.bool),
-        annotations=[{} for _ in range(B)], process_slice=slice(0, B), step=0,
-    )
-    ctx._policy_stats = lambda head_stats: stats
-    ctx._gatherer = lambda x: x
-    ctx._completion_mask = lambda: mask
+    ctx = make_advantage_context(torch.zeros(B), num_generations=2, advantages=adv,
+                                 completion_lengths=mask.sum(-1).float(), policy_stats=stats)
     stack = build_plugins(["kl_cov"], {"kl_cov": {"ratio": 0.2, "scope": "generation_batch"}})
     stack.call("trl_plugins_transform_advantages", ctx)
     selected = ctx.local_extras[SELECT_KEY]

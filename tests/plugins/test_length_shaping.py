@@ -7,8 +7,8 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import PluginConfigError, RewardContext, build_plugins
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.testing import digit_fraction_reward, make_reward_context, make_tiny_trainer, record_run
 from trl_plugins_builtin.length_shaping import (
     dler_caps,
     dler_zero_mask,
@@ -57,18 +57,9 @@ def test_dler_caps_and_mask():
 
 def _reward_ctx(rewards, names, lengths, unfinished, G):
     ids = [[7] * (n - 1) + ([7] if u else [EOS]) for n, u in zip(lengths, unfinished)]
-    N = len(lengths)
-    rows = torch.arange(N)
-    ctx = RewardContext(
-        rewards_per_func=torch.tensor(rewards, dtype=torch.float32), reward_func_names=names,
-        reward_weights=torch.ones(len(names)), group_ids=rows // G, index_in_group=rows % G, num_generations=G,
-        local_rows=[{} for _ in range(N)], local_prompts=["p"] * N, local_completions=["c"] * N,
-        process_slice=slice(0, N), step=0, local_completion_ids=ids,
-    )
-    ctx._object_gatherer = lambda values: values
-    ctx.metrics = {}
-    ctx._active_plugin = "length_shaping"  # what the plugin stack sets when it calls the hook
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
+    ctx = make_reward_context(torch.tensor(rewards, dtype=torch.float32), num_generations=G, reward_func_names=names,
+                              completions=["c"] * len(lengths), local_completion_ids=ids)
+    ctx.set_active_plugin("length_shaping")  # what the plugin stack does when it calls the hook
     return ctx
 
 

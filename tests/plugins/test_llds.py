@@ -8,8 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.llds import action_ids, likelihood_gate, llds_penalty
 
 
@@ -61,19 +67,10 @@ def test_threshold():
     assert torch.equal(gated, _set((0, 0), (0, 1), (0, 2)))
 
 
-def _loss_ctx(lp, lp_old, adv, mask, sink=None):
+def _loss_ctx(lp, lp_old, adv, mask):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
-        per_token_logps=lp, old_per_token_logps=lp_old, ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.zeros(B, T), advantages=adv, mask=mask, offpolicy_mask=torch.zeros(B, T, dtype=torch.bool),
-        extras={}, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, num_items_in_batch=mask.sum(),
-        iteration=1, mode="train", coef_1=torch.exp(lp - lp_old), per_token_loss=torch.zeros(B, T),
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
+    return make_loss_context(lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, loss_type="dapo", iteration=1,
+                             entropies=torch.zeros(B, T), completion_ids=torch.zeros(B, T, dtype=torch.long))
 
 
 def test_loss_hook_penalises_only_responsible_tokens():
@@ -82,8 +79,8 @@ def test_loss_hook_penalises_only_responsible_tokens():
     lp_old = LP_OLD
     lp = (lp_old - DROP).requires_grad_(True)
     assert torch.equal(lp_old - lp.detach(), DROP)
-    sink = {}
-    ctx = _loss_ctx(lp, lp_old, ADV, MASK, sink)
+    ctx = _loss_ctx(lp, lp_old, ADV, MASK)
+    sink = ctx.metrics
     build_plugins(["llds"], {"llds": {"lam": 0.3}}).call("trl_plugins_loss", ctx)
     (term,) = ctx.token_terms
     responsible = _set((0, 0), (0, 2), (3, 0), (3, 2))  # gated and own drop > 0

@@ -7,13 +7,14 @@ import random
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.head_stats import OUT_OF_KEEP_SET, HeadStats
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
     loss_from_context,
+    make_advantage_context,
     make_loss_context,
     make_tiny_trainer,
     record_run,
@@ -244,25 +245,9 @@ def test_tokens_outside_keep_set_never_regularised(mode):
     assert repl.any()
 
 
-def _adv_ctx(stats, advantages, sink=None):
-    N = advantages.size(0)
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(N, 1),
-        rewards=torch.zeros(N),
-        advantages=advantages,
-        group_ids=torch.arange(N) // 3,
-        index_in_group=torch.arange(N) % 3,
-        num_generations=3,
-        completion_lengths=stats.mask.sum(-1).float(),
-        offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)],
-        process_slice=slice(0, N),
-        step=0,
-    )
-    ctx._policy_stats = lambda head_stats: stats
-    ctx._gatherer = lambda t: t
-    return ctx
+def _adv_ctx(stats, advantages):
+    return make_advantage_context(torch.zeros(advantages.size(0)), num_generations=3, advantages=advantages,
+                                  completion_lengths=stats.mask.sum(-1).float(), policy_stats=stats)
 
 
 def test_advantage_stage_proxy_and_generation_batch_threshold():

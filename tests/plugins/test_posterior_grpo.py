@@ -9,11 +9,17 @@ import pytest
 import torch
 import trl
 
-from trl_plugins import PluginConfigError, RewardContext, build_plugins
+from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, clear_shared_prms
 from trl_plugins.tasks.arithmetic import accuracy_reward
 from trl_plugins.errors import PluginError
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run, run_on_processes
+from trl_plugins.testing import (
+    digit_fraction_reward,
+    make_reward_context,
+    make_tiny_trainer,
+    record_run,
+    run_on_processes,
+)
 from trl_plugins_builtin.posterior_grpo import COLUMN, aggregate_scores, trust_weights
 
 
@@ -40,19 +46,12 @@ class CountingPRM(FunctionPRM):
         return super().score_steps(rows, completions)
 
 
-def _reward_ctx(outcome, texts, G, step=0):
+def _reward_ctx(outcome, texts, G, step=0, **processes):
     N = len(outcome)
     matrix = torch.stack([torch.tensor(outcome, dtype=torch.float32), torch.zeros(N)], dim=1)
-    rows = torch.arange(N)
-    ctx = RewardContext(
-        rewards_per_func=matrix, reward_func_names=["accuracy_reward", COLUMN], reward_weights=torch.ones(2),
-        group_ids=rows // G, index_in_group=rows % G, num_generations=G, local_rows=[{"prompt": "q"}] * N,
-        local_prompts=["q"] * N, local_completions=[[{"role": "assistant", "content": t}] for t in texts],
-        process_slice=slice(0, N), step=step)
-    ctx._object_gatherer = lambda values: values
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
-    return ctx
+    return make_reward_context(matrix, num_generations=G, reward_func_names=["accuracy_reward", COLUMN],
+                               rows=[{"prompt": "q"}] * N, step=step,
+                               completions=[[{"role": "assistant", "content": t}] for t in texts], **processes)
 
 
 def _run(ctx, prm, **options):
@@ -101,11 +100,7 @@ def _two_process_outcomes(prms):
     outcome, texts = [1.0, 0.0, 1.0, 0.0], ["a\nb", "a\nb\nc", "a", "x\ny"]
 
     def work(rank, gather):
-        ctx = _reward_ctx(outcome, texts, 2)
-        local = slice(2 * rank, 2 * rank + 2)
-        ctx.local_rows, ctx.local_prompts = ctx.local_rows[local], ctx.local_prompts[local]
-        ctx.local_completions, ctx.process_slice = ctx.local_completions[local], local
-        ctx._object_gatherer = gather.objects
+        ctx = _reward_ctx(outcome, texts, 2, num_processes=2, process_index=rank, gather=gather)
         try:
             return _run(ctx, prms[rank]).rewards_per_func[:, 1].tolist()
         except Exception as exc:  # returned, so every process's outcome can be checked

@@ -8,17 +8,23 @@ tiny-model runs (neutral = vanilla; task-feedback reflections with the OPMD loss
 import json
 import math
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, Completion, LossContext, PluginConfigError, RolloutContext, build_plugins
-from trl_plugins.contexts import group_layout
+from trl_plugins import Completion, PluginConfigError, build_plugins
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.testing import (
-    SimulatedCollective, assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_tokenizer,
+    SimulatedCollective,
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_rollout_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_tokenizer,
 )
 from trl_plugins_builtin.r3l import (
     GUIDANCE_HEADER,
@@ -144,29 +150,17 @@ class ScriptedService:
 def make_ctx(texts, G, *, service, process_index=0, gatherer=None, system=False):
     """Local rows with completions ``texts``; every group asks PROBLEM; score = 1 for a correct answer."""
     B = len(texts)
-    global_index, group_ids, index_in_group = group_layout(process_index, B, G)
     base = [{"role": "user", "content": PROBLEM.question}]
     if system:
         base = [{"role": "system", "content": "You solve arithmetic."}, *base]
-    prompts = [list(base) for _ in range(B)]
-    ids = [_ids(t) for t in texts]
-    ctx = RolloutContext(
-        rows=[{"prompt": p, "answer": str(PROBLEM.answer), "problem": PROBLEM.to_json()} for p in prompts],
-        prompts=prompts, training_prompts=list(prompts), prompt_ids=[[7, 7] for _ in range(B)],
-        completion_ids=ids, completions=[[{"role": "assistant", "content": t}] for t in texts],
-        sampling_logprobs=[[-1.0] * len(x) for x in ids], offpolicy=[[False] * len(x) for x in ids],
-        prompt_swapped=[False] * B, global_index=global_index, group_ids=group_ids, index_in_group=index_in_group,
-        num_generations=G, step=0, annotations=[{} for _ in range(B)], service=service,
-        trainer=SimpleNamespace(processing_class=TOK, accelerator=SimpleNamespace(device=torch.device("cpu"))),
+    rows = [{"prompt": list(base), "answer": str(PROBLEM.answer), "problem": PROBLEM.to_json()} for _ in range(B)]
+    return make_rollout_context(
+        texts, num_generations=G, rows=rows, service=service, process_index=process_index, gather=gatherer,
+        tokenizer=TOK, prompt_ids=[[7, 7] for _ in range(B)], tokenize_prompts=lambda ps: [[9] for _ in ps],
+        decode=lambda ids_, prompt: [{"role": "assistant", "content": TOK.decode(ids_)}],
+        scorer=lambda rows_, prompts_, comps: torch.tensor(
+            [1.0 if c[-1]["content"].strip().endswith(f"Answer: {PROBLEM.answer}") else 0.0 for c in comps]),
     )
-    ctx._scorer = lambda rows, prompts_, comps: torch.tensor(
-        [1.0 if c[-1]["content"].strip().endswith(f"Answer: {PROBLEM.answer}") else 0.0 for c in comps])
-    ctx._gatherer = gatherer or (lambda t: t)
-    ctx._tokenizer = lambda ps: [[9] for _ in ps]
-    ctx._decoder = lambda ids_, row: [{"role": "assistant", "content": TOK.decode(ids_)}]
-    ctx.metrics = {}
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
-    return ctx
 
 
 def run(ctx, **options):
@@ -265,16 +259,8 @@ def test_two_processes_same_calls_and_pairs_across_processes(source):
 # ------------------------------------------------------------------------------------------ advantage and loss hooks
 def _adv_ctx(rewards, annotations, G):
     N = len(rewards)
-    rows = torch.arange(N)
-    r = torch.tensor(rewards)
-    ctx = AdvantageContext(
-        rewards_per_func=r.unsqueeze(1), rewards=r, advantages=torch.zeros(N), group_ids=rows // G,
-        index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N), offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=annotations, process_slice=slice(0, N), step=0,
-    )
-    ctx.metrics = {}
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
-    return ctx
+    return make_advantage_context(torch.tensor(rewards), num_generations=G, advantages=torch.zeros(N),
+                                  completion_lengths=torch.ones(N), annotations=annotations)
 
 
 def test_advantage_hook_pivots_both_trajectories_and_amplifies():
@@ -294,15 +280,8 @@ def test_advantage_hook_pivots_both_trajectories_and_amplifies():
 
 def _loss_ctx(lp, adv, mask, extras):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)}, per_token_logps=lp, old_per_token_logps=lp,
-        ref_per_token_logps=None, sampling_per_token_logps=None, entropies=torch.zeros(B, T), advantages=adv,
-        mask=mask, offpolicy_mask=torch.zeros(B, T, dtype=torch.bool), extras=extras, loss_type="dapo",
-        epsilon_low=0.2, epsilon_high=0.2, beta=0.0, num_items_in_batch=mask.sum(), iteration=0, mode="train",
-        log_ratio=torch.zeros(B, T), coef_1=torch.ones(B, T), per_token_loss=-adv.expand(B, T).clone(),
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum())
-    return ctx
+    return make_loss_context(lp, advantages=adv, mask=mask, extras=extras, loss_type="dapo",
+                             entropies=torch.zeros(B, T), completion_ids=torch.zeros(B, T, dtype=torch.long))
 
 
 def test_loss_hook_zeroes_the_pivot_tokens_and_opmd_replaces_the_surrogate():

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from trl_plugins import AdvantageContext, PluginConfigError, build_plugins
-from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.testing import digit_fraction_reward, make_advantage_context, make_tiny_trainer, record_run
 from trl_plugins_builtin.riskpo import credit_responses, paper_advantages, riskpo_advantages
 
 # One bundle of two questions, G = 4: q0 = [1, 0, 1, 0], q1 = [1, 1, 0, 0] -> papers S = [2, 1, 1, 0].
@@ -179,14 +179,9 @@ def test_options_validation():
 
 def test_hook_replaces_advantages_and_logs():
     N = REWARDS.numel()
-    sink = {}
-    ctx = AdvantageContext(
-        rewards_per_func=REWARDS[:, None], rewards=REWARDS, advantages=torch.full((N,), 9.0),
-        group_ids=torch.arange(N) // 4, index_in_group=torch.arange(N) % 4, num_generations=4,
-        completion_lengths=torch.ones(N), offpolicy_fraction=torch.zeros(N),
-        prompt_swapped=torch.zeros(N, dtype=torch.bool), annotations=[{}] * N, process_slice=slice(0, N), step=0,
-    )
-    ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
+    ctx = make_advantage_context(REWARDS, num_generations=4, advantages=torch.full((N,), 9.0),
+                                 completion_lengths=torch.ones(N))
+    sink = ctx.metrics
     stack = build_plugins(["riskpo"], {"riskpo": {"alpha": 0.25, "beta": 0.75, "bundle_size": 2,
                                                   "credit": "uniform", "norm_by_std": False, "eps": 0.0}})
     stack.call("trl_plugins_transform_advantages", ctx)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, PluginConfigError, build_plugins
+from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.testing import (
     build_stack,
     digit_fraction_reward,
@@ -18,12 +18,12 @@ from trl_plugins.testing import (
     record_run,
     run_hook,
 )
+from trl_plugins.trainer import prompt_completion_batch
 from trl_plugins_builtin.rlpr import (
     StdThresholdSchedule,
     debiased_reward,
     ema_update,
     group_std,
-    left_right_batch,
     mean_token_probability,
     split_reasoning,
 )
@@ -44,11 +44,11 @@ def test_pure_functions():
     assert std.tolist() == pytest.approx([math.sqrt(2), 0.0, 0.0])  # unbiased; a lone value has std 0
     assert ema_update(None, 0.4, 0.9) == 0.4
     assert ema_update(0.4, 0.2, 0.9) == pytest.approx(0.38)
-    ids, att, tmask, A = left_right_batch([[1, 2, 3], [4]], [[7], [8, 9]], pad_id=0)
+    # the layout of the policy forward behind ctx.policy_logprobs (the framework's, which rlpr uses)
+    ids, att, A = prompt_completion_batch([[1, 2, 3], [4]], [[7], [8, 9]], pad_id=0)
     assert A == 2
     assert ids.tolist() == [[1, 2, 3, 7, 0], [0, 0, 4, 8, 9]]
     assert att.tolist() == [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
-    assert tmask.tolist() == [[1, 0], [1, 1]]
 
 
 def _manual_mean_prob(model, ids, n_answer):
@@ -86,17 +86,11 @@ def test_reward_is_the_mean_probability_of_the_reference_after_the_reasoning(tmp
 
 def _adv_ctx(rlpr_rewards, G, advantages=None):
     N = len(rlpr_rewards)
-    rows = torch.arange(N)
     rpf = torch.stack([torch.zeros(N), torch.tensor(rlpr_rewards)], dim=1)
-    ctx = AdvantageContext(
-        rewards_per_func=rpf, rewards=rpf.sum(1), advantages=advantages if advantages is not None else torch.ones(N),
-        group_ids=rows // G, index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N),
-        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)], process_slice=slice(0, N), step=0,
-    )
-    ctx.metrics = {}
-    ctx._active_plugin = "rlpr"
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
+    ctx = make_advantage_context(rpf.sum(1), num_generations=G, rewards_per_func=rpf,
+                                 advantages=advantages if advantages is not None else torch.ones(N),
+                                 completion_lengths=torch.ones(N))
+    ctx.set_active_plugin("rlpr")
     return ctx
 
 

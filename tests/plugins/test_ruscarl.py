@@ -13,12 +13,18 @@ import torch
 from datasets import Dataset
 from trl import GRPOTrainer
 
-from trl_plugins import PluginConfigError, PromptContext, build_plugins
-from trl_plugins.contexts import group_layout
+from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components import serve_openai_compatible
 from trl_plugins.components.judge import rule_judge_handler
 from trl_plugins.tasks.arithmetic import Problem, make_rubrics, rubric_score, rubric_verdict
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run, tiny_dataset
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_prompt_context,
+    make_tiny_trainer,
+    record_run,
+    tiny_dataset,
+)
 from trl_plugins_builtin.ruscarl import (
     BASE_SYSTEM,
     INCLUDE_HEADER,
@@ -118,18 +124,12 @@ def test_scaffold_text_and_injection():
 
 
 # ------------------------------------------------------------------------------------------ prompt hook
-def _prompt_ctx(G=4, groups=1, step=0, process_index=0, trainer=None):
+def _prompt_ctx(G=4, groups=1, step=0, process_index=0, run=None):
     problem = Problem.from_expression([3, 4, 2], ["+", "*"])
     B = G * groups
-    gi, gid, iig = group_layout(process_index, B, G)
     prompts = [[{"role": "user", "content": problem.question}] for _ in range(B)]
     rows = [{"prompt": p, "rubrics": make_rubrics(problem), "problem": problem.to_json()} for p in prompts]
-    ctx = PromptContext(rows=rows, prompts=prompts, generation_prompts=list(prompts), training_prompts=list(prompts),
-                        global_index=gi, group_ids=gid, index_in_group=iig, num_generations=G, step=step,
-                        annotations=[{} for _ in range(B)], trainer=trainer)
-    ctx.metrics = {}
-    ctx._metric_sink = lambda k, v: ctx.metrics.setdefault(k, []).append(v)
-    return ctx
+    return make_prompt_context(rows, num_generations=G, step=step, process_index=process_index, run=run)
 
 
 def _run_prompts(ctx, **options):

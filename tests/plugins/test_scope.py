@@ -12,14 +12,20 @@ import torch
 import trl
 
 from trl_plugins import (
-    Completion, IncompatiblePluginsError, PluginConfigError, PluginError, RolloutContext, build_plugins,
+    Completion, IncompatiblePluginsError, PluginConfigError, PluginError, RunInfo, build_plugins,
 )
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, arithmetic_row
 from trl_plugins.components.teacher import ReferenceTeacher
 from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
 from trl_plugins.testing import (
-    assert_runs_equal, make_tiny_trainer, record_run, run_on_processes, tiny_model, tiny_tokenizer,
+    assert_runs_equal,
+    make_rollout_context,
+    make_tiny_trainer,
+    record_run,
+    run_on_processes,
+    tiny_model,
+    tiny_tokenizer,
 )
 
 TOK = tiny_tokenizer()
@@ -41,33 +47,23 @@ def make_ctx(groups, *, service=None, process_index=0, gatherer=None, with_logpr
     """``groups``: one list of completion texts per local group (group g asks PROBLEMS[g])."""
     G = len(groups[0])
     B = G * len(groups)
-    global_index, group_ids, index_in_group = group_layout(process_index, B, G)
-    rows, prompts = [], []
+    _, group_ids, _ = group_layout(process_index, B, G)
+    rows = []
     for i in range(B):
         p = PROBLEMS[group_ids[i] % len(PROBLEMS)]
         prompt = [{"role": "user", "content": p.question}]
-        prompts.append(prompt)
         rows.append({"prompt": prompt, "answer": str(p.answer), "solution": p.solution, "problem": p.to_json()})
-    texts = [t for g in groups for t in g]
-    ids = [_ids(t) for t in texts]
-    ctx = RolloutContext(
-        rows=rows, prompts=prompts, training_prompts=list(prompts),
-        prompt_ids=[TOK(p[0]["content"], add_special_tokens=False)["input_ids"] for p in prompts],
-        completion_ids=ids, completions=[[{"role": "assistant", "content": t}] for t in texts],
-        sampling_logprobs=[[-0.1 - 0.01 * j for j in range(len(x))] for x in ids] if with_logprobs else None,
-        offpolicy=[[False] * len(x) for x in ids], prompt_swapped=[False] * B,
-        global_index=global_index, group_ids=group_ids, index_in_group=index_in_group, num_generations=G,
-        step=step, annotations=[{} for _ in range(B)], service=service,
-        trainer=SimpleNamespace(processing_class=TOK, max_completion_length=64),
+
+    def question_ids(prompts):
+        return [TOK(p[-1]["content"], add_special_tokens=False)["input_ids"] for p in prompts]
+
+    return make_rollout_context(
+        groups, num_generations=G, rows=rows, service=service, process_index=process_index, gather=gatherer,
+        step=step, tokenizer=TOK, eos=True, run=RunInfo(max_completion_length=64),
+        sampling_logprob=(lambda j: -0.1 - 0.01 * j) if with_logprobs else None,
+        prompt_ids=question_ids([r["prompt"] for r in rows]), tokenize_prompts=question_ids,
+        scorer=lambda rows_, prompts_, comps: torch.tensor(accuracy_reward(comps, [r["answer"] for r in rows_])),
     )
-    ctx._scorer = lambda rows_, prompts_, comps: torch.tensor(
-        accuracy_reward(comps, [r["answer"] for r in rows_]))
-    ctx._gatherer = gatherer or (lambda t: t)
-    ctx._tokenizer = lambda ps: [TOK(p[-1]["content"], add_special_tokens=False)["input_ids"] for p in ps]
-    ctx._decoder = lambda x, row: [{"role": "assistant", "content": TOK.decode(x, skip_special_tokens=True)}]
-    ctx.metrics = {}
-    ctx._metric_sink = lambda key, value: ctx.metrics.setdefault(key, []).append(value)
-    return ctx
 
 
 def run(ctx, prm=None, corrector=None, **options):

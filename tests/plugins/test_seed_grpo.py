@@ -9,8 +9,15 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import AdvantageContext, RewardContext, build_plugins
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import build_plugins
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_reward_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.seed_grpo import entropy_scale, scale_advantages
 
 
@@ -31,27 +38,17 @@ def test_entropy_scale_exact():
 
 def _contexts(texts, G, advantages):
     N = len(texts)
-    rows = torch.arange(N)
-    rctx = RewardContext(
-        rewards_per_func=torch.zeros(N, 1), reward_func_names=["r"], reward_weights=torch.ones(1),
-        group_ids=rows // G, index_in_group=rows % G, num_generations=G, local_rows=[{} for _ in range(N)],
-        local_prompts=["p"] * N, local_completions=list(texts), process_slice=slice(0, N), step=0,
-    )
-    rctx.gathers = 0
+    gathered = []
 
     def gather(values):
-        rctx.gathers += 1
+        gathered.append(values)
         return values
 
-    rctx._object_gatherer = gather
-    actx = AdvantageContext(
-        rewards_per_func=torch.zeros(N, 1), rewards=torch.zeros(N), advantages=advantages,
-        group_ids=rows // G, index_in_group=rows % G, num_generations=G, completion_lengths=torch.ones(N),
-        offpolicy_fraction=torch.zeros(N), prompt_swapped=torch.zeros(N, dtype=torch.bool),
-        annotations=[{} for _ in range(N)], process_slice=slice(0, N), step=0,
-    )
-    actx.metrics = {}
-    actx._metric_sink = lambda k, v: actx.metrics.setdefault(k, []).append(v)
+    rctx = make_reward_context(torch.zeros(N, 1), num_generations=G, reward_func_names=["r"], completions=list(texts),
+                               gather_object=gather)
+    rctx.gathered = gathered
+    actx = make_advantage_context(torch.zeros(N), num_generations=G, advantages=advantages,
+                                  completion_lengths=torch.ones(N))
     return rctx, actx
 
 
@@ -78,7 +75,7 @@ def test_clusters_shared_with_empo_are_computed_once():
     rctx.reward_func_names = ["r", "empo"]
     stack = build_plugins(["empo", "seed_grpo"])
     stack.call("trl_plugins_transform_rewards", rctx)
-    assert rctx.gathers == 1
+    assert len(rctx.gathered) == 1
     assert rctx.rewards_per_func[:, 1].tolist() == [0.75, 0.75, 0.25, 0.75]
     stack.call("trl_plugins_transform_advantages", actx)
     se = -(math.log(0.75) + math.log(0.25)) / 2

@@ -11,10 +11,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.contexts import PolicyStats
 from trl_plugins.head_stats import HeadStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.siren import aggregate_entropy, anchored_term, peak_mask
 
 B, C, D, V = 3, 7, 8, 29
@@ -117,22 +124,11 @@ def test_dominant_token_gives_an_empty_nucleus_with_zero_gradient():
 
 
 # ------------------------------------------------------------------------------------------ loss hook
-def _loss_ctx(stats, mask, sink=None):
+def _loss_ctx(stats, mask):
     Bn, Cn = mask.shape
     lp = torch.zeros(Bn, Cn, requires_grad=True)
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(Bn, Cn, dtype=torch.long)}, per_token_logps=lp,
-        old_per_token_logps=lp.detach(), ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.zeros(Bn, Cn), advantages=torch.zeros(Bn, 1), mask=mask,
-        offpolicy_mask=torch.zeros(Bn, Cn, dtype=torch.bool), extras={}, loss_type="dr_grpo", epsilon_low=0.2,
-        epsilon_high=0.2, beta=0.0, num_items_in_batch=mask.sum(), iteration=0, mode="train",
-        per_token_loss=torch.zeros(Bn, Cn),
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    ctx._head_stats = lambda: stats
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
+    return make_loss_context(lp, advantages=torch.zeros(Bn, 1), mask=mask, loss_type="dr_grpo", head_stats=stats,
+                             entropies=torch.zeros(Bn, Cn), completion_ids=torch.zeros(Bn, Cn, dtype=torch.long))
 
 
 def _h_agg(hidden, W, mask, top_p=0.8, q=0.8):
@@ -143,8 +139,8 @@ def _h_agg(hidden, W, mask, top_p=0.8, q=0.8):
 def test_term_is_zero_with_zero_gradient_at_the_anchor():
     hidden, W, mask = _head(3)
     anchor = float(_h_agg(hidden, W, mask).detach())
-    sink = {}
-    ctx = _loss_ctx(HeadStats(hidden, C, mask, W, chunk_size=5), mask, sink)
+    ctx = _loss_ctx(HeadStats(hidden, C, mask, W, chunk_size=5), mask)
+    sink = ctx.metrics
     build_plugins(["siren"], {"siren": {"coef": 0.7, "anchor": anchor}}).call("trl_plugins_loss", ctx)
     (term,) = ctx.scalar_terms
     assert float(term.detach()) == 0.0
@@ -198,17 +194,9 @@ def test_one_sgd_step_above_the_anchor_lowers_h_agg():
 
 # ------------------------------------------------------------------------------------------ self-anchor
 def _adv_ctx(stats, n_rows):
-    ctx = AdvantageContext(
-        rewards_per_func=torch.zeros(n_rows, 1), rewards=torch.zeros(n_rows), advantages=torch.zeros(n_rows),
-        group_ids=torch.arange(n_rows), index_in_group=torch.zeros(n_rows, dtype=torch.long), num_generations=1,
-        completion_lengths=stats.mask.sum(-1).float(), offpolicy_fraction=torch.zeros(n_rows),
-        prompt_swapped=torch.zeros(n_rows, dtype=torch.bool), annotations=[{} for _ in range(n_rows)],
-        process_slice=slice(0, n_rows), step=0,
-    )
-    calls = []
-    ctx._policy_stats = lambda head_stats: calls.append(head_stats) or stats
-    ctx._gatherer = lambda x: x
-    return ctx, calls
+    ctx = make_advantage_context(torch.zeros(n_rows), num_generations=1, advantages=torch.zeros(n_rows),
+                                 completion_lengths=stats.mask.sum(-1).float(), policy_stats=stats)
+    return ctx, ctx.policy_stats_calls
 
 
 def test_anchor_is_computed_once_from_the_rollout_policy_and_checkpointed():

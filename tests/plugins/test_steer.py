@@ -9,9 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins import LossContext, PluginConfigError, build_plugins
-from trl_plugins.contexts import AdvantageContext, PolicyStats
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.contexts import PolicyStats
+from trl_plugins.testing import (
+    assert_runs_equal,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_loss_context,
+    make_tiny_trainer,
+    record_run,
+)
 from trl_plugins_builtin.steer import OLD_ENTROPY_KEY, entropy_change, steer_weights
 
 
@@ -88,22 +95,11 @@ def test_linear_mapping():
 
 
 # ------------------------------------------------------------------------------------------ loss hook
-def _loss_ctx(lp, lp_old, adv, mask, entropies=None, extras=None, sink=None):
-    coef_1 = torch.exp(lp - lp_old)
-    base = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.28) * adv)
+def _loss_ctx(lp, lp_old, adv, mask, entropies=None, extras=None):
     B, T = lp.shape
-    ctx = LossContext(
-        inputs={"completion_ids": torch.zeros(B, T, dtype=torch.long)},
-        per_token_logps=lp, old_per_token_logps=lp_old, ref_per_token_logps=None, sampling_per_token_logps=None,
-        entropies=torch.ones(B, T) if entropies is None else entropies, advantages=adv, mask=mask,
-        offpolicy_mask=torch.zeros(B, T, dtype=torch.bool), extras=extras or {}, loss_type="dapo",
-        epsilon_low=0.2, epsilon_high=0.28, beta=0.0, num_items_in_batch=mask.sum(), iteration=0, mode="train",
-        log_ratio=lp - lp_old, coef_1=coef_1, per_token_loss=base,
-    )
-    ctx._reducer = lambda x, m: float((x * m).sum() / m.sum().clamp(min=1))
-    if sink is not None:
-        ctx._metric_sink = lambda key, value: sink.setdefault(key, []).append(value)
-    return ctx
+    return make_loss_context(lp, old_per_token_logps=lp_old, advantages=adv, mask=mask, entropies=entropies,
+                             extras=extras, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28,
+                             completion_ids=torch.zeros(B, T, dtype=torch.long))
 
 
 def _combine(ctx):
@@ -138,8 +134,8 @@ def test_lambda_min_one_is_exactly_the_base_loss():
 def test_loss_is_weighted_surrogate_and_no_gradient_flows_through_w():
     lp, lp_old, adv, mask, ent = _batch(1)
     lp = lp.requires_grad_(True)
-    sink = {}
-    ctx = _loss_ctx(lp, lp_old, adv, mask, ent.requires_grad_(True), sink=sink)
+    ctx = _loss_ctx(lp, lp_old, adv, mask, ent.requires_grad_(True))
+    sink = ctx.metrics
     build_plugins(["steer"]).call("trl_plugins_loss", ctx)
     (w,) = ctx.token_weights
     assert not w.requires_grad
@@ -177,13 +173,8 @@ def test_entropy_source_old_uses_the_advantage_stage_entropy():
     stack.call("trl_plugins_configure", trainer=SimpleNamespace(num_iterations=2), args=moving)
     stats = PolicyStats(per_token_logps=lp_old, entropies=ent, mask=mask,
                         completion_ids=torch.zeros(3, 6, dtype=torch.long), mean_entropy=torch.zeros(3))
-    actx = AdvantageContext(
-        rewards_per_func=torch.zeros(3, 1), rewards=torch.zeros(3), advantages=adv[:, 0], group_ids=torch.arange(3),
-        index_in_group=torch.zeros(3, dtype=torch.long), num_generations=1, completion_lengths=mask.sum(-1).float(),
-        offpolicy_fraction=torch.zeros(3), prompt_swapped=torch.zeros(3, dtype=torch.bool),
-        annotations=[{}] * 3, process_slice=slice(0, 3), step=0,
-    )
-    actx._policy_stats = lambda head_stats: stats
+    actx = make_advantage_context(torch.zeros(3), num_generations=1, advantages=adv[:, 0],
+                                  completion_lengths=mask.sum(-1).float(), policy_stats=stats)
     stack.call("trl_plugins_transform_advantages", actx)
     assert torch.equal(actx.local_extras[OLD_ENTROPY_KEY], ent)
     ctx = _loss_ctx(lp, lp_old, adv, mask, entropies=torch.zeros(3, 6), extras={OLD_ENTROPY_KEY: ent})

@@ -118,7 +118,7 @@ def _register_test_plugins():
 
         @hookimpl
         def trl_plugins_generation_prompts(self, ctx):
-            if ctx.trainer.accelerator.process_index == 0:
+            if ctx.global_index[0] == 0:  # process 0 holds the first global rows
                 ctx.defer(0)
 
         @hookimpl

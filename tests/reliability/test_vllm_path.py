@@ -158,7 +158,7 @@ class Provenance(Plugin):
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx):
-        ctx.splice(1, SPLICE_AT, [ctx.completion_ids[1][0]] * 3 + [ctx.trainer.processing_class.eos_token_id])
+        ctx.splice(1, SPLICE_AT, [ctx.completion_ids[1][0]] * 3 + [ctx.tokenizer.eos_token_id])
         fresh, cont = ctx.service.generate(prompt_ids=[ctx.prompt_ids[2], ctx.prompt_ids[3]],
                                            prefix_ids=[[], ctx.completion_ids[3][:1]])
         Provenance.served = {"fresh": fresh, "cont": cont}
