@@ -130,10 +130,10 @@ def _vote_pool_stage(rank, gather, texts, G, pool, respond, B):
     rctx = make_rollout_context(local, num_generations=G, process_index=rank, gather=gather, service=service)
     stack.call("trl_plugins_after_generation", rctx)
     N = len(texts)
-    ctx = make_reward_context(torch.zeros(N, 2), num_generations=G, reward_func_names=["acc", "empo"],
-                              rows=rctx.rows, completions=rctx.completions)
-    ctx.process_slice = slice(rank * B, (rank + 1) * B)
-    ctx._object_gatherer = getattr(gather, "objects", list)
+    gather_objects = getattr(gather, "objects", list)  # the reward builder takes all N rows (collective)
+    rows, completions = gather_objects(rctx.rows), gather_objects(rctx.completions)
+    ctx = make_reward_context(torch.zeros(N, 2), num_generations=G, reward_func_names=["acc", "empo"], rows=rows,
+                              completions=completions, num_processes=N // B, process_index=rank, gather=gather)
     stack.call("trl_plugins_transform_rewards", ctx)
     return service.calls, ctx.rewards_per_func[:, 1].tolist(), ctx.metrics
 

@@ -2,12 +2,10 @@
 longest rollout), LASER-DE's exploration bonus only for finished, well-formatted, non-repetitive wrong answers, and
 the correctness column chosen by the success rule (never a placeholder)."""
 
-from types import SimpleNamespace
-
 import torch
 
 from trl_plugins import build_plugins
-from trl_plugins.success import mark_placeholder
+from trl_plugins.services import RunInfo
 from trl_plugins.testing import make_reward_context
 from trl_plugins_builtin.length_shaping import (
     band_sizes,
@@ -24,10 +22,9 @@ def _plugin(max_len, **options):
     return plugin
 
 
-def _ctx(rewards, names, ids, G):
-    ctx = make_reward_context(torch.tensor(rewards, dtype=torch.float32), num_generations=G, reward_func_names=names)
-    ctx.local_completion_ids = ids
-    return ctx
+def _ctx(rewards, names, ids, G, **kwargs):
+    return make_reward_context(torch.tensor(rewards, dtype=torch.float32), num_generations=G, reward_func_names=names,
+                               local_completion_ids=ids, **kwargs)
 
 
 def _plain(n, finished=True):
@@ -78,22 +75,17 @@ def test_laser_de_explores_only_with_finished_formatted_non_repetitive_wrong_ans
         _plain(20),                          # the format column says unformatted -> no bonus
     ]
     rewards = [[0, 1, 0], [0, 1, 0], [0, 1, 0], [0, 0, 0]]
-    evaluating = SimpleNamespace(model=SimpleNamespace(training=False))
     for gate, expected in (("formatted_non_repetitive", [0.5, 0.0, 0.0, 0.0]), ("none", [0.5] * 4)):
         plugin = _plugin(20, mode="laser_de", alpha=0.5, format_column="fmt", explore_gate=gate)
         plugin.targets = [10, 10, 10]
-        ctx = _ctx(rewards, ["acc", "fmt", "length_shaping"], ids, 2)
-        ctx.trainer = evaluating
+        ctx = _ctx(rewards, ["acc", "fmt", "length_shaping"], ids, 2, mode="eval")
         plugin.trl_plugins_transform_rewards(ctx)
         assert ctx.rewards_per_func[:, 2].tolist() == expected, gate
 
 
 def test_correctness_column_skips_placeholder_columns():
-    class Trainer:
-        reward_funcs = [mark_placeholder(lambda **k: None), lambda **k: None, mark_placeholder(lambda **k: None)]
-
     plugin = _plugin(8, mode="laser", target_length=4, alpha=1.0)
-    ctx = _ctx([[1, 0, 0], [1, 1, 0]], ["empo", "acc", "length_shaping"], [_plain(3), _plain(3)], 2)
-    ctx.trainer = Trainer()
+    ctx = _ctx([[1, 0, 0], [1, 1, 0]], ["empo", "acc", "length_shaping"], [_plain(3), _plain(3)], 2,
+               run=RunInfo(placeholder_columns=(True, False, True)))
     plugin.trl_plugins_transform_rewards(ctx)
     assert ctx.rewards_per_func[:, 2].tolist() == [0.0, 1.0]  # correct = the 'acc' column, not empo's placeholder

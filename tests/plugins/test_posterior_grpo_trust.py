@@ -9,7 +9,7 @@ import torch
 
 from trl_plugins import build_plugins
 from trl_plugins.components.prm import FunctionPRM
-from trl_plugins.success import mark_placeholder
+from trl_plugins.services import RunInfo
 from trl_plugins.testing import make_reward_context
 from trl_plugins_builtin.posterior_grpo import COLUMN
 
@@ -67,13 +67,10 @@ def test_posterior_mode_keeps_weight_one_and_outcome_skips_placeholders():
     stack = build_plugins(["posterior_grpo"], {"posterior_grpo": {"prm": "programmatic"}})
     assert next(iter(stack)).process_weight() == 1.0
 
-    class Trainer:
-        reward_funcs = [mark_placeholder(lambda **k: None), lambda **k: None, mark_placeholder(lambda **k: None)]
-
     matrix = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["empo", "accuracy", COLUMN],
-                              completions=[[{"role": "assistant", "content": t}] for t in ("a", "a\nb")])
-    ctx.trainer = Trainer()
+                              completions=[[{"role": "assistant", "content": t}] for t in ("a", "a\nb")],
+                              run=RunInfo(placeholder_columns=(True, False, True)))
     plugin = next(iter(stack))
     plugin.prm = RecordingPRM()
     stack.call("trl_plugins_transform_rewards", ctx)

@@ -12,6 +12,7 @@ import torch
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.prm import ProgrammaticPRM
+from trl_plugins.services import RunInfo
 from trl_plugins.success import (
     RewardColumns,
     SuccessRule,
@@ -22,8 +23,6 @@ from trl_plugins.success import (
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.testing import (
     StubGenerationService,
-    char_decode,
-    char_encode,
     make_reward_context,
     make_rollout_context,
     stub_rows,
@@ -53,22 +52,7 @@ WITH_FORMAT = {"reward_funcs": [accuracy, formatted], "reward_weights": [1.0, 1.
 ACCURACY_ONLY = {"reward_funcs": [accuracy]}
 
 
-class CharTokenizer:
-    """The kit's character tokenizer as a trainer's ``processing_class`` (EOS = id 0)."""
-
-    eos_token_id = 0
-    pad_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False, **kwargs):
-        return {"input_ids": char_encode(text)}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return char_decode([i for i in ids if i != 0])
-
-
-class StubTrainer:
-    processing_class = CharTokenizer()
-    max_completion_length = 64
+RUN = RunInfo(max_completion_length=64)
 
 
 def _rows(n_groups, G):
@@ -83,12 +67,12 @@ def _state(ctx):
             [list(map(repr, call)) for call in ctx.service.calls])
 
 
-def _run_twice(plugin, options, groups, respond, *, setup=None, trainer=True):
+def _run_twice(plugin, options, groups, respond, *, setup=None):
     """Run ``plugin`` on the same batch with and without the format column; return both contexts."""
     out = []
     for rewards in (ACCURACY_ONLY, WITH_FORMAT):
         ctx = make_rollout_context(groups, rows=_rows(len(groups), len(groups[0])),
-                                   service=StubGenerationService(respond), trainer=StubTrainer() if trainer else None,
+                                   service=StubGenerationService(respond), run=RUN,
                                    **rewards)
         stack = build_plugins([plugin], {plugin: options})
         if setup is not None:
@@ -132,14 +116,12 @@ def test_score_is_the_weighted_sum_and_placeholders_are_nan():
     assert RewardColumns.of(torch.tensor([0.2, 0.0])).success().tolist() == [True, False]
 
 
-def test_reward_context_success_uses_the_trainer_placeholders():
-    class Trainer:
-        reward_funcs = [mark_placeholder(lambda **k: None), accuracy]
-
-    ctx = make_reward_context(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), num_generations=2,
-                              reward_func_names=["empo", "accuracy"])
-    assert ctx.success().tolist() == [True, False]  # no trainer: first column
-    ctx.trainer = Trainer()
+def test_reward_context_success_skips_the_runs_placeholder_columns():
+    matrix = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["empo", "accuracy"])
+    assert ctx.success().tolist() == [True, False]  # no placeholder declared: first column
+    ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["empo", "accuracy"],
+                              run=RunInfo(placeholder_columns=(True, False)))
     assert ctx.success().tolist() == [False, True]  # the placeholder column is skipped
 
 
@@ -178,7 +160,7 @@ def test_r3l_reflection_feedback_ignores_a_format_column():
 
 
 def test_r3l_warns_once_and_logs_when_no_reflection_is_valid():
-    ctx = make_rollout_context([["Answer: 1", "Answer: 9"]], rows=_rows(1, 2), trainer=StubTrainer(),
+    ctx = make_rollout_context([["Answer: 1", "Answer: 9"]], rows=_rows(1, 2), run=RUN,
                                service=StubGenerationService(lambda p, j: "not json"), **ACCURACY_ONLY)
     stack = build_plugins(["r3l"], {"r3l": {}})
     with pytest.warns(RuntimeWarning, match="no reflection report of this batch was valid"):
@@ -210,7 +192,7 @@ def test_fbos_rl_rounds_ignore_a_format_column():
     out = []
     for rewards in (ACCURACY_ONLY, WITH_FORMAT):
         ctx = make_rollout_context(groups, rows=_rows(1, 4), service=StubGenerationService(respond),
-                                   trainer=StubTrainer(), deferred=[1, 3], **rewards)
+                                   run=RUN, deferred=[1, 3], **rewards)
         build_plugins(["fbos_rl"], {"fbos_rl": {"feedback": "simple_gt"}}).call("trl_plugins_after_generation", ctx)
         out.append(ctx)
     plain, with_format = out
@@ -225,7 +207,7 @@ def test_scope_warns_once_and_logs_when_the_prm_finds_no_error_in_any_failure():
         def score_steps(self, rows, texts):  # every step passes: the PRM disagrees with the verifier
             return [[1.0] * len(self.steps(t)) for t in texts]
 
-    ctx = make_rollout_context([[ONE_SLIP, PROBLEMS[0].solution]], rows=_rows(1, 2), trainer=StubTrainer(),
+    ctx = make_rollout_context([[ONE_SLIP, PROBLEMS[0].solution]], rows=_rows(1, 2), run=RUN,
                                **ACCURACY_ONLY)
     stack = build_plugins(["scope"], {"scope": {"mode": "reference_suffix", "prm": "programmatic"}})
     next(iter(stack)).prm = ApprovingPRM()
@@ -234,7 +216,7 @@ def test_scope_warns_once_and_logs_when_the_prm_finds_no_error_in_any_failure():
     assert not ctx.changed
     assert ctx.metrics["plugins/scope/fallback_prm_found_no_error"] == [1.0]
     # with no_error_policy='last_step' the failures are still repaired: no fallback
-    ctx = make_rollout_context([[ONE_SLIP, PROBLEMS[0].solution]], rows=_rows(1, 2), trainer=StubTrainer(),
+    ctx = make_rollout_context([[ONE_SLIP, PROBLEMS[0].solution]], rows=_rows(1, 2), run=RUN,
                                **ACCURACY_ONLY)
     stack = build_plugins(["scope"], {"scope": {"mode": "reference_suffix", "prm": "programmatic",
                                                 "no_error_policy": "last_step"}})
