@@ -194,9 +194,11 @@ def test_offpolicy_tokens_carry_nan_sampling_logprobs_and_no_is_correction():
 @pytest.mark.slow
 def test_training_through_the_vllm_path_syncs_weights_once_per_step():
     """Two steps of hint_scaffold (in-step generation through vLLM) + lp_reg, TRL's IS correction on."""
+    # success is decided on the verifier (accuracy_reward); the fake server answers every hinted prompt alike, so
+    # GHPO's default (keep the last hinted group) would leave zero advantages: keep the sampled group instead
     trainer, fake = _vllm_trainer(
         ["hint_scaffold", "lp_reg"],
-        {"hint_scaffold": {"success_threshold": 1.5}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
+        {"hint_scaffold": {"success_threshold": 0.5, "on_no_success": "original"}, "lp_reg": {"kappa": 0.45, "rho": 0.5}},
         max_steps=2, loss_type="dr_grpo", reward_funcs=[accuracy_reward, digit_fraction_reward],
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
