@@ -7,7 +7,8 @@ by a squared-hinge penalty. For binary rewards:
 
 1. Sequence score ``s_i``: token-mean of ``log pi_theta`` (``score="logL"``) or of the ratio
    ``r = pi_theta / pi_old`` (``score="Lratio"``).
-2. Per question: ``P = {R > positive_threshold}``, ``N`` the rest. Questions with an empty ``P`` or ``N``
+2. Per question: ``P = {R > success_threshold}`` with ``R`` the verifier column (``success_column``: the first reward
+   function that is not a placeholder by default; a partial-credit column never makes a response positive), ``N`` the rest. Questions with an empty ``P`` or ``N``
    contribute 0 but still count in the number of questions ``Q``.
 3. ``variant="disco"`` (imbalance-aware): ``J = (1/Q) sum_q [mean_P s - tau log sum_N exp(s_j / tau)]``;
    ``variant="disco_b"``: ``J = (1/Q) sum_q [mean_P s - mean_N s]``.
@@ -28,7 +29,7 @@ is added per micro-batch over its valid tokens (divided by the gradient-accumula
 own scalar terms).
 
 Defaults (paper / released scripts): delta = 1e-4, beta = 1e3, tau = 10, variant ``disco``. Reconstructed: the
-default score ``logL`` (both are in the released code), ``positive_threshold`` (the paper assumes binary
+default score ``logL`` (both are in the released code), ``success_threshold`` (the paper assumes binary
 rewards; 0 with "above" separates {0, 1}) and leaving off-policy tokens (injected by sampling plugins) on the
 framework's shaped branch ``-a f(p)`` rather than replacing them.
 
@@ -44,11 +45,12 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, LossContext, Plugin, hookimpl, option
+from trl_plugins.success import SuccessOptions
 
 
 @dataclass
-class DiscoOptions(PluginOptions):
+class DiscoOptions(SuccessOptions):
     variant: Literal["disco", "disco_b"] = option(
         "disco", help="'disco': log-sum-exp (softmax) weighting of negatives (imbalance-aware); 'disco_b': plain mean."
     )
@@ -59,9 +61,6 @@ class DiscoOptions(PluginOptions):
     tau: float = option(10.0, min=0.0, min_exclusive=True, help="Temperature of the log-sum-exp over negatives.")
     beta: float = option(1e3, min=0.0, help="Coefficient of the squared-hinge KL penalty.")
     delta: float = option(1e-4, min=0.0, help="KL budget: no penalty while kl <= delta.")
-    positive_threshold: float = option(
-        0.0, help="A response is positive when its reward is above this value.", reconstructed=True
-    )
 
 
 def disco_weights(
@@ -162,7 +161,7 @@ class DiscoPlugin(Plugin):
     replaces_surrogate = True
     reconstructed = (
         "score defaults to logL (the released code has logL and Lratio variants)",
-        "positive = reward above positive_threshold (the paper assumes binary rewards)",
+        "positive = verifier column (success_column) above success_threshold (the paper assumes binary rewards)",
         "off-policy tokens from sampling plugins keep the shaped branch -a f(p) instead of being replaced",
     )
 
@@ -211,7 +210,7 @@ class DiscoPlugin(Plugin):
             else:  # at theta = theta_old every ratio is 1
                 old_scores = torch.ones_like(ctx.rewards)
         weights, positive, mixed = disco_weights(
-            ctx.rewards, ctx.num_generations, o.positive_threshold, o.variant, o.tau, old_scores
+            ctx.verifier(o.success_rule), ctx.num_generations, o.success_threshold, o.variant, o.tau, old_scores
         )
         ctx.advantages = weights.to(device=ctx.advantages.device, dtype=ctx.advantages.dtype)
         ctx.log_metric("positive_fraction", positive.float().mean().item())

@@ -137,7 +137,8 @@ class R3LOptions(SuccessOptions):
     )
     amplify_scale: float = option(3.0, min=0.0, help="Multiplier of non-negative advantages (official: 3).")
     success_reward: float = option(
-        1.0, help="Advantage stage: combined reward at or above which a rollout counts as a full success (A = 1)."
+        1.0, help="Advantage stage: verifier-column value (success_column) at or above which a rollout counts as a full "
+        "success (A = 1); other reward columns never make a full success (official: the verifier's score 1)."
     )
     success_threshold: float = option(
         0.5, help="Reflection feedback: an attempt is 'Correct.' when its verifier column (success_column) is above "
@@ -263,7 +264,7 @@ def step_prefix_tokens(token_texts: list[str], steps: int) -> int:
 
 def r3l_advantages(
     rewards: torch.Tensor, group_size: int, baseline: str, amplify: bool, scale: float, success: float,
-    trl_advantages: torch.Tensor | None = None,
+    trl_advantages: torch.Tensor | None = None, verifier: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """R3L advantages of whole groups (official ``opmd_reweight_adv`` / ``grpo_reweight_adv``).
 
@@ -271,7 +272,8 @@ def r3l_advantages(
         rewards: (N,) combined rewards, groups contiguous (NaN = no reward: advantage 0).
         baseline: "mean" (r - group mean), "zscore" ((r - mean) / (std + 1e-6), unbiased std) or "trl"
             (``trl_advantages`` (N,) or (N, T) as given).
-        amplify: apply ``r >= success -> 1``, ``elif A >= 0 -> scale * A``.
+        amplify: apply ``v >= success -> 1``, ``elif A >= 0 -> scale * A``, with ``v`` the ``verifier`` column (N,)
+            when given (the plugin passes it: partial-credit columns never make a full success), else ``rewards``.
     Returns:
         (N,) advantages, or (N, T) when ``trl_advantages`` is (N, T) and baseline is "trl".
     """
@@ -290,7 +292,7 @@ def r3l_advantages(
         adv = torch.where(valid, adv, torch.zeros_like(adv)).view(-1)
     if not amplify:
         return adv
-    flat_r = r.reshape(-1)
+    flat_r = r.reshape(-1) if verifier is None else verifier.reshape(-1).float().to(r.device)
     shape = (-1,) + (1,) * (adv.dim() - 1)
     full = (flat_r >= success).view(shape)
     amplified = torch.where(adv >= 0, adv * scale, adv)
@@ -478,7 +480,7 @@ class R3LPlugin(Plugin):
             return
         ctx.advantages = r3l_advantages(
             ctx.rewards, G, o.baseline, o.amplify, o.amplify_scale, o.success_reward,
-            trl_advantages=ctx.advantages if o.baseline == "trl" else None,
+            trl_advantages=ctx.advantages if o.baseline == "trl" else None, verifier=ctx.verifier(o.success_rule),
         )
 
     # ------------------------------------------------------------------------------------------ loss

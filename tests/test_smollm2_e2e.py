@@ -131,10 +131,7 @@ def _stacks(urls):
             ["scope", "posterior_grpo", "siren", "riskpo", "disco"],
             {"scope": {**prm, "mode": "teacher_suffix", "teacher": "endpoint", "teacher_base_url": urls["teacher"],
                        "teacher_max_retries": 1, "min_prefix_steps": 0},
-             "posterior_grpo": dict(prm), "riskpo": {"bundle_size": 2},
-             # DisCO's positives are read from the combined reward (accuracy + partial digit credit + process
-             # reward): 0.9 separates correct (>= 1) from wrong (< 1) answers
-             "disco": {"positive_threshold": 0.9}},
+             "posterior_grpo": dict(prm), "riskpo": {"bundle_size": 2}},
             {"loss_type": "grpo", "scale_rewards": "none"}, ["prm", "teacher"],
         ),
         # the recommended ruscarl + kl_cov, with a rubric judge endpoint and a critic endpoint

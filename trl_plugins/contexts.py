@@ -358,8 +358,33 @@ class RolloutContext(_StageContext):
 
 
 # =============================================================================================== reward
+class _VerdictMixin:
+    """``success`` / ``verifier`` for the stages that hold the gathered (N, K) ``rewards_per_func`` (reward, advantage):
+    the success rule of :mod:`trl_plugins.success`, one implementation for both."""
+
+    def _reward_names(self) -> list[str]:
+        """K column names (TRL's reward function names; ``reward_k`` where the run does not say)."""
+        names = list(self.run.reward_func_names)
+        K = self.rewards_per_func.shape[1]
+        return names if len(names) == K else [f"reward_{k}" for k in range(K)]
+
+    def _placeholders(self) -> list[bool]:
+        flags = self.run.placeholder_columns
+        return list(flags) if len(flags) == self.rewards_per_func.shape[1] else []
+
+    def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
+        """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
+        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
+        return success_mask(self.rewards_per_func, self._reward_names(), rule, self._placeholders())
+
+    def verifier(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
+        """(N,) the verifier column of ``rewards_per_func`` (``rule.column``, default: the first reward function that
+        is not a placeholder)."""
+        return self.rewards_per_func[:, verifier_column(self._reward_names(), self._placeholders(), rule.column)]
+
+
 @dataclass
-class RewardContext(_StageContext):
+class RewardContext(_VerdictMixin, _StageContext):
     """Reward stage: the gathered reward matrix, with the groups in view (same on every process).
 
     Attributes:
@@ -399,24 +424,13 @@ class RewardContext(_StageContext):
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
         return self._service("gather_object")(values)
 
-    def _placeholders(self) -> list[bool]:
-        flags = self.run.placeholder_columns
-        return list(flags) if len(flags) == len(self.reward_func_names) else []
-
-    def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
-        """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
-        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.success`."""
-        return success_mask(self.rewards_per_func, self.reward_func_names, rule, self._placeholders())
-
-    def verifier(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
-        """(N,) the verifier column of ``rewards_per_func`` (``rule.column``, default: the first reward function that
-        is not a placeholder)."""
-        return self.rewards_per_func[:, verifier_column(self.reward_func_names, self._placeholders(), rule.column)]
+    def _reward_names(self) -> list[str]:
+        return list(self.reward_func_names)
 
 
 # =============================================================================================== advantage
 @dataclass
-class AdvantageContext(_StageContext):
+class AdvantageContext(_VerdictMixin, _StageContext):
     """Advantage stage over the **global** batch (identical on every process).
 
     Attributes:

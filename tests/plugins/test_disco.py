@@ -250,7 +250,7 @@ def test_refused_together_with_another_surrogate_replacer():
 def test_end_to_end(tmp_path):
     """disco_b on a real run: the advantages are DisCO's weights from the rewards; parameters move."""
     trainer = make_tiny_trainer(plugins=["disco"], loss_type="grpo",
-                                plugin_config={"disco": {"variant": "disco_b", "positive_threshold": 0.1}},
+                                plugin_config={"disco": {"variant": "disco_b", "success_threshold": 0.1}},
                                 reward_funcs=[digit_fraction_reward], max_steps=2, output_dir=str(tmp_path))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     run = record_run(trainer)

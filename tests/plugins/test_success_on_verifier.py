@@ -244,3 +244,38 @@ def test_adaptive_sampler_accuracy_ignores_a_format_column():
     _, with_format = record(True)
     assert plain[chunk[0]] == 0.25 and plain[chunk[1]] == 0.0  # the verifier's pass rates (non-vacuous)
     torch.testing.assert_close(with_format, plain, equal_nan=True)  # a weighted sum would have counted every row as correct
+
+
+def test_disco_positives_are_read_on_the_verifier_column():
+    """DisCO's positive set (advantage stage) ignores a partial-credit column that pays every response; decided on
+    the weighted sum (the combined reward), every response would be positive and no group would be mixed."""
+    from trl_plugins.testing import make_advantage_context
+
+    accuracy_column, format_column = [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]
+    names = RunInfo(reward_func_names=("accuracy", "formatted"))
+    outcomes = []
+    for columns in ([accuracy_column], [accuracy_column, format_column]):
+        matrix = torch.tensor(columns).T
+        ctx = make_advantage_context(matrix.sum(1), rewards_per_func=matrix, num_generations=2,
+                                     run=RunInfo(reward_func_names=names.reward_func_names[: len(columns)]))
+        build_plugins(["disco"], {"disco": {"variant": "disco_b"}}).call("trl_plugins_transform_advantages", ctx)
+        outcomes.append((ctx.advantages.tolist(), ctx.metrics["plugins/disco/positive_fraction"]))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == [2.0, -2.0, 0.0, 0.0]  # group 0 mixed: G/|P| = 2, -G/|N| = -2; group 1 all negative
+
+
+def test_r3l_full_success_is_read_on_the_verifier_column():
+    """R3L's amplification sets A = 1 only for a full success on the verifier; a wrong answer whose accuracy plus a
+    format reward reaches ``success_reward`` (combined 1.0) stays an ordinary, amplified advantage."""
+    from trl_plugins.testing import make_advantage_context
+
+    matrix = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])  # accuracy, formatted
+    outcomes = []
+    for columns in (1, 2):
+        ctx = make_advantage_context(matrix[:, :columns].sum(1), rewards_per_func=matrix[:, :columns],
+                                     num_generations=2,
+                                     run=RunInfo(reward_func_names=("accuracy", "formatted")[:columns]))
+        build_plugins(["r3l"], {"r3l": {"baseline": "mean"}}).call("trl_plugins_transform_advantages", ctx)
+        outcomes.append(ctx.advantages.tolist())
+    assert outcomes[0] == [1.0, -0.5, 0.0, 0.0]  # row 0 full success; row 1 below the mean
+    assert outcomes[1][0] == 1.0 and outcomes[1][1] != 1.0  # the format column does not make row 1 a success
