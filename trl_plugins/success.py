@@ -99,6 +99,12 @@ def success_mask(
     return torch.nan_to_num(column.float(), nan=-torch.inf) > rule.threshold
 
 
+def weighted_nansum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(n,) TRL's combined reward of ``values`` (n, K) with ``weights`` (K,): the weighted sum over the columns that
+    are not NaN (0 where every column is NaN)."""
+    return (values * weights.to(values).unsqueeze(0)).nansum(dim=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardColumns:
     """What the reward functions say about n candidate completions, column by column.
@@ -129,7 +135,7 @@ class RewardColumns:
 
     def weighted_sum(self) -> torch.Tensor:
         """(n,) TRL's combined reward: the weighted nansum over columns (0 where every column is NaN)."""
-        return (self.values * self.weights.to(self.values).unsqueeze(0)).nansum(dim=1)
+        return weighted_nansum(self.values, self.weights)
 
     def verifier(self, rule: SuccessRule = DEFAULT_RULE, missing: float = float("nan")) -> torch.Tensor:
         """(n,) values of the verifier column; ``missing`` where it returned None (NaN by default; ``-inf`` keeps

@@ -60,7 +60,7 @@ from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices
-from .success import RewardColumns, check_success_columns, is_placeholder
+from .success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
 LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
@@ -577,7 +577,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         rewards_per_func = state.rewards_per_func
         N = rewards_per_func.size(0)
         device = rewards_per_func.device
-        rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+        rewards = weighted_nansum(rewards_per_func, self.reward_weights)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
         mask = output["completion_mask"] * output.get("tool_mask", 1)
         lengths = mask.sum(-1).float()
