@@ -6,10 +6,19 @@ Llama, built and saved locally, then **loaded by path** exactly as a hub model i
 bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher) use their offline backends (rule
 judge, programmatic PRM, reference teacher).
 
-Runs (each a fresh trainer, ``--steps`` optimizer steps):
+``--model smollm2`` runs the same on the offline real model ``builtin:smollm2`` (SmolLM2-135M-Instruct, BPE
+tokenizer, chat template) instead, with the chat-message arithmetic dataset.
 
-* ``qlora/<plugin>``: each built-in plugin alone on a 4-bit base model with LoRA adapters, bf16 compute;
-* ``bf16/<stack>``: full fine-tuning in bf16 of the recommended stacks (``STACKS``).
+Runs (each a fresh trainer, ``--steps`` optimizer steps), for every setting in ``--settings``:
+
+* ``<setting>/<plugin>``: each built-in plugin alone;
+* ``<setting>/<stack>``: the recommended stacks (``STACKS``).
+
+Settings: ``qlora`` (4-bit NF4 base through bitsandbytes, LoRA adapters, bf16 compute), ``lora`` (bf16 base, LoRA
+adapters), ``bf16`` (full fine-tuning in bf16), ``fp32`` (full fine-tuning in float32, the CPU dry run), and
+``vllm`` (LoRA in bf16 with ``use_vllm=True, vllm_mode="colocate"``; every run of it is recorded as "not run" with
+the reason when the ``vllm`` package is not installed). ``--merge`` joins the JSON reports of several invocations
+(e.g. one process per setting, run side by side on one GPU) into one matrix.
 
 For each run the JSON records: ``status`` ("ok"; "refused" when the trainer refused the plugin at construction, with
 the reason; "error" with the traceback tail; "bad" when a loss is not finite or
@@ -21,14 +30,17 @@ ok / refused with its reason / failed with its error.
 
 Usage (on a machine with a CUDA GPU and bitsandbytes)::
 
-    python scripts/gpu_smoke.py --out gpu_smoke.json                 # everything, 3 steps each
+    python scripts/gpu_smoke.py --out gpu_smoke.json                 # qlora, lora and bf16; 3 steps each
     python scripts/gpu_smoke.py --only lp_reg,scope --steps 5        # a subset
-    python scripts/gpu_smoke.py --device cpu --precision fp32 --quant none --steps 1   # dry run of the configs on CPU
+    python scripts/gpu_smoke.py --settings lora --model smollm2      # the real model, LoRA
+    python scripts/gpu_smoke.py --merge a.json b.json --matrix m.md  # one matrix from several reports
+    python scripts/gpu_smoke.py --device cpu --settings fp32 --steps 1   # dry run of the configs on CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -93,24 +105,48 @@ def build_model(root: Path, hidden_size: int, num_layers: int) -> Path:
                           num_heads=max(1, hidden_size // 32))
 
 
-def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, steps: int, device: str,
-            precision: str, quant: str) -> dict:
+#: setting -> (precision, base quantisation, LoRA adapters, vLLM colocate)
+SETTINGS: dict[str, tuple[str, str, bool, bool]] = {
+    "qlora": ("bf16", "4bit", True, False),
+    "lora": ("bf16", "none", True, False),
+    "bf16": ("bf16", "none", False, False),
+    "fp32": ("fp32", "none", False, False),
+    "vllm": ("bf16", "none", True, True),
+}
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
+            steps: int, device: str) -> dict:
     import torch
     from transformers import AutoTokenizer
 
     from trl_plugins import PluginGRPOTrainer
-    from trl_plugins.tasks.arithmetic import accuracy_reward
+    from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
     from trl_plugins.testing import digit_fraction_reward, tiny_config, tiny_dataset
 
     from trl_plugins import PluginError
 
-    record: dict[str, Any] = {"name": name, "plugins": plugins, "quant": quant, "precision": precision}
+    precision, quant, lora, vllm = SETTINGS[setting]
+    record: dict[str, Any] = {"name": name, "plugins": plugins, "setting": setting, "model": model_kind,
+                              "quant": quant, "precision": precision, "lora": lora, "vllm_colocate": vllm}
+    if vllm and importlib.util.find_spec("vllm") is None:
+        record.update(status="not run", error="vllm not installed")
+        return record
     start = time.monotonic()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     phase = "construction"
     try:
         overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
+        if vllm:
+            overrides.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
         for p in plugins:
             overrides.update(SMOKE_ARGS.get(p, {}))
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -118,25 +154,25 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
             output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
             plugin_config={p: SMOKE_CONFIG[p] for p in plugins if p in SMOKE_CONFIG},
             max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
-            learning_rate=1e-3 if quant == "4bit" else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
+            learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
             log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
             **overrides,
         )
         kwargs: dict[str, Any] = {}
         if quant == "4bit":
-            from peft import LoraConfig
             from transformers import BitsAndBytesConfig
 
             kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
                 bnb_4bit_use_double_quant=True,
             )
-            kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
-                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        if lora:
+            kwargs["peft_config"] = _lora_config()
+        dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
+                   else tiny_dataset(64, levels=(1, 2)))
         trainer = PluginGRPOTrainer(
             model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
-            train_dataset=tiny_dataset(64, levels=(1, 2)), processing_class=AutoTokenizer.from_pretrained(model_path),
-            **kwargs,
+            train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_path), **kwargs,
         )
         if quant == "4bit":
             import bitsandbytes as bnb
@@ -165,7 +201,7 @@ def run_one(name: str, plugins: list[str], *, model_path: Path, out_dir: Path, s
         if not record["losses_finite"] or record["steps"] != steps:
             record["status"] = "bad"
         elif not record["trainable_changed"]:  # e.g. zero advantages everywhere on an untrained model: not an error
-            record["note"] = "trainable weights unchanged (no learning signal in these steps?)"
+            record["note"] = "no update"
         del trainer
     except Exception as exc:  # one broken run must not hide the others
         if isinstance(exc, PluginError) and phase == "construction":
@@ -189,19 +225,31 @@ def main(argv: list[str] | None = None) -> int:
                         "reason / failed); copy it into docs/compatibility.md with the date and hardware.")
     parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run.")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--quant", choices=["4bit", "none"], default="4bit",
-                        help="Per-plugin runs: QLoRA on a 4-bit base (default) or full fine-tuning.")
+    parser.add_argument("--settings", default="qlora,lora,bf16",
+                        help=f"Comma-separated settings, each run for every plugin and stack; from {sorted(SETTINGS)}.")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny: the character-level model built locally; smollm2: builtin:smollm2 (the real "
+                        "offline model, fetched and converted once).")
     parser.add_argument("--only", default=None, help="Comma-separated plugins (default: every built-in).")
     parser.add_argument("--no-stacks", action="store_true", help="Skip the recommended-stack runs.")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="Only join these JSON reports into --out and --matrix (no runs).")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=4)
     args = parser.parse_args(argv)
 
+    if args.merge:
+        result = merge_reports([json.loads(Path(f).read_text()) for f in args.merge])
+        return write_report(result, args.out, args.matrix)
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown or not settings:
+        parser.error(f"unknown settings: {unknown or settings}; allowed: {sorted(SETTINGS)}")
+
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device; use --device cpu --precision fp32 --quant none for a CPU dry run")
+        parser.error("no CUDA device; use --device cpu --settings fp32 for a CPU dry run")
     from trl_plugins.manager import available_plugins
 
     builtins = sorted(n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)")
@@ -209,32 +257,48 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(selected) - set(builtins))
     if unknown:
         parser.error(f"unknown built-in plugins: {unknown}; built-ins: {builtins}")
+    stacks = {} if args.no_stacks else {
+        name: stack for name, stack in STACKS.items() if args.only is None or set(stack) <= set(selected)
+    }
 
     result: dict[str, Any] = {"environment": environment(args.device), "settings": vars(args), "runs": []}
     with tempfile.TemporaryDirectory(prefix="trl_plugins_gpu_smoke_") as tmp:
         root = Path(tmp)
-        model_path = build_model(root, args.hidden_size, args.num_layers)
-        common = dict(model_path=model_path, out_dir=root / "runs", steps=args.steps, device=args.device,
-                      precision=args.precision)
-        label = "qlora" if args.quant == "4bit" else args.precision
-        for plugin in selected:
-            record = run_one(f"{label}/{plugin}", [plugin], quant=args.quant, **common)
-            result["runs"].append(record)
-            print(f"{record['name']:<40} {record['status']:<8} {record['seconds']:>7.1f}s", flush=True)
-        if not args.no_stacks:
-            for name, stack in STACKS.items():
-                if args.only is not None and not set(stack) <= set(selected):
-                    continue
-                record = run_one(f"{args.precision}/{name}", stack, quant="none", **common)
+        if args.model == "smollm2":
+            from trl_plugins.models import smollm2_path
+
+            model_path = smollm2_path()
+        else:
+            model_path = build_model(root, args.hidden_size, args.num_layers)
+        common = dict(model_path=model_path, model_kind=args.model, out_dir=root / "runs", steps=args.steps,
+                      device=args.device)
+        prefix = "" if args.model == "tiny" else f"{args.model} "
+        for setting in settings:
+            subjects = [(p, [p]) for p in selected] + list(stacks.items())
+            for subject, plugins in subjects:
+                record = run_one(f"{prefix}{setting}/{subject}", plugins, setting=setting, **common)
                 result["runs"].append(record)
-                print(f"{record['name']:<40} {record['status']:<8} {record['seconds']:>7.1f}s", flush=True)
-    failed = [r["name"] for r in result["runs"] if r["status"] not in ("ok", "refused")]
-    ok = sum(r["status"] == "ok" for r in result["runs"])
-    result["summary"] = {"runs": len(result["runs"]), "ok": ok, "not_ok": failed,
-                         "refused": [r["name"] for r in result["runs"] if r["status"] == "refused"]}
-    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
-    Path(args.matrix).write_text(compatibility_matrix(result))
-    print(f"{ok}/{result['summary']['runs']} runs ok; wrote {args.out} and the matrix {args.matrix}")
+                print(f"{record['name']:<48} {record['status']:<8} {record.get('seconds', 0):>7.1f}s", flush=True)
+    return write_report(result, args.out, args.matrix)
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from several: the first one's environment, every run, the settings of each."""
+    return {"environment": reports[0]["environment"], "settings": reports[0]["settings"],
+            "merged_settings": [s for r in reports for s in r.get("merged_settings") or [r["settings"]]], "runs": [run for r in reports for run in r["runs"]]}
+
+
+def write_report(result: dict, out: str, matrix: str) -> int:
+    """Write the JSON report and the matrix; print the summary; exit status 1 when any run failed."""
+    runs = result["runs"]
+    failed = [r["name"] for r in runs if r["status"] not in ("ok", "refused", "not run")]
+    ok = sum(r["status"] == "ok" for r in runs)
+    result["summary"] = {"runs": len(runs), "ok": ok, "not_ok": failed,
+                         "refused": [r["name"] for r in runs if r["status"] == "refused"],
+                         "not_run": [r["name"] for r in runs if r["status"] == "not run"]}
+    Path(out).write_text(json.dumps(result, indent=2, default=str))
+    Path(matrix).write_text(compatibility_matrix(result))
+    print(f"{ok}/{len(runs)} runs ok; failed: {failed or 'none'}; wrote {out} and the matrix {matrix}")
     return 1 if failed else 0
 
 
@@ -242,7 +306,16 @@ def _cell(record: dict) -> str:
     if record["status"] == "ok":
         return "ok" + (f" ({record['note']})" if record.get("note") else "")
     reason = str(record.get("error") or record["status"]).splitlines()[0].replace("|", "\\|")[:160]
-    return ("refused: " if record["status"] == "refused" else "failed: ") + reason
+    label = {"refused": "refused: ", "not run": "not run: "}.get(record["status"], "failed: ")
+    return label + reason
+
+
+def _steps_text(result: dict) -> str:
+    """"3 step(s)", or, for merged reports of different step counts, "3 step(s) (tiny), 2 step(s) (smollm2)"."""
+    parts = result.get("merged_settings") or [result["settings"]]
+    texts = list(dict.fromkeys(f"{p['steps']} step(s)" + (f" ({p['model']})" if "model" in p else "") for p in parts))
+    counts = {p["steps"] for p in parts}
+    return f"{counts.pop()} step(s)" if len(counts) == 1 else ", ".join(texts)
 
 
 def compatibility_matrix(result: dict) -> str:
@@ -256,16 +329,21 @@ def compatibility_matrix(result: dict) -> str:
         setting, subject = record["name"].split("/", 1)
         settings += [setting] if setting not in settings else []
         rows.setdefault(subject, {})[setting] = _cell(record)
+    notes = sorted({subject for r in result["runs"] if r.get("note")
+                    for subject in [r["name"].split("/", 1)[1]]})
     lines = [
         f"Compatibility matrix, {time.strftime('%Y-%m-%d')}, {hardware}; torch {env['torch']}, "
         f"transformers {env['transformers']}, trl {env['trl']}, bitsandbytes {env.get('bitsandbytes')}; "
-        f"{result['settings']['steps']} step(s) per run (`python scripts/gpu_smoke.py`).",
+        f"{_steps_text(result)} per run (`python scripts/gpu_smoke.py`).",
         "",
         "| plugin / stack | " + " | ".join(settings) + " |",
         "|---|" + "---|" * len(settings),
     ]
     for subject, cells in rows.items():
         lines.append(f"| `{subject}` | " + " | ".join(cells.get(s, "not run") for s in settings) + " |")
+    if notes:
+        lines += ["", "*ok (no update)*: the run finished with finite losses, but no trainable weight changed: every "
+                  "advantage or loss weight was zero in these steps (" + ", ".join(f"`{n}`" for n in notes) + ")."]
     if env["device"] != "cuda":
         lines += ["", "Run on a CPU (dry run of the configurations): not yet run on a GPU."]
     return "\n".join(lines) + "\n"

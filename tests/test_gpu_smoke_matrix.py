@@ -33,3 +33,36 @@ def test_matrix_cells_and_gpu_note():
     assert "| `disco` | refused: IncompatiblePluginsError: disco needs loss_type='grpo' \\| got 'dr_grpo' | not run |" in lines
     assert "| `scope` | failed: RuntimeError: boom | not run |" in lines
     assert "not yet run on a GPU" in text
+
+
+def test_not_run_and_no_update_cells_and_merged_steps():
+    script = _script()
+    tiny = {"environment": {"device": "cuda", "gpu": "H100", "torch": "2", "transformers": "5", "trl": "1.16"},
+            "settings": {"steps": 3, "model": "tiny"},
+            "runs": [{"name": "vllm/canon", "status": "not run", "error": "vllm not installed"},
+                     {"name": "lora/disco", "status": "ok", "note": "no update"}]}
+    smol = {"environment": tiny["environment"], "settings": {"steps": 2, "model": "smollm2"},
+            "runs": [{"name": "smollm2 lora/canon", "status": "ok"}]}
+    merged = script.merge_reports([tiny, smol])
+    assert len(merged["runs"]) == 3
+    text = script.compatibility_matrix(merged)
+    lines = text.splitlines()
+    assert "| plugin / stack | vllm | lora | smollm2 lora |" in lines
+    assert "| `canon` | not run: vllm not installed | not run | ok |" in lines
+    assert "| `disco` | not run | ok (no update) | not run |" in lines
+    assert "3 step(s) (tiny), 2 step(s) (smollm2)" in lines[0]
+    assert "(`disco`)" in text and "not yet run on a GPU" not in text
+    # merging a merged report keeps every part's settings
+    assert script.merge_reports([merged])["merged_settings"] == merged["merged_settings"]
+
+
+def test_write_report_exit_status(tmp_path):
+    script = _script()
+    base = {"environment": {"device": "cuda", "gpu": "H100", "torch": "2", "transformers": "5", "trl": "1.16"},
+            "settings": {"steps": 1}}
+    ok = dict(base, runs=[{"name": "lora/canon", "status": "ok"},
+                          {"name": "vllm/canon", "status": "not run", "error": "vllm not installed"}])
+    assert script.write_report(ok, str(tmp_path / "a.json"), str(tmp_path / "a.md")) == 0
+    bad = dict(base, runs=[{"name": "lora/canon", "status": "error", "error": "RuntimeError: boom"}])
+    assert script.write_report(bad, str(tmp_path / "b.json"), str(tmp_path / "b.md")) == 1
+    assert "failed: RuntimeError: boom" in (tmp_path / "b.md").read_text()

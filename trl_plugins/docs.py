@@ -316,15 +316,36 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         "## GPU and vLLM validation",
         "",
         "Everything above is enforced and tested on CPU with Hugging Face generation (the test suite, including "
-        "two-process runs). The matrix has not yet been run on a GPU, nor with vLLM (server or colocate mode): "
-        "[`scripts/gpu_smoke.py`](../scripts/gpu_smoke.py) runs every plugin alone (QLoRA, bf16 compute) and the "
-        "recommended stacks (bf16) for a few steps on a CUDA machine and writes a JSON report and a compatibility "
-        "matrix (`--matrix`: one row per plugin or stack, one column per setting, each cell ok / refused with the "
-        "reason / failed with the error); it will be recorded here with the date and the hardware. On CPU, every "
-        "built-in plugin trains on the offline real model `builtin:smollm2` with LoRA, and a stacked QLoRA (4-bit, "
-        "bitsandbytes on CPU) step runs on it (`tests/test_smollm2_e2e.py`).",
+        "two-process runs; every built-in plugin trains on the offline real model `builtin:smollm2` with LoRA, and a "
+        "stacked QLoRA step runs on it: `tests/test_smollm2_e2e.py`). "
+        "[`scripts/gpu_smoke.py`](../scripts/gpu_smoke.py) runs every plugin alone and the recommended stacks for a "
+        "few optimizer steps on a CUDA machine, in each setting (QLoRA: 4-bit NF4 base with LoRA and bf16 compute; "
+        "LoRA on a bf16 base; full fine-tuning in bf16; vLLM colocate), on the bundled tiny model and on "
+        "`builtin:smollm2`, and writes a JSON report and this matrix (each cell ok / refused with the reason / "
+        "failed with the error).",
+        "",
+        *gpu_record_lines(),
     ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def gpu_record_lines() -> list[str]:
+    """The newest GPU run committed under ``docs/gpu/`` (its matrix and a link to its JSON report)."""
+    records = sorted((docs_dir() / "gpu").glob("[0-9]*.md"))
+    if not records:
+        return ["Not yet run on a GPU."]
+    newest = records[-1]
+    return [
+        f"The latest run ([`gpu/{newest.name}`](gpu/{newest.name}), JSON report "
+        f"[`gpu/{newest.stem}.json`](gpu/{newest.stem}.json) with every run's losses, plugin metrics, seconds and "
+        "peak GPU memory):",
+        "",
+        *newest.read_text(encoding="utf-8").rstrip().splitlines(),
+        "",
+        "vLLM was not run: the GPU machines available to this project have no network and the `vllm` wheel (with "
+        "its pinned torch) is too large to carry onto them, so the vLLM column says *not run* rather than *ok*. "
+        "On a machine with vLLM, `python scripts/gpu_smoke.py --settings vllm` fills it in.",
+    ]
 
 
 def hooks_page() -> str:
