@@ -3,6 +3,7 @@
 Hook tests chain the plugin's hooks over several steps on the kit's contexts (the same plugin instance, as in a
 run); trainer-level tests check the neutral setting against trl.GRPOTrainer and a checkpoint round trip."""
 
+import hashlib
 import io
 import math
 import os
@@ -18,6 +19,7 @@ from trl_plugins.testing import (
     assert_reduces_to_vanilla,
     build_stack,
     char_encode,
+    digit_fraction_reward,
     make_advantage_context,
     make_rollout_context,
     make_tiny_trainer,
@@ -181,9 +183,31 @@ def test_neutral_max_age_zero_never_replays():
     assert ctx.changed == set()
 
 
-@pytest.mark.slow
+def lucky(completions, **kwargs):
+    """A verifier that is deterministic per completion and succeeds on about a third of them."""
+    return [1.0 if hashlib.sha1(prompt_text(c).encode()).digest()[0] % 3 == 0 else 0.0 for c in completions]
+
+
 def test_neutral_setting_reduces_to_vanilla_grpo():
-    assert_reduces_to_vanilla("replay", {"max_age_steps": 0}, loss_types=("dapo",), steps=2)
+    """Two prompts drawn at every step: with the default options step 3 replays into an all-fail group (checked
+    in test_default_setting_replays_in_the_neutral_test_run); with max_age_steps=0 the run is vanilla GRPO."""
+    runs = assert_reduces_to_vanilla("replay", {"max_age_steps": 0}, loss_types=("dapo",), steps=3,
+                                     reward_funcs=[lucky, digit_fraction_reward], dataset=tiny_dataset(2),
+                                     per_device_train_batch_size=8)
+    logs = [log for log in runs["dapo"].logs if "plugins/replay/all_fail_group_fraction" in log]
+    assert logs[0]["plugins/replay/stored_rollouts"] > 0  # something was stored ...
+    assert any(log["plugins/replay/all_fail_group_fraction"] > 0 for log in logs[1:])  # ... and could be replayed
+    assert all(log["plugins/replay/replayed_group_fraction"] == 0 for log in logs)
+
+
+@pytest.mark.slow
+def test_default_setting_replays_in_the_neutral_test_run():
+    trainer = make_tiny_trainer(reward_funcs=[lucky, digit_fraction_reward], dataset=tiny_dataset(2),
+                                per_device_train_batch_size=8, max_steps=3, plugins=["replay"])
+    trainer.train()
+    replayed = [h["plugins/replay/replayed_group_fraction"] for h in trainer.state.log_history
+                if "plugins/replay/replayed_group_fraction" in h]
+    assert max(replayed) > 0
 
 
 # ============================================================================================ advantages
