@@ -35,7 +35,7 @@ are dropped (here: set to 0, the row stays in its group); the decay variant mult
 (weight_decay_trajectory_replay in (0, 1]); replay_loss_coef = 1 ramps up over max_replay_loss_steps = 200 steps
 with a cosine schedule. SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
 behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
-framework's off-policy branch, which needs no behaviour log-probs. RAPO's pseudo-code and code are not public: the
+framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no training code: the
 slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are reconstructed.
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
 
@@ -103,6 +103,7 @@ class ReplayOptions(SuccessOptions):
         help="'offpolicy': replayed tokens take the shaped off-policy branch -A p/(p+gamma) (LUFFY); 'policy': they "
         "train like the group's own rows (TRL's clipped ratio, old log-probs recomputed now: RAPO's in-group "
         "treatment as we read it). Sampling log-probs are NaN either way.",
+        reconstructed=True,
     )
     advantage: Literal["group", "spear_baseline", "spear_decay"] = option(
         "group",
