@@ -125,9 +125,11 @@ def test_provenance_and_nan_sampling_logprobs_on_the_replayed_row(tokens):
     assert_offpolicy_logprobs_nan(ctx)
 
 
-def test_replayed_and_spliced_rows_never_enter_the_buffer():
-    """Only the policy's own rollouts are stored: a replay that 'succeeds' again must not refresh its entry."""
-    s = stack(max_age_steps=2)
+@pytest.mark.parametrize("tokens", ["offpolicy", "policy"])
+def test_replayed_rows_never_enter_the_buffer(tokens):
+    """Only the policy's own rollouts of the step are stored (the replay is spliced after the store): a replay that
+    'succeeds' again must not refresh its entry, whatever its provenance flags."""
+    s = stack(max_age_steps=2, replay_tokens=tokens)
     run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
     for step in (1, 2):  # replayed in both steps (its tokens are 'right a', a success for the verifier)
         ctx = run_hook(s, AFTER, rollout([FAIL], step=step))
@@ -319,6 +321,9 @@ def test_buffers_are_saved_in_checkpoints_and_a_resumed_run_replays_them(tmp_pat
     logged = [h["plugins/replay/replayed_group_fraction"] for h in resumed.state.log_history
               if "plugins/replay/replayed_group_fraction" in h]
     assert logged and logged[-1] == 1.0
+    offpolicy = [h["plugins/framework/offpolicy_token_fraction"] for h in resumed.state.log_history
+                 if "plugins/framework/offpolicy_token_fraction" in h]
+    assert offpolicy and offpolicy[-1] > 0  # the replayed row reached the loss through the off-policy branch
     assert plugin.buffers.keys() == saved["replay"]["buffers"].keys()
 
 
