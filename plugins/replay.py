@@ -35,8 +35,9 @@ are dropped (here: set to 0, the row stays in its group); the decay variant mult
 (weight_decay_trajectory_replay in (0, 1]); replay_loss_coef = 1 ramps up over max_replay_loss_steps = 200 steps
 with a cosine schedule. SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
 behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
-framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no training code: the
-slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are reconstructed.
+framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no
+training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
+reconstructed.
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
 
 Multi-process: the buffers are **global and identical on every process**. Success flags and prompt keys of all rows
@@ -195,7 +196,8 @@ class ReplayPlugin(Plugin):
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
     reconstructed = (
         "the slot that receives the replay (replace_index) and pick='random'",
-        "replay_tokens='policy' as RAPO's in-group treatment (RAPO's code is not public)",
+        "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "
+        "training code)",
         "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch",
         "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
     )

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.errors import PluginError
 from trl_plugins.testing import (
     assert_group_sizes,
     assert_offpolicy_logprobs_nan,
