@@ -160,6 +160,8 @@ def _stacks(urls):
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
+        # one step stores the step's successes (a replay needs a later step of the same prompt: tests/plugins)
+        "replay": (["replay"], {"replay": {"replay_tokens": "offpolicy"}}, {"loss_type": "dr_grpo"}, []),
     }
 
 
@@ -175,7 +177,7 @@ def test_the_stacks_cover_every_builtin_plugin():
                                    "scope+posterior_grpo+siren+riskpo+disco",
                                    "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo",
                                    "fbos_rl+llds+empo+dagrpo+hicra",
-                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+                                   "r3l+gtpo+steer+rlpr+clip_cov", "replay"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
