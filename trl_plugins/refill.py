@@ -236,6 +236,13 @@ class RefillStage:
             from accelerate.utils import gather_object
 
             batch_rows = gather_object(list(state.inputs)) if tr.accelerator.num_processes > 1 else list(state.inputs)
+        columns = set(state.inputs[0])
+        for kind, value in sources:
+            if kind == "row" and not columns <= set(value):
+                raise PluginError(
+                    f"A replacement row supplied by a plugin (RefillContext.supply) lacks the columns "
+                    f"{sorted(columns - set(value))} that the batch's rows have (reward functions read them)."
+                )
         drawn = iter(self.stream.draw(len(rejected) - len(sources)))
         rows = {}
         for j, slot in enumerate(rejected):
