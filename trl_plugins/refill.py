@@ -36,7 +36,7 @@ import torch
 
 from .contexts import RefillContext
 from .errors import PluginConfigError, PluginError
-from .success import weighted_nansum
+from .success import combined_reward
 
 REJECT_HOOK = "trl_plugins_reject_groups"
 #: Offset that separates the refill stream's seeds from the training sampler's.
@@ -194,8 +194,7 @@ class RefillStage:
     def _context(self, rewards: torch.Tensor, rounds: int, fresh: torch.Tensor, keys: torch.Tensor) -> RefillContext:
         tr = self.trainer
         N, G = rewards.size(0), tr.num_generations
-        combined = weighted_nansum(rewards, tr.reward_weights.to(rewards.device))
-        combined[torch.isnan(rewards).all(dim=1)] = torch.nan
+        combined = combined_reward(rewards, tr.reward_weights.to(rewards.device))
         rows = torch.arange(N, device=rewards.device)
         return RefillContext(
             rewards_per_func=rewards,

@@ -913,7 +913,7 @@ def make_refill_context(
 
     After the hook: ``ctx.rejected`` (S,) bool, ``ctx.replacements`` (what the plugin asked for), ``ctx.metrics``.
     """
-    from .success import weighted_nansum
+    from .success import combined_reward
 
     values = _as_matrix(rewards_per_func).float().clone()
     N, K = values.shape
@@ -922,8 +922,7 @@ def make_refill_context(
         raise ValueError(f"make_refill_context: {N} rows are not whole groups of {G}.")
     S = N // G
     weights = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
-    combined = weighted_nansum(values, weights)
-    combined[torch.isnan(values).all(dim=1)] = torch.nan
+    combined = combined_reward(values, weights)
     idx = torch.arange(N)
     metrics = MetricsRecorder()
     ctx = RefillContext(
