@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from trl_plugins import Plugin, PluginConfigError, PluginError, hookimpl
+from trl_plugins import GenerationBudgetExceeded, Plugin, PluginConfigError, PluginError, hookimpl
 from trl_plugins.refill import RefillStream, zero_group_advantages
 from trl_plugins.testing import (
     assert_reduces_to_vanilla,
@@ -220,3 +220,15 @@ def test_refill_refuses_an_iterable_dataset():
         warnings.simplefilter("ignore")
         with pytest.raises(PluginConfigError, match="iterable training dataset"):
             make_tiny_trainer(plugins=["test_reject_nothing"], dataset=data, max_steps=1)
+
+
+def test_refill_rollouts_count_in_the_per_batch_generation_budget():
+    with temporary_plugin(RejectEverything):
+        ok = make_tiny_trainer(plugins=["test_reject_everything"], max_steps=2, max_refill_rounds=1,
+                               plugin_generation_budget=4)
+        ok.train()  # 4 refill rollouts per batch: within the budget in every batch (the count restarts per batch)
+        assert ok.generation_service.total == 8
+        over = make_tiny_trainer(plugins=["test_reject_everything"], max_steps=1, max_refill_rounds=2,
+                                 plugin_generation_budget=4)
+        with pytest.raises(GenerationBudgetExceeded, match="plugin_generation_budget is 4"):
+            over.train()

@@ -154,6 +154,11 @@ def _stacks(urls):
              "dagrpo": {"delta": 0.0, "anchors": False}},
             {"loss_type": "grpo"}, ["feedback"],
         ),
+        # refill within the step: DARS asks for extra groups of the hard prompts, dynamic_sampling drops the groups
+        # whose verifier column is all-equal; one refill round keeps the CPU run short (kept at the limit)
+        "dars+dynamic_sampling": (
+            ["dars", "dynamic_sampling"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, [],
+        ),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -178,7 +183,8 @@ def test_the_stacks_cover_every_builtin_plugin():
                                        "all-fail G=2 groups of this stack end with zero advantages (loss and gradient "
                                        "0) and the adapters do not move; suspects: fbos_rl advantage='recentre' on size-1 "
                                        "sub-groups (G=2) and dagrpo's pair scores")),
-                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+                                   "r3l+gtpo+steer+rlpr+clip_cov",
+                                   "dars+dynamic_sampling"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]

@@ -141,6 +141,8 @@ class RefillStage:
         logprobs = None if logprobs is None else list(logprobs)
         acc, G, B = tr.accelerator, tr.num_generations, len(prompts)
         start = acc.process_index * B
+        if not tr._uses_sampling:  # else the sampling stage began the service's batch (its count goes on)
+            tr.generation_service.begin_batch(prompt_ids[0])
         rewards = tr._gathered_rewards_or_raise_together(state.inputs, prompts, completions, completion_ids)
         N = rewards.size(0)
         S = N // G
