@@ -232,3 +232,30 @@ def test_refill_rollouts_count_in_the_per_batch_generation_budget():
                                  plugin_generation_budget=4)
         with pytest.raises(GenerationBudgetExceeded, match="plugin_generation_budget is 4"):
             over.train()
+
+
+def test_nothing_rejected_adds_no_collective_and_no_reward_call():
+    """The cost statement: with a refill plugin that rejects nothing, every step makes the same all-gathers and the
+    same reward-function calls as a run without plugins (the first round's scoring is TRL's own, moved earlier)."""
+
+    def run(plugins):
+        calls = {"gather": 0, "reward_rows": 0}
+
+        def reward(completions, **kwargs):
+            calls["reward_rows"] += len(completions)
+            return digit_fraction_reward(completions)
+
+        with temporary_plugin(RejectNothing):
+            trainer = make_tiny_trainer(plugins=plugins, reward_funcs=[reward], max_steps=2)
+            gather = trainer.accelerator.gather
+
+            def counting(tensor):
+                calls["gather"] += 1
+                return gather(tensor)
+
+            trainer.accelerator.gather = counting
+            trainer.train()
+        return calls
+
+    plain, refill = run([]), run(["test_reject_nothing"])
+    assert refill == plain and plain["reward_rows"] == 2 * 4
