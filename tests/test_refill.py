@@ -83,8 +83,7 @@ def test_rejecting_everything_stops_at_the_round_limit_and_counts_every_rollout(
     with temporary_plugin(RejectEverything):
         trainer = make_tiny_trainer(plugins=["test_reject_everything"], max_steps=1, max_refill_rounds=2)
         trainer.train()
-    S = 4 // 4 * 1  # per_device 4 rows, G 4: one group
-    assert RejectEverything.seen == [(0, S), (1, S), (2, S)]
+    assert RejectEverything.seen == [(0, 1), (1, 1), (2, 1)]  # 4 rows, G = 4: one group, fresh in every round
     m = _metrics(trainer)
     assert m["plugins/framework/refill_rounds"] == 2
     assert m["plugins/framework/rejected_groups"] == 3  # rounds 0, 1 and the limit round
