@@ -37,7 +37,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # character-level tokenizer: every token is one character
     "cure": ({"branches_per_response": 3, "min_token_chars": 1}, {}),
     "dagrpo": ({"scorer": "prm"}, {}),
+    # refill plugins: the refill rollouts count in the rollout budget (max_refill_rounds: the PluginGRPOConfig default)
+    "dars": ({"n_max": 16}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
+    "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),

@@ -155,6 +155,11 @@ def _stacks(urls):
              "dagrpo": {"delta": 0.0, "anchors": False}},
             {"loss_type": "grpo", "num_generations": 4}, ["feedback"],
         ),
+        # refill within the step: DARS asks for extra groups of the hard prompts, dynamic_sampling drops the groups
+        # whose verifier column is all-equal; one refill round keeps the CPU run short (kept at the limit)
+        "dars+dynamic_sampling": (
+            ["dars", "dynamic_sampling"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, [],
+        ),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -177,7 +182,9 @@ def test_the_stacks_cover_every_builtin_plugin():
                                    "scope+posterior_grpo+siren+riskpo+disco",
                                    "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo",
                                    "fbos_rl+llds+empo+dagrpo+hicra",
-                                   "r3l+gtpo+steer+rlpr+clip_cov", "replay"])
+                                   "r3l+gtpo+steer+rlpr+clip_cov",
+                                   "replay",
+                                   "dars+dynamic_sampling"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]

@@ -49,6 +49,7 @@ from .contexts import (
     LossContext,
     PolicyStats,
     PromptContext,
+    RefillContext,
     RewardContext,
     RolloutContext,
     group_layout,
@@ -830,6 +831,7 @@ def make_advantage_context(
     step: int = 0,
     mode: str = "train",
     run: RunInfo | None = None,
+    prompt_keys: Any = None,
     **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
@@ -843,6 +845,7 @@ def make_advantage_context(
             recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags). ``ctx.completion_mask()`` is
             its mask.
         run: what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
+        prompt_keys: (N // G,) one key per group (groups a refill plugin repeated share one); default None.
 
     ``ctx.metrics`` records the metrics the plugin logs.
     """
@@ -879,10 +882,64 @@ def make_advantage_context(
         step=step,
         local_completion_ids=stats.completion_ids,
         mode=mode,
+        prompt_keys=None if prompt_keys is None else torch.as_tensor(prompt_keys, dtype=torch.long),
         services=stub_services(metrics, run=run, policy_stats=policy_stats_fn, completion_mask=lambda: stats.mask,
                                **services),
     )
     ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    return ctx
+
+
+def make_refill_context(
+    rewards_per_func: Any,
+    *,
+    num_generations: int,
+    reward_weights: Sequence[float] | None = None,
+    round: int = 0,
+    max_refill_rounds: int = 9,
+    fresh: Any = None,
+    prompt_keys: Any = None,
+    step: int = 0,
+    run: RunInfo | None = None,
+    **services: Any,
+) -> RefillContext:
+    """A :class:`~trl_plugins.contexts.RefillContext` over a whole batch (what every process sees).
+
+    Args:
+        rewards_per_func: (N, K) reward-function values, or (N,) for one column.
+        reward_weights: (K,) TRL's weights; default 1.0 each. ``ctx.rewards`` is their weighted nansum.
+        fresh: (S,) groups generated in this round; default all. ``prompt_keys``: (S,); default ``arange(S)``.
+        run: what ``ctx.run`` gives (its ``reward_func_names`` / ``placeholder_columns`` drive ``ctx.success``).
+
+    After the hook: ``ctx.rejected`` (S,) bool, ``ctx.replacements`` (what the plugin asked for), ``ctx.metrics``.
+    """
+    from .success import combined_reward
+
+    values = _as_matrix(rewards_per_func).float().clone()
+    N, K = values.shape
+    G = num_generations
+    if N % G:
+        raise ValueError(f"make_refill_context: {N} rows are not whole groups of {G}.")
+    S = N // G
+    weights = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    combined = combined_reward(values, weights)
+    idx = torch.arange(N)
+    metrics = MetricsRecorder()
+    ctx = RefillContext(
+        rewards_per_func=values,
+        rewards=combined,
+        group_ids=idx // G,
+        index_in_group=idx % G,
+        num_generations=G,
+        round=round,
+        max_refill_rounds=max_refill_rounds,
+        fresh=torch.ones(S, dtype=torch.bool) if fresh is None else torch.as_tensor(fresh, dtype=torch.bool),
+        prompt_keys=torch.arange(S) if prompt_keys is None else torch.as_tensor(prompt_keys, dtype=torch.long),
+        rejected=torch.zeros(S, dtype=torch.bool),
+        step=step,
+        services=stub_services(metrics, run=run, **services),
+    )
+    ctx.metrics = metrics
     return ctx
 
 
