@@ -52,6 +52,7 @@ CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
 ALL_METHODS = ["grpo", *CONTROLS, *bc.PLUGIN_SETTINGS, *STACKS]
 # Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
 REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "hint_scaffold", "cure",
+                "dynamic_sampling", "replay", "dars",
                 "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
 
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
