@@ -159,6 +159,23 @@ def _stacks(urls):
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
+        # guidance family: ampo guides all-fail groups with the reference solution, rl_plus puts the demonstration in
+        # slot 0 (MIS + exploration-based advantage on its tokens); oreal and rec each replace the surrogate, so they
+        # run alone (at most one surrogate replacer per stack); the 135M policy never passes the verifier, so oreal
+        # decides success on the partial-credit column and keeps TRL's advantages and every row (its BC / unclipped
+        # ratio loss and per-sign normalisation still act)
+        "ampo+rl_plus": (
+            ["ampo", "rl_plus"],
+            {"ampo": {"solutions_column": "solution"}},
+            {"loss_type": "dr_grpo", "scale_rewards": "none"}, [],
+        ),
+        "oreal": (
+            ["oreal"],
+            {"oreal": {"success_column": "digit_fraction_reward", "success_threshold": 0.05, "filter": "none",
+                       "baseline": "trl"}},
+            {"loss_type": "dapo"}, [],
+        ),
+        "rec": (["rec"], {"rec": {"variant": "opmd"}}, {"loss_type": "bnpo", "scale_rewards": "none"}, []),
     }
 
 
@@ -178,7 +195,7 @@ def test_the_stacks_cover_every_builtin_plugin():
                                        "all-fail G=2 groups of this stack end with zero advantages (loss and gradient "
                                        "0) and the adapters do not move; suspects: fbos_rl advantage='recentre' on size-1 "
                                        "sub-groups (G=2) and dagrpo's pair scores")),
-                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+                                   "r3l+gtpo+steer+rlpr+clip_cov", "ampo+rl_plus", "oreal", "rec"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
