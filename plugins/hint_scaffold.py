@@ -86,7 +86,7 @@ class HintScaffoldOptions(SuccessOptions):
     replace: Literal["group", "one"] = option(
         "group",
         help="'group': the hinted group replaces the all-fail group (GHPO); 'one': the minimal successful level "
-        "replaces one row (Scaf-GRPO's replacement rule, with solution-prefix hints, not Scaf-GRPO's tiered hints).",
+        "replaces one row (Scaf-GRPO's replacement rule; its tiered hints are hints='tiered').",
     )
     hints: Literal["solution_prefix", "tiered"] = option(
         "solution_prefix",
