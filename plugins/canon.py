@@ -131,6 +131,7 @@ class CanonPlugin(Plugin):
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
     replaces = ("the advantages",)
+    overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

@@ -352,6 +352,10 @@ class FbosRlPlugin(Plugin):
         "gamma = 0.1 of the shaped off-policy branch (LUFFY)",
     )
 
+    def overwritten(self) -> tuple[str, ...]:
+        # advantage='subgroup' recomputes them from the rewards per sub-group; 'recentre' / 'none' adjust them
+        return ("advantages",) if self.options.advantage == "subgroup" else ()
+
     def __init__(self, options=None):
         super().__init__(options)
         self.judge = None

@@ -326,6 +326,10 @@ class R3LPlugin(Plugin):
         "pivotal credit zeroes token weights; the masked tokens still count in TRL's normaliser",
     )
 
+    def overwritten(self) -> tuple[str, ...]:
+        # baseline 'mean' / 'zscore' recompute the advantages from the rewards; 'trl' amplifies the incoming ones
+        return () if self.options.baseline == "trl" else ("advantages",)
+
     def __init__(self, options=None):
         super().__init__(options)
         # only the OPMD loss replaces TRL's surrogate (checked per instance by the stack)

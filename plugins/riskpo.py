@@ -186,6 +186,7 @@ class RiskPOPlugin(Plugin):
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
     replaces = ("the advantages",)
+    overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
     reconstructed = (
         "eps = 1e-6 in every denominator",
         "norm_by_std defaults to on (verl's GRPO default; the recipes do not show it)",

@@ -57,10 +57,25 @@ def test_new_scaffolds_and_prints_the_next_commands(tmp_path, capsys):
     assert "already exists (trl-plugins (built-in))" in capsys.readouterr().err
     assert main(["new", "Bad Name!", "--dir", str(tmp_path / "bad")]) == 2
     assert "Invalid plugin name" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["new", "x", "--stage", "critic"])
-    assert exc.value.code == 2
-    assert "invalid choice: 'critic'" in capsys.readouterr().err
+    assert main(["new", "x", "--stage", "critic", "--dir", str(tmp_path / "x")]) == 2
+    assert "Unknown stage 'critic'; allowed: sampling, reward, advantage, loss." in capsys.readouterr().err
+    assert main(["new", "x", "--stage", "advantag", "--dir", str(tmp_path / "x")]) == 2
+    assert "Did you mean 'advantage'" in capsys.readouterr().err
+
+
+def test_new_takes_several_stages(tmp_path, capsys):
+    """A two-stage method: one class with both stages' hooks and options, and both stages' tests."""
+    target = tmp_path / "two"
+    assert main(["new", "two_stage_probe", "--dir", str(target), "--stage", "loss", "--stage", "advantage"]) == 0
+    plugin = (target / "src" / "trl_plugins_two_stage_probe" / "plugin.py").read_text()
+    assert plugin.count("class TwoStageProbePlugin(Plugin)") == 1 and plugin.count("@hookimpl") == 3  # + configure
+    tests = (target / "tests" / "test_two_stage_probe.py").read_text()
+    assert "def test_hook_on_a_hand_made_context_advantage(" in tests
+    assert "def test_hook_on_a_hand_made_context_loss(" in tests
+    assert "['advantage', 'loss']" in tests
+    other = tmp_path / "three"
+    assert main(["new", "three_stage_probe", "--dir", str(other), "--stage", "sampling,reward,loss"]) == 0
+    assert "sampling, reward, loss stages" in (other / "pyproject.toml").read_text()
 
 
 def test_new_defaults_to_the_advantage_stage_in_the_current_directory(tmp_path, monkeypatch, capsys):

@@ -88,9 +88,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_new(args: argparse.Namespace) -> int:
     """Scaffold a third-party plugin package (``trl_plugins.scaffold``)."""
-    from .scaffold import PackageNames, next_steps, scaffold
+    from .scaffold import DEFAULT_STAGE, PackageNames, next_steps, scaffold
 
-    root = scaffold(args.name, args.dir, args.stage)
+    root = scaffold(args.name, args.dir, args.stage or [DEFAULT_STAGE])
     print(next_steps(root, PackageNames.from_name(args.name)))
     return 0
 
@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="Plugin name, e.g. my_method (the package is trl-plugins-my-method).")
     p.add_argument("--dir", default=None, help="Directory to create (default: ./trl-plugins-<name>); new or empty.")
     p.add_argument(
-        "--stage", choices=STAGES, default=DEFAULT_STAGE, help="Stage of the example plugin (default: %(default)s)."
+        "--stage", action="append", metavar="STAGE",
+        help=f"Stage of the example plugin: {', '.join(STAGES)} (default: {DEFAULT_STAGE}). Repeat it (or give "
+        "a comma-separated list) for a method with hooks at several stages: --stage advantage --stage loss.",
     )
     p.set_defaults(func=cmd_new)
     p = sub.add_parser("docs", help="Generate the plugin reference pages (docs/plugins/*.md, docs/hooks.md).")

@@ -128,12 +128,24 @@ def loss_types_text(cls: type, code=lambda s: f"`{s}`") -> str:
     return f"{text} only: {cls.loss_types_reason}" if cls.loss_types and cls.loss_types_reason else text
 
 
+def default_overwrites(cls: type) -> tuple[str, ...]:
+    """The chained quantities a plugin recomputes from scratch with its default options (``Plugin.overwritten``)."""
+    try:
+        return tuple(cls(cls.Options()).overwritten())
+    except Exception:  # a plugin whose defaults cannot be instantiated alone: its class declaration
+        return tuple(cls.overwrites)
+
+
 def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
     """What a plugin replaces, the loss types it runs with and the plugins it refuses, one sentence each (shown on
     its reference page and by ``trl-plugins show``); ``code`` formats a name or value."""
     notes = []
     if cls.replaces:
         notes.append(f"Replaces {'; '.join(cls.replaces)}.")
+    for quantity in default_overwrites(cls):
+        notes.append(f"Recomputes the {quantity} from scratch (with its default options): its hook runs first in the "
+                     f"{quantity} chain whatever its place in `plugins` (a warning says so), and a second plugin "
+                     f"that recomputes the {quantity} is refused.")
     if cls.replaces_surrogate:
         notes.append("Replaces the base surrogate on a token subset: at most one such plugin per stack.")
     notes.append(f"Loss types: {loss_types_text(cls, code)}.")
@@ -271,7 +283,8 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         "",
         "# Compatibility",
         "",
-        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `replaces_surrogate`, `loss_types`; "
+        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `overwrites`, `replaces_surrogate`, "
+        "`loss_types`; "
         "see [writing-a-plugin.md](writing-a-plugin.md)). The trainer enforces every rule below when it is built, "
         "with the reason in the error. `trl-plugins show NAME` prints the same for one plugin, third-party ones "
         "included.",
@@ -288,6 +301,16 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         lines += ["", "At most one plugin per stack may replace the base surrogate, since a token's loss can have only "
                   "one replacement: " + ", ".join(f"`{n}`" for n in replacers) + " (and any plugin whose options make "
                   "it one, see the table below)."]
+    overwriters: dict[str, list[str]] = {}
+    for name, cls in plugins.items():
+        for quantity in default_overwrites(cls):
+            overwriters.setdefault(quantity, []).append(name)
+    for quantity, names in overwriters.items():
+        lines += ["", f"**Recompute the {quantity} from scratch** (`overwrites`; with their default options): "
+                  + ", ".join(f"`{n}`" for n in names) + f". At most one of them per stack (the others' {quantity} "
+                  f"would be discarded), and it runs first in the {quantity} chain whatever its place in `plugins`, "
+                  f"so that plugins listed before it still act on (and read) its {quantity}; a warning says when it "
+                  "was moved."]
     lines += [
         "",
         "Every other combination stacks: plugins on different stages compose, and hooks of one stage chain in the "
