@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if tiny:
         cache = args.cache_dir or cache_root()
         print(f"[1/4] Warm-starting the tiny model (cached under {cache}) ...", flush=True)
-        model, tokenizer = demo_model(cache, settings, verbose=True)
+        model, tokenizer = demo_model(cache, settings, progress=True)
     else:
         print(f"[1/4] Loading {args.model} ...", flush=True)
         model, tokenizer = load_pretrained(args.model)
