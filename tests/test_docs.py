@@ -203,3 +203,23 @@ def test_writing_guide_examples_run():
     namespace = {"__name__": "writing_a_plugin"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"{GUIDE.name}[python block {i}]", "exec"), namespace)
+
+
+def test_testing_kit_page_examples_run(tmp_path):
+    """docs/testing-kit.md: every ```python block runs in one namespace, then every test function it defines passes
+    (with a fresh ``tmp_path`` when it takes one), the example plugin registered by name as a test would."""
+    import inspect
+
+    from trl_plugins.testing import temporary_plugin
+
+    page = DOCS / "testing-kit.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    namespace = {"__name__": "testing_kit_page"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{page.name}[python block {i}]", "exec"), namespace)
+    tests = {name: fn for name, fn in namespace.items() if name.startswith("test_") and callable(fn)}
+    assert len(tests) >= 6, sorted(tests)
+    with temporary_plugin(namespace["ScalePositives"]):
+        for name, fn in tests.items():
+            kwargs = {"tmp_path": tmp_path / name} if "tmp_path" in inspect.signature(fn).parameters else {}
+            fn(**kwargs)

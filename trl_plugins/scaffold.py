@@ -699,7 +699,7 @@ def test_hook_on_a_hand_made_context():
 
     ctx = make_advantage_context([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0], num_generations=4)
     before = ctx.advantages.clone()  # TRL's group-normalised advantages
-    run_hook(NAME, "trl_plugins_transform_advantages", ctx, {NAME: {"positive_scale": 2.0, "negative_scale": 0.5}})
+    run_hook(NAME, "transform_advantages", ctx, options={"positive_scale": 2.0, "negative_scale": 0.5})
     torch.testing.assert_close(ctx.advantages, torch.where(before > 0, 2.0 * before, 0.5 * before))
     assert ctx.metrics[f"plugins/{NAME}/positive_fraction"] == [pytest.approx(4 / 8)]
     assert_group_sizes(ctx)
@@ -747,7 +747,7 @@ def test_hook_on_a_hand_made_context():
     # group 0: one success out of 4 (rate 1/4); group 1: three out of 4 (rate 3/4); column 1 is left alone
     rewards = [[1.0, 7.0], [0.0, 7.0], [0.0, 7.0], [0.0, 7.0], [1.0, 7.0], [1.0, 7.0], [0.0, 7.0], [1.0, 7.0]]
     ctx = make_reward_context(rewards, num_generations=4)
-    run_hook(NAME, "trl_plugins_transform_rewards", ctx, {NAME: {"bonus": 1.0}})
+    run_hook(NAME, "transform_rewards", ctx, options={"bonus": 1.0})
     expected = torch.tensor([1.75, 0.0, 0.0, 0.0, 1.25, 1.25, 0.0, 1.25])
     torch.testing.assert_close(ctx.rewards_per_func[:, 0], expected)
     assert torch.equal(ctx.rewards_per_func[:, 1], torch.full((8,), 7.0))
@@ -802,7 +802,7 @@ def test_hook_on_a_hand_made_context():
     # max_completion_length=4: "abcd" and "wxyz" hit the limit; the stub service answers "ok"
     service = StubGenerationService(respond=lambda prompt, j: "ok")
     ctx = make_rollout_context([["abcd", "ab"], ["a", "wxyz"]], service=service)
-    run_hook(NAME, "trl_plugins_after_generation", ctx, {NAME: {"max_retries": 2}}, max_completion_length=4)
+    run_hook(NAME, "after_generation", ctx, options={"max_retries": 2}, max_completion_length=4)
     assert len(service.calls) == 1  # the second round found nothing left to retry (on any process)
     assert [len(prompts) for prompts in service.calls] == [2]
     assert ctx.changed == {0, 3}
@@ -823,7 +823,7 @@ def test_every_process_calls_the_service_equally():
         texts = [["ab", "ab"]] if rank == 0 else [["abcd", "ab"]]
         ctx = make_rollout_context(texts, service=StubGenerationService(respond=lambda p, j: "ok"),
                                    process_index=rank, gather=gather)
-        run_hook(stack, "trl_plugins_after_generation", ctx)
+        run_hook(stack, "after_generation", ctx)
         return ctx
 
     ranks = run_on_processes(2, process)
@@ -880,7 +880,7 @@ def test_hook_on_a_hand_made_context():
     entropies = torch.tensor([[1.0, 3.0, 2.0], [2.0, 2.0, 2.0]])  # mean 2
     ctx = make_loss_context(shape=(2, 3), entropies=entropies)
     base = loss_from_context(ctx)
-    run_hook(NAME, "trl_plugins_loss", ctx, {NAME: {"power": 2.0, "max_weight": 2.0}})
+    run_hook(NAME, "loss", ctx, options={"power": 2.0, "max_weight": 2.0})
     (weights,) = ctx.token_weights
     torch.testing.assert_close(weights, torch.tensor([[0.25, 2.0, 1.0], [1.0, 1.0, 1.0]]))  # 2.25 clamped to 2
     expected = (ctx.per_token_loss * weights * ctx.mask).sum() / ctx.mask.sum()  # loss_type="dapo"
