@@ -96,10 +96,12 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    """Regenerate (or, with --check, verify) the plugin reference pages (``trl_plugins.docs``)."""
+    """Regenerate (or, with --check, verify) the reference pages (``trl_plugins.docs``); ``--plugin NAME``: the page
+    of one installed plugin, e.g. a third-party one, for its own repository."""
     from .docs import main as docs_main
 
-    return docs_main((["--out", args.out] if args.out else []) + (["--check"] if args.check else []))
+    plugins = [arg for name in args.plugin or [] for arg in ("--plugin", name)]
+    return docs_main((["--out", args.out] if args.out else []) + (["--check"] if args.check else []) + plugins)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("docs", help="Generate the plugin reference pages (docs/plugins/*.md, docs/hooks.md).")
     p.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")
     p.add_argument("--check", action="store_true", help="Only check that the pages are up to date (exit 1 if not).")
+    p.add_argument("--plugin", action="append", metavar="NAME",
+                   help="Only the reference page of this installed plugin, third-party ones included, written to "
+                   "OUT/plugins/NAME.md (OUT default ./docs); repeatable.")
     p.set_defaults(func=cmd_docs)
     return parser
 

@@ -157,8 +157,9 @@ def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ pages
-def plugin_page(cls: type) -> str:
-    """The Markdown reference page of one plugin class."""
+def plugin_page(cls: type, builtin: bool = True) -> str:
+    """The Markdown reference page of one plugin class (``builtin=False``: a third-party plugin's page, without the
+    links to this project's other pages)."""
     from .hookspecs import HOOK_STAGES
 
     lines = [GENERATED, "", f"# `{cls.name}`", ""]
@@ -197,8 +198,8 @@ def plugin_page(cls: type) -> str:
         notes.append("Uses chunked LM-head statistics (`ctx.head_stats()`); the full (B, T, V) logits are never "
                      "materialised.")
     notes += stacking_notes(cls)
-    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`. "
-                 "All plugins: [compatibility](../compatibility.md).")
+    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`."
+                 + (" All plugins: [compatibility](../compatibility.md)." if builtin else ""))
     lines += [f"- {n}" for n in notes] + [""]
     infos = cls.Options.describe()
     lines += ["## Options", ""]
@@ -425,9 +426,8 @@ def _generated_on_disk(out: Path) -> set[str]:
     return found
 
 
-def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone."""
-    pages = render_all() if pages is None else pages
+def check_pages(out: Path, pages: Mapping[str, str]) -> list[str]:
+    """Problems with ``pages`` under ``out``: missing or different."""
     problems = []
     for rel, text in pages.items():
         path = out / rel
@@ -435,14 +435,11 @@ def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
             problems.append(f"{rel} is missing")
         elif path.read_text(encoding="utf-8") != text:
             problems.append(f"{rel} is out of date")
-    for rel in sorted(_generated_on_disk(out) - set(pages)):
-        problems.append(f"{rel} is stale (no such plugin any more)")
     return problems
 
 
-def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Write the pages under ``out`` and delete stale generated ones; returns the paths changed."""
-    pages = render_all() if pages is None else pages
+def write_pages(out: Path, pages: Mapping[str, str]) -> list[str]:
+    """Write ``pages`` under ``out`` (those that changed); returns their paths."""
     changed = []
     for rel, text in pages.items():
         path = out / rel
@@ -451,17 +448,59 @@ def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         changed.append(rel)
+    return changed
+
+
+def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone."""
+    pages = render_all() if pages is None else pages
+    problems = check_pages(out, pages)
+    for rel in sorted(_generated_on_disk(out) - set(pages)):
+        problems.append(f"{rel} is stale (no such plugin any more)")
+    return problems
+
+
+def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
+    """Write the pages under ``out`` and delete stale generated ones; returns the paths changed."""
+    pages = render_all() if pages is None else pages
+    changed = write_pages(out, pages)
     for rel in sorted(_generated_on_disk(out) - set(pages)):
         (out / rel).unlink()
         changed.append(rel)
     return changed
 
 
+def plugin_pages(names: list[str]) -> dict[str, str]:
+    """``plugins/<name>.md`` -> page for any available plugins by name (third-party ones included)."""
+    from .manager import get_plugin_class
+
+    pages = {}
+    for name in names:
+        cls = get_plugin_class(name)
+        pages[f"plugins/{cls.name}.md"] = plugin_page(cls, builtin=cls.distribution() == "trl-plugins (built-in)")
+    return pages
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_plugins.docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")
+    parser.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/; with "
+                        "--plugin: ./docs).")
     parser.add_argument("--check", action="store_true", help="Only check; exit 1 when a page is not up to date.")
+    parser.add_argument("--plugin", action="append", default=None, metavar="NAME",
+                        help="Only the reference page of this installed plugin (third-party ones too), written to "
+                        "OUT/plugins/NAME.md; repeatable.")
     args = parser.parse_args(argv)
+    if args.plugin:
+        out = Path(args.out) if args.out else Path.cwd() / "docs"
+        pages = plugin_pages(args.plugin)
+        if args.check:
+            problems = check_pages(out, pages)
+            for p in problems:
+                print(f"{out}/{p}")
+            return 1 if problems else 0
+        write_pages(out, pages)
+        print("\n".join(f"Wrote {out / rel}" for rel in pages))
+        return 0
     out = Path(args.out) if args.out else docs_dir()
     if args.check:
         problems = check(out)
