@@ -149,6 +149,7 @@ class DiscoPlugin(Plugin):
     paper = "DisCO: Reinforcing Large Reasoning Models with Discriminative Constrained Optimization, arXiv:2505.12366"
     summary = "Unclipped discriminative score objective (positives up, negatives down) with a squared-hinge KL."
     Options = DiscoOptions
+    claim_metric = ("mixed_group_fraction", "groups with both signs")
     replaces = (
         "the advantages (DisCO sequence weights)",
         "the base surrogate on on-policy tokens (the score objective)",

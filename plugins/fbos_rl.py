@@ -335,6 +335,7 @@ class FbosRlPlugin(Plugin):
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
+    claim_metric = ("rescued_group_fraction", "groups rescued by the feedback round")
     replaces = (
         "part of each group's completions (feedback-guided round 2)",
         "the advantages (EPA / ECC normalisation)",

@@ -175,6 +175,7 @@ class HintScaffoldPlugin(Plugin):
     )
     summary = "All-fail groups are re-generated with growing hints: solution prefixes (GHPO) or tiered hints (Scaf-GRPO)."
     Options = HintScaffoldOptions
+    claim_metric = ("rescued_group_fraction", "all-fail groups rescued by hints")
     replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = (
         (

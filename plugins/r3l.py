@@ -311,6 +311,7 @@ class R3LPlugin(Plugin):
     )
     summary = "Half the group reflects on a first attempt and retries with the guidance; retries distilled unguided."
     Options = R3LOptions
+    claim_metric = ("retry_improved_fraction", "retries that beat the first attempt")
     replaces = (
         "half of each group's completions (reflect-and-retry)",
         "the advantages",

@@ -185,6 +185,7 @@ class RiskPOPlugin(Plugin):
     paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training, arXiv:2510.00911"
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
+    claim_metric = ("abs_advantage", "mean |advantage| (risk-weighted)")
     replaces = ("the advantages",)
     overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
     reconstructed = (

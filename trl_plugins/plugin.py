@@ -46,6 +46,10 @@ class Plugin:
         loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
+        claim_metric: ``(metric, what it measures)``: the plugin's headline metric (a name it logs with
+            ``ctx.log_metric``, without the ``plugins/<name>/`` prefix), the quantity its paper's claim is about.
+            Shown in the console's progress bar and summary and in ``trl-plugins compare`` tables; empty: the
+            first metric the plugin logs.
     """
 
     name: ClassVar[str] = ""
@@ -62,6 +66,7 @@ class Plugin:
     loss_types: ClassVar[tuple[str, ...]] = ()
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
+    claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
