@@ -1,4 +1,5 @@
-"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``, ``new NAME``, ``docs``."""
+"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``, ``compare``, ``new NAME``,
+``docs``."""
 
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import main as compare_main
+
+    return compare_main(args.compare_args)
+
+
 def cmd_new(args: argparse.Namespace) -> int:
     """Scaffold a third-party plugin package (``trl_plugins.scaffold``)."""
     from .scaffold import DEFAULT_STAGE, PackageNames, next_steps, scaffold
@@ -121,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Warm-start a tiny model offline, train it with GRPO + plugins on CPU.")
     p.add_argument("demo_args", nargs=argparse.REMAINDER, help="Options of the demo (see `trl-plugins demo --help`).")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("compare", help="Train plugin stacks at an equal rollout budget on your config (or --demo) "
+                       "and compare their held-out scores (table, plots, JSON; resumable).")
+    p.add_argument("compare_args", nargs=argparse.REMAINDER,
+                   help="Config and options of the comparison (see `trl-plugins compare --help`).")
+    p.set_defaults(func=cmd_compare)
     from .scaffold import DEFAULT_STAGE, STAGES
 
     p = sub.add_parser(
@@ -147,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # `demo` and `train` forward their own --options to the demo's parser / TRL's parser
-    if argv and argv[0] in ("demo", "train"):
+    # `demo`, `compare` and `train` forward their own --options to the demo's / comparison's / TRL's parser
+    if argv and argv[0] in ("demo", "train", "compare"):
         args, rest = parser.parse_known_args(argv[:2] if argv[0] == "train" else argv[:1])
         if argv[0] == "demo":
             args.demo_args = argv[1:]
+        elif argv[0] == "compare":
+            args.compare_args = argv[1:]
         else:
             args.overrides = argv[2:]
     else:

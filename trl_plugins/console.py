@@ -50,8 +50,9 @@ class ConsoleCallback(TrainerCallback):
     """The progress bar, log file and closing summary of :func:`install` (main process only)."""
 
     def __init__(self, heads: list[tuple[str, str]], log_file: Path | None, verbose: bool = False,
-                 desc: str = "training"):
+                 desc: str = "training", summary: bool = True, leave: bool = True):
         self.heads = list(heads)
+        self.print_summary, self.leave = summary, leave
         self.log_file = log_file
         self.verbose = verbose
         self.desc = desc
@@ -76,7 +77,7 @@ class ConsoleCallback(TrainerCallback):
         from tqdm.auto import tqdm
 
         self.start = time.perf_counter()
-        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True, leave=self.leave)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -107,7 +108,7 @@ class ConsoleCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and self.print_summary:
             print(self.summary(state.global_step), flush=True)
 
     def summary(self, steps: int) -> str:
@@ -133,17 +134,19 @@ def table(rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
-def install(trainer: Any, verbose: bool = False, log_file: str | Path | None = None,
-            desc: str = "training") -> ConsoleCallback:
+def install(trainer: Any, verbose: bool = False, log_file: str | Path | None = None, desc: str = "training",
+            summary: bool = True, leave: bool = True) -> ConsoleCallback:
     """Give ``trainer`` the readable console output; returns the callback (its :meth:`ConsoleCallback.summary`).
 
     ``log_file`` defaults to ``<output_dir>/metrics.jsonl``. TRL's own progress bar and metric printing are
-    removed; its loggers (``report_to``) are untouched.
+    removed; its loggers (``report_to``) are untouched. ``summary=False`` skips the closing table and
+    ``leave=False`` clears the bar when training ends (``trl-plugins compare`` runs many trainings under one bar).
     """
     plugins = list(getattr(trainer, "plugin_stack", None) or [])
     names = list(getattr(trainer, "reward_func_names", []) or [])
     path = Path(log_file) if log_file is not None else Path(trainer.args.output_dir) / LOG_FILE_NAME
-    callback = ConsoleCallback(headline_metrics(plugins, names), path, verbose=verbose, desc=desc)
+    callback = ConsoleCallback(headline_metrics(plugins, names), path, verbose=verbose, desc=desc, summary=summary,
+                               leave=leave)
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(callback)
