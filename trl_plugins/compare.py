@@ -51,7 +51,8 @@ def parse_stack(text: str) -> list[str]:
     return [] if names == ["grpo"] else names
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``trl-plugins compare`` (also rendered in ``docs/configuration.md``)."""
     p = argparse.ArgumentParser(prog="trl-plugins compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="The YAML file of `trl-plugins train` (not with --demo).")
@@ -60,8 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stacks", nargs="+", default=None, help="Stacks to compare: 'grpo' (no plugins) or plugin "
                    "names joined by ',' (default with --demo: %s)." % " ".join(DEMO_STACKS))
     p.add_argument("--seeds", type=int, default=None, help="Runs per stack, seeds 0..N-1 (default 3; --demo 2).")
-    p.add_argument("--rollouts", type=int, default=None, help="Policy rollouts per run (default: 40 vanilla "
-                   "steps' worth; --demo 10).")
+    p.add_argument("--rollouts", type=int, default=None, help="Policy rollouts per run (default: the rollouts of 40 "
+                   "vanilla GRPO steps; --demo: of 10).")
     p.add_argument("--eval-every", type=int, default=None, help="Rollouts between held-out evaluations "
                    "(default: a quarter of --rollouts).")
     p.add_argument("--eval-size", type=int, default=64, help="Held-out prompts (default %(default)s).")
@@ -74,6 +75,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="runs/compare", help="Where the table, plots, JSON and runs go.")
     p.add_argument("--fresh", action="store_true", help="Redo finished runs instead of reusing them.")
     p.add_argument("--verbose", action="store_true", help="Print every step's whole metrics dict.")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.demo == bool(args.config):
         p.error("give a config file or --demo (one of the two)")

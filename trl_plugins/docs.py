@@ -8,7 +8,9 @@ Writes, under the checkout's ``docs/`` (or ``--out``):
 * ``plugins/index.md``: the catalogue table;
 * ``compatibility.md``: which plugins refuse to be stacked and why, what each replaces, which loss types each runs
   with (from ``conflicts_with``, ``replaces``, ``replaces_surrogate`` and ``loss_types``);
-* ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods).
+* ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods);
+* ``configuration.md``: every field, command-line option and environment variable trl-plugins adds, and every
+  plugin option.
 
 ``--check`` writes nothing and exits 1 when a page is missing, different or stale (``tests/test_docs.py`` does
 the same in memory), so the pages never drift from the code: regenerate them whenever a plugin, a hook spec
@@ -407,6 +409,82 @@ def hooks_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _field_rows(cls: type, only: set[str] | None = None) -> list[str]:
+    import dataclasses
+    import typing
+
+    from .options import _type_name
+
+    hints = typing.get_type_hints(cls)
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kind = _type_name(hints[f.name])
+        rows.append(f"| `{f.name}` | {_cell(kind)} | {_code(default)} | {_cell(f.metadata.get('help', ''))} |")
+    return rows
+
+
+def _argparse_rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = ["| option | default | description |", "|---|---|---|"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = "-" if action.default in (None, False, argparse.SUPPRESS) else _code(action.default)
+        text = (action.help or "").replace("%(default)s", str(action.default))
+        rows.append(f"| `{', '.join(action.option_strings)}` | {default} | {_cell(text)} |")
+    return rows
+
+
+def configuration_page(plugins: Mapping[str, type]) -> str:
+    """Every setting trl-plugins adds, from the code: the YAML / command-line fields of ``trl-plugins train`` and
+    ``compare``, ``PluginGRPOConfig``'s own fields, the environment variables, and every built-in plugin's
+    options (linked to its page)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from . import compare, manager, models
+    from .config import PluginGRPOConfig
+    from .train import TrainScriptArguments
+
+    own = {f.name for f in dataclasses.fields(PluginGRPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    lines = [
+        GENERATED, "", "# Configuration reference", "",
+        "Everything trl-plugins adds to TRL's settings, generated from the code. A `trl-plugins train` YAML file (or "
+        "`--field value` on its command line) holds these fields together with every field of TRL's `GRPOConfig` and "
+        "`ModelConfig` (model path, LoRA, 4-bit quantisation: see TRL's documentation); "
+        "`PluginGRPOConfig(...)` takes the same fields in Python. `trl-plugins train CONFIG --help` lists them all.",
+        "", "## `PluginGRPOConfig`: the plugin fields", "",
+        *_field_rows(PluginGRPOConfig, own), "",
+        "`plugin_config` on the command line is one JSON object: "
+        "`--plugins hint_scaffold lp_reg --plugin_config '{\"lp_reg\": {\"kappa\": 0.05}}'`.", "",
+        "## `trl-plugins train`: data and rewards", "",
+        *_field_rows(TrainScriptArguments), "",
+        "## `trl-plugins compare`", "",
+        "`trl-plugins compare CONFIG --stacks ...` takes the YAML of `trl-plugins train` (its `plugins` are replaced by "
+        "each stack) and these options:", "",
+        *_argparse_rows(compare.build_parser()), "",
+        "## Environment variables", "",
+        "| variable | effect |", "|---|---|",
+        f"| `{manager.DISABLE_AUTOLOAD_ENV}` | `1` / `true` / `yes` / `on`: load no entry-point (third-party) plugins. |",
+        f"| `{manager.LOAD_ENV}` | `a,b`: load only these entry-point plugins (built-ins stay available). |",
+        f"| `{models.CACHE_ENV}` | Cache folder of `builtin:tiny` and `builtin:smollm2` (default "
+        "`$XDG_CACHE_HOME/trl-plugins`, else `~/.cache/trl-plugins`). |",
+        "", "## Plugin options", "",
+        "Set under `plugin_config: {NAME: {...}}`; unknown keys, wrong types and out-of-range values are refused when "
+        "the config is built. Each plugin's page has the help text of every option.", "",
+        "| plugin | option | type | default | allowed |", "|---|---|---|---|---|",
+    ]
+    for name, cls in plugins.items():
+        for info in cls.Options.describe():
+            lines.append(f"| [`{name}`](plugins/{name}.md) | `{info.name}` | {_cell(info.type)} | "
+                         f"{_code(info.default)} | {_allowed(info)} |")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     """Every generated page, path relative to the docs directory -> text (nothing is written)."""
     plugins = builtin_plugins() if plugins is None else dict(plugins)
@@ -414,13 +492,15 @@ def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     pages["plugins/index.md"] = index_page(plugins)
     pages["compatibility.md"] = compatibility_page(plugins)
     pages["hooks.md"] = hooks_page()
+    pages["configuration.md"] = configuration_page(plugins)
     return pages
 
 
 def _generated_on_disk(out: Path) -> set[str]:
     """Relative paths of generated pages present under ``out`` (recognised by their first line)."""
     found = set()
-    for path in [out / "hooks.md", out / "compatibility.md", *sorted((out / "plugins").glob("*.md"))]:
+    for path in [out / "hooks.md", out / "compatibility.md", out / "configuration.md",
+                 *sorted((out / "plugins").glob("*.md"))]:
         if path.is_file() and path.read_text(encoding="utf-8").startswith(GENERATED):
             found.add(path.relative_to(out).as_posix())
     return found
