@@ -35,9 +35,14 @@ for kind in wheel sdist; do
     venv="$work/venv-$kind"
     echo "== install the $kind into a fresh virtual environment ($venv)"
     "$PYTHON" -m venv --system-site-packages "$venv"
-    if [ "$kind" = wheel ]; then artefact=$(ls "$work"/dist/*.whl); else artefact=$(ls "$work"/dist/*.tar.gz); fi
+    if [ "$kind" = wheel ]; then
+        artefact=$(ls "$work"/dist/*.whl)
+    else  # the sdist must build on its own: a wheel is made from it (offline, this environment's setuptools)
+        "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$work/from-sdist" "$work"/dist/*.tar.gz
+        artefact=$(ls "$work"/from-sdist/*.whl)
+    fi
     # --force-reinstall: this environment may have trl-plugins installed (e.g. editable); the venv gets its own
-    "$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --force-reinstall "$artefact"
+    "$venv/bin/python" -m pip install -q --no-index --no-deps --force-reinstall "$artefact"
     (cd "$work" && "$venv/bin/python" "$ROOT/scripts/check_release_contents.py" --installed "$venv")
     (cd "$work" && "$venv/bin/trl-plugins" list | tee "$work/list-$kind.txt")
     grep -q "^lp_reg " "$work/list-$kind.txt"
