@@ -337,7 +337,7 @@ def overwriters_first(plugins: list[Plugin]) -> dict[str, set[int]]:
         if before:
             warnings.warn(
                 f"Plugin {owner.name!r} recomputes the {quantity} from scratch, so it runs first in the {quantity} "
-                f"chain (before {', '.join(repr(n) for n in before)}, which come earlier in plugins=" 
+                f"chain (before {', '.join(repr(n) for n in before)}, which come earlier in plugins="
                 f"{[p.name for p in plugins]}); otherwise their work on the {quantity} would be discarded. Put "
                 f"{owner.name!r} first in `plugins` to silence this warning.",
                 UserWarning,
