@@ -5,7 +5,7 @@
 #   scripts/check_release.sh                 # the demo with 2 GRPO steps (exit 1 "accuracy did not rise" accepted)
 #   scripts/check_release.sh --full-demo     # the README's demo as it is (a few minutes on a CPU)
 #
-# Needs `build` and `twine` (pip install build twine). Offline: the packages are built without build isolation
+# Needs `build`, `twine`, `wheel` and setuptools >= 68 (the dev extras have them). Offline: the packages are built without build isolation
 # (setuptools from this environment) and the fresh environments see this environment's packages
 # (--system-site-packages) for the dependencies (torch, trl, ...), which are checked against the wheel's
 # requirements; trl-plugins itself is installed from the built files with `pip install --no-index`, so nothing is
@@ -46,6 +46,8 @@ for kind in wheel sdist; do
     (cd "$work" && "$venv/bin/python" "$ROOT/scripts/check_release_contents.py" --installed "$venv")
     (cd "$work" && "$venv/bin/trl-plugins" list | tee "$work/list-$kind.txt")
     grep -q "^lp_reg " "$work/list-$kind.txt"
+    # the documentation the CLI prints comes from the installed modules
+    (cd "$work" && "$venv/bin/trl-plugins" show lp_reg | grep -q "^Method:")
 done
 
 echo "== the README's demo, from the wheel's environment"

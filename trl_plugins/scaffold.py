@@ -310,6 +310,7 @@ trainer = PluginGRPOTrainer(model=..., reward_funcs=..., args=args, train_datase
 - Give every option a `help` text, and mark details the paper does not state with `reconstructed=True`.
 - Keep a neutral setting (the method switched off) and its test against `trl.GRPOTrainer`
   (`assert_reduces_to_vanilla` in `tests/test_${name}.py`).
+- `trl-plugins docs --plugin ${name}` writes its reference page (`docs/plugins/${name}.md`) from the code.
 - `python -m build` then `twine upload dist/*`.
 '''
 
