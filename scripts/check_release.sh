@@ -47,7 +47,8 @@ for kind in wheel sdist; do
     (cd "$work" && "$venv/bin/trl-plugins" list | tee "$work/list-$kind.txt")
     grep -q "^lp_reg " "$work/list-$kind.txt"
     # the documentation the CLI prints comes from the installed modules
-    (cd "$work" && "$venv/bin/trl-plugins" show lp_reg | grep -q "^Method:")
+    (cd "$work" && "$venv/bin/trl-plugins" show lp_reg > "$work/show-$kind.txt")
+    grep -q "^Method:" "$work/show-$kind.txt"
 done
 
 echo "== the README's demo, from the wheel's environment"
