@@ -146,21 +146,24 @@ def _stacks(urls):
              "seed_grpo": {"function": "exponential"}, "riskpo": {"bundle_size": 2}},
             {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["critic", "judge"],
         ),
-        # advantage plugins before fbos_rl, which re-centres their advantages per sub-group
+        # advantage plugins before fbos_rl, which re-centres their advantages per sub-group. G=4: fbos_rl splits
+        # each group into G1 = G/2 rows under x and G/2 feedback rows and centres within each; with G=2 both
+        # sub-groups have one row, whose centred advantage is 0 by construction (no gradient at all)
         "fbos_rl+llds+empo+dagrpo+hicra": (
             ["empo", "dagrpo", "hicra", "llds", "fbos_rl"],
             {"fbos_rl": {"feedback": "judge", "judge": "endpoint", "judge_base_url": urls["feedback"],
                          "judge_max_retries": 1, "advantage": "recentre"},
-             # a G=2 group of two failed rollouts is one low-distinctiveness pair: delta 0.1 masks it (no gradient)
              # dagrpo's anchors would give every all-fail group a success before fbos_rl's feedback round
              "dagrpo": {"delta": 0.0, "anchors": False}},
-            {"loss_type": "grpo"}, ["feedback"],
+            {"loss_type": "grpo", "num_generations": 4}, ["feedback"],
         ),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
+        # one step stores the step's successes (a replay needs a later step of the same prompt: tests/plugins)
+        "replay": (["replay"], {"replay": {"replay_tokens": "offpolicy"}}, {"loss_type": "dr_grpo"}, []),
     }
 
 
@@ -175,12 +178,8 @@ def test_the_stacks_cover_every_builtin_plugin():
 @pytest.mark.parametrize("stack", ["hint_scaffold+cure+canon+lp_reg+length_shaping",
                                    "scope+posterior_grpo+siren+disco",
                                    "critique_grpo+ruscarl+kl_cov+adaptive_sampler+riskpo+seed_grpo",
-                                   pytest.param("fbos_rl+llds+empo+dagrpo+hicra", marks=pytest.mark.xfail(
-                                       strict=False, reason="since success is decided on the verifier column, the "
-                                       "all-fail G=2 groups of this stack end with zero advantages (loss and gradient "
-                                       "0) and the adapters do not move; suspects: fbos_rl advantage='recentre' on size-1 "
-                                       "sub-groups (G=2) and dagrpo's pair scores")),
-                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+                                   "fbos_rl+llds+empo+dagrpo+hicra",
+                                   "r3l+gtpo+steer+rlpr+clip_cov", "replay"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
