@@ -233,6 +233,7 @@ class AdaptiveSamplerPlugin(Plugin):
     )
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
+    claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
     reconstructed = (
         "how VPS weighting, domain weights and pruning combine into one probability (see the module docstring)",

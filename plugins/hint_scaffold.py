@@ -349,6 +349,7 @@ class HintScaffoldPlugin(Plugin):
     summary = ("All-fail groups re-generated with growing hints (GHPO, Scaf-GRPO tiers), or per-problem fitted hint "
                "lengths (SEELE).")
     Options = HintScaffoldOptions
+    claim_metric = ("rescued_group_fraction", "all-fail groups rescued by hints")
     replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = (
         (

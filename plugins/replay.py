@@ -193,6 +193,7 @@ class ReplayPlugin(Plugin):
     )
     summary = "Keeps each prompt's latest successes and splices one into a later group of that prompt that all failed."
     Options = ReplayOptions
+    claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
     reconstructed = (
         "the slot that receives the replay (replace_index) and pick='random'",

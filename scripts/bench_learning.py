@@ -45,7 +45,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 
+from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
+from trl_plugins.equal_budget import mean_std as _mean_std  # noqa: E402
+from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
+from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
+
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
+# Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
+# within its sub-groups instead of recomputing them too (two plugins that both recompute one quantity are refused).
+STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"advantage": "recentre"}}}
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
@@ -75,6 +83,7 @@ def method_settings(method: str, real_model: bool = False) -> tuple[list[str], d
         opts, over = LEARNING_SETTINGS.get(name, bc.PLUGIN_SETTINGS.get(name, ({}, {})))
         if real_model and name in bc.REAL_MODEL_PLUGIN_SETTINGS:
             opts, over = bc.REAL_MODEL_PLUGIN_SETTINGS[name]
+        opts = {**opts, **STACK_OPTIONS.get(method, {}).get(name, {})}
         if opts:
             options[name] = dict(opts)
         overrides.update(over)
@@ -126,19 +135,10 @@ def run_one(job: dict) -> dict:
         seed=seed, max_steps=max_steps, peft_config=peft_config, **overrides,
     )
     G = trainer.num_generations
-    counts = {"rollouts": 0}
+    counts = count_policy_rollouts(trainer)
     per_step: list[dict] = []
     pending: dict = {}
 
-    original_single_turn = trainer._generate_single_turn
-
-    def counting_single_turn(*args, **kwargs):
-        out = original_single_turn(*args, **kwargs)
-        if trainer.model.training:
-            counts["rollouts"] += len(out[0])
-        return out
-
-    trainer._generate_single_turn = counting_single_turn
     original_rewards = trainer._calculate_rewards
 
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
@@ -219,39 +219,6 @@ def _worker(job: dict) -> tuple[str, int, float, str | None]:
 
 
 # ------------------------------------------------------------------------------------------------ analysis
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v == v]
-    if not vals:
-        return float("nan"), float("nan")
-    m = sum(vals) / len(vals)
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
-    return m, sd
-
-
-def rollouts_to_target(evals: list[dict], base_acc: float, target: float) -> float:
-    """Rollouts at which held-out accuracy first reaches ``target`` (linear interpolation); nan if never."""
-    prev_r, prev_a = 0, base_acc
-    if base_acc >= target:
-        return 0.0
-    for e in evals:
-        if e["accuracy"] >= target:
-            if e["accuracy"] == prev_a:
-                return float(e["rollouts"])
-            return prev_r + (target - prev_a) * (e["rollouts"] - prev_r) / (e["accuracy"] - prev_a)
-        prev_r, prev_a = e["rollouts"], e["accuracy"]
-    return float("nan")
-
-
-def _tail_mean(per_step: list[dict], key: str, n: int = 5) -> float:
-    vals = [r[key] for r in per_step if key in r and r[key] == r[key]]
-    return sum(vals[-n:]) / len(vals[-n:]) if vals else float("nan")
-
-
-def _run_mean(per_step: list[dict], key: str) -> float:
-    vals = [r[key] for r in per_step if key in r and r[key] == r[key]]
-    return sum(vals) / len(vals) if vals else float("nan")
 
 
 # What each paper claims, and the per-step quantity that measures it here.

@@ -128,21 +128,23 @@ def _stacks(urls):
         ),
         # the recommended scope stack, with PRM and teacher endpoints; DisCO trains only on groups that hold a
         # correct rollout, which the 135M policy rarely writes but scope's teacher-corrected rollouts are
-        "scope+posterior_grpo+siren+riskpo+disco": (
-            ["scope", "posterior_grpo", "siren", "riskpo", "disco"],
+        # (riskpo is not here: it and disco both recompute the advantages, so the stack refuses them together)
+        "scope+posterior_grpo+siren+disco": (
+            ["scope", "posterior_grpo", "siren", "disco"],
             {"scope": {**prm, "mode": "teacher_suffix", "teacher": "endpoint", "teacher_base_url": urls["teacher"],
                        "teacher_max_retries": 1, "min_prefix_steps": 0},
-             "posterior_grpo": dict(prm), "riskpo": {"bundle_size": 2}},
+             "posterior_grpo": dict(prm)},
             {"loss_type": "grpo", "scale_rewards": "none"}, ["prm", "teacher"],
         ),
-        # the recommended ruscarl + kl_cov, with a rubric judge endpoint and a critic endpoint
-        "critique_grpo+ruscarl+kl_cov+adaptive_sampler+seed_grpo": (
-            ["critique_grpo", "ruscarl", "kl_cov", "adaptive_sampler", "seed_grpo"],
+        # the recommended ruscarl + kl_cov, with a rubric judge endpoint and a critic endpoint; riskpo recomputes the
+        # advantages first, seed_grpo then scales them
+        "critique_grpo+ruscarl+kl_cov+adaptive_sampler+riskpo+seed_grpo": (
+            ["critique_grpo", "ruscarl", "kl_cov", "adaptive_sampler", "riskpo", "seed_grpo"],
             {"critique_grpo": {"critique_type": "text", "critic": "endpoint", "critic_base_url": urls["critic"],
                                "critic_max_retries": 1},
              "ruscarl": {"judge_base_url": urls["judge"], "judge_max_retries": 1}, "kl_cov": {"ratio": 0.1},
              # linear 1 - H/H_max is 0 when both answers of a G=2 group differ (maximal entropy): no gradient at all
-             "seed_grpo": {"function": "exponential"}},
+             "seed_grpo": {"function": "exponential"}, "riskpo": {"bundle_size": 2}},
             {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["critic", "judge"],
         ),
         # advantage plugins before fbos_rl, which re-centres their advantages per sub-group. G=4: fbos_rl splits
