@@ -152,6 +152,7 @@ def replaced_slots(failed: list[int], k: int, generator: torch.Generator) -> lis
 # ============================================================================================= plugin
 class AmpoPlugin(Plugin):
     """Multi-teacher guidance for failing groups, most comprehensible solutions first (sampling stage)."""
+    claim_metric = ("guided_group_fraction", "groups guided by teacher solutions")
 
     name = "ampo"
     version = "0.1.0"

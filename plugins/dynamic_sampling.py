@@ -60,6 +60,7 @@ class DynamicSamplingOptions(SuccessOptions):
 
 
 class DynamicSamplingPlugin(Plugin):
+    claim_metric = ("filtered_fraction", "groups filtered out and refilled")
     name = "dynamic_sampling"
     paper = "DAPO dynamic sampling, arXiv:2503.14476"
     summary = "Reject all-correct / all-wrong (zero-variance) groups and refill the batch within the step."

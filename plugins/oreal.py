@@ -165,12 +165,17 @@ def oreal_token_loss(
 # ============================================================================================= plugin
 class OrealPlugin(Plugin):
     """Behaviour cloning on positives, reshaped rewards on negatives, one pair per mixed group (advantage, loss)."""
+    claim_metric = ("positive_fraction", "kept rows that are correct")
 
     name = "oreal"
     version = "0.1.0"
     paper = "Exploring the Limit of Outcome Reward for Learning Mathematical Reasoning (OREAL), arXiv:2502.06781"
     summary = "Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering."
     Options = OrealOptions
+
+    def overwritten(self) -> tuple[str, ...]:
+        # baseline 'rloo' / 'zscore' recompute the advantages from the verdicts; 'trl' keeps the incoming ones
+        return () if self.options.baseline == "trl" else ("advantages",)
     replaces_surrogate = True
     replaces = ("the advantages (leave-one-out on +-1 rewards)", "the base surrogate on every loss token")
 

@@ -123,6 +123,7 @@ def is_demonstration(value: Any) -> bool:
 # ============================================================================================= plugin
 class RlPlusPlugin(Plugin):
     """Demonstrations in every group, trained with MIS and the Exploration-Based Advantage (sampling, loss)."""
+    claim_metric = ("demonstration_success_rate", "demonstrations that pass the verifier")
 
     name = "rl_plus"
     version = "0.1.0"
