@@ -481,6 +481,16 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         """(N, T_max) loss mask of all rows, padded across processes (collective)."""
         return self._service("completion_mask")()
 
+    def reference_logprobs(self) -> torch.Tensor:
+        """(B, T) no-grad log-probs of this process's completion tokens under the **reference policy** (cached).
+
+        Only for plugins declaring ``needs_reference_model = True``. The trainer takes them from TRL's reference
+        forward when ``beta != 0`` (no extra cost); otherwise it runs one forward: the PEFT model with its adapter
+        switched off (TRL's own rule: the ``"ref"`` adapter when the model has one), or a frozen copy of the initial
+        policy that the trainer keeps for full fine-tuning. Temperature applied as in TRL's log-probs.
+        """
+        return self._service("reference_logprobs")()
+
     def set_local_extra(self, name: str, tensor: torch.Tensor) -> None:
         """Attach a (B, ...) tensor for this process's rows only (e.g. per-token proxy log-probs (B, T))."""
         self.local_extras[name] = tensor

@@ -56,6 +56,7 @@ from .data_checks import check_training_dataset
 from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
+from .reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .rewards_guard import check_reward_columns, guard_reward_funcs
@@ -128,6 +129,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
         stack.check_loss_type(self.loss_type)
+        #: Frozen copy of the initial policy for plugins needing the reference (full fine-tuning with beta=0 only).
+        self._reference_copy = None
+        if needs_reference_copy(self, list(stack)):
+            self._reference_copy = frozen_reference_copy(self, list(stack))
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -604,6 +609,7 @@ class PluginGRPOTrainer(GRPOTrainer):
                 self.plugin_services,
                 policy_stats=functools.partial(self._policy_stats, output),
                 completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
+                reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
             ),
         )
         self.plugin_stack.call("trl_plugins_transform_advantages", ctx)
