@@ -56,6 +56,8 @@ from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
 
 from .clip_cov import ENTROPY_PICK_ONE
 
+#: Plugins that compute the advantages from scratch: HAPO's token-level advantage is refused together with them.
+ADVANTAGE_ESTIMATORS = ("canon", "prl", "riskpo")
 ADVANTAGE_PICK_ONE = (
     "both compute the advantages from scratch (the later one would silently discard the other's); pick one advantage "
     "estimator"
@@ -221,15 +223,15 @@ class HapoPlugin(Plugin):
     summary = "Token-level group advantages, entropy-adaptive asymmetric clipping and advantage redistribution."
     Options = HapoOptions
     replaces = (
-        "the advantages (token-level group average)",
+        "the advantages (token-level group average; with token_level_advantage=true, refused then together with "
+        f"{', '.join(ADVANTAGE_ESTIMATORS)})",
         "the base surrogate on on-policy tokens (per-token clip ranges, redistributed advantage, dual clip)",
     )
     replaces_surrogate = True
     conflicts_with = {
-        "canon": ADVANTAGE_PICK_ONE,
-        "riskpo": ADVANTAGE_PICK_ONE,
-        "prl": ADVANTAGE_PICK_ONE,
         "clip_cov": ENTROPY_PICK_ONE,
+        "kl_cov": ENTROPY_PICK_ONE,
+        "lp_reg": ENTROPY_PICK_ONE,
         "siren": ENTROPY_PICK_ONE,
     }
     loss_types = CLIPPED_LOSS_TYPES
@@ -254,6 +256,13 @@ class HapoPlugin(Plugin):
                 f"hapo: temperature_tau={o.temperature_tau!r}: the per-token adaptive sampling temperature is not "
                 "offered (TRL's HF generation path has no per-token temperature hook in this framework). Set "
                 "temperature_tau=0."
+            )
+        others = [p for p in getattr(args, "plugins", None) or [] if p in ADVANTAGE_ESTIMATORS]
+        if o.token_level_advantage and others:
+            raise IncompatiblePluginsError(
+                f"Plugins 'hapo' (token_level_advantage=true) and {others[0]!r} cannot be stacked: "
+                f"{ADVANTAGE_PICK_ONE}. Set token_level_advantage=false (HAPO then acts on the loss only) or disable "
+                f"{others[0]}."
             )
         if args.importance_sampling_level != "token":
             raise IncompatiblePluginsError(

@@ -36,7 +36,9 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+
+from .hapo import ADVANTAGE_PICK_ONE
 
 
 @dataclass
@@ -114,12 +116,7 @@ class PrlPlugin(Plugin):
     Options = PrlOptions
     replaces = ("the advantages (token-level process rewards)",)
     needs_reference_model = True
-    conflicts_with = {
-        "canon": "both compute the advantages from scratch (the later one would silently discard the other's); pick "
-        "one advantage estimator",
-        "riskpo": "both compute the advantages from scratch (the later one would silently discard the other's); pick "
-        "one advantage estimator",
-    }
+    conflicts_with = {"canon": ADVANTAGE_PICK_ONE, "riskpo": ADVANTAGE_PICK_ONE}
     reconstructed = (
         "each token takes the step-end value even when it is exactly 0 (official: the next non-zero one)",
     )
@@ -132,8 +129,6 @@ class PrlPlugin(Plugin):
             text = "\n" if self.options.step_split == "newline" else "\n\n"
             ids = tokenizer.encode(text, add_special_tokens=False)
             if not ids:
-                from trl_plugins import PluginConfigError
-
                 raise PluginConfigError(f"prl: the tokenizer encodes {text!r} to no token; use step_split='length'.")
             self._separator = ids[0]
 

@@ -192,9 +192,14 @@ def test_bad_options_and_settings_are_refused():
     with pytest.raises(IncompatiblePluginsError, match="importance_sampling_level"):
         build_stack("hapo", importance_sampling_level="sequence")
     with pytest.raises(IncompatiblePluginsError, match="compute the advantages from scratch"):
-        build_plugins(["hapo", "canon"])
-    with pytest.raises(IncompatiblePluginsError, match="replace the base surrogate"):
+        build_stack(["hapo", "canon"])
+    with pytest.raises(IncompatiblePluginsError, match="token_level_advantage=false"):
+        build_stack(["prl", "hapo"])
+    assert build_stack(["prl", "hapo"], {"hapo": {"token_level_advantage": False}})  # loss-only HAPO stacks
+    with pytest.raises(IncompatiblePluginsError, match="entropy collapse"):
         build_plugins(["hapo", "lp_reg"])
+    with pytest.raises(IncompatiblePluginsError, match="replace the base surrogate"):
+        build_plugins(["hapo", "disco"])
 
 
 # ------------------------------------------------------------------------------------------ end to end (tiny model)

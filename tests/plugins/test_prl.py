@@ -133,8 +133,6 @@ def test_bad_options_are_refused():
         build_plugins(["prl"], {"prl": {"step_split": "sentence"}})
     with pytest.raises(IncompatiblePluginsError, match="advantage estimator"):
         build_plugins(["prl", "canon"])
-    with pytest.raises(IncompatiblePluginsError, match="advantage estimator"):
-        build_plugins(["hapo", "prl"])
     assert build_stack("prl")  # configure with the stub trainer and the default (length) split
 
 
