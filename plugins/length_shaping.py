@@ -25,6 +25,16 @@ Both papers shorten chains of thought through the reward alone:
   **Difficulty-aware DLER** tightens the cap on easy prompts: ``cap_g = max(min_cap, round(cap (1 - shrink acc_g)))``
   with ``acc_g`` the group's accuracy.
 
+* **DECS** (Decoupled rewards and Curriculum data Scheduling, arXiv:2509.25827; ``mode="decs"``, advantage stage):
+  only the *redundant* tokens of a correct completion -- those after the first chunk (cut before reflection words
+  such as "Wait", "But") that contains the correct answer, the end of the *necessary reasoning prefix* -- are
+  penalised: their token reward is ``s + beta (1 - L / L_max)`` instead of ``s (1 + beta)``; advantages are
+  normalised per position over the group; the curriculum keeps all groups with reward variance and
+  ``int(kappa n / (1 - kappa))`` all-correct ones (the others get zero advantages, TRL having no dynamic sampling),
+  ``kappa`` following the change of the NRP ratio. The official chunk judge is a fine-tuned 1.5B model asked whether a
+  chunk contains the correct answer; here the judge is a rule (the reference answer of ``answer_column`` appears in the
+  chunk as a whole token) [reconstructed]. Facts and formulas: :mod:`trl_plugins_builtin._decs`.
+
 Lengths are completion tokens (EOS included, as TRL's completion mask counts them); correctness is
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect): ``correctness_column``, by default
 the first reward function that is not a placeholder column (the success rule of :mod:`trl_plugins.success`).
@@ -50,8 +60,27 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins import (
+    AdvantageContext,
+    Plugin,
+    PluginConfigError,
+    PluginError,
+    PluginOptions,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.success import SuccessRule, mark_placeholder
+
+from ._decs import (
+    SPLIT_WORDS,
+    chunk_starts,
+    contains_answer,
+    curriculum_keep,
+    decs_token_rewards,
+    nrp_split,
+    per_position_advantages,
+)
 
 COLUMN = "length_shaping"
 LASER_MODES = ("laser", "laser_d", "laser_de")
@@ -60,10 +89,11 @@ DLER_MODES = ("dler", "dler_difficulty")
 
 @dataclass
 class LengthShapingOptions(PluginOptions):
-    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty"] = option(
+    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs"] = option(
         "laser_d",
         help="laser: fixed-target step bonus; laser_d: adaptive difficulty-aware targets; laser_de: plus exploration "
-        "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts.",
+        "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts; "
+        "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum.",
     )
     correctness_column: str | None = option(
         None, help="Reward column that says whether a response is correct (default: the first reward function that is "
@@ -119,6 +149,26 @@ class LengthShapingOptions(PluginOptions):
     min_cap: int = option(1, min=1, help="DLER-difficulty: caps never go below this.", reconstructed=True)
     zero_unfinished: bool = option(
         True, help="DLER: responses cut off at max_completion_length without EOS get zero reward too."
+    )
+
+    answer_column: str = option(
+        "answer", help="DECS: dataset column with the reference answer (a chunk containing it ends the necessary "
+        "reasoning prefix).",
+    )
+    decs_beta: float = option(
+        0.1, min=0.0, help="DECS: length-reward weight beta (official default length_reward_beta=0.1).",
+    )
+    decs_split_words: list[str] = option(
+        default_factory=lambda: list(SPLIT_WORDS),
+        help="DECS: words whose first token starts a new chunk (official: Wait, But, Alternatively, Hmm, Let, "
+        "Therefore, with and without a leading space).",
+    )
+    decs_curriculum: bool = option(
+        True, help="DECS: curriculum data schedule (keep int(kappa n / (1 - kappa)) all-correct groups; drop the "
+        "others and the all-wrong ones by zeroing their advantages).",
+    )
+    decs_kappa_lr: float = option(
+        0.2, min=0.0, help="DECS: kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
     )
 
     def validate(self) -> None:
@@ -251,15 +301,19 @@ class LengthShapingPlugin(Plugin):
     paper = (
         "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), "
         "arXiv:2505.15612; DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via "
-        "Reinforcement Learning, arXiv:2510.15110"
+        "Reinforcement Learning, arXiv:2510.15110; Overthinking Reduction with Decoupled Rewards and Curriculum Data "
+        "Scheduling (DECS), arXiv:2509.25827"
     )
-    summary = "Length-efficient reasoning: adaptive step length bonus (LASER-D) or zero reward past a cap (DLER)."
+    summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), or "
+               "penalties on the tokens after the first correct answer only (DECS).")
     Options = LengthShapingOptions
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",
         "LASER-DE's 'well formatted' without format_column: finished (not truncated)",
         "DLER-difficulty: cap * (1 - shrink * group accuracy), shrink=0.5, floor min_cap",
+        "DECS: the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
+        "DECS: the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
     )
 
     def __init__(self, options=None):
@@ -267,6 +321,13 @@ class LengthShapingPlugin(Plugin):
         self.max_len = 1
         self.targets = [None, None, None]  # LASER-D targets for easy, medium, hard
         self.history: deque = deque(maxlen=self.options.window)
+        self.kappa, self.last_nrp_ratio = 0.0, 0.5  # DECS curriculum (official initial values)
+        self._decs_batch: list | None = None
+        self._split_ids: set[int] | None = None
+        self._generator = torch.Generator().manual_seed(0)
+
+    def required_columns(self) -> list[str]:
+        return [self.options.answer_column] if self.options.mode == "decs" else []
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
@@ -283,6 +344,7 @@ class LengthShapingPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         self.max_len = int(trainer.max_completion_length)
         o = self.options
+        self._generator.manual_seed(int(getattr(args, "seed", 0)))
         if o.mode in DLER_MODES and getattr(args, "mask_truncated_completions", False):
             warnings.warn(
                 "length_shaping (DLER): mask_truncated_completions=True removes truncated completions from the loss, "
@@ -323,6 +385,9 @@ class LengthShapingPlugin(Plugin):
         o = self.options
         if ctx.local_completion_ids is None:
             raise PluginError("length_shaping needs the completions' token ids at the reward stage.")
+        if o.mode == "decs":
+            self._decs_batch = ctx.gather_object([self._decs_row(ctx, i) for i in range(len(ctx.local_rows))])
+            return
         check_repetition = o.mode == "laser_de" and o.explore_gate != "none"
         local = [(len(ids), self._unfinished(ids), check_repetition and is_repetitive(list(ids)))
                  for ids in ctx.local_completion_ids]
@@ -361,6 +426,56 @@ class LengthShapingPlugin(Plugin):
             ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
             ctx.log_metric("truncated_fraction", zero.float().mean().item())
             ctx.log_metric("mean_cap", caps.float().mean().item())
+
+    # ------------------------------------------------------------------------------------------ DECS
+    def _decs_row(self, ctx: RewardContext, i: int) -> tuple[int, float]:
+        """(first redundant position or -1, NRP ratio) of local row ``i`` (rule chunk judge on the answer column)."""
+        tokenizer = ctx.tokenizer
+        if self._split_ids is None:
+            ids = [tokenizer.encode(w, add_special_tokens=False) for w in self.options.decs_split_words]
+            self._split_ids = {x[0] for x in ids if x}
+        ids = list(ctx.local_completion_ids[i])
+        starts = chunk_starts(ids, self._split_ids)
+        ends = starts[1:] + [len(ids)]
+        answer = str(ctx.local_rows[i].get(self.options.answer_column, ""))
+        verdicts = [contains_answer(tokenizer.decode(ids[a:b], skip_special_tokens=True), answer)
+                    for a, b in zip(starts, ends)]
+        return nrp_split(starts, verdicts, len(ids)) if starts else (-1, 0.0)
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        o = self.options
+        if o.mode != "decs":
+            return
+        if self._decs_batch is None or len(self._decs_batch) != ctx.rewards.numel():
+            raise PluginError("length_shaping (decs): the reward stage did not record this batch's chunks.")
+        G = ctx.num_generations
+        mask = ctx.completion_mask().float()
+        device = mask.device
+        correct = torch.nan_to_num(ctx.verifier(SuccessRule(o.correctness_column)).float(), nan=-math.inf) \
+            >= o.correct_threshold
+        starts = torch.tensor([s for s, _ in self._decs_batch], device=device)
+        ratios = torch.tensor([r for _, r in self._decs_batch], device=device)
+        starts = torch.where(correct.to(device), starts, torch.full_like(starts, -1))
+        scores = torch.nan_to_num(ctx.rewards.float(), nan=0.0).to(device)
+        token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len,
+                                           o.decs_beta)
+        advantages = per_position_advantages(token_rewards, mask, G)
+        if o.decs_curriculum:
+            keep = curriculum_keep(scores, G, self.kappa, self._generator).to(device)
+            advantages = advantages * keep.repeat_interleave(G).unsqueeze(1).float()
+            ctx.log_metric("kept_group_fraction", keep.float().mean().item())
+        ctx.advantages = advantages.to(ctx.advantages.dtype)
+        found = ratios[correct.to(device) & (ratios > 0)]
+        ratio = float(found.mean()) if found.numel() else 0.0
+        if ctx.mode == "train" and o.decs_curriculum:
+            if self.last_nrp_ratio != 0:
+                self.kappa += (ratio - self.last_nrp_ratio) * o.decs_kappa_lr
+            self.last_nrp_ratio = ratio
+        ctx.log_metric("nrp_ratio", ratio)
+        ctx.log_metric("redundant_fraction", float(((starts >= 0).float()).mean()))
+        ctx.log_metric("kappa", self.kappa)
+        self._decs_batch = None
 
     def _well_formatted(self, ctx: RewardContext, unfinished: torch.Tensor) -> torch.Tensor:
         """(N,) bool: finished answers, with ``format_column > 0`` when that column is set (NaN = not formatted)."""
@@ -402,6 +517,9 @@ class LengthShapingPlugin(Plugin):
     @hookimpl
     def trl_plugins_state_dict(self):
         return {
+            "kappa": self.kappa,
+            "last_nrp_ratio": self.last_nrp_ratio,
+            "generator": self._generator.get_state().tolist(),
             "targets": list(self.targets),
             "history": [(h[0].tolist(), h[1].tolist(), h[2].tolist()) for h in self.history],
         }
@@ -409,6 +527,10 @@ class LengthShapingPlugin(Plugin):
     @hookimpl
     def trl_plugins_load_state_dict(self, state):
         self.targets = list(state.get("targets", [None, None, None]))
+        self.kappa = float(state.get("kappa", 0.0))
+        self.last_nrp_ratio = float(state.get("last_nrp_ratio", 0.5))
+        if "generator" in state:
+            self._generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
         self.history = deque(
             [
                 (torch.tensor(a), torch.tensor(b, dtype=torch.bool), torch.tensor(c))
