@@ -25,6 +25,12 @@ Both papers shorten chains of thought through the reward alone:
   **Difficulty-aware DLER** tightens the cap on easy prompts: ``cap_g = max(min_cap, round(cap (1 - shrink acc_g)))``
   with ``acc_g`` the group's accuracy.
 
+* **PEAR** (Phase Entropy Aware Reward, arXiv:2510.08026; ``mode="pear"``): the mean token entropy of the thinking
+  phase (before ``pear_marker``, ``</think>``) is penalised, the answer phase's less or not at all:
+  ``bonus = -(pear_alpha H_think + pear_answer_alpha H_answer)`` for correct responses, in the plugin's column, from
+  one no-grad forward of the current (pre-update) policy at the reward stage. The paper's exact formula was not
+  available to us: this form and its defaults are a reconstruction (:mod:`trl_plugins_builtin._pear`);
+  ``pear_alpha = pear_answer_alpha = 0`` is the neutral setting (an all-zero column).
 * **DECS** (Decoupled rewards and Curriculum data Scheduling, arXiv:2509.25827; ``mode="decs"``, advantage stage):
   only the *redundant* tokens of a correct completion -- those after the first chunk (cut before reflection words
   such as "Wait", "But") that contains the correct answer, the end of the *necessary reasoning prefix* -- are
@@ -81,19 +87,23 @@ from ._decs import (
     nrp_split,
     per_position_advantages,
 )
+from ._pear import pear_bonus, phase_boundary, phase_entropies
 
 COLUMN = "length_shaping"
 LASER_MODES = ("laser", "laser_d", "laser_de")
+#: Modes whose bonus is written to the plugin's own (placeholder) reward column.
+COLUMN_MODES = LASER_MODES + ("pear",)
 DLER_MODES = ("dler", "dler_difficulty")
 
 
 @dataclass
 class LengthShapingOptions(PluginOptions):
-    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs"] = option(
+    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear"] = option(
         "laser_d",
         help="laser: fixed-target step bonus; laser_d: adaptive difficulty-aware targets; laser_de: plus exploration "
         "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts; "
-        "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum.",
+        "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum; pear: "
+        "penalise the thinking phase's token entropy (reconstructed formula).",
     )
     correctness_column: str | None = option(
         None, help="Reward column that says whether a response is correct (default: the first reward function that is "
@@ -169,6 +179,21 @@ class LengthShapingOptions(PluginOptions):
     )
     decs_kappa_lr: float = option(
         0.2, min=0.0, help="DECS: kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
+    )
+
+    pear_alpha: float = option(
+        0.1, min=0.0, help="PEAR: weight of the thinking phase's mean token entropy in the (negative) bonus.",
+        reconstructed=True,
+    )
+    pear_answer_alpha: float = option(
+        0.0, min=0.0, help="PEAR: weight of the answer phase's mean token entropy (smaller: moderate answer-phase "
+        "entropy is tolerated; 0: not penalised).", reconstructed=True,
+    )
+    pear_marker: str = option(
+        "</think>", help="PEAR: text that ends the thinking phase (no marker: the whole completion is thinking).",
+    )
+    pear_only_correct: bool = option(
+        True, help="PEAR: pay the entropy bonus to correct responses only.", reconstructed=True,
     )
 
     def validate(self) -> None:
@@ -302,16 +327,19 @@ class LengthShapingPlugin(Plugin):
         "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), "
         "arXiv:2505.15612; DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via "
         "Reinforcement Learning, arXiv:2510.15110; Overthinking Reduction with Decoupled Rewards and Curriculum Data "
-        "Scheduling (DECS), arXiv:2509.25827"
+        "Scheduling (DECS), arXiv:2509.25827; PEAR: Phase Entropy Aware Reward for Efficient Reasoning, "
+        "arXiv:2510.08026"
     )
-    summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), or "
-               "penalties on the tokens after the first correct answer only (DECS).")
+    summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), "
+               "penalties on the tokens after the first correct answer only (DECS), thinking-entropy penalty (PEAR).")
     Options = LengthShapingOptions
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",
         "LASER-DE's 'well formatted' without format_column: finished (not truncated)",
         "DLER-difficulty: cap * (1 - shrink * group accuracy), shrink=0.5, floor min_cap",
+        "PEAR: the bonus -(alpha H_think + alpha_answer H_answer) on correct responses and its defaults (the paper's "
+        "exact formula was not available)",
         "DECS: the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
         "DECS: the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
     )
@@ -331,7 +359,7 @@ class LengthShapingPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
-        if self.options.mode not in LASER_MODES:
+        if self.options.mode not in COLUMN_MODES:
             return []
 
         def length_shaping(completions, **kwargs):
@@ -388,6 +416,9 @@ class LengthShapingPlugin(Plugin):
         if o.mode == "decs":
             self._decs_batch = ctx.gather_object([self._decs_row(ctx, i) for i in range(len(ctx.local_rows))])
             return
+        if o.mode == "pear":
+            self._pear(ctx)
+            return
         check_repetition = o.mode == "laser_de" and o.explore_gate != "none"
         local = [(len(ids), self._unfinished(ids), check_repetition and is_repetitive(list(ids)))
                  for ids in ctx.local_completion_ids]
@@ -426,6 +457,33 @@ class LengthShapingPlugin(Plugin):
             ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
             ctx.log_metric("truncated_fraction", zero.float().mean().item())
             ctx.log_metric("mean_cap", caps.float().mean().item())
+
+    # ------------------------------------------------------------------------------------------ PEAR
+    def _pear(self, ctx: RewardContext) -> None:
+        """Fill the plugin's column with PEAR's phase-entropy bonus (one no-grad forward over the local rows)."""
+        o = self.options
+        if o.pear_alpha == 0 and o.pear_answer_alpha == 0:  # neutral: an all-zero column, no forward
+            return
+        tokenizer = ctx.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+        entropies = ctx.policy_entropies()
+        local = [phase_entropies(h.float().cpu(), phase_boundary(ids, decode, o.pear_marker))
+                 for h, ids in zip(entropies, ctx.local_completion_ids)]
+        gathered = ctx.gather_object(local)
+        device = ctx.rewards_per_func.device
+        think = torch.tensor([t for t, _ in gathered], device=device)
+        answer = torch.tensor([a for _, a in gathered], device=device)
+        bonus = pear_bonus(think, answer, self._correct(ctx).to(device), o.pear_alpha, o.pear_answer_alpha,
+                           o.pear_only_correct)
+        rewards = ctx.rewards_per_func.clone()
+        rewards[:, ctx.reward_func_names.index(COLUMN)] = bonus.to(rewards.dtype)
+        ctx.rewards_per_func = rewards
+        ctx.log_metric("think_entropy", think.mean().item())
+        ctx.log_metric("answer_entropy", answer.mean().item())
+        ctx.log_metric("bonus", bonus.mean().item())
 
     # ------------------------------------------------------------------------------------------ DECS
     def _decs_row(self, ctx: RewardContext, i: int) -> tuple[int, float]:

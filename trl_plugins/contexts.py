@@ -424,6 +424,18 @@ class RewardContext(_VerdictMixin, _StageContext):
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
         return self._service("gather_object")(values)
 
+    def policy_entropies(self) -> list[torch.Tensor]:
+        """Per-token entropies of the current policy's next-token distribution over this process's completions (no
+        grad; temperature applied as in the loss), one (len(local_completion_ids[i]),) tensor per local row.
+
+        The forward conditions on ``local_prompts`` tokenized as TRL tokenizes prompts for generation (for a
+        prompt-swapped row: its original prompt). Costs a forward pass; collective: call it on every process.
+        """
+        if self.local_completion_ids is None:
+            raise PluginError("RewardContext.policy_entropies: the completions' token ids are not available here.")
+        prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
+        return self._service("policy_entropies")(prompt_ids, [list(c) for c in self.local_completion_ids])
+
     def _reward_names(self) -> list[str]:
         return list(self.reward_func_names)
 
