@@ -53,6 +53,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
+    "repexp": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     "rlpr": ({}, {}),
     "ruscarl": ({"judge": "rule"}, {}),

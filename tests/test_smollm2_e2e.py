@@ -159,9 +159,10 @@ def _stacks(urls):
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
-        # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
-        "prl+hapo": (
-            ["prl", "hapo"],
+        # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages);
+        # RepExp's bonus comes from one backbone forward of the LoRA policy
+        "prl+hapo+repexp": (
+            ["repexp", "prl", "hapo"],
             {"prl": {"step_len": 4, "eta": 20.0}, "hapo": {"token_level_advantage": False}},
             {"loss_type": "dapo"}, [],
         ),
@@ -185,7 +186,7 @@ def test_the_stacks_cover_every_builtin_plugin():
                                        "0) and the adapters do not move; suspects: fbos_rl advantage='recentre' on size-1 "
                                        "sub-groups (G=2) and dagrpo's pair scores")),
                                    "r3l+gtpo+steer+rlpr+clip_cov",
-                                   "prl+hapo"])
+                                   "prl+hapo+repexp"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]

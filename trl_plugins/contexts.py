@@ -436,6 +436,16 @@ class RewardContext(_VerdictMixin, _StageContext):
         prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
         return self._service("policy_entropies")(prompt_ids, [list(c) for c in self.local_completion_ids])
 
+    def policy_features(self) -> torch.Tensor:
+        """(B, d) no-grad representation of each local completion: the mean of the policy's last hidden state (the
+        backbone's output, before the LM head) over the completion's token positions, conditioned on
+        ``local_prompts`` as TRL tokenizes them. One backbone forward (no logits); collective: call it on every
+        process."""
+        if self.local_completion_ids is None:
+            raise PluginError("RewardContext.policy_features: the completions' token ids are not available here.")
+        prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
+        return self._service("policy_features")(prompt_ids, [list(c) for c in self.local_completion_ids])
+
     def _reward_names(self) -> list[str]:
         return list(self.reward_func_names)
 

@@ -189,6 +189,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             gather=lambda tensor: self.accelerator.gather(tensor),  # late-bound: the accelerator may be wrapped
             gather_object=gather_object,
             policy_entropies=self._rollout_entropies,
+            policy_features=self._rollout_features,
             policy_logprobs=self._policy_logprobs,
             masked_mean=functools.partial(_global_masked_mean, self),
         )
@@ -402,6 +403,32 @@ class PluginGRPOTrainer(GRPOTrainer):
             list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), True
         )
         return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def _rollout_features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """(R, d) no-grad mean of the backbone's last hidden state over each completion's tokens
+        (``RewardContext.policy_features``). Runs the backbone only (no LM head, no logits), in chunks of
+        ``per_device_train_batch_size`` rows; collective-safe like :meth:`_rollout_entropies`."""
+        from .head_stats import backbone_of
+
+        acc = self.accelerator
+        n_local = len(completion_ids)
+        counts = self._held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
+        max_n = int(counts.max().item())
+        eos_id = self.eos_token_ids[0]
+        pad_id = self._tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        rows += [([eos_id], [eos_id])] * (max_n - n_local)
+        backbone, step, means = backbone_of(self.model), self.args.per_device_train_batch_size, []
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            input_ids, attention_mask, c_len = prompt_completion_batch(
+                [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id, acc.device
+            )
+            with torch.no_grad():
+                hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask[:, -c_len:].unsqueeze(-1).float()
+            means.append((hidden[:, -c_len:].float() * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+        return torch.cat(means)[:n_local] if means else torch.zeros(0, 0, device=acc.device)
 
     def _policy_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
         """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
