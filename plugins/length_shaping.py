@@ -31,6 +31,14 @@ Both papers shorten chains of thought through the reward alone:
   one no-grad forward of the current (pre-update) policy at the reward stage. The paper's exact formula was not
   available to us: this form and its defaults are a reconstruction (:mod:`trl_plugins_builtin._pear`);
   ``pear_alpha = pear_answer_alpha = 0`` is the neutral setting (an all-zero column).
+* **SIRI** (Scaling Iterative RL with Interleaved compression, arXiv:2509.25176; ``mode="siri"``): the maximal rollout
+  length oscillates during training -- compression phases with a short cap, expansion phases with a long one -- set
+  on the generation itself (:meth:`~trl_plugins.PluginGRPOTrainer.set_generation_length_cap`, HF generation and vLLM)
+  after every optimizer step, with the length-capping reward (``R = 0`` when the response is longer than the cap or
+  cut off at it). Schedulers: ``cosine`` (the official models') and ``stair``; the caps and the period are options
+  (the paper's 8K/16K-token settings are far beyond small models; defaults: max_completion_length // 2 and
+  max_completion_length, 100 steps per cycle, reconstructed). Starting phase: cosine starts at the long cap, stair
+  with compression [reconstructed].
 * **DECS** (Decoupled rewards and Curriculum data Scheduling, arXiv:2509.25827; ``mode="decs"``, advantage stage):
   only the *redundant* tokens of a correct completion -- those after the first chunk (cut before reflection words
   such as "Wait", "But") that contains the correct answer, the end of the *necessary reasoning prefix* -- are
@@ -98,12 +106,13 @@ DLER_MODES = ("dler", "dler_difficulty")
 
 @dataclass
 class LengthShapingOptions(PluginOptions):
-    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear"] = option(
+    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear", "siri"] = option(
         "laser_d",
         help="laser: fixed-target step bonus; laser_d: adaptive difficulty-aware targets; laser_de: plus exploration "
         "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts; "
         "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum; pear: "
-        "penalise the thinking phase's token entropy (reconstructed formula).",
+        "penalise the thinking phase's token entropy (reconstructed formula); siri: oscillate the rollout length cap "
+        "(compression / expansion) with zero reward beyond it.",
     )
     correctness_column: str | None = option(
         None, help="Reward column that says whether a response is correct (default: the first reward function that is "
@@ -181,6 +190,19 @@ class LengthShapingOptions(PluginOptions):
         0.2, min=0.0, help="DECS: kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
     )
 
+    siri_schedule: Literal["cosine", "stair"] = option(
+        "cosine", help="SIRI: length scheduler. cosine: cap = min + (max - min)(1 + cos(2 pi step / period)) / 2 "
+        "(the official models' scheduler); stair: min for the first half of each period, max for the second.",
+    )
+    siri_min_cap: int | None = option(
+        None, min=1, help="SIRI: compression cap in tokens (default: max_completion_length // 2).", reconstructed=True,
+    )
+    siri_max_cap: int | None = option(
+        None, min=1, help="SIRI: expansion cap in tokens (default: max_completion_length).",
+    )
+    siri_period: int = option(
+        100, min=1, help="SIRI: optimizer steps per compression-expansion cycle.", reconstructed=True,
+    )
     pear_alpha: float = option(
         0.1, min=0.0, help="PEAR: weight of the thinking phase's mean token entropy in the (negative) bonus.",
         reconstructed=True,
@@ -313,6 +335,16 @@ def dler_caps(accuracy: torch.Tensor, cap: int, shrink: float, min_cap: int) -> 
     )
 
 
+def siri_cap(step: int, low: int, high: int, period: int, schedule: str) -> int:
+    """SIRI's length cap at ``step``: ``cosine`` starts at ``high``, reaches ``low`` at half a period and returns
+    (``round(low + (high - low)(1 + cos(2 pi step / period)) / 2)``); ``stair`` holds ``low`` for the first half of each
+    period (compression) and ``high`` for the second (expansion)."""
+    phase = (step % period) / period
+    if schedule == "stair":
+        return low if phase < 0.5 else high
+    return int(round(low + (high - low) * (1 + math.cos(2 * math.pi * phase)) / 2))
+
+
 def dler_zero_mask(lengths: torch.Tensor, caps: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
     """(N,) bool: rows whose reward DLER sets to zero (longer than their cap, or unfinished)."""
     return (lengths > caps) | unfinished
@@ -328,16 +360,19 @@ class LengthShapingPlugin(Plugin):
         "arXiv:2505.15612; DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via "
         "Reinforcement Learning, arXiv:2510.15110; Overthinking Reduction with Decoupled Rewards and Curriculum Data "
         "Scheduling (DECS), arXiv:2509.25827; PEAR: Phase Entropy Aware Reward for Efficient Reasoning, "
-        "arXiv:2510.08026"
+        "arXiv:2510.08026; SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, "
+        "arXiv:2509.25176"
     )
     summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), "
-               "penalties on the tokens after the first correct answer only (DECS), thinking-entropy penalty (PEAR).")
+               "penalties on the tokens after the first correct answer only (DECS), thinking-entropy penalty (PEAR), "
+               "oscillating rollout length cap (SIRI).")
     Options = LengthShapingOptions
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",
         "LASER-DE's 'well formatted' without format_column: finished (not truncated)",
         "DLER-difficulty: cap * (1 - shrink * group accuracy), shrink=0.5, floor min_cap",
+        "SIRI: default caps max_completion_length // 2 and max_completion_length, period 100 steps, starting phase",
         "PEAR: the bonus -(alpha H_think + alpha_answer H_answer) on correct responses and its defaults (the paper's "
         "exact formula was not available)",
         "DECS: the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
@@ -419,6 +454,9 @@ class LengthShapingPlugin(Plugin):
         if o.mode == "pear":
             self._pear(ctx)
             return
+        if o.mode == "siri":
+            self._siri_rewards(ctx)
+            return
         check_repetition = o.mode == "laser_de" and o.explore_gate != "none"
         local = [(len(ids), self._unfinished(ids), check_repetition and is_repetitive(list(ids)))
                  for ids in ctx.local_completion_ids]
@@ -457,6 +495,43 @@ class LengthShapingPlugin(Plugin):
             ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
             ctx.log_metric("truncated_fraction", zero.float().mean().item())
             ctx.log_metric("mean_cap", caps.float().mean().item())
+
+    # ------------------------------------------------------------------------------------------ SIRI
+    def siri_cap(self, step: int) -> int:
+        """The rollout length cap at optimizer step ``step`` (compression and expansion phases alternate)."""
+        o = self.options
+        high = min(o.siri_max_cap or self.max_len, self.max_len)
+        low = min(o.siri_min_cap or max(1, self.max_len // 2), high)
+        return siri_cap(step, low, high, o.siri_period, o.siri_schedule)
+
+    def _apply_siri_cap(self, trainer) -> None:
+        if self.options.mode == "siri":
+            trainer.set_generation_length_cap(self.siri_cap(int(trainer.state.global_step)))
+
+    @hookimpl
+    def trl_plugins_train_sampler(self, trainer, sampler, dataset):
+        self._apply_siri_cap(trainer)  # at the start of training and on resume: the cap of the current step
+        return None
+
+    @hookimpl
+    def trl_plugins_on_step_end(self, trainer, step):
+        self._apply_siri_cap(trainer)
+
+    def _siri_rewards(self, ctx: RewardContext) -> None:
+        """SIRI's length-capping reward: every column of a row longer than the current cap, or cut off at it without
+        EOS, is 0 (NaN stays NaN)."""
+        cap = self.siri_cap(ctx.step) if ctx.mode == "train" else self.max_len
+        local = [(len(ids), len(ids) >= cap and (not ids or ids[-1] not in self.eos_ids))
+                 for ids in ctx.local_completion_ids]
+        gathered = ctx.gather_object(local)
+        device = ctx.rewards_per_func.device
+        lengths = torch.tensor([n for n, _ in gathered], dtype=torch.long, device=device)
+        unfinished = torch.tensor([u for _, u in gathered], dtype=torch.bool, device=device)
+        zero = dler_zero_mask(lengths, torch.full_like(lengths, cap), unfinished)
+        rewards = ctx.rewards_per_func
+        ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
+        ctx.log_metric("cap", float(cap))
+        ctx.log_metric("truncated_fraction", zero.float().mean().item())
 
     # ------------------------------------------------------------------------------------------ PEAR
     def _pear(self, ctx: RewardContext) -> None:

@@ -207,6 +207,19 @@ class PluginGRPOTrainer(GRPOTrainer):
             placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
         )
 
+    def set_generation_length_cap(self, cap: int | None) -> int:
+        """Cap the tokens generated per completion from the next generation on (HF generation and vLLM alike), for
+        plugins that schedule the rollout length (call it from ``trl_plugins_configure``, ``trl_plugins_train_sampler``
+        or ``trl_plugins_on_step_end``). ``cap`` is clamped to ``[1, max_completion_length]``; None restores
+        ``max_completion_length``. Padding, the loss normalisers and the in-step generation service keep
+        ``max_completion_length``. Returns the cap in force."""
+        limit = self.max_completion_length if cap is None else max(1, min(int(cap), self.max_completion_length))
+        if self.use_vllm:
+            self.vllm_generation.max_completion_length = limit
+        else:
+            self.generation_config.max_new_tokens = limit
+        return limit
+
     def _plugin_metric_sink(self, key: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode][key].append(value)
