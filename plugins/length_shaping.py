@@ -25,6 +25,30 @@ Both papers shorten chains of thought through the reward alone:
   **Difficulty-aware DLER** tightens the cap on easy prompts: ``cap_g = max(min_cap, round(cap (1 - shrink acc_g)))``
   with ``acc_g`` the group's accuracy.
 
+* **PEAR** (Phase Entropy Aware Reward, arXiv:2510.08026; ``mode="pear"``): the mean token entropy of the thinking
+  phase (before ``pear_marker``, ``</think>``) is penalised, the answer phase's less or not at all:
+  ``bonus = -(pear_alpha H_think + pear_answer_alpha H_answer)`` for correct responses, in the plugin's column, from
+  one no-grad forward of the current (pre-update) policy at the reward stage. The paper's exact formula was not
+  available to us: this form and its defaults are a reconstruction (:mod:`trl_plugins_builtin._pear`);
+  ``pear_alpha = pear_answer_alpha = 0`` is the neutral setting (an all-zero column).
+* **SIRI** (Scaling Iterative RL with Interleaved compression, arXiv:2509.25176; ``mode="siri"``): the maximal rollout
+  length oscillates during training -- compression phases with a short cap, expansion phases with a long one -- set
+  on the generation itself (:meth:`~trl_plugins.PluginGRPOTrainer.set_generation_length_cap`, HF generation and vLLM)
+  after every optimizer step, with the length-capping reward (``R = 0`` when the response is longer than the cap or
+  cut off at it). Schedulers: ``cosine`` (the official models') and ``stair``; the caps and the period are options
+  (the paper's 8K/16K-token settings are far beyond small models; defaults: max_completion_length // 2 and
+  max_completion_length, 100 steps per cycle, reconstructed). Starting phase: cosine starts at the long cap, stair
+  with compression [reconstructed].
+* **DECS** (Decoupled rewards and Curriculum data Scheduling, arXiv:2509.25827; ``mode="decs"``, advantage stage):
+  only the *redundant* tokens of a correct completion -- those after the first chunk (cut before reflection words
+  such as "Wait", "But") that contains the correct answer, the end of the *necessary reasoning prefix* -- are
+  penalised: their token reward is ``s + beta (1 - L / L_max)`` instead of ``s (1 + beta)``; advantages are
+  normalised per position over the group; the curriculum keeps all groups with reward variance and
+  ``int(kappa n / (1 - kappa))`` all-correct ones (the others get zero advantages, TRL having no dynamic sampling),
+  ``kappa`` following the change of the NRP ratio. The official chunk judge is a fine-tuned 1.5B model asked whether a
+  chunk contains the correct answer; here the judge is a rule (the reference answer of ``answer_column`` appears in the
+  chunk as a whole token) [reconstructed]. Facts and formulas: :mod:`trl_plugins_builtin._decs`.
+
 Lengths are completion tokens (EOS included, as TRL's completion mask counts them); correctness is
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect): ``correctness_column``, by default
 the first reward function that is not a placeholder column (the success rule of :mod:`trl_plugins.success`).
@@ -50,20 +74,45 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import Plugin, PluginConfigError, PluginError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins import (
+    AdvantageContext,
+    Plugin,
+    PluginConfigError,
+    PluginError,
+    PluginOptions,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.success import SuccessRule, mark_placeholder
+
+from ._decs import (
+    SPLIT_WORDS,
+    chunk_starts,
+    contains_answer,
+    curriculum_keep,
+    decs_token_rewards,
+    nrp_split,
+    per_position_advantages,
+)
+from ._pear import pear_bonus, phase_boundary, phase_entropies
 
 COLUMN = "length_shaping"
 LASER_MODES = ("laser", "laser_d", "laser_de")
+#: Modes whose bonus is written to the plugin's own (placeholder) reward column.
+COLUMN_MODES = LASER_MODES + ("pear",)
 DLER_MODES = ("dler", "dler_difficulty")
 
 
 @dataclass
 class LengthShapingOptions(PluginOptions):
-    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty"] = option(
+    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear", "siri"] = option(
         "laser_d",
         help="laser: fixed-target step bonus; laser_d: adaptive difficulty-aware targets; laser_de: plus exploration "
-        "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts.",
+        "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts; "
+        "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum; pear: "
+        "penalise the thinking phase's token entropy (reconstructed formula); siri: oscillate the rollout length cap "
+        "(compression / expansion) with zero reward beyond it.",
     )
     correctness_column: str | None = option(
         None, help="Reward column that says whether a response is correct (default: the first reward function that is "
@@ -119,6 +168,54 @@ class LengthShapingOptions(PluginOptions):
     min_cap: int = option(1, min=1, help="DLER-difficulty: caps never go below this.", reconstructed=True)
     zero_unfinished: bool = option(
         True, help="DLER: responses cut off at max_completion_length without EOS get zero reward too."
+    )
+
+    answer_column: str = option(
+        "answer", help="DECS: dataset column with the reference answer (a chunk containing it ends the necessary "
+        "reasoning prefix).",
+    )
+    decs_beta: float = option(
+        0.1, min=0.0, help="DECS: length-reward weight beta (official default length_reward_beta=0.1).",
+    )
+    decs_split_words: list[str] = option(
+        default_factory=lambda: list(SPLIT_WORDS),
+        help="DECS: words whose first token starts a new chunk (official: Wait, But, Alternatively, Hmm, Let, "
+        "Therefore, with and without a leading space).",
+    )
+    decs_curriculum: bool = option(
+        True, help="DECS: curriculum data schedule (keep int(kappa n / (1 - kappa)) all-correct groups; drop the "
+        "others and the all-wrong ones by zeroing their advantages).",
+    )
+    decs_kappa_lr: float = option(
+        0.2, min=0.0, help="DECS: kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
+    )
+
+    siri_schedule: Literal["cosine", "stair"] = option(
+        "cosine", help="SIRI: length scheduler. cosine: cap = min + (max - min)(1 + cos(2 pi step / period)) / 2 "
+        "(the official models' scheduler); stair: min for the first half of each period, max for the second.",
+    )
+    siri_min_cap: int | None = option(
+        None, min=1, help="SIRI: compression cap in tokens (default: max_completion_length // 2).", reconstructed=True,
+    )
+    siri_max_cap: int | None = option(
+        None, min=1, help="SIRI: expansion cap in tokens (default: max_completion_length).",
+    )
+    siri_period: int = option(
+        100, min=1, help="SIRI: optimizer steps per compression-expansion cycle.", reconstructed=True,
+    )
+    pear_alpha: float = option(
+        0.1, min=0.0, help="PEAR: weight of the thinking phase's mean token entropy in the (negative) bonus.",
+        reconstructed=True,
+    )
+    pear_answer_alpha: float = option(
+        0.0, min=0.0, help="PEAR: weight of the answer phase's mean token entropy (smaller: moderate answer-phase "
+        "entropy is tolerated; 0: not penalised).", reconstructed=True,
+    )
+    pear_marker: str = option(
+        "</think>", help="PEAR: text that ends the thinking phase (no marker: the whole completion is thinking).",
+    )
+    pear_only_correct: bool = option(
+        True, help="PEAR: pay the entropy bonus to correct responses only.", reconstructed=True,
     )
 
     def validate(self) -> None:
@@ -238,6 +335,16 @@ def dler_caps(accuracy: torch.Tensor, cap: int, shrink: float, min_cap: int) -> 
     )
 
 
+def siri_cap(step: int, low: int, high: int, period: int, schedule: str) -> int:
+    """SIRI's length cap at ``step``: ``cosine`` starts at ``high``, reaches ``low`` at half a period and returns
+    (``round(low + (high - low)(1 + cos(2 pi step / period)) / 2)``); ``stair`` holds ``low`` for the first half of each
+    period (compression) and ``high`` for the second (expansion)."""
+    phase = (step % period) / period
+    if schedule == "stair":
+        return low if phase < 0.5 else high
+    return int(round(low + (high - low) * (1 + math.cos(2 * math.pi * phase)) / 2))
+
+
 def dler_zero_mask(lengths: torch.Tensor, caps: torch.Tensor, unfinished: torch.Tensor) -> torch.Tensor:
     """(N,) bool: rows whose reward DLER sets to zero (longer than their cap, or unfinished)."""
     return (lengths > caps) | unfinished
@@ -251,9 +358,14 @@ class LengthShapingPlugin(Plugin):
     paper = (
         "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), "
         "arXiv:2505.15612; DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via "
-        "Reinforcement Learning, arXiv:2510.15110"
+        "Reinforcement Learning, arXiv:2510.15110; Overthinking Reduction with Decoupled Rewards and Curriculum Data "
+        "Scheduling (DECS), arXiv:2509.25827; PEAR: Phase Entropy Aware Reward for Efficient Reasoning, "
+        "arXiv:2510.08026; SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, "
+        "arXiv:2509.25176"
     )
-    summary = "Length-efficient reasoning: adaptive step length bonus (LASER-D) or zero reward past a cap (DLER)."
+    summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), "
+               "penalties on the tokens after the first correct answer only (DECS), thinking-entropy penalty (PEAR), "
+               "oscillating rollout length cap (SIRI).")
     Options = LengthShapingOptions
     claim_metric = ("bonus", "length bonus")
     reconstructed = (
@@ -261,6 +373,11 @@ class LengthShapingPlugin(Plugin):
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",
         "LASER-DE's 'well formatted' without format_column: finished (not truncated)",
         "DLER-difficulty: cap * (1 - shrink * group accuracy), shrink=0.5, floor min_cap",
+        "SIRI: default caps max_completion_length // 2 and max_completion_length, period 100 steps, starting phase",
+        "PEAR: the bonus -(alpha H_think + alpha_answer H_answer) on correct responses and its defaults (the paper's "
+        "exact formula was not available)",
+        "DECS: the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
+        "DECS: the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
     )
 
     def __init__(self, options=None):
@@ -268,10 +385,17 @@ class LengthShapingPlugin(Plugin):
         self.max_len = 1
         self.targets = [None, None, None]  # LASER-D targets for easy, medium, hard
         self.history: deque = deque(maxlen=self.options.window)
+        self.kappa, self.last_nrp_ratio = 0.0, 0.5  # DECS curriculum (official initial values)
+        self._decs_batch: list | None = None
+        self._split_ids: set[int] | None = None
+        self._generator = torch.Generator().manual_seed(0)
+
+    def required_columns(self) -> list[str]:
+        return [self.options.answer_column] if self.options.mode == "decs" else []
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
-        if self.options.mode not in LASER_MODES:
+        if self.options.mode not in COLUMN_MODES:
             return []
 
         def length_shaping(completions, **kwargs):
@@ -284,6 +408,7 @@ class LengthShapingPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         self.max_len = int(trainer.max_completion_length)
         o = self.options
+        self._generator.manual_seed(int(getattr(args, "seed", 0)))
         if o.mode in DLER_MODES and getattr(args, "mask_truncated_completions", False):
             warnings.warn(
                 "length_shaping (DLER): mask_truncated_completions=True removes truncated completions from the loss, "
@@ -324,6 +449,15 @@ class LengthShapingPlugin(Plugin):
         o = self.options
         if ctx.local_completion_ids is None:
             raise PluginError("length_shaping needs the completions' token ids at the reward stage.")
+        if o.mode == "decs":
+            self._decs_batch = ctx.gather_object([self._decs_row(ctx, i) for i in range(len(ctx.local_rows))])
+            return
+        if o.mode == "pear":
+            self._pear(ctx)
+            return
+        if o.mode == "siri":
+            self._siri_rewards(ctx)
+            return
         check_repetition = o.mode == "laser_de" and o.explore_gate != "none"
         local = [(len(ids), self._unfinished(ids), check_repetition and is_repetitive(list(ids)))
                  for ids in ctx.local_completion_ids]
@@ -362,6 +496,120 @@ class LengthShapingPlugin(Plugin):
             ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
             ctx.log_metric("truncated_fraction", zero.float().mean().item())
             ctx.log_metric("mean_cap", caps.float().mean().item())
+
+    # ------------------------------------------------------------------------------------------ SIRI
+    def siri_cap(self, step: int) -> int:
+        """The rollout length cap at optimizer step ``step`` (compression and expansion phases alternate)."""
+        o = self.options
+        high = min(o.siri_max_cap or self.max_len, self.max_len)
+        low = min(o.siri_min_cap or max(1, self.max_len // 2), high)
+        return siri_cap(step, low, high, o.siri_period, o.siri_schedule)
+
+    def _apply_siri_cap(self, trainer) -> None:
+        if self.options.mode == "siri":
+            trainer.set_generation_length_cap(self.siri_cap(int(trainer.state.global_step)))
+
+    @hookimpl
+    def trl_plugins_train_sampler(self, trainer, sampler, dataset):
+        self._apply_siri_cap(trainer)  # at the start of training and on resume: the cap of the current step
+        return None
+
+    @hookimpl
+    def trl_plugins_on_step_end(self, trainer, step):
+        self._apply_siri_cap(trainer)
+
+    def _siri_rewards(self, ctx: RewardContext) -> None:
+        """SIRI's length-capping reward: every column of a row longer than the current cap, or cut off at it without
+        EOS, is 0 (NaN stays NaN)."""
+        cap = self.siri_cap(ctx.step) if ctx.mode == "train" else self.max_len
+        local = [(len(ids), len(ids) >= cap and (not ids or ids[-1] not in self.eos_ids))
+                 for ids in ctx.local_completion_ids]
+        gathered = ctx.gather_object(local)
+        device = ctx.rewards_per_func.device
+        lengths = torch.tensor([n for n, _ in gathered], dtype=torch.long, device=device)
+        unfinished = torch.tensor([u for _, u in gathered], dtype=torch.bool, device=device)
+        zero = dler_zero_mask(lengths, torch.full_like(lengths, cap), unfinished)
+        rewards = ctx.rewards_per_func
+        ctx.rewards_per_func = torch.where(zero.unsqueeze(1) & ~torch.isnan(rewards), 0.0, rewards)
+        ctx.log_metric("cap", float(cap))
+        ctx.log_metric("truncated_fraction", zero.float().mean().item())
+
+    # ------------------------------------------------------------------------------------------ PEAR
+    def _pear(self, ctx: RewardContext) -> None:
+        """Fill the plugin's column with PEAR's phase-entropy bonus (one no-grad forward over the local rows)."""
+        o = self.options
+        if o.pear_alpha == 0 and o.pear_answer_alpha == 0:  # neutral: an all-zero column, no forward
+            return
+        tokenizer = ctx.tokenizer
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+        entropies = ctx.policy_entropies()
+        local = [phase_entropies(h.float().cpu(), phase_boundary(ids, decode, o.pear_marker))
+                 for h, ids in zip(entropies, ctx.local_completion_ids)]
+        gathered = ctx.gather_object(local)
+        device = ctx.rewards_per_func.device
+        think = torch.tensor([t for t, _ in gathered], device=device)
+        answer = torch.tensor([a for _, a in gathered], device=device)
+        bonus = pear_bonus(think, answer, self._correct(ctx).to(device), o.pear_alpha, o.pear_answer_alpha,
+                           o.pear_only_correct)
+        rewards = ctx.rewards_per_func.clone()
+        rewards[:, ctx.reward_func_names.index(COLUMN)] = bonus.to(rewards.dtype)
+        ctx.rewards_per_func = rewards
+        ctx.log_metric("think_entropy", think.mean().item())
+        ctx.log_metric("answer_entropy", answer.mean().item())
+        ctx.log_metric("bonus", bonus.mean().item())
+
+    # ------------------------------------------------------------------------------------------ DECS
+    def _decs_row(self, ctx: RewardContext, i: int) -> tuple[int, float]:
+        """(first redundant position or -1, NRP ratio) of local row ``i`` (rule chunk judge on the answer column)."""
+        tokenizer = ctx.tokenizer
+        if self._split_ids is None:
+            ids = [tokenizer.encode(w, add_special_tokens=False) for w in self.options.decs_split_words]
+            self._split_ids = {x[0] for x in ids if x}
+        ids = list(ctx.local_completion_ids[i])
+        starts = chunk_starts(ids, self._split_ids)
+        ends = starts[1:] + [len(ids)]
+        answer = str(ctx.local_rows[i].get(self.options.answer_column, ""))
+        verdicts = [contains_answer(tokenizer.decode(ids[a:b], skip_special_tokens=True), answer)
+                    for a, b in zip(starts, ends)]
+        return nrp_split(starts, verdicts, len(ids)) if starts else (-1, 0.0)
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        o = self.options
+        if o.mode != "decs":
+            return
+        if self._decs_batch is None or len(self._decs_batch) != ctx.rewards.numel():
+            raise PluginError("length_shaping (decs): the reward stage did not record this batch's chunks.")
+        G = ctx.num_generations
+        mask = ctx.completion_mask().float()
+        device = mask.device
+        correct = torch.nan_to_num(ctx.verifier(SuccessRule(o.correctness_column)).float(), nan=-math.inf) \
+            >= o.correct_threshold
+        starts = torch.tensor([s for s, _ in self._decs_batch], device=device)
+        ratios = torch.tensor([r for _, r in self._decs_batch], device=device)
+        starts = torch.where(correct.to(device), starts, torch.full_like(starts, -1))
+        scores = torch.nan_to_num(ctx.rewards.float(), nan=0.0).to(device)
+        token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len,
+                                           o.decs_beta)
+        advantages = per_position_advantages(token_rewards, mask, G)
+        if o.decs_curriculum:
+            keep = curriculum_keep(scores, G, self.kappa, self._generator).to(device)
+            advantages = advantages * keep.repeat_interleave(G).unsqueeze(1).float()
+            ctx.log_metric("kept_group_fraction", keep.float().mean().item())
+        ctx.advantages = advantages.to(ctx.advantages.dtype)
+        found = ratios[correct.to(device) & (ratios > 0)]
+        ratio = float(found.mean()) if found.numel() else 0.0
+        if ctx.mode == "train" and o.decs_curriculum:
+            if self.last_nrp_ratio != 0:
+                self.kappa += (ratio - self.last_nrp_ratio) * o.decs_kappa_lr
+            self.last_nrp_ratio = ratio
+        ctx.log_metric("nrp_ratio", ratio)
+        ctx.log_metric("redundant_fraction", float(((starts >= 0).float()).mean()))
+        ctx.log_metric("kappa", self.kappa)
+        self._decs_batch = None
 
     def _well_formatted(self, ctx: RewardContext, unfinished: torch.Tensor) -> torch.Tensor:
         """(N,) bool: finished answers, with ``format_column > 0`` when that column is set (NaN = not formatted)."""
@@ -403,6 +651,9 @@ class LengthShapingPlugin(Plugin):
     @hookimpl
     def trl_plugins_state_dict(self):
         return {
+            "kappa": self.kappa,
+            "last_nrp_ratio": self.last_nrp_ratio,
+            "generator": self._generator.get_state().tolist(),
             "targets": list(self.targets),
             "history": [(h[0].tolist(), h[1].tolist(), h[2].tolist()) for h in self.history],
         }
@@ -410,6 +661,10 @@ class LengthShapingPlugin(Plugin):
     @hookimpl
     def trl_plugins_load_state_dict(self, state):
         self.targets = list(state.get("targets", [None, None, None]))
+        self.kappa = float(state.get("kappa", 0.0))
+        self.last_nrp_ratio = float(state.get("last_nrp_ratio", 0.5))
+        if "generator" in state:
+            self._generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
         self.history = deque(
             [
                 (torch.tensor(a), torch.tensor(b, dtype=torch.bool), torch.tensor(c))

@@ -46,6 +46,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "empo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
+    "hapo": ({}, {}),
     # the default lexicon targets natural-language reasoning; the arithmetic completions say "Answer"
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
@@ -56,9 +57,12 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
+    # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
+    "prl": ({"step_len": 8, "eta": 20.0}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
+    "repexp": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),

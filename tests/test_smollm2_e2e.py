@@ -187,6 +187,13 @@ def _stacks(urls):
             {"loss_type": "dapo"}, [],
         ),
         "rec": (["rec"], {"rec": {"variant": "opmd"}}, {"loss_type": "bnpo", "scale_rewards": "none"}, []),
+        # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages);
+        # RepExp's bonus comes from one backbone forward of the LoRA policy
+        "prl+hapo+repexp": (
+            ["repexp", "prl", "hapo"],
+            {"prl": {"step_len": 4, "eta": 20.0}, "hapo": {"token_level_advantage": False}},
+            {"loss_type": "dapo"}, [],
+        ),
     }
 
 

@@ -424,6 +424,28 @@ class RewardContext(_VerdictMixin, _StageContext):
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
         return self._service("gather_object")(values)
 
+    def policy_entropies(self) -> list[torch.Tensor]:
+        """Per-token entropies of the current policy's next-token distribution over this process's completions (no
+        grad; temperature applied as in the loss), one (len(local_completion_ids[i]),) tensor per local row.
+
+        The forward conditions on ``local_prompts`` tokenized as TRL tokenizes prompts for generation (for a
+        prompt-swapped row: its original prompt). Costs a forward pass; collective: call it on every process.
+        """
+        if self.local_completion_ids is None:
+            raise PluginError("RewardContext.policy_entropies: the completions' token ids are not available here.")
+        prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
+        return self._service("policy_entropies")(prompt_ids, [list(c) for c in self.local_completion_ids])
+
+    def policy_features(self) -> torch.Tensor:
+        """(B, d) no-grad representation of each local completion: the mean of the policy's last hidden state (the
+        backbone's output, before the LM head) over the completion's token positions, conditioned on
+        ``local_prompts`` as TRL tokenizes them. One backbone forward (no logits); collective: call it on every
+        process."""
+        if self.local_completion_ids is None:
+            raise PluginError("RewardContext.policy_features: the completions' token ids are not available here.")
+        prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
+        return self._service("policy_features")(prompt_ids, [list(c) for c in self.local_completion_ids])
+
     def _reward_names(self) -> list[str]:
         return list(self.reward_func_names)
 
@@ -490,6 +512,16 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     def completion_mask(self) -> torch.Tensor:
         """(N, T_max) loss mask of all rows, padded across processes (collective)."""
         return self._service("completion_mask")()
+
+    def reference_logprobs(self) -> torch.Tensor:
+        """(B, T) no-grad log-probs of this process's completion tokens under the **reference policy** (cached).
+
+        Only for plugins declaring ``needs_reference_model = True``. The trainer takes them from TRL's reference
+        forward when ``beta != 0`` (no extra cost); otherwise it runs one forward: the PEFT model with its adapter
+        switched off (TRL's own rule: the ``"ref"`` adapter when the model has one), or a frozen copy of the initial
+        policy that the trainer keeps for full fine-tuning. Temperature applied as in TRL's log-probs.
+        """
+        return self._service("reference_logprobs")()
 
     def set_local_extra(self, name: str, tensor: torch.Tensor) -> None:
         """Attach a (B, ...) tensor for this process's rows only (e.g. per-token proxy log-probs (B, T))."""

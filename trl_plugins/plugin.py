@@ -30,6 +30,8 @@ class Plugin:
         summary: one line for ``trl-plugins list``.
         needs_head_stats: the loss hook uses ``ctx.head_stats()`` (chunked LM-head statistics).
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
+        needs_reference_model: the advantage hook calls ``ctx.reference_logprobs()`` (log-probs under the reference
+            policy); with full fine-tuning and ``beta == 0`` the trainer then keeps a frozen copy of the initial policy.
         replaces: the stage quantities the plugin replaces outright rather than adjusts (e.g. ``"the advantages"``,
             ``"the base surrogate on ..."``); shown in ``trl-plugins show`` and ``docs/compatibility.md``.
         overwrites: the chained stage quantities the plugin recomputes from scratch, discarding what the plugins
@@ -59,6 +61,7 @@ class Plugin:
     Options: ClassVar[type[PluginOptions]] = PluginOptions
     needs_head_stats: ClassVar[bool] = False
     replaces_surrogate: ClassVar[bool] = False
+    needs_reference_model: ClassVar[bool] = False
     replaces: ClassVar[tuple[str, ...]] = ()
     overwrites: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...] | Mapping[str, str]] = ()

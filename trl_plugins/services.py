@@ -64,8 +64,12 @@ class StageServices:
             of the current policy (collective, padded to the same number of rows on every process).
         policy_logprobs: ``(prompt_ids, completion_ids) -> [(len(c),) per row]``, no-grad per-token log-probs
             of the completion tokens under the current policy (temperature applied; runs on this process only).
+        policy_features: ``(prompt_ids, completion_ids) -> (R, d)``, no-grad mean of the policy's last hidden state
+            over each completion's tokens (collective, padded to the same number of rows on every process).
         policy_stats: ``(head_stats: bool) -> PolicyStats`` of the local generation batch (advantage stage).
         completion_mask: ``() -> (N, T_max)`` loss mask of all rows (advantage stage, collective).
+        reference_logprobs: ``() -> (B, T)`` no-grad log-probs of the local completion tokens under the reference
+            policy (advantage stage; plugins declaring ``needs_reference_model``).
         head_stats: ``() -> HeadStats`` of the loss forward (loss stage, plugins declaring ``needs_head_stats``).
         masked_mean: ``(x (B, T), mask (B, T)) -> float``, token-mean across all processes (collective).
     """
@@ -80,8 +84,10 @@ class StageServices:
     gather_object: Callable[[list], list] | None = None
     policy_entropies: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None
     policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None
+    policy_features: Callable[[list[list[int]], list[list[int]]], torch.Tensor] | None = None
     policy_stats: Callable[[bool], Any] | None = None
     completion_mask: Callable[[], torch.Tensor] | None = None
+    reference_logprobs: Callable[[], torch.Tensor] | None = None
     head_stats: Callable[[], Any] | None = None
     masked_mean: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 

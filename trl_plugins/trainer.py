@@ -56,6 +56,7 @@ from .data_checks import check_training_dataset
 from .errors import PluginConfigError, PluginError
 from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
+from .reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .refill import REJECT_HOOK, RefillStage, zero_group_advantages
@@ -132,6 +133,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         stack.check_loss_type(self.loss_type)
         #: The refill stage (plugins rejecting whole groups: ``trl_plugins_reject_groups``), else None.
         self.refill_stage: RefillStage | None = RefillStage(self) if stack.has(REJECT_HOOK) else None
+        #: Frozen copy of the initial policy for plugins needing the reference (full fine-tuning with beta=0 only).
+        self._reference_copy = None
+        if needs_reference_copy(self, list(stack)):
+            self._reference_copy = frozen_reference_copy(self, list(stack))
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -188,6 +193,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             gather=lambda tensor: self.accelerator.gather(tensor),  # late-bound: the accelerator may be wrapped
             gather_object=gather_object,
             policy_entropies=self._rollout_entropies,
+            policy_features=self._rollout_features,
             policy_logprobs=self._policy_logprobs,
             masked_mean=functools.partial(_global_masked_mean, self),
         )
@@ -204,6 +210,19 @@ class PluginGRPOTrainer(GRPOTrainer):
             mode="train" if self.model.training else "eval",
             placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
         )
+
+    def set_generation_length_cap(self, cap: int | None) -> int:
+        """Cap the tokens generated per completion from the next generation on (HF generation and vLLM alike), for
+        plugins that schedule the rollout length (call it from ``trl_plugins_configure``, ``trl_plugins_train_sampler``
+        or ``trl_plugins_on_step_end``). ``cap`` is clamped to ``[1, max_completion_length]``; None restores
+        ``max_completion_length``. Padding, the loss normalisers and the in-step generation service keep
+        ``max_completion_length``. Returns the cap in force."""
+        limit = self.max_completion_length if cap is None else max(1, min(int(cap), self.max_completion_length))
+        if self.use_vllm:
+            self.vllm_generation.max_completion_length = limit
+        else:
+            self.generation_config.max_new_tokens = limit
+        return limit
 
     def _plugin_metric_sink(self, key: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
@@ -410,6 +429,32 @@ class PluginGRPOTrainer(GRPOTrainer):
             list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), True
         )
         return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def _rollout_features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """(R, d) no-grad mean of the backbone's last hidden state over each completion's tokens
+        (``RewardContext.policy_features``). Runs the backbone only (no LM head, no logits), in chunks of
+        ``per_device_train_batch_size`` rows; collective-safe like :meth:`_rollout_entropies`."""
+        from .head_stats import backbone_of
+
+        acc = self.accelerator
+        n_local = len(completion_ids)
+        counts = self._held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
+        max_n = int(counts.max().item())
+        eos_id = self.eos_token_ids[0]
+        pad_id = self._tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        rows += [([eos_id], [eos_id])] * (max_n - n_local)
+        backbone, step, means = backbone_of(self.model), self.args.per_device_train_batch_size, []
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            input_ids, attention_mask, c_len = prompt_completion_batch(
+                [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id, acc.device
+            )
+            with torch.no_grad():
+                hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask[:, -c_len:].unsqueeze(-1).float()
+            means.append((hidden[:, -c_len:].float() * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+        return torch.cat(means)[:n_local] if means else torch.zeros(0, 0, device=acc.device)
 
     def _policy_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
         """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
@@ -629,6 +674,7 @@ class PluginGRPOTrainer(GRPOTrainer):
                 self.plugin_services,
                 policy_stats=functools.partial(self._policy_stats, output),
                 completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
+                reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
             ),
         )
         self.plugin_stack.call("trl_plugins_transform_advantages", ctx)

@@ -1,0 +1,169 @@
+"""length_shaping mode DECS: chunks cut before reflection words; the NRP ends at the first chunk holding the answer;
+only the redundant tokens of correct completions lose reward (more in longer completions); per-position group
+advantages leave tokens every row shares at 0 and push the redundant tail down; the curriculum keeps groups with
+reward variance and int(kappa n / (1 - kappa)) all-correct ones; kappa follows the NRP ratio and survives a resume;
+the hooks run through the kit's reward and advantage contexts; an end-to-end run on the tiny model trains."""
+
+import math
+
+import pytest
+import torch
+
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.testing import (
+    CharTokenizer,
+    make_advantage_context,
+    make_reward_context,
+    make_tiny_trainer,
+    record_run,
+    stub_policy_stats,
+)
+from trl_plugins_builtin._decs import (
+    chunk_starts,
+    contains_answer,
+    curriculum_keep,
+    decs_token_rewards,
+    nrp_split,
+    per_position_advantages,
+)
+
+
+def test_chunks_cut_before_split_tokens():
+    assert chunk_starts([5, 1, 5, 5, 1, 5], {1}) == [0, 1, 4]
+    assert chunk_starts([1, 5], {1}) == [0]  # a split token at 0 does not make an empty chunk
+    assert chunk_starts([], {1}) == []
+
+
+def test_rule_judge_matches_whole_answers_only():
+    assert contains_answer("so x = 12.", "12")
+    assert not contains_answer("so x = 125", "12")
+    assert not contains_answer("so x = 3.12", "12")
+    assert not contains_answer("anything", "")
+
+
+def test_nrp_split():
+    starts = [0, 4, 9]
+    assert nrp_split(starts, [False, True, True], 12) == (9, 2 / 3)  # tail = the third chunk
+    assert nrp_split(starts, [True, False, False], 12) == (4, 1 / 3)
+    assert nrp_split(starts, [False, False, True], 12) == (-1, 1.0)  # answer in the last chunk: no tail
+    assert nrp_split(starts, [False, False, False], 12) == (-1, 0.0)
+
+
+def test_only_redundant_tokens_of_correct_rows_lose_reward():
+    scores = torch.tensor([1.0, 1.0, 0.0])
+    starts = torch.tensor([3, -1, -1])
+    lengths = torch.tensor([6, 4, 5])
+    r = decs_token_rewards(scores, starts, lengths, 8, 10, 0.1)
+    assert r[0, :3].tolist() == pytest.approx([1.1] * 3)
+    assert r[0, 3:6].tolist() == pytest.approx([1 + 0.1 * (1 - 6 / 10)] * 3)  # 1.04
+    assert r[0, 6:].tolist() == pytest.approx([1.1] * 2)  # padding keeps s (1 + beta)
+    assert r[1].tolist() == pytest.approx([1.1] * 8)
+    assert r[2].tolist() == pytest.approx([0.0] * 8)
+    # longer completions lose more on their redundant tokens
+    longer = decs_token_rewards(scores, starts, torch.tensor([9, 4, 5]), 10, 10, 0.1)
+    assert float(longer[0, 4]) < float(r[0, 4])
+
+
+def test_per_position_advantages_penalise_only_the_redundant_tail():
+    # one all-correct group: row 0 has a redundant tail from position 3, row 1 none; same length 6
+    scores = torch.tensor([1.0, 1.0])
+    mask = torch.ones(2, 6)
+    r = decs_token_rewards(scores, torch.tensor([3, -1]), torch.tensor([6, 6]), 6, 10, 0.1)
+    adv = per_position_advantages(r, mask, 2)
+    assert torch.all(adv[:, :3] == 0)  # the necessary prefix is never penalised
+    assert torch.all(adv[0, 3:] < 0) and torch.all(adv[1, 3:] > 0)
+    # a mixed group: the correct row's prefix stays positive even though its tail is redundant
+    r = decs_token_rewards(torch.tensor([1.0, 0.0]), torch.tensor([3, -1]), torch.tensor([6, 6]), 6, 10, 0.1)
+    adv = per_position_advantages(r, mask, 2)
+    assert torch.all(adv[0] > 0) and torch.all(adv[1] < 0)
+
+
+def test_curriculum_keeps_varied_groups_and_kappa_many_easy_ones():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # G=2: varied, easy, easy, wrong, easy
+    keep = curriculum_keep(rewards, 2, 0.0, g)
+    assert keep.tolist() == [True, False, False, False, False]
+    keep = curriculum_keep(rewards, 2, 0.5, g)  # int(0.5 * 1 / 0.5) = 1 easy group
+    assert keep[0] and not keep[3] and int(keep[[1, 2, 4]].sum()) == 1
+    keep = curriculum_keep(rewards, 2, 0.9, g)  # int(9) capped by the 3 easy groups
+    assert keep.tolist() == [True, True, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------ through the hooks
+def _plugin(**options):
+    # character tokens: the first token of " Wait" would be the space, so only the words without a leading space
+    options = {"mode": "decs", "decs_split_words": ["Wait", "But"], **options}
+    plugin = build_plugins(["length_shaping"], {"length_shaping": options}).plugins[0]
+    plugin.max_len = 20
+    return plugin
+
+
+COMPLETIONS = ["ab=7 Wait no", "ab=7 But fine", "x=3", "y=9"]  # group 0: both correct, both with a tail
+
+
+def _run(plugin, verdict=(1.0, 1.0, 0.0, 1.0)):
+    tok = CharTokenizer()
+    ids = [tok.encode(c) for c in COMPLETIONS]
+    rows = [{"prompt": "p", "answer": "7"}, {"prompt": "p", "answer": "7"},
+            {"prompt": "q", "answer": "9"}, {"prompt": "q", "answer": "9"}]
+    rctx = make_reward_context(torch.tensor(verdict), num_generations=2, rows=rows,
+                               completions=COMPLETIONS, local_completion_ids=ids)
+    rctx.set_active_plugin("length_shaping")
+    before = rctx.rewards_per_func.clone()
+    plugin.trl_plugins_transform_rewards(rctx)
+    assert torch.equal(rctx.rewards_per_func, before)  # DECS leaves the rewards alone
+    T = max(len(i) for i in ids)
+    mask = torch.tensor([[1.0] * len(i) + [0.0] * (T - len(i)) for i in ids])
+    actx = make_advantage_context(torch.tensor(verdict), num_generations=2,
+                                  policy_stats=stub_policy_stats(4, T, mask=mask))
+    actx.set_active_plugin("length_shaping")
+    plugin.trl_plugins_transform_advantages(actx)
+    return actx, mask
+
+
+def test_hooks_build_token_advantages_from_the_answer_column():
+    plugin = _plugin(decs_curriculum=False)
+    actx, mask = _run(plugin)
+    adv = actx.advantages
+    assert adv.shape == mask.shape
+    # group 0: both correct; "ab=7 " is the NRP of both (tails at 5), row 0 is shorter (12 vs 13 chars): its tail
+    # loses less, so at the shared tail positions row 0 is above row 1
+    assert torch.all(adv[0, :5] == 0) and torch.all(adv[1, :5] == 0)
+    assert torch.all(adv[0, 5:12] > 0) and torch.all(adv[1, 5:12] < 0)
+    # group 1: "x=3" wrong, "y=9" correct without a tail: ordinary positive / negative advantages
+    assert torch.all(adv[3][mask[3] > 0] > 0) and torch.all(adv[2][mask[2] > 0] < 0)
+    assert actx.metrics["plugins/length_shaping/redundant_fraction"] == [0.5]
+    assert actx.metrics["plugins/length_shaping/nrp_ratio"] == [pytest.approx((0.5 + 0.5 + 1.0) / 3)]
+
+
+def test_curriculum_drops_easy_groups_and_kappa_follows_the_nrp_ratio():
+    plugin = _plugin(decs_kappa_lr=0.5)
+    actx, _ = _run(plugin)
+    assert torch.all(actx.advantages[:2] == 0)  # kappa = 0: the all-correct group is dropped
+    assert actx.metrics["plugins/length_shaping/kept_group_fraction"] == [0.5]
+    ratio = (0.5 + 0.5 + 1.0) / 3
+    assert plugin.kappa == pytest.approx(0.5 * (ratio - 0.5)) and plugin.last_nrp_ratio == pytest.approx(ratio)
+    fresh = _plugin()
+    fresh.trl_plugins_load_state_dict(state=plugin.trl_plugins_state_dict())
+    assert fresh.kappa == plugin.kappa and fresh.last_nrp_ratio == plugin.last_nrp_ratio
+    assert torch.equal(fresh._generator.get_state(), plugin._generator.get_state())
+
+
+def test_decs_needs_the_answer_column():
+    plugin = _plugin()
+    assert plugin.required_columns() == ["answer"]
+    assert build_plugins(["length_shaping"]).plugins[0].required_columns() == []
+    with pytest.raises(PluginConfigError, match="decs_beta"):
+        build_plugins(["length_shaping"], {"length_shaping": {"mode": "decs", "decs_beta": -1.0}})
+
+
+def test_end_to_end_decs_trains(tmp_path):
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+
+    trainer = make_tiny_trainer(reward_funcs=[accuracy_reward], max_steps=2, output_dir=str(tmp_path / "d"),
+                                plugins=["length_shaping"], plugin_config={"length_shaping": {"mode": "decs"}})
+    run = record_run(trainer)
+    logs = [log for log in run.logs if "loss" in log]
+    assert logs and all("plugins/length_shaping/kappa" in log for log in logs)
+    assert all(a.dim() == 2 for a in run.advantages)
+    assert all(math.isfinite(log["loss"]) for log in logs)
