@@ -35,6 +35,9 @@ class Plugin:
         loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
+        multi_turn: whether the plugin works with multi-turn tool rollouts (TRL ``tools`` /
+            ``environment_factory``): True, or the reason it does not (a self-contained sentence; the plugin is then
+            refused at construction with it); None (the default): not stated -- allowed, with a warning.
     """
 
     name: ClassVar[str] = ""
@@ -50,6 +53,7 @@ class Plugin:
     loss_types: ClassVar[tuple[str, ...]] = ()
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
+    multi_turn: ClassVar[bool | str | None] = None
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -64,6 +68,11 @@ class Plugin:
         if happened and key not in warned:
             warned.add(key)
             warnings.warn(f"{self.name}: {message}", RuntimeWarning, stacklevel=2)
+
+    def multi_turn_refusal(self) -> str | None:
+        """Why this plugin, with its options, cannot run on multi-turn tool rollouts (None: it can). Defaults to
+        :attr:`multi_turn` when that is a reason; override to decide from the options."""
+        return self.multi_turn if isinstance(self.multi_turn, str) else None
 
     def required_columns(self) -> list[str]:
         """Dataset columns this plugin reads (checked against the training dataset at construction)."""

@@ -129,11 +129,15 @@ def make_tiny_trainer(
     *,
     eval_dataset=None,
     peft_config=None,
+    tools=None,
+    environment_factory=None,
     **config,
 ):
     """A trainer on the tiny model and tasks. ``trainer_cls`` defaults to ``PluginGRPOTrainer``;
     pass ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``).
-    ``config`` sets any (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``."""
+    ``config`` sets any (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``.
+    ``tools`` / ``environment_factory`` go to the trainer as TRL's (give the tokenizer a tool-calling template
+    first, e.g. :func:`trl_plugins.tasks.tools.enable_tool_calling`)."""
     from trl import GRPOConfig, GRPOTrainer
 
     from .trainer import PluginGRPOTrainer
@@ -143,6 +147,7 @@ def make_tiny_trainer(
     model = model if model is not None else tiny_model(tokenizer, seed=seed)
     config_cls = GRPOConfig if trainer_cls is GRPOTrainer else None
     args = tiny_config(config_cls=config_cls, seed=seed, **config)
+    agent = {k: v for k, v in (("tools", tools), ("environment_factory", environment_factory)) if v is not None}
     return trainer_cls(
         model=model,
         reward_funcs=reward_funcs if reward_funcs is not None else default_reward_funcs(),
@@ -151,7 +156,28 @@ def make_tiny_trainer(
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        **agent,
     )
+
+
+def script_generation(trainer, script: Callable[[str, int], str]) -> None:
+    """Replace ``trainer``'s generation backend by ``script(prompt_text, row) -> completion text`` (in place).
+
+    ``prompt_text`` is the rendered prompt (special tokens kept; with tools it holds the earlier turns and tool
+    results), ``row`` the index of the request in the backend call. The completion is tokenised and closed with EOS.
+    TRL's whole pipeline around the backend (tool loop, masks, rewards, loss) runs unchanged, so tests can drive tool
+    calls with a model too small to make them.
+    """
+    tokenizer = trainer.processing_class
+
+    def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        completions = []
+        for row, ids in enumerate(prompt_ids):
+            text = script(tokenizer.decode(list(ids), skip_special_tokens=False), row)
+            completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        return completions, None
+
+    trainer._generate_single_turn = generate_single_turn
 
 
 @dataclass
