@@ -105,9 +105,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             model, tokenizer = resolve_model_name(model, args)
             if tokenizer is not None and kwargs.get("processing_class") is None:
                 kwargs["processing_class"] = tokenizer
-            if builtin and uses_tools and kwargs.get("processing_class") is not None:
-                from .tasks.tools import enable_tool_calling  # the built-in models ship no tool-calling template
+            if builtin and uses_tools:  # the built-in models ship no tool-calling chat template
+                from .tasks.tools import enable_tool_calling
 
+                if kwargs.get("processing_class") is None:
+                    from transformers import AutoTokenizer
+
+                    kwargs["processing_class"] = AutoTokenizer.from_pretrained(model)
                 enable_tool_calling(kwargs["processing_class"])
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path

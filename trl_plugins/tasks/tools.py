@@ -301,23 +301,23 @@ TINY_TOOL_TEMPLATE = (
 #: Tool-calling ChatML template (``<|im_start|>role ... <|im_end|>``, tool calls as JSON in ``<tool_call>`` tags, the
 #: tools' JSON schemas listed in the system message), for ChatML models such as SmolLM2.
 CHATML_TOOL_TEMPLATE = (
-    "{%- set tool_text = '' -%}"
-    "{%- if tools -%}{%- set tool_text = '\\n\\nYou can call these tools; write each call as "
-    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:\\n' -%}"
-    "{%- for tool in tools -%}{%- set tool_text = tool_text + (tool | tojson) + '\\n' -%}{%- endfor -%}{%- endif -%}"
+    "{%- set ns = namespace(tools='') -%}"
+    "{%- if tools -%}{%- set ns.tools = '\\n\\nYou can call these tools; write each call as "
+    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:' -%}"
+    "{%- for tool in tools -%}{%- set ns.tools = ns.tools + '\\n' + (tool | tojson) -%}{%- endfor -%}{%- endif -%}"
     "{%- if not messages or messages[0]['role'] != 'system' -%}"
-    "<|im_start|>system\\nYou are a helpful assistant.{{ tool_text }}<|im_end|>\\n{%- endif -%}"
+    "<|im_start|>system\nYou are a helpful assistant.{{ ns.tools }}<|im_end|>\n{% endif -%}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}<|im_start|>system\\n{{ message['content'] }}{{ tool_text }}<|im_end|>\\n"
-    "{%- elif message['role'] == 'tool' -%}"
-    "<|im_start|>user\\n<tool_response>\\n{{ message['content'] }}\\n</tool_response><|im_end|>\\n"
-    "{%- elif message['role'] == 'assistant' -%}<|im_start|>assistant\\n{{ message['content'] }}"
+    "{%- if message['role'] == 'system' -%}<|im_start|>system\n{{ message['content'] }}{{ ns.tools }}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' -%}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif message['role'] == 'assistant' -%}<|im_start|>assistant\n{{ message['content'] }}"
     "{%- for call in message.get('tool_calls') or [] -%}"
-    "<tool_call>\\n{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
-    "\\n</tool_call>{%- endfor -%}<|im_end|>\\n"
-    "{%- else -%}<|im_start|>{{ message['role'] }}\\n{{ message['content'] }}<|im_end|>\\n"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_start|>assistant\\n{%- endif -%}"
+    "<tool_call>\n{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "\n</tool_call>{%- endfor -%}<|im_end|>\n"
+    "{% else -%}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{% endif -%}"
 )
 
 
