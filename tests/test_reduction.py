@@ -13,7 +13,9 @@ from trl import GRPOTrainer
 from trl_plugins import Plugin, hookimpl
 from trl_plugins.loss_rules import LOSS_TYPES as ALL_LOSS_TYPES
 from trl_plugins.tasks.tiny import build_and_save
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal, digit_fraction_reward, make_tiny_trainer, make_tool_trainer, record_run,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 RUN = dict(reward_funcs=[digit_fraction_reward], max_steps=3, log_level="error")
@@ -95,33 +97,11 @@ def test_plugin_loss_path_matches_trl_options(extra, temporary_plugin, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ multi-turn tool rollouts
-def _tool_trainer(trainer_cls=None, agent: str = "environment", **config):
-    """A tiny trainer on the bundled tool environment whose backend follows the gold traces (scripted: the random
-    tiny model cannot write tool calls), so every batch holds real multi-turn tool rollouts."""
-    from trl_plugins.tasks.tools import (
-        ToolEnvironment, calculator, enable_tool_calling, gold_trace_script, make_tool_dataset, search,
-        tool_answer_reward,
-    )
-    from trl_plugins.testing import script_generation, tiny_tokenizer
-
-    dataset = make_tool_dataset(8, kinds=("lookup", "scaled"))
-    agent_kwargs = (
-        {"environment_factory": ToolEnvironment} if agent == "environment" else {"tools": [search, calculator]}
-    )
-    trainer = make_tiny_trainer(
-        trainer_cls, tokenizer=enable_tool_calling(tiny_tokenizer()), dataset=dataset,
-        reward_funcs=[tool_answer_reward], max_steps=2, max_completion_length=300, log_level="error",
-        **agent_kwargs, **config,
-    )
-    script_generation(trainer, gold_trace_script(dataset))
-    return trainer
-
-
 @pytest.mark.parametrize("agent", ["environment", "tools"])
 def test_tool_run_without_plugins_is_identical_to_trl(agent):
-    vanilla_trainer = _tool_trainer(GRPOTrainer, agent=agent)
+    vanilla_trainer = make_tool_trainer(GRPOTrainer, agent=agent)
     vanilla = record_run(vanilla_trainer)
-    ours = record_run(_tool_trainer(agent=agent))
+    ours = record_run(make_tool_trainer(agent=agent))
     # not vacuous: tool calls were made (TRL logs them) and the runs have signal
     assert all(log["tools/call_frequency"] > 0 for log in vanilla.logs if "tools/call_frequency" in log)
     assert any(adv.abs().sum() > 0 for adv in vanilla.advantages)
@@ -131,7 +111,7 @@ def test_tool_run_without_plugins_is_identical_to_trl(agent):
 def test_tool_run_through_the_plugin_loss_path_is_identical(temporary_plugin):
     """A neutral plugin (every stage's data built: turn ids, plugin loss path) changes nothing with tools either."""
     temporary_plugin(NeutralLossPlugin)
-    vanilla = record_run(_tool_trainer(GRPOTrainer))
-    trainer = _tool_trainer(plugins=["neutral_loss"])
+    vanilla = record_run(make_tool_trainer(GRPOTrainer))
+    trainer = make_tool_trainer(plugins=["neutral_loss"])
     assert trainer._uses_plugin_loss
     assert_runs_equal(vanilla, record_run(trainer))

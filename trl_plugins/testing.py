@@ -160,6 +160,34 @@ def make_tiny_trainer(
     )
 
 
+def make_tool_trainer(trainer_cls=None, agent: str = "environment", kinds=("lookup", "scaled"), n: int = 8,
+                      script: Callable[[str, int], str] | None = None, **config):
+    """A tiny trainer on the bundled tool environment (:mod:`trl_plugins.tasks.tools`) whose generation backend
+    follows the questions' gold traces (:func:`~trl_plugins.tasks.tools.gold_trace_script`; the random tiny model
+    cannot write tool calls), so every batch holds real multi-turn tool rollouts run by TRL's tool loop.
+
+    ``agent``: "environment" (``environment_factory=ToolEnvironment``, per-call rewards) or "tools" (``tools=`` the
+    plain functions). ``config`` sets any (Plugin)GRPOConfig field, as in :func:`make_tiny_trainer`.
+    """
+    from .tasks.tools import (
+        ToolEnvironment, calculator, enable_tool_calling, gold_trace_script, make_tool_dataset, search,
+        tool_answer_reward,
+    )
+
+    if agent not in ("environment", "tools"):
+        raise ValueError(f"agent must be 'environment' or 'tools'; got {agent!r}")
+    dataset = make_tool_dataset(n, kinds=kinds)
+    agent_kwargs = {"environment_factory": ToolEnvironment} if agent == "environment" else {"tools": [search, calculator]}
+    values = dict(max_steps=2, max_completion_length=300, log_level="error")
+    values.update(config)
+    trainer = make_tiny_trainer(
+        trainer_cls, tokenizer=enable_tool_calling(tiny_tokenizer()), dataset=dataset,
+        reward_funcs=values.pop("reward_funcs", [tool_answer_reward]), **agent_kwargs, **values,
+    )
+    script_generation(trainer, script or gold_trace_script(dataset))
+    return trainer
+
+
 def script_generation(trainer, script: Callable[[str, int], str]) -> None:
     """Replace ``trainer``'s generation backend by ``script(prompt_text, row) -> completion text`` (in place).
 
