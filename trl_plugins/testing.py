@@ -884,9 +884,16 @@ def make_advantage_context(
     step: int = 0,
     mode: str = "train",
     run: RunInfo | None = None,
+    turns: Sequence[Any] | None = None,
+    rows: list[dict] | None = None,
+    prompt_ids: list[list[int]] | None = None,
     **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
+
+    Multi-turn rows: ``turns`` ((N,) :class:`~trl_plugins.turns.TurnStructure`, e.g. from
+    :func:`~trl_plugins.turns.build_turn_structure`) fill ``local_turns``, ``turn_ids`` ((N, T) with T the longest
+    tool mask) and ``turn_rewards``; ``rows`` and ``prompt_ids`` fill ``local_rows`` / ``local_prompt_ids``.
 
     Args:
         rewards: (N,) combined rewards.
@@ -937,6 +944,14 @@ def make_advantage_context(
                                **services),
     )
     ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    if turns is not None:
+        from .turns import turn_ids_tensor, turn_rewards_tensor
+
+        ctx.local_turns = list(turns)
+        ctx.turn_ids = turn_ids_tensor(turns, max([len(t.tool_mask) for t in turns] + [1]))
+        ctx.turn_rewards = turn_rewards_tensor(turns)
+    ctx.local_rows = list(rows or [])
+    ctx.local_prompt_ids = prompt_ids
     return ctx
 
 
