@@ -800,6 +800,7 @@ def make_reward_context(
     local_completion_ids: list[list[int]] | None = None,
     num_processes: int = 1,
     process_index: int = 0,
+    turns: Sequence[Any] | None = None,
     **services: Any,
 ) -> RewardContext:
     """A :class:`~trl_plugins.RewardContext`: the gathered (N, K) matrix, and the local rows of process
@@ -810,7 +811,8 @@ def make_reward_context(
     the context holds this process's slice. ``local_completion_ids`` default to the completions encoded as
     characters (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
     (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
-    metrics the plugin logs.
+    metrics the plugin logs. ``turns``: (N,) :class:`~trl_plugins.turns.TurnStructure` of multi-turn tool rollouts
+    (this process's slice becomes ``local_turns``).
     """
     matrix = _as_matrix(rewards_per_func).clone()
     N, K = matrix.shape
@@ -840,6 +842,7 @@ def make_reward_context(
         local_completion_ids=list(local_completion_ids[local]),
         mode=mode,
         services=stub_services(metrics, run=run, **services),
+        local_turns=list(turns[local]) if turns is not None else [],
     )
     ctx.metrics = metrics
     return ctx
