@@ -30,6 +30,9 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
+    # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
+    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0)
+    "aspo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -44,10 +47,12 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the default lexicon targets natural-language reasoning; the arithmetic completions say "Answer"
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
+    "igpo": ({}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
+    "otc_po": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
