@@ -97,7 +97,7 @@ def test_plugin_loss_path_matches_trl_options(extra, temporary_plugin, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------ multi-turn tool rollouts
-@pytest.mark.parametrize("agent", ["environment", "tools"])
+@pytest.mark.parametrize("agent", ["environment", pytest.param("tools", marks=pytest.mark.slow)])
 def test_tool_run_without_plugins_is_identical_to_trl(agent):
     vanilla_trainer = make_tool_trainer(GRPOTrainer, agent=agent)
     vanilla = record_run(vanilla_trainer)
@@ -108,6 +108,7 @@ def test_tool_run_without_plugins_is_identical_to_trl(agent):
     assert_runs_equal(vanilla, ours)
 
 
+@pytest.mark.slow
 def test_tool_run_through_the_plugin_loss_path_is_identical(temporary_plugin):
     """A neutral plugin (every stage's data built: turn ids, plugin loss path) changes nothing with tools either."""
     temporary_plugin(NeutralLossPlugin)
