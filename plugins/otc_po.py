@@ -11,7 +11,8 @@ tool loop produces) and ``c`` a smoothing constant:
   ``2nm / (m + n)``; ``r_tool = 1`` if ``f = n = 0``, ``cos(m * pi / (2m + c))`` if ``n = 0``, else
   ``sin(f * pi / (2n))`` -- 1 exactly at ``m = n``, lower for fewer or more calls.
 
-The reward is ``alpha * r_tool * r_correct`` on the verifier column. Reconstructed (options, flagged): ``c`` (the
+The reward is ``alpha * r_tool * r_correct`` on the verifier column (correct: value > 0, so ``otc_po`` must run
+before reward transforms that give incorrect rollouts partial credit, such as ``e_grpo``; checked at construction). Reconstructed (options, flagged): ``c`` (the
 paper calls it a smoothing constant; default 1.0 here), ``alpha`` 1.0, the group as the scope of ``n`` (the paper's
 estimate may also use earlier rollouts of the same question), and ``strength`` (our mixing weight: 0 leaves the
 reward unchanged, the neutral setting).
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins import IncompatiblePluginsError, Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.success import verifier_column
 
 
@@ -81,6 +82,15 @@ class OtcPoPlugin(Plugin):
     Options = OtcPoOptions
     replaces = ("the verifier column's reward (times the tool coefficient)",)
     reconstructed = ("c = 1.0 and alpha = 1.0", "n estimated within the group only")
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        names = list(getattr(args, "plugins", []) or [])
+        if "e_grpo" in names and names.index("e_grpo") < names.index(self.name):
+            raise IncompatiblePluginsError(
+                "otc_po must come before e_grpo in `plugins`: otc_po reads correctness from the verifier column "
+                "(> 0), and after e_grpo incorrect rollouts hold partial credit there."
+            )
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):

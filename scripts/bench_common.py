@@ -31,7 +31,8 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
-    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0)
+    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0).
+    # funrl and e_grpo are not listed: they read dataset columns the arithmetic task lacks (gold_calls, entities).
     "aspo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch

@@ -113,7 +113,7 @@ def loopback_components():
         yield urls, calls
 
 
-AGENT_STACK = "igpo+otc_po+aspo"
+AGENT_STACK = "igpo+otc_po+aspo+e_grpo+funrl"
 
 
 def _stacks(urls):
@@ -158,7 +158,7 @@ def _stacks(urls):
             {"loss_type": "grpo"}, ["feedback"],
         ),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
-        AGENT_STACK: (["igpo", "otc_po", "aspo"], {}, {"loss_type": "grpo"}, []),
+        AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -206,7 +206,7 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
 
 
 def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
-    """igpo + otc_po + aspo on real multi-turn tool rollouts of the real model: TRL's tool loop with the bundled
+    """igpo + otc_po + e_grpo + funrl + aspo on real multi-turn tool rollouts of the real model: TRL's tool loop with the bundled
     environment, the ChatML tool template, turn structures from the BPE tokens. The backend writes the questions'
     gold traces (scripted: the 135M model rarely writes a well-formed call), the policy scores and trains them."""
     from transformers import AutoTokenizer
@@ -231,7 +231,7 @@ def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
     logs = _logs(trainer)
     assert logs["tools/call_frequency"] > 0
-    silent = [p for p in plugins if not any(k.startswith(f"plugins/{p}/") for k in logs)]
+    silent = [p for p in plugins if not any(k.startswith((f"plugins/{p}/", f"rewards/{p}/")) for k in logs)]
     assert not silent, f"no metrics from {silent}"
     assert logs["plugins/otc_po/tool_calls_mean"] > 0
 

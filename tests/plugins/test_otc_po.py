@@ -70,3 +70,12 @@ def test_only_the_verifier_column_is_reshaped():
     run_hook("otc_po", "trl_plugins_transform_rewards", ctx, {"otc_po": {"variant": "ppo"}})
     assert ctx.rewards_per_func[:, 1].tolist() == pytest.approx([0.3, 0.3])
     assert ctx.rewards_per_func[0, 0] == pytest.approx(math.cos(math.pi / 3))
+
+
+def test_must_run_before_partial_credit_transforms():
+    from trl_plugins import IncompatiblePluginsError
+    from trl_plugins.testing import build_stack
+
+    build_stack(["otc_po", "e_grpo"])
+    with pytest.raises(IncompatiblePluginsError, match="otc_po must come before e_grpo"):
+        build_stack(["e_grpo", "otc_po"])

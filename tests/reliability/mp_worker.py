@@ -218,7 +218,7 @@ def build_trainer(phase: str, out_dir: str, num_processes: int):
         trainer = make_tool_trainer(
             n=12, per_device_train_batch_size=per_device, num_generations=G, max_steps=1,
             output_dir=os.path.join(out_dir, phase), loss_type="dr_grpo", tool_retries=1, tool_retry_backoff=0.0,
-            **({"plugins": ["test_layout_probe", "igpo", "otc_po"]} if phase == "tools" else {}),
+            **({"plugins": ["igpo", "otc_po"]} if phase == "tools" else {}),
         )
         if phase == "tool_fails_on_one_rank":
             trainer.environment_factories = {None: SearchDownOnRank1}
@@ -261,7 +261,9 @@ def run_phase(phase: str, out_dir: str) -> dict:
         record["batches"].append(
             {
                 "rewards": pending.pop("rewards"),
-                "advantages": acc.gather(out["advantages"]).cpu().tolist(),
+                # token-level advantages (igpo) differ in width across ranks: padded before the gather
+                "advantages": acc.gather(acc.pad_across_processes(out["advantages"], dim=1)
+                                         if out["advantages"].dim() == 2 else out["advantages"]).cpu().tolist(),
                 "completion_ids": gather_object(ids) if acc.num_processes > 1 else ids,
             }
         )
