@@ -208,9 +208,15 @@ class ToolGuard:
 
     @staticmethod
     def _check_arguments(func: Callable, arguments: dict) -> None:
-        problem = _binds(func, arguments)
-        if problem is not None:  # the model's fault: back to the model, as TRL does
-            raise ToolInputError(f"bad arguments {arguments!r}: {problem}")
+        """Arguments that do not fit the signature are the model's fault: the call is made anyway so that the tool's
+        own ``TypeError`` (the message TRL would show the model) goes back unchanged, without retries."""
+        if _binds(func, arguments) is not None:
+            try:
+                result = func(**arguments)
+            except TypeError as exc:
+                raise exc from None
+            if inspect.isawaitable(result):  # an async tool that accepted them after all: not the model's fault
+                result.close()
 
     def _call_with_timeout(self, func: Callable, arguments: dict) -> Any:
         if self.policy.timeout is None:
