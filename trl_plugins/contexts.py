@@ -410,7 +410,8 @@ class RewardContext(_VerdictMixin, _StageContext):
         mode: "train" or "eval".
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
         local_turns: (B,) :class:`~trl_plugins.turns.TurnStructure` of this process's completions (multi-turn tool
-            rollouts; empty list without tools).
+            rollouts; empty list without tools). A plugin may set ``local_turns[i].turn_rewards`` (one float per
+            assistant turn): the advantage stage's ``AdvantageContext.turn_rewards`` is gathered from them.
     """
 
     rewards_per_func: torch.Tensor
