@@ -87,6 +87,8 @@ class RecordTurns(Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx):
         type(self).seen["reward_turns"] = list(ctx.local_turns)
+        first = ctx.local_turns[0]
+        first.turn_rewards = [5.0] * first.num_turns  # per-turn rewards set here reach the advantage stage
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx):
@@ -112,9 +114,11 @@ def test_contexts_carry_the_turns_of_real_tool_rollouts(temporary_plugin):
     turn_ids, turn_rewards, turns = seen["advantage"]
     assert any(t.num_tool_calls > 0 for t in turns) and seen["reward_turns"] == turns
     # the environment's per-call reward (a search hit on the question's place) lands on the calling turn
+    assert (turn_rewards[0, : turns[0].num_turns] == 5.0).all()
     for row, turn in enumerate(turns):
         for u, calls in enumerate(turn.tool_calls):
-            assert (turn_rewards[row, u] == 1.0) if calls else math.isnan(turn_rewards[row, u])
+            if row > 0:
+                assert (turn_rewards[row, u] == 1.0) if calls else math.isnan(turn_rewards[row, u])
         # turn ids are -1 exactly on tool-result tokens (and padding)
         ids = turn_ids[row, : len(turn.tool_mask)]
         assert ((ids == -1) == (torch.tensor(turn.tool_mask) == 0)).all()
