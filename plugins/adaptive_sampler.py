@@ -224,6 +224,7 @@ class AdaptiveSamplerPlugin(Plugin):
     """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage)."""
 
     name = "adaptive_sampler"
+    multi_turn = True
     version = "0.1.0"
     paper = (
         "MMR1: Enhancing Multimodal Reasoning with Variance-Aware Sampling and Open Resources (VAS), "

@@ -123,6 +123,7 @@ class CanonPlugin(Plugin):
     """Conditional advantage estimation on entropy or length (advantage stage)."""
 
     name = "canon"
+    multi_turn = True
     version = "0.1.0"
     paper = (
         "Conditional Advantage Estimation for Reinforcement Learning in Large Reasoning Models (CANON), "

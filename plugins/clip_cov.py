@@ -150,6 +150,7 @@ class ClipCovPlugin(Plugin):
     """Stops the gradient of a few random high-covariance tokens (loss stage)."""
 
     name = "clip_cov"
+    multi_turn = True
     version = "0.1.0"
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov), arXiv:2505.22617"
     summary = "Zeroes the surrogate of a small random subset of tokens whose logp-advantage covariance is in a window."

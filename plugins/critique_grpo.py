@@ -138,6 +138,11 @@ class CritiqueGrpoPlugin(Plugin):
     """Critique -> one refinement per response -> one refinement replaces slot 0, fully off-policy (sampling stage)."""
 
     name = "critique_grpo"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."

@@ -133,6 +133,11 @@ class CurePlugin(Plugin):
     """Branch from high-entropy critical tokens of the originals and re-generate from those prefixes (sampling)."""
 
     name = "cure"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."

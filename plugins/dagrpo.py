@@ -322,6 +322,11 @@ class DaGRPOPlugin(Plugin):
     """Distinctiveness-aware pair masking of advantages plus off-policy reference anchors."""
 
     name = "dagrpo"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = (
         "DaGRPO: Rectifying Gradient Conflict in Reasoning via Distinctiveness-Aware Group Relative Policy "

@@ -134,6 +134,7 @@ class EmpoPlugin(Plugin):
     """Label-free semantic-cluster (EMPO) or majority-vote (TTRL) reward (reward stage, optional advantage filter)."""
 
     name = "empo"
+    multi_turn = True
     version = "0.1.0"
     paper = (
         "Right Question is Already Half the Answer: Fully Unsupervised LLM Reasoning Incentivization (EMPO), "
@@ -189,6 +190,12 @@ class EmpoPlugin(Plugin):
             for k, i in enumerate(heads)
         }
         ctx.log_metric("extra_votes", float(len(completions)))
+
+    def multi_turn_refusal(self) -> str | None:
+        if self.options.vote_pool is not None:
+            return ("its extra votes (vote_pool) are sampled by the generation service as single-turn text without "
+                    "running tools; leave vote_pool unset to vote over the G tool rollouts.")
+        return None
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):

@@ -331,6 +331,11 @@ class FbosRlPlugin(Plugin):
     """Feedback-guided second round within the group budget; EPA (prompt swap) + ECC (FAP) objectives."""
 
     name = "fbos_rl"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."

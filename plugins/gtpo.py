@@ -208,6 +208,7 @@ class GtpoPlugin(Plugin):
     """Conflict-token protection and entropy-filtered advantages (advantage + loss stage)."""
 
     name = "gtpo"
+    multi_turn = True
     version = "0.1.0"
     paper = "GTPO: Trajectory-Based Policy Optimization in Large Language Models, arXiv:2508.03772"
     summary = "Protects tokens shared by good and bad completions of a group; drops high-entropy completions."

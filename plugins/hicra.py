@@ -137,6 +137,7 @@ class HicraPlugin(Plugin):
     """Amplifies the advantage on planning tokens found with a strategic-phrase lexicon."""
 
     name = "hicra"
+    multi_turn = True
     version = "0.1.0"
     paper = "Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning (HICRA), arXiv:2509.03646"
     summary = "Concentrates credit on planning tokens (strategic-phrase lexicon): A + alpha |A| there."

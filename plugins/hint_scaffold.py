@@ -338,6 +338,11 @@ class HintScaffoldPlugin(Plugin):
     """Re-generate all-fail groups from growing reference-solution hints (sampling stage)."""
 
     name = "hint_scaffold"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = (
         "GHPO: Adaptive Guidance for Stable and Efficient LLM Reinforcement Learning, arXiv:2507.10628; "

@@ -110,6 +110,7 @@ class KlCovPlugin(Plugin):
     """Penalises ``|lp - lp_old|`` on the top-covariance tokens, unclipped PG elsewhere (loss stage)."""
 
     name = "kl_cov"
+    multi_turn = True
     version = "0.1.0"
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov), arXiv:2505.22617"
     summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."

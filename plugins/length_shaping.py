@@ -354,6 +354,10 @@ class LengthShapingPlugin(Plugin):
     """LASER / LASER-D step bonus and (difficulty-aware) DLER truncation (reward stage)."""
 
     name = "length_shaping"
+    multi_turn = (
+        "its length reward counts completion_ids, which in tool rollouts include the tool-result tokens the "
+        "model did not write."
+    )
     version = "0.1.0"
     paper = (
         "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), "

@@ -108,6 +108,7 @@ class LpRegPlugin(Plugin):
     """Low-probability regularisation toward a min-p proxy on the rarest negative-advantage tokens (loss stage)."""
 
     name = "lp_reg"
+    multi_turn = True
     version = "0.1.0"
     paper = (
         "Low-probability Tokens Sustain Exploration in Reinforcement Learning with Verifiable Reward "

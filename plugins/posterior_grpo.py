@@ -134,6 +134,10 @@ class PosteriorGrpoPlugin(Plugin):
     """Success-gated (or trust-weighted, annealed) PRM process reward as a reward column (reward stage)."""
 
     name = "posterior_grpo"
+    multi_turn = (
+        "its process reward scores the reasoning steps of one answer text; tool-call turns and tool results "
+        "are not steps its reward model knows."
+    )
     version = "0.1.0"
     paper = (
         "Posterior-GRPO: Rewarding Reasoning Processes in Code Generation, arXiv:2508.05170; SophiaVL-R1: "

@@ -304,6 +304,11 @@ class R3LPlugin(Plugin):
     """Reflect-then-retry with prompt swap, pivotal credit and positive amplification (sampling, advantage, loss)."""
 
     name = "r3l"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = (
         "R³L: Reflect-then-Retry Reinforcement Learning with Language-Guided Exploration, Pivotal Credit, and"

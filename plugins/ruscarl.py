@@ -273,6 +273,7 @@ class RuscaRLPlugin(Plugin):
     """Rubric scaffolds for exploration and rubric-judge rewards (sampling + reward stages)."""
 
     name = "ruscarl"
+    multi_turn = True
     version = "0.1.0"
     paper = (
         "Breaking the Exploration Bottleneck: Rubric-Scaffolded Reinforcement Learning for General LLM "

@@ -157,6 +157,11 @@ class ScopePlugin(Plugin):
     """PRM-located first error; verified prefix kept, rest rectified off-policy (sampling stage)."""
 
     name = "scope"
+    multi_turn = (
+        "it edits completions after generation (replace_row / splice / in-step generation), and the "
+        "generation service samples single-turn text without running tools, so the edited rows would lose "
+        "their tool-call turns."
+    )
     version = "0.1.0"
     paper = (
         "Recycling Failures: Salvaging Exploration in RLVR via Fine-Grained Off-Policy Guidance (SCOPE), "

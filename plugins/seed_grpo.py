@@ -91,6 +91,7 @@ class SeedGrpoPlugin(Plugin):
     """Semantic-entropy advantage scaling (advantage stage; clusters read at the reward stage)."""
 
     name = "seed_grpo"
+    multi_turn = True
     version = "0.1.0"
     paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization, arXiv:2505.12346"
     summary = "Scales each group's advantages down by the semantic entropy of its answers (uncertain = conservative)."

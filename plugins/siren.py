@@ -110,6 +110,7 @@ class SirenPlugin(Plugin):
     """Anchored top-p entropy regularisation on peak-entropy positions (loss stage; anchor at the advantage stage)."""
 
     name = "siren"
+    multi_turn = True
     version = "0.1.0"
     paper = "Rethinking Entropy Regularization in Large Reasoning Models (SIREN), arXiv:2509.25133"
     summary = "Keeps the top-p entropy of each response's peak-entropy positions near its initial value (anchored)."

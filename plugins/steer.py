@@ -134,6 +134,7 @@ class SteerPlugin(Plugin):
     """Down-weights tokens by their estimated entropy change (loss stage)."""
 
     name = "steer"
+    multi_turn = True
     version = "0.1.0"
     paper = "Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective (STEER), arXiv:2510.10150"
     summary = "Token weights in [lambda_min, 1] that shrink with each token's first-order entropy change."

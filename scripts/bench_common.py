@@ -32,6 +32,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
+    # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
+    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0).
+    # funrl and e_grpo are not listed: they read dataset columns the arithmetic task lacks (gold_calls, entities).
+    "aspo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -50,12 +54,14 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the default lexicon targets natural-language reasoning; the arithmetic completions say "Answer"
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
+    "igpo": ({}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
     # the official recipe: +-1 rewards, leave-one-out, pair filter, per-sign normalisation on dapo
     "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
+    "otc_po": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),

@@ -13,7 +13,9 @@ from trl import GRPOTrainer
 from trl_plugins import Plugin, hookimpl
 from trl_plugins.loss_rules import LOSS_TYPES as ALL_LOSS_TYPES
 from trl_plugins.tasks.tiny import build_and_save
-from trl_plugins.testing import assert_runs_equal, digit_fraction_reward, make_tiny_trainer, record_run
+from trl_plugins.testing import (
+    assert_runs_equal, digit_fraction_reward, make_tiny_trainer, make_tool_trainer, record_run,
+)
 
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 RUN = dict(reward_funcs=[digit_fraction_reward], max_steps=3, log_level="error")
@@ -23,6 +25,7 @@ class NeutralLossPlugin(Plugin):
     """Implements both loss hooks and changes nothing."""
 
     name = "neutral_loss"
+    multi_turn = True
 
     @hookimpl
     def trl_plugins_loss_advantages(self, ctx):
@@ -91,3 +94,25 @@ def test_plugin_loss_path_matches_trl_options(extra, temporary_plugin, tmp_path)
     vanilla = record_run(make_tiny_trainer(GRPOTrainer, model=path, loss_type="dapo", **RUN, **extra))
     ours = record_run(make_tiny_trainer(model=path, loss_type="dapo", plugins=["neutral_loss"], **RUN, **extra))
     assert_runs_equal(vanilla, ours)
+
+
+# ------------------------------------------------------------------------------------------ multi-turn tool rollouts
+@pytest.mark.parametrize("agent", ["environment", pytest.param("tools", marks=pytest.mark.slow)])
+def test_tool_run_without_plugins_is_identical_to_trl(agent):
+    vanilla_trainer = make_tool_trainer(GRPOTrainer, agent=agent)
+    vanilla = record_run(vanilla_trainer)
+    ours = record_run(make_tool_trainer(agent=agent))
+    # not vacuous: tool calls were made (TRL logs them) and the runs have signal
+    assert all(log["tools/call_frequency"] > 0 for log in vanilla.logs if "tools/call_frequency" in log)
+    assert any(adv.abs().sum() > 0 for adv in vanilla.advantages)
+    assert_runs_equal(vanilla, ours)
+
+
+@pytest.mark.slow
+def test_tool_run_through_the_plugin_loss_path_is_identical(temporary_plugin):
+    """A neutral plugin (every stage's data built: turn ids, plugin loss path) changes nothing with tools either."""
+    temporary_plugin(NeutralLossPlugin)
+    vanilla = record_run(make_tool_trainer(GRPOTrainer))
+    trainer = make_tool_trainer(plugins=["neutral_loss"])
+    assert trainer._uses_plugin_loss
+    assert_runs_equal(vanilla, record_run(trainer))

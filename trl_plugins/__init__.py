@@ -23,6 +23,8 @@ from .manager import available_plugins, build_plugins, register_plugin, unregist
 from .options import PluginOptions, option
 from .plugin import Plugin
 from .services import RunInfo, StageServices
+from .tool_guard import ToolError, ToolInputError
+from .turns import TurnStructure
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,9 @@ __all__ = [
     "RolloutContext",
     "RunInfo",
     "StageServices",
+    "ToolError",
+    "ToolInputError",
+    "TurnStructure",
     "UnknownPluginError",
     "available_plugins",
     "build_plugins",

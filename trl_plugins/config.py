@@ -49,6 +49,14 @@ class PluginGRPOConfig(GRPOConfig):
         refill_at_limit (`str`, defaults to ``"keep"``): what becomes of groups still rejected after the last refill
             round: ``"keep"`` (train on them as they are), ``"zero_advantage"`` (keep them with advantage 0) or
             ``"error"`` (stop, as verl's DAPO trainer does).
+        tool_timeout (`float` or `None`, defaults to 60): seconds a tool call may take (TRL ``tools`` /
+            ``environment_factory``); None: no limit (tools run in the caller's thread). See
+            :mod:`trl_plugins.tool_guard`.
+        tool_retries (`int`, defaults to 2): retries of a tool call that raised, timed out or returned garbage.
+        tool_retry_backoff (`float`, defaults to 0.5): seconds before the first retry, doubled for each next one.
+        tool_failure (`str`, defaults to "raise"): what a tool failing every attempt does: "raise" stops the run on
+            every process with an error naming the tool and the row; "feedback" gives the error to the model (TRL's
+            behaviour for every tool exception).
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["plugin_config"]
@@ -72,6 +80,21 @@ class PluginGRPOConfig(GRPOConfig):
     plugin_generation_budget: int | None = field(
         default=None,
         metadata={"help": "Max extra completions plugins may request per generation batch and process."},
+    )
+    tool_timeout: float | None = field(
+        default=60.0,
+        metadata={"help": "Seconds a tool call may take before it counts as failed (None: no limit)."},
+    )
+    tool_retries: int = field(
+        default=2, metadata={"help": "Retries of a tool call that raised, timed out or returned garbage."}
+    )
+    tool_retry_backoff: float = field(
+        default=0.5, metadata={"help": "Seconds before the first tool retry, doubled for each next one."}
+    )
+    tool_failure: str = field(
+        default="raise",
+        metadata={"help": "A tool failing every attempt: 'raise' (stop every process, naming tool and row) or "
+                  "'feedback' (give the error to the model, TRL's behaviour)."},
     )
 
     max_refill_rounds: int = field(
@@ -135,6 +158,9 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
         raise PluginConfigError(
             f"refill_at_limit must be one of {', '.join(REFILL_AT_LIMIT)}; got {args.refill_at_limit!r}."
         )
+    from .tool_guard import ToolPolicy
+
+    ToolPolicy.from_args(args)  # tool_timeout / tool_retries / tool_retry_backoff / tool_failure
     if args.max_steps == 0:
         raise PluginConfigError(
             "max_steps=0 trains nothing (and would still save a checkpoint); use a positive number of steps, or -1 to "

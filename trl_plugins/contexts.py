@@ -27,6 +27,9 @@ from .success import (
 EXTRA_PREFIX = "plugin_extra::"
 #: Generation-batch key of the (B, T) off-policy token mask.
 OFFPOLICY_KEY = "offpolicy_mask"
+#: Generation-batch key of the (B, T) assistant-turn index of each completion token (multi-turn tool rollouts; -1 on
+#: tool-result tokens and padding), see :mod:`trl_plugins.turns`.
+TURN_IDS_KEY = "plugin_turn_ids"
 
 
 #: The services of a context built without any (every member raises a ``PluginError`` naming itself).
@@ -215,6 +218,9 @@ class RolloutContext(_StageContext):
             empty completion until a hook fills them with :meth:`replace_row`; empty list = no deferred row.
         mode: "train" or "eval" (the sampling-stage hooks run on training batches only).
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
+        turns: (B,) :class:`~trl_plugins.turns.TurnStructure` of each completion (assistant-turn, tool-call and
+            tool-result spans, TRL's tool mask, the environment's per-turn rewards) when the run has ``tools`` or an
+            ``environment_factory``; empty list otherwise. A row changed by :meth:`replace_row` becomes one turn.
     """
 
     rows: list[dict]
@@ -237,6 +243,7 @@ class RolloutContext(_StageContext):
     deferred: list[bool] = field(default_factory=list)
     mode: str = "train"
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+    turns: list = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -402,6 +409,9 @@ class RewardContext(_VerdictMixin, _StageContext):
             once by :func:`~trl_plugins.answers.batch_clusters` for every plugin that needs them).
         mode: "train" or "eval".
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
+        local_turns: (B,) :class:`~trl_plugins.turns.TurnStructure` of this process's completions (multi-turn tool
+            rollouts; empty list without tools). A plugin may set ``local_turns[i].turn_rewards`` (one float per
+            assistant turn): the advantage stage's ``AdvantageContext.turn_rewards`` is gathered from them.
     """
 
     rewards_per_func: torch.Tensor
@@ -419,6 +429,7 @@ class RewardContext(_VerdictMixin, _StageContext):
     mode: str = "train"
     shared: dict[str, Any] = field(default_factory=dict)
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+    local_turns: list = field(default_factory=list)
 
     def gather_object(self, values: list) -> list:
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
@@ -472,6 +483,16 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         prompt_keys: (N // G,) long, one key per group slot: groups with the same key were generated from the same
             prompt draw (refill plugins' ``RefillContext.repeat``); None = every group its own (see :meth:`pool_ids`).
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
+        turn_ids: (N, T_max) long, the assistant turn of each completion token (-1 on tool-result tokens and
+            padding), gathered over processes; None without tools / environments. Expand per-turn values with
+            :meth:`expand_turns`.
+        turn_rewards: (N, U_max) float, per-turn rewards (the environment's, NaN where none); plugins may write
+            their own here (e.g. information-gain rewards) for later advantage plugins. None without tools.
+        local_turns: (B,) :class:`~trl_plugins.turns.TurnStructure` of this process's rows (empty without tools).
+        local_rows: this process's B dataset rows (every column), e.g. a ground-truth answer per row; empty when
+            not provided.
+        local_prompt_ids: this process's B prompt token ids (unpadded, TRL's training prompts), e.g. for
+            :meth:`policy_logprobs` probes; None when not provided.
     """
 
     rewards_per_func: torch.Tensor
@@ -492,6 +513,21 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     mode: str = "train"
     prompt_keys: torch.Tensor | None = None
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+    turn_ids: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
+    local_turns: list = field(default_factory=list)
+    local_rows: list[dict] = field(default_factory=list)
+    local_prompt_ids: list[list[int]] | None = None
+
+    def expand_turns(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Per-turn values (N, U) -> per-token (N, T_max) over :attr:`turn_ids` (``fill`` on tool results and padding).
+
+        Turn-level advantages: ``ctx.advantages = ctx.expand_turns(turn_advantages)``."""
+        if self.turn_ids is None:
+            raise PluginError("expand_turns needs turn_ids, which only multi-turn tool rollouts have.")
+        from .turns import expand_turn_values
+
+        return expand_turn_values(values, self.turn_ids, fill)
 
     def pool_ids(self) -> torch.Tensor:
         """(N,) long: rows with the same id were generated from the same prompt draw -- the group id, except for
@@ -612,6 +648,12 @@ class LossContext(_StageContext):
     def completion_ids(self) -> torch.Tensor:
         """(B, T) completion token ids."""
         return self.inputs["completion_ids"]
+
+    @property
+    def turn_ids(self) -> torch.Tensor | None:
+        """(B, T) long assistant-turn index of each token (-1 on tool results and padding) in multi-turn tool
+        rollouts; None otherwise. The tool mask itself is folded into :attr:`mask` (and in ``inputs["tool_mask"]``)."""
+        return self.inputs.get(TURN_IDS_KEY)
 
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).

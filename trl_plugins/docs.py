@@ -155,7 +155,17 @@ def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
     for other, reason in cls.conflicts().items():
         by_reason.setdefault(reason, []).append(code(other))
     notes += [f"Cannot be stacked with {', '.join(others)}: {reason}." for reason, others in by_reason.items()]
+    notes.append(multi_turn_text(cls))
     return notes
+
+
+def multi_turn_text(cls: type) -> str:
+    """Whether a plugin runs on multi-turn tool rollouts (``Plugin.multi_turn``), in one sentence."""
+    if cls.multi_turn is True:
+        return "Multi-turn tool rollouts (TRL `tools` / `environment_factory`): supported."
+    if isinstance(cls.multi_turn, str):
+        return f"Multi-turn tool rollouts (TRL `tools` / `environment_factory`): refused -- {cls.multi_turn}"
+    return "Multi-turn tool rollouts (TRL `tools` / `environment_factory`): not stated (runs with a warning)."
 
 
 # ------------------------------------------------------------------------------------------------ pages

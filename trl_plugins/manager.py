@@ -255,6 +255,23 @@ class PluginStack:
         """Refuse a ``loss_type`` an enabled plugin is not defined for (at trainer construction)."""
         check_loss_type(self.plugins, loss_type)
 
+    def check_multi_turn(self) -> None:
+        """Refuse plugins that cannot run on multi-turn tool rollouts (TRL ``tools`` / ``environment_factory``), with
+        their stated reason (:attr:`Plugin.multi_turn`); warn about plugins that do not say."""
+        for plugin in self.plugins:
+            reason = plugin.multi_turn_refusal()
+            if reason:
+                raise IncompatiblePluginsError(
+                    f"Plugin {plugin.name!r} does not work with multi-turn tool rollouts (tools / environment_factory): "
+                    f"{reason}"
+                )
+            if plugin.multi_turn is None:
+                warnings.warn(
+                    f"Plugin {plugin.name!r} does not state whether it works with multi-turn tool rollouts "
+                    "(Plugin.multi_turn); it runs, but its author has not checked it with tools.",
+                    stacklevel=3,
+                )
+
     @property
     def needs_head_stats(self) -> bool:
         return any(p.needs_head_stats for p in self.plugins if self.has_loss(p))

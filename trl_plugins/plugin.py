@@ -52,6 +52,9 @@ class Plugin:
             ``ctx.log_metric``, without the ``plugins/<name>/`` prefix), the quantity its paper's claim is about.
             Shown in the console's progress bar and summary and in ``trl-plugins compare`` tables; empty: the
             first metric the plugin logs.
+        multi_turn: whether the plugin works with multi-turn tool rollouts (TRL ``tools`` /
+            ``environment_factory``): True, or the reason it does not (a self-contained sentence; the plugin is then
+            refused at construction with it); None (the default): not stated -- allowed, with a warning.
     """
 
     name: ClassVar[str] = ""
@@ -70,6 +73,7 @@ class Plugin:
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
     claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
+    multi_turn: ClassVar[bool | str | None] = None
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -90,6 +94,10 @@ class Plugin:
         default :attr:`overwrites`. Override when an option decides it (e.g. a baseline that reads the incoming
         advantages or not)."""
         return tuple(self.overwrites)
+    def multi_turn_refusal(self) -> str | None:
+        """Why this plugin, with its options, cannot run on multi-turn tool rollouts (None: it can). Defaults to
+        :attr:`multi_turn` when that is a reason; override to decide from the options."""
+        return self.multi_turn if isinstance(self.multi_turn, str) else None
 
     def required_columns(self) -> list[str]:
         """Dataset columns this plugin reads (checked against the training dataset at construction)."""

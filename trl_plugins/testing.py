@@ -131,13 +131,17 @@ def make_tiny_trainer(
     eval_dataset=None,
     peft_config=None,
     verbose: bool = False,
+    tools=None,
+    environment_factory=None,
     **config,
 ):
     """A trainer on the tiny model and tasks: the kit's one trainer helper (the ``make_trainer`` fixture is this
     function with a per-test ``output_dir``). ``trainer_cls`` defaults to ``PluginGRPOTrainer``; pass
     ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``). ``config`` sets any
     (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``. Quiet: the metrics of
-    each step are in ``trainer.state.log_history``, not printed (``verbose=True`` prints them as TRL does)."""
+    each step are in ``trainer.state.log_history``, not printed (``verbose=True`` prints them as TRL does).
+    ``tools`` / ``environment_factory`` go to the trainer as TRL's (give the tokenizer a tool-calling template
+    first, e.g. :func:`trl_plugins.tasks.tools.enable_tool_calling`)."""
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -148,6 +152,7 @@ def make_tiny_trainer(
     model = model if model is not None else tiny_model(tokenizer, seed=seed)
     config_cls = GRPOConfig if trainer_cls is GRPOTrainer else None
     args = tiny_config(config_cls=config_cls, seed=seed, **config)
+    agent = {k: v for k, v in (("tools", tools), ("environment_factory", environment_factory)) if v is not None}
     trainer = trainer_cls(
         model=model,
         reward_funcs=reward_funcs if reward_funcs is not None else default_reward_funcs(),
@@ -156,10 +161,59 @@ def make_tiny_trainer(
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        **agent,
     )
     if not verbose:
         trainer.remove_callback(PrinterCallback)  # TRL prints every step's whole metrics dict with disable_tqdm
     return trainer
+
+
+def make_tool_trainer(trainer_cls=None, agent: str = "environment", kinds=("lookup", "scaled"), n: int = 8,
+                      script: Callable[[str, int], str] | None = None, **config):
+    """A tiny trainer on the bundled tool environment (:mod:`trl_plugins.tasks.tools`) whose generation backend
+    follows the questions' gold traces (:func:`~trl_plugins.tasks.tools.gold_trace_script`; the random tiny model
+    cannot write tool calls), so every batch holds real multi-turn tool rollouts run by TRL's tool loop.
+
+    ``agent``: "environment" (``environment_factory=ToolEnvironment``, per-call rewards) or "tools" (``tools=`` the
+    plain functions). ``config`` sets any (Plugin)GRPOConfig field, as in :func:`make_tiny_trainer`.
+    """
+    from .tasks.tools import (
+        ToolEnvironment, calculator, enable_tool_calling, gold_trace_script, make_tool_dataset, search,
+        tool_answer_reward,
+    )
+
+    if agent not in ("environment", "tools"):
+        raise ValueError(f"agent must be 'environment' or 'tools'; got {agent!r}")
+    dataset = make_tool_dataset(n, kinds=kinds)
+    agent_kwargs = {"environment_factory": ToolEnvironment} if agent == "environment" else {"tools": [search, calculator]}
+    values = dict(max_steps=2, max_completion_length=300, log_level="error")
+    values.update(config)
+    trainer = make_tiny_trainer(
+        trainer_cls, tokenizer=enable_tool_calling(tiny_tokenizer()), dataset=dataset,
+        reward_funcs=values.pop("reward_funcs", [tool_answer_reward]), **agent_kwargs, **values,
+    )
+    script_generation(trainer, script or gold_trace_script(dataset))
+    return trainer
+
+
+def script_generation(trainer, script: Callable[[str, int], str]) -> None:
+    """Replace ``trainer``'s generation backend by ``script(prompt_text, row) -> completion text`` (in place).
+
+    ``prompt_text`` is the rendered prompt (special tokens kept; with tools it holds the earlier turns and tool
+    results), ``row`` the index of the request in the backend call. The completion is tokenised and closed with EOS.
+    TRL's whole pipeline around the backend (tool loop, masks, rewards, loss) runs unchanged, so tests can drive tool
+    calls with a model too small to make them.
+    """
+    tokenizer = trainer.processing_class
+
+    def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        completions = []
+        for row, ids in enumerate(prompt_ids):
+            text = script(tokenizer.decode(list(ids), skip_special_tokens=False), row)
+            completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        return completions, None
+
+    trainer._generate_single_turn = generate_single_turn
 
 
 @dataclass
@@ -754,6 +808,7 @@ def make_reward_context(
     local_completion_ids: list[list[int]] | None = None,
     num_processes: int = 1,
     process_index: int = 0,
+    turns: Sequence[Any] | None = None,
     **services: Any,
 ) -> RewardContext:
     """A :class:`~trl_plugins.RewardContext`: the gathered (N, K) matrix, and the local rows of process
@@ -764,7 +819,8 @@ def make_reward_context(
     the context holds this process's slice. ``local_completion_ids`` default to the completions encoded as
     characters (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
     (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
-    metrics the plugin logs.
+    metrics the plugin logs. ``turns``: (N,) :class:`~trl_plugins.turns.TurnStructure` of multi-turn tool rollouts
+    (this process's slice becomes ``local_turns``).
     """
     matrix = _as_matrix(rewards_per_func).clone()
     N, K = matrix.shape
@@ -794,6 +850,7 @@ def make_reward_context(
         local_completion_ids=list(local_completion_ids[local]),
         mode=mode,
         services=stub_services(metrics, run=run, **services),
+        local_turns=list(turns[local]) if turns is not None else [],
     )
     ctx.metrics = metrics
     return ctx
@@ -839,9 +896,16 @@ def make_advantage_context(
     mode: str = "train",
     run: RunInfo | None = None,
     prompt_keys: Any = None,
+    turns: Sequence[Any] | None = None,
+    rows: list[dict] | None = None,
+    prompt_ids: list[list[int]] | None = None,
     **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
+
+    Multi-turn rows: ``turns`` ((N,) :class:`~trl_plugins.turns.TurnStructure`, e.g. from
+    :func:`~trl_plugins.turns.build_turn_structure`) fill ``local_turns``, ``turn_ids`` ((N, T) with T the longest
+    tool mask) and ``turn_rewards``; ``rows`` and ``prompt_ids`` fill ``local_rows`` / ``local_prompt_ids``.
 
     Args:
         rewards: (N,) combined rewards.
@@ -894,6 +958,14 @@ def make_advantage_context(
                                **services),
     )
     ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    if turns is not None:
+        from .turns import turn_ids_tensor, turn_rewards_tensor
+
+        ctx.local_turns = list(turns)
+        ctx.turn_ids = turn_ids_tensor(turns, max([len(t.tool_mask) for t in turns] + [1]))
+        ctx.turn_rewards = turn_rewards_tensor(turns)
+    ctx.local_rows = list(rows or [])
+    ctx.local_prompt_ids = prompt_ids
     return ctx
 
 

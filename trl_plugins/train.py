@@ -9,6 +9,9 @@ GRPOConfig field) and TRL's ``ModelConfig`` (model path, PEFT / LoRA, 4-bit quan
   converted once into a cache folder, see :mod:`trl_plugins.models`);
 * ``dataset_name: builtin:arithmetic`` — the bundled step-structured tasks (``task_levels``, ``task_size``);
 * ``reward_funcs: [accuracy]`` — the bundled exact verifier; any ``module.function`` dotted path works too.
+* ``dataset_name: builtin:tools`` with ``reward_funcs: [tool_answer]`` — the bundled offline tool environment
+  (:mod:`trl_plugins.tasks.tools`); tools as TRL's ``tools`` (``tools: [pkg.module.function, ...]``) or
+  ``environment_factory: pkg.module.EnvironmentClass`` (dotted paths, checked before the model loads).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from dataclasses import dataclass, field
 
 from .errors import PluginConfigError, PluginError, suggest
 
-BUILTIN_REWARDS = {"accuracy": "trl_plugins.tasks.arithmetic.accuracy_reward"}
+BUILTIN_REWARDS = {
+    "accuracy": "trl_plugins.tasks.arithmetic.accuracy_reward",
+    "tool_answer": "trl_plugins.tasks.tools.tool_answer_reward",
+}
 
 
 @dataclass
@@ -44,6 +50,14 @@ class TrainScriptArguments:
         metadata={"help": "Print every logging step's whole metrics dict (TRL's console output) above the progress "
                   "bar. Without it the console shows a progress bar with the headline metrics and a closing "
                   "summary; every metric still goes to report_to and <output_dir>/metrics.jsonl."},
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={"help": "TRL tools: dotted paths of functions (type hints and a Google-style docstring each)."},
+    )
+    environment_factory: str | None = field(
+        default=None,
+        metadata={"help": "TRL environment_factory: dotted path of a class or factory whose instances have reset()."},
     )
 
 
@@ -72,7 +86,64 @@ def load_reward_funcs(names: list[str]) -> list:
     return funcs
 
 
+def _import_dotted(path: str, what: str) -> object:
+    """The object at dotted path ``path`` (``module.attr``), or a :class:`PluginConfigError` naming ``what``."""
+    if not isinstance(path, str) or "." not in path:
+        raise PluginConfigError(f"{what} {path!r} must be a dotted import path such as 'my_pkg.module.name'.")
+    module_path, attr = path.rsplit(".", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as exc:
+        raise PluginConfigError(f"Could not import {what} {path!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        public = [n for n in vars(module) if not n.startswith("_")]
+        raise PluginConfigError(f"{what} {path!r}: module {module_path!r} has no {attr!r}.{suggest(attr, public)}")
+    return getattr(module, attr)
+
+
+def load_tools(paths: list[str]) -> list:
+    """Resolve TRL ``tools`` from dotted paths; each must be a function transformers can describe to the model
+    (type-hinted arguments, a Google-style docstring), checked here rather than at the first step."""
+    from transformers.utils import get_json_schema
+
+    tools = []
+    for path in paths:
+        tool = _import_dotted(path, "Tool")
+        if not callable(tool):
+            raise PluginConfigError(f"Tool {path!r} is a {type(tool).__name__}, not a function.")
+        try:
+            get_json_schema(tool)
+        except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+            raise PluginConfigError(
+                f"Tool {path!r} cannot be described to the model: {exc} (tools need type-hinted arguments and a "
+                "Google-style docstring with an Args: section)."
+            ) from exc
+        tools.append(tool)
+    return tools
+
+
+def load_environment_factory(path: str | None):
+    """Resolve TRL's ``environment_factory`` from a dotted path; it must be callable and build objects with reset()."""
+    if path is None:
+        return None
+    factory = _import_dotted(path, "environment_factory")
+    if not callable(factory):
+        raise PluginConfigError(f"environment_factory {path!r} is a {type(factory).__name__}, not a class or function.")
+    if isinstance(factory, type) and not callable(getattr(factory, "reset", None)):
+        raise PluginConfigError(
+            f"environment_factory {path!r}: class {factory.__name__} has no reset() method (TRL calls it before each "
+            "rollout)."
+        )
+    return factory
+
+
 def load_train_dataset(script_args: TrainScriptArguments):
+    if script_args.dataset_name == "builtin:tools":
+        from .tasks.tools import make_tool_dataset
+
+        return make_tool_dataset(script_args.task_size, seed=0)
     if script_args.dataset_name == "builtin:arithmetic":
         from .tasks.arithmetic import make_dataset
 
@@ -165,8 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     # everything that can be checked without the model first: a bad reward name or dataset must not wait for a
     # (possibly minutes-long) model load or warm start
     reward_funcs = load_reward_funcs(script_args.reward_funcs)
+    agent = {"tools": load_tools(script_args.tools) or None,
+             "environment_factory": load_environment_factory(script_args.environment_factory)}
     train_dataset = load_train_dataset(script_args)
     model, tokenizer = load_model(model_args, training_args)
+    uses_tools = any(v is not None for v in agent.values())
+    if uses_tools and (model_args.model_name_or_path or "builtin:tiny").startswith("builtin:"):
+        from .tasks.tools import enable_tool_calling  # the built-in models ship no tool-calling chat template
+
+        if tokenizer is None:  # builtin:smollm2 is loaded by path; its tokenizer gets the template here
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        enable_tool_calling(tokenizer)
     if isinstance(model, str):
         init = dict(training_args.model_init_kwargs or {})
         if model_args.dtype is not None:
@@ -180,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
+        **{k: v for k, v in agent.items() if v is not None},
     )
     from .console import install
 

@@ -39,11 +39,12 @@ from .checkpoints import (
     mark_incomplete,
     save_plugin_state,
 )
-from .collectives import HeldRewardErrors
+from .collectives import HeldRewardErrors, raise_together
 from .config import PluginGRPOConfig
 from .contexts import (
     EXTRA_PREFIX,
     OFFPOLICY_KEY,
+    TURN_IDS_KEY,
     AdvantageContext,
     PolicyStats,
     PromptContext,
@@ -61,8 +62,10 @@ from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
 from .refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from .rewards_guard import check_reward_columns, guard_reward_funcs
-from .services import RunInfo, StageServices
+from .services import RunInfo, StageServices, gather_padded
 from .success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
+from .tool_guard import ToolGuard, ToolPolicy
+from .turns import TurnStructure, build_turn_structure, single_turn, turn_ids_tensor, turn_rewards_tensor
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
 LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
@@ -80,6 +83,7 @@ class _BatchState:
     rewards_per_func: torch.Tensor | None = None
     policy_stats: dict = field(default_factory=dict)
     refill: Any = None  # the RefillOutcome of this batch (refill plugins only)
+    turns: list[TurnStructure] | None = None
 
 
 class _StepEndCallback(TrainerCallback):
@@ -98,15 +102,27 @@ class PluginGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, **kwargs):
+        uses_tools = bool(kwargs.get("tools")) or kwargs.get("environment_factory") is not None
         if isinstance(model, str):  # builtin:tiny / builtin:smollm2, or one clear error for a name nothing can load
+            builtin = model.startswith("builtin:")
             model, tokenizer = resolve_model_name(model, args)
             if tokenizer is not None and kwargs.get("processing_class") is None:
                 kwargs["processing_class"] = tokenizer
+            if builtin and uses_tools:  # the built-in models ship no tool-calling chat template
+                from .tasks.tools import enable_tool_calling
+
+                if kwargs.get("processing_class") is None:
+                    from transformers import AutoTokenizer
+
+                    kwargs["processing_class"] = AutoTokenizer.from_pretrained(model)
+                enable_tool_calling(kwargs["processing_class"])
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = PluginGRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         names = getattr(args, "plugins", []) or []
         stack = build_plugins(names, getattr(args, "plugin_config", None))
+        if uses_tools:
+            stack.check_multi_turn()
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
@@ -126,6 +142,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         self.plugin_services: StageServices = self._build_plugin_services()
         self._pbatch: _BatchState | None = None
         self._per_row_generation = False
+        #: Retries, timeout and result checks of tool calls; a tool failing every attempt stops every process together.
+        self._tool_guard = ToolGuard(ToolPolicy.from_args(args))
         self._uses_sampling = any(stack.has(h) for h in SAMPLING_HOOKS)
         self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
         if self._uses_plugin_loss:
@@ -269,7 +287,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         if state is None or state.mode != "train" or not self._uses_sampling:
             if state is not None and self._uses_sampling:  # eval rows: blank annotations keep the table aligned
                 self._log_completion_extra("plugin_annotations", [""] * len(prompts))
-            return super()._generate(prompts)
+            generated = super()._generate(prompts)
+            if state is not None and self.tools:
+                state.turns = self._turn_structures(generated[1], generated[2], generated[3])
+            return generated
         pctx = self._run_prompt_hooks(state, prompts)
         generated = self._sample_first_round(pctx)
         rctx = self._rollout_context(state, pctx, generated)
@@ -345,7 +366,51 @@ class PluginGRPOTrainer(GRPOTrainer):
             deferred=pctx.deferred if any(pctx.deferred) else [],
             mode=state.mode,
             services=self.plugin_services,
+            turns=self._turn_structures(completion_ids, _tool_mask, completions) if self.tools else [],
         )
+
+    def _turn_structures(self, completion_ids: list, tool_mask: list | None, completions: list) -> list[TurnStructure]:
+        """The :class:`~trl_plugins.turns.TurnStructure` of each local completion (tool rollouts), with the per-call
+        rewards of the row's environment when it keeps a ``turn_rewards`` list."""
+        tokenizer = self._tokenizer
+        fields = (getattr(tokenizer, "response_template", None) or {}).get("fields", {})
+        marker = fields.get("tool_calls", {}).get("open") or "<tool_call>"
+        environments = self.environments or []
+        turns = []
+        for i, ids in enumerate(completion_ids):
+            env = environments[i] if i < len(environments) else None
+            rewards = getattr(env, "turn_rewards", None)
+            turns.append(build_turn_structure(
+                list(ids), None if tool_mask is None else tool_mask[i], completions[i],
+                rewards if isinstance(rewards, (list, tuple)) else None,
+                lambda t: tokenizer.decode([t]), marker,
+            ))
+        return turns
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        """TRL's tool loop with every tool call guarded (:mod:`trl_plugins.tool_guard`): the model's bad calls go back
+        to it as TRL does; a tool that raises, hangs or returns garbage is retried and, failing every attempt, stops
+        every process together with an error naming the tool and the row."""
+        B = len(prompts)
+        start = self.accelerator.process_index * B
+        originals = self._sync_tool_dicts, self._async_tool_dicts
+        self._sync_tool_dicts = [dict(d) for d in originals[0]]
+        self._async_tool_dicts = [dict(d) for d in originals[1]]
+        guard = self._tool_guard
+        guard.begin_batch()
+        guard.wrap_row_dicts(self._sync_tool_dicts, self._async_tool_dicts, list(range(start, start + B)))
+        try:
+            result = super()._tool_call_loop(
+                prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+            )
+        finally:
+            self._sync_tool_dicts, self._async_tool_dicts = originals
+        error = guard.take() if guard.policy.failure == "raise" else None
+        if self.accelerator.num_processes > 1:  # one gathered flag: every process raises together
+            raise_together(self.accelerator.gather, self.accelerator.device, "tool calls", error)
+        elif error is not None:
+            raise error
+        return result
 
     def _run_after_generation_hooks(self, rctx: RolloutContext) -> float:
         """The ``after_generation`` hooks; returns the extra rollouts of the batch, summed over processes.
@@ -375,6 +440,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         if tool_mask is not None:
             for i in rctx.changed:
                 tool_mask[i] = [1] * len(rctx.completion_ids[i])
+        if rctx.turns:
+            for i in rctx.changed:  # a replaced row is one assistant turn
+                rctx.turns[i] = single_turn(len(rctx.completion_ids[i]))
+            state.turns = rctx.turns
         if rctx.sampling_logprobs is not None:  # NaN => TRL's vLLM IS correction leaves the token alone
             for i, lps in enumerate(rctx.sampling_logprobs):
                 rctx.sampling_logprobs[i] = masked_sampling_logprobs(lps, rctx.offpolicy[i], rctx.prompt_swapped[i])
@@ -486,7 +555,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         if self.rollout_func is not None or self.tools:
             raise PluginConfigError(
                 "A plugin deferred rows to a later generation round (PromptContext.defer), which is not supported "
-                "with rollout_func or tools."
+                "with rollout_func or tools (with tools, such plugins are refused at construction: Plugin.multi_turn)."
             )
         B = len(prompts)
         keep = [i for i in range(B) if not deferred[i]]
@@ -593,6 +662,7 @@ class PluginGRPOTrainer(GRPOTrainer):
                 local_completion_ids=[list(ids) for ids in completion_ids_list],
                 mode=state.mode,
                 services=self.plugin_services,
+                local_turns=list(state.turns or []),
             )
             self.plugin_stack.call("trl_plugins_transform_rewards", ctx)
             rewards_per_func = ctx.rewards_per_func
@@ -630,6 +700,8 @@ class PluginGRPOTrainer(GRPOTrainer):
                     offpolicy[i, : len(flags)] = torch.tensor(flags, dtype=torch.bool, device=device)
         if self._uses_plugin_loss:
             output[OFFPOLICY_KEY] = offpolicy
+        if state.turns is not None:  # multi-turn tool rollouts: each token's assistant turn rides to the loss
+            output[TURN_IDS_KEY] = turn_ids_tensor(state.turns, T, device)
         if self.plugin_stack.has("trl_plugins_transform_advantages"):
             output = self._run_advantage_stage(output, offpolicy)
         if state.refill is not None and state.refill.zero_advantage_groups:  # refill_at_limit="zero_advantage"
@@ -654,6 +726,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         swapped = torch.tensor(state.prompt_swapped or [False] * B, dtype=torch.bool, device=device)
         annotations = state.annotations or [{} for _ in range(B)]
         rows = torch.arange(N, device=device)
+        turn_ids = turn_rewards = None
+        if TURN_IDS_KEY in output:  # (N, T_max) and (N, U_max), padded across processes
+            turn_ids = gather_padded(acc.gather, output[TURN_IDS_KEY], 1, -1)
+            turn_rewards = gather_padded(acc.gather, turn_rewards_tensor(state.turns).to(device), 1, float("nan"))
         ctx = AdvantageContext(
             rewards_per_func=rewards_per_func,
             rewards=rewards,
@@ -676,6 +752,11 @@ class PluginGRPOTrainer(GRPOTrainer):
                 completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
                 reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
             ),
+            turn_ids=turn_ids,
+            turn_rewards=turn_rewards,
+            local_turns=list(state.turns or []),
+            local_rows=list(state.inputs),
+            local_prompt_ids=[ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])],
         )
         self.plugin_stack.call("trl_plugins_transform_advantages", ctx)
         advantages = ctx.advantages[ctx.process_slice]

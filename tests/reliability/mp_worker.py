@@ -24,6 +24,14 @@ Phases:
     returns NaN there on rank 1 only. The error is held until the next framework collective; then rank 1 raises the
     guard's error and rank 0 a ``PluginError`` naming process 1. Both ranks record what they raised and go on to the
     next phase together -- which only works if neither was left inside a collective.
+``tools``
+    A multi-turn tool run (the bundled environment, TRL's tool loop, a scripted backend writing the gold tool calls)
+    with ``igpo`` and ``otc_po``: groups straddle the ranks, the turn structures are gathered (information gains,
+    tool-call counts) and it must finish with whole groups.
+``tool_fails_on_one_rank`` (expected to fail on both ranks; the launch goes on)
+    The environment's search tool raises on rank 1 only. The tool guard retries, then holds the error until the end
+    of TRL's tool loop, where one gathered flag makes rank 1 raise the ``ToolError`` (naming the tool and the row) and
+    rank 0 a ``PluginError`` naming process 1.
 ``nan_on_one_rank`` (last: it ends the launch)
     A reward function returns NaN on rank 1 only. The reward guard holds the error until TRL's reward gather has
     completed on both ranks; then rank 1 raises the guard's error (naming the function, row and value) and rank 0 a
@@ -45,14 +53,38 @@ import torch
 
 GLOBAL_ROWS = 6
 G = 2
-PHASES = ("deterministic", "asymmetric", "nan_scored_on_one_rank", "nan_on_one_rank")
-EXPECTED_TO_FAIL = ("nan_scored_on_one_rank",)  # each rank records its error and the launch continues
+PHASES = ("deterministic", "asymmetric", "nan_scored_on_one_rank", "tools", "tool_fails_on_one_rank",
+          "nan_on_one_rank")
+# each rank records its error and the launch continues
+EXPECTED_TO_FAIL = ("nan_scored_on_one_rank", "tool_fails_on_one_rank")
 
 
 def nan_on_rank1(completions, **kwargs):
     """0.5 everywhere, except NaN for the second row on rank 1."""
     rank = int(os.environ.get("RANK", "0"))
     return [float("nan") if rank == 1 and i == 1 else 0.5 for i in range(len(completions))]
+
+
+class SearchDownOnRank1:
+    """The bundled tool environment, with a search backend that is down on rank 1."""
+
+    def __init__(self):
+        from trl_plugins.tasks.tools import ToolEnvironment
+
+        self._env = ToolEnvironment()
+
+    def reset(self, **row):
+        return self._env.reset(**row)
+
+    def search(self, query: str) -> str:
+        """Search the encyclopedia of towns.
+
+        Args:
+            query: words to look for.
+        """
+        if int(os.environ.get("RANK", "0")) == 1:
+            raise ConnectionError("search backend unreachable")
+        return self._env.search(query)
 
 
 def _answer_text(expression: str) -> str:
@@ -180,6 +212,18 @@ def build_trainer(phase: str, out_dir: str, num_processes: int):
             plugins=["hint_scaffold"], plugin_config={"hint_scaffold": {"success_threshold": 0.9}}, max_steps=1,
             **{**common, "reward_funcs": [accuracy_reward, nan_on_rank1]},
         )
+    if phase in ("tools", "tool_fails_on_one_rank"):
+        from trl_plugins.testing import make_tool_trainer
+
+        trainer = make_tool_trainer(
+            n=12, per_device_train_batch_size=per_device, num_generations=G, max_steps=1,
+            output_dir=os.path.join(out_dir, phase), loss_type="dr_grpo", tool_retries=1, tool_retry_backoff=0.0,
+            **({"plugins": ["igpo", "otc_po"]} if phase == "tools" else {}),
+        )
+        if phase == "tool_fails_on_one_rank":
+            trainer.environment_factories = {None: SearchDownOnRank1}
+            trainer._environment_pool = {None: []}
+        return trainer
     if phase == "nan_on_one_rank":
         return make_tiny_trainer(
             plugins=["canon"], max_steps=1, **{**common, "reward_funcs": [accuracy_reward, nan_on_rank1]}
@@ -217,7 +261,9 @@ def run_phase(phase: str, out_dir: str) -> dict:
         record["batches"].append(
             {
                 "rewards": pending.pop("rewards"),
-                "advantages": acc.gather(out["advantages"]).cpu().tolist(),
+                # token-level advantages (igpo) differ in width across ranks: padded before the gather
+                "advantages": acc.gather(acc.pad_across_processes(out["advantages"], dim=1)
+                                         if out["advantages"].dim() == 2 else out["advantages"]).cpu().tolist(),
                 "completion_ids": gather_object(ids) if acc.num_processes > 1 else ids,
             }
         )

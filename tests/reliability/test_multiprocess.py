@@ -152,6 +152,26 @@ def test_scoring_error_in_the_sampling_stage_on_one_rank_is_raised_on_both_ranks
     assert "rank 0 raised PluginError: reward functions: process 1 failed" in _log
 
 
+def test_a_tool_run_on_two_processes_keeps_whole_groups(two_processes):
+    out, _rc, _log = two_processes
+    r0, r1 = _load(out, "tools", 0), _load(out, "tools", 1)
+    for batch in r0["batches"]:
+        assert len(batch["completion_ids"]) == 6 and len(batch["advantages"]) == 6
+    assert r0["batches"] == r1["batches"]
+    assert r0["logs"]["tools/call_frequency"] > 0
+    assert "plugins/igpo/info_gain_mean" in r0["logs"] and "plugins/otc_po/tool_calls_mean" in r0["logs"]
+
+
+def test_a_tool_failing_on_one_rank_stops_both_ranks_together(two_processes):
+    out, _rc, _log = two_processes
+    first, second = _load(out, "tool_fails_on_one_rank", 0), _load(out, "tool_fails_on_one_rank", 1)
+    assert second["error"] == "ToolError", second
+    assert "Tool 'search' failed on local row" in second["message"] and "after 2 attempts" in second["message"]
+    assert "ConnectionError: search backend unreachable" in second["message"]
+    assert first["error"] == "PluginError", first
+    assert "tool calls: process 1 failed" in first["message"], first
+
+
 def test_error_on_one_rank_ends_the_launch_instead_of_hanging(two_processes):
     _out, rc, log = two_processes
     assert rc != 0, "the nan_on_one_rank phase should have failed the launch"

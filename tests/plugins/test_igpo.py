@@ -1,0 +1,115 @@
+"""IGPO / A2TGPO: turn rewards are the rise of the policy's probability of the answer; advantages per turn."""
+
+import math
+
+import pytest
+import torch
+
+from trl_plugins.testing import build_stack, group_normalized_advantages, make_advantage_context, run_hook
+from trl_plugins.turns import build_turn_structure
+from trl_plugins_builtin.igpo import accumulate, normalise, turn_reward_matrix
+
+CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}
+ANSWER = {"role": "assistant", "content": "Answer: 7"}
+TOOL = {"role": "tool", "name": "search", "content": "doc"}
+
+
+def _turns(pattern):
+    """TurnStructure of a completion given by its tool mask pattern, e.g. [1, 1, 0, 0, 1]."""
+    runs = sum(1 for t, m in enumerate(pattern) if m == 1 and (t == 0 or pattern[t - 1] == 0))
+    messages = []
+    for u in range(runs):
+        messages += [CALL, TOOL] if u < runs - 1 else [ANSWER]
+    return build_turn_structure(list(range(len(pattern))), pattern, messages)
+
+
+class Beliefs:
+    """policy_logprobs stub: the answer's per-token log-prob depends on how much of the completion was seen."""
+
+    def __init__(self, by_prefix):
+        self.by_prefix = by_prefix  # prefix length (prompt + completion part) -> probability
+        self.calls = []
+
+    def __call__(self, prompt_ids, completion_ids):
+        self.calls.append(len(prompt_ids))
+        return [torch.full((len(c),), math.log(self.by_prefix[len(p)])) for p, c in zip(prompt_ids, completion_ids)]
+
+
+def _ctx(patterns, rewards, beliefs, G=2, **kw):
+    turns = [_turns(p) for p in patterns]
+    width = max(len(p) for p in patterns)
+    ids = torch.zeros(len(patterns), width, dtype=torch.long)
+    ctx = make_advantage_context(
+        rewards, num_generations=G, turns=turns, rows=[{"answer": "7"}] * len(patterns),
+        prompt_ids=[[1, 2]] * len(patterns), policy_logprobs=beliefs, **kw,
+    )
+    ctx.local_completion_ids = ids
+    return ctx
+
+
+def _run(ctx, **options):
+    return run_hook("igpo", "trl_plugins_transform_advantages", ctx, {"igpo": options})
+
+
+def test_information_gain_is_the_rise_of_the_answer_probability():
+    # row 0: call, tool result, answer (2 turns); row 1: answers at once (1 turn)
+    beliefs = Beliefs({2: 0.1, 2 + 4: 0.6})  # before turn 0 (prompt only): 0.1; before turn 1: 0.6
+    ctx = _run(_ctx([[1, 1, 0, 0, 1, 1], [1, 1]], [1.0, 0.0], beliefs), scale=False)
+    assert ctx.turn_rewards[0, 0] == pytest.approx(0.5)  # P_1 - P_0
+    assert ctx.turn_rewards[0, 1] == 1.0 and ctx.turn_rewards[1, 0] == 0.0  # outcome on the last turn
+    assert beliefs.calls == [2]  # one batched call: two probes of row 0, none for the single-turn row
+    # IGPO: all turn rewards of the group centred together (mean of 0.5, 1.0, 0.0 = 0.5), then summed to the end
+    adv = ctx.advantages
+    assert adv[0, 0] == pytest.approx((0.5 - 0.5) + (1.0 - 0.5))  # turn 0: its reward plus the answer turn's
+    assert adv[0, 4] == pytest.approx(1.0 - 0.5)
+    assert adv[0, 2] == 0.0  # tool-result tokens carry no advantage
+    assert adv[1, 0] == pytest.approx(0.0 - 0.5)
+
+
+def test_without_tool_calls_igpo_is_grpo():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    ctx = _run(_ctx([[1, 1, 1]] * 4, rewards, Beliefs({})))
+    expected = group_normalized_advantages(rewards, 2)
+    assert torch.allclose(ctx.advantages[:, 0], expected) and torch.allclose(ctx.advantages[:, 2], expected)
+
+
+def test_neutral_setting_leaves_trls_advantages():
+    ctx = _ctx([[1, 0, 1], [1, 1, 1]], [1.0, 0.0], Beliefs({2: 0.5, 3: 0.9}))
+    before = ctx.advantages.clone()
+    _run(ctx, ig_weight=0.0)
+    assert torch.equal(ctx.advantages, before)
+
+
+def test_a2tgpo_normalises_per_turn_index_and_divides_by_sqrt_terms():
+    gains = torch.tensor([[0.2, 0.0, 0.0], [0.6, 0.0, 0.0]])
+    rewards = turn_reward_matrix(gains, torch.tensor([1.0, 0.0]), torch.tensor([2, 2]))
+    assert torch.equal(rewards[:, :2], torch.tensor([[0.2, 1.0], [0.6, 0.0]])) and rewards[:, 2].isnan().all()
+    adv = accumulate(rewards, gamma=1.0, sqrt_terms=True)
+    assert adv[0, 0] == pytest.approx((0.2 + 1.0) / math.sqrt(2)) and adv[0, 1] == pytest.approx(1.0)
+    beliefs = Beliefs({2: 0.1, 4: 0.3})
+    ctx = _run(_ctx([[1, 0, 1], [1, 0, 1]], [1.0, 0.0], beliefs), mode="a2tgpo", scale=False)
+    # both rows gain 0.2 on turn 0: centred within (prompt, turn 0) -> 0; outcomes centred per prompt -> +-0.5
+    assert ctx.advantages[0, 0] == pytest.approx((0.0 + 0.5) / math.sqrt(2))
+    assert ctx.advantages[1, 2] == pytest.approx(-0.5)
+
+
+def test_normalise_keeps_nan_and_groups_apart():
+    values = torch.tensor([[1.0, math.nan], [3.0, 5.0]])
+    keys = torch.tensor([[0, 0], [0, 1]])
+    out = normalise(values, keys, scale=False)
+    assert out[0, 0] == -1.0 and out[1, 0] == 1.0 and out[1, 1] == 0.0 and math.isnan(out[0, 1])
+
+
+def test_igpo_needs_the_answer_column():
+    assert build_stack(["igpo"], {"igpo": {"answer_column": "gold"}}).plugins[0].required_columns() == ["gold"]
+
+
+@pytest.mark.slow
+def test_igpo_trains_on_real_tool_rollouts():
+    from trl_plugins.testing import make_tool_trainer, record_run
+
+    trainer = make_tool_trainer(plugins=["igpo"], max_steps=1)
+    run = record_run(trainer)
+    adv = run.advantages[0]
+    assert adv.dim() == 2 and adv.abs().sum() > 0  # token-level advantages reached the loss
+    assert any("plugins/igpo/info_gain_mean" in log for log in run.logs)
