@@ -50,6 +50,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "lp_reg": ({"rho": 0.05}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
+    "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     "rlpr": ({}, {}),
     "ruscarl": ({"judge": "rule"}, {}),
