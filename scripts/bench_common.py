@@ -53,6 +53,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     "rlpr": ({}, {}),
+    # steps_per_generation=2 with one accumulation step: the second micro-step is off-policy, so U is computed
+    "rover": ({}, {"steps_per_generation": 2}),
     "ruscarl": ({"judge": "rule"}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "seed_grpo": ({}, {}),
