@@ -49,6 +49,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "llds": ({}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
+    # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
+    "r2vpo": ({}, {"steps_per_generation": 2}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
