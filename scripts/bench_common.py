@@ -37,6 +37,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # character-level tokenizer: every token is one character
     "cure": ({"branches_per_response": 3, "min_token_chars": 1}, {}),
     "dagrpo": ({"scorer": "prm"}, {}),
+    "dcpo": ({}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
     "empo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
