@@ -29,8 +29,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import AdvantageContext, LossContext, Plugin, PluginConfigError, hookimpl, option
+from trl_plugins import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginConfigError,
+    hookimpl,
+    option,
+)
 from trl_plugins.success import SuccessOptions
+
+#: Why DCPO refuses the other entropy regulators (``Plugin.conflict_reason``).
+ENTROPY_CONTROL_PICK_ONE = (
+    "each is a complete remedy for entropy collapse (DCPO steers the entropy to entropy_target through a "
+    "temperature-tau target distribution in the advantages; the other regularises the entropy of selected tokens in "
+    "the loss); stacked, two controllers act on the same entropy and match neither paper"
+)
 
 
 @dataclass
@@ -122,6 +137,8 @@ class DcpoPlugin(Plugin):
     summary = "Entropy control by mixing an on-policy temperature-tau target distribution into the advantages."
     Options = DcpoOptions
     replaces = ("the advantages (mixed with the temperature-tau target term, token-level)",)
+    conflicts_with = ("siren", "clip_cov", "kl_cov", "lp_reg")
+    conflict_reason = ENTROPY_CONTROL_PICK_ONE
     reconstructed = (
         "a batch without a correct rollout gets alpha = 0 (the official code divides by zero)",
         "with steps_per_generation > 1 the entropy estimate averages every micro-step since the previous "
@@ -132,6 +149,14 @@ class DcpoPlugin(Plugin):
         super().__init__(options)
         self.entropy = 0.0
         self._entropy_measurements: list[float] = []
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        if args.entropy_coef != 0 or getattr(args, "use_adaptive_entropy", False):
+            raise IncompatiblePluginsError(
+                f"dcpo cannot be combined with TRL's entropy bonus (entropy_coef={args.entropy_coef!r}): "
+                f"{ENTROPY_CONTROL_PICK_ONE}. Set entropy_coef=0 or disable dcpo."
+            )
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):

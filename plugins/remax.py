@@ -69,6 +69,15 @@ class RemaxPlugin(Plugin):
     summary = "Advantage = reward minus the reward of the policy's greedy completion of the same prompt."
     Options = RemaxOptions
     replaces = ("the advantages (reward minus the greedy completion's reward)",)
+    conflicts_with = {
+        name: f"both replace the advantages outright (ReMax with the greedy completion's reward as baseline, {name} "
+        f"{what}); stacked, the later one discards the other's and ReMax's greedy generations are wasted"
+        for name, what in (
+            ("riskpo", "with Mixed Value-at-Risk credits over bundles"),
+            ("canon", "with the other half of the group as baseline"),
+            ("disco", "with discriminative sequence weights"),
+        )
+    }
     reconstructed = (
         "G sampled completions per prompt share one greedy baseline (the paper samples one completion per prompt)",
     )

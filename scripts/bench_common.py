@@ -49,6 +49,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
+    # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
+    "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
     "r2vpo": ({}, {"steps_per_generation": 2}),

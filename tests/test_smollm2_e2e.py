@@ -154,10 +154,20 @@ def _stacks(urls):
              "dagrpo": {"delta": 0.0, "anchors": False}},
             {"loss_type": "grpo"}, ["feedback"],
         ),
-        "r3l+gtpo+steer+rlpr+clip_cov": (
-            ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
+        "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
+            ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
+        ),
+        # ReMax's greedy baseline (a greedy generation on the real model), MRT's meta-prover continuations from
+        # episode prefixes, DCPO's temperature target in the advantages, ROVER's TD loss with both mean log-softmax
+        # passes (next_value="always")
+        "remax+mrt+dcpo+rover": (
+            ["remax", "mrt", "dcpo", "rover"],
+            {"mrt": {"prover_samples": 1, "max_episodes": 2},
+             "dcpo": {"success_column": "digit_fraction_reward", "success_threshold": 0.2},
+             "rover": {"next_value": "always"}},
+            {"loss_type": "dapo"}, [],
         ),
     }
 
@@ -178,7 +188,8 @@ def test_the_stacks_cover_every_builtin_plugin():
                                        "all-fail G=2 groups of this stack end with zero advantages (loss and gradient "
                                        "0) and the adapters do not move; suspects: fbos_rl advantage='recentre' on size-1 "
                                        "sub-groups (G=2) and dagrpo's pair scores")),
-                                   "r3l+gtpo+steer+rlpr+clip_cov"])
+                                   "r3l+gtpo+steer+rlpr+clip_cov+r2vpo",
+                                   "remax+mrt+dcpo+rover"])
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]

@@ -156,3 +156,12 @@ def test_end_to_end_failed_rows_keep_scaled_trl_advantages(tmp_path):
     assert any(mixed)
     assert logs[0]["plugins/dcpo/entropy_estimate"] == 0.0 and logs[1]["plugins/dcpo/entropy_estimate"] > 0
     assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+
+
+def test_other_entropy_controls_are_refused_with_the_reason():
+    from trl_plugins import IncompatiblePluginsError
+
+    with pytest.raises(IncompatiblePluginsError, match="'dcpo' and 'siren' cannot be stacked: each is a complete"):
+        build_plugins(["dcpo", "siren"])
+    with pytest.raises(IncompatiblePluginsError, match="entropy_coef=0.01"):
+        build_stack("dcpo", entropy_coef=0.01)

@@ -136,3 +136,10 @@ def test_end_to_end_advantages_are_reward_minus_greedy_reward(tmp_path):
 
 def test_trl_baseline_is_vanilla():
     assert_reduces_to_vanilla("remax", {"baseline": "trl"}, loss_types=("dapo",), steps=1)
+
+
+def test_other_advantage_replacers_are_refused_with_the_reason():
+    from trl_plugins import IncompatiblePluginsError
+
+    with pytest.raises(IncompatiblePluginsError, match="'remax' and 'riskpo' cannot be stacked: each replaces"):
+        build_plugins(["riskpo", "remax"])
