@@ -13,8 +13,9 @@ after a prefix and to give its best-guess answer. Facts from the paper (and its 
 3. Progress of episode ``j``: ``r_prg(z_j) = J(z_{0:j}) - J(z_{0:j-1})``; the objective adds
    ``alpha * sum_j r_prg(z_j)`` to the outcome reward (MRT-online: ``alpha = 1``, a per-episode dense reward).
 
-Mapping onto TRL: the sampling stage cuts each completion into episodes after every ``episode_separator`` (the
-bundled tasks write one step per line; at most ``max_episodes``, the last one running to the end), and asks the
+Mapping onto TRL: the sampling stage cuts each completion into episodes after every ``episode_separator`` (matched
+on token ids, the separator tokenized on its own; the bundled tasks write one step per line; at most
+``max_episodes``, the last one running to the end), and asks the
 generation service for ``prover_samples`` answers from ``prompt + completion[:b_j] + termination_text`` for every
 boundary ``b_0 = 0 < b_1 < ... < b_k`` (the prefix-continuation path of ``cure``; collective-safe, counted in the
 rollout budget: ``(k + 1) * prover_samples`` generations per rollout). Answers are judged by the verifier column

@@ -164,7 +164,7 @@ def _stacks(urls):
         # passes (next_value="always")
         "remax+mrt+dcpo+rover": (
             ["remax", "mrt", "dcpo", "rover"],
-            {"mrt": {"prover_samples": 1, "max_episodes": 2},
+            {"mrt": {"prover_samples": 1, "max_episodes": 1},  # J at the prompt and after the whole completion
              "dcpo": {"success_column": "digit_fraction_reward", "success_threshold": 0.2},
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],

@@ -141,5 +141,6 @@ def test_trl_baseline_is_vanilla():
 def test_other_advantage_replacers_are_refused_with_the_reason():
     from trl_plugins import IncompatiblePluginsError
 
-    with pytest.raises(IncompatiblePluginsError, match="'remax' and 'riskpo' cannot be stacked: each replaces"):
+    with pytest.raises(IncompatiblePluginsError,
+                       match="'remax' and 'riskpo' cannot be stacked: both replace the advantages outright"):
         build_plugins(["riskpo", "remax"])
