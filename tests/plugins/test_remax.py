@@ -144,3 +144,15 @@ def test_other_advantage_replacers_are_refused_with_the_reason():
     with pytest.raises(IncompatiblePluginsError,
                        match="'remax' and 'riskpo' cannot be stacked: both replace the advantages outright"):
         build_plugins(["riskpo", "remax"])
+
+
+def test_greedy_decoding_under_vllm_sets_temperature_zero_and_restores_it():
+    from types import SimpleNamespace
+
+    vllm = SimpleNamespace(temperature=0.7)
+    trainer = SimpleNamespace(use_vllm=True, vllm_generation=vllm)
+    with pytest.raises(RuntimeError):
+        with greedy_decoding(trainer):
+            assert vllm.temperature == 0.0  # vLLM's greedy decoding
+            raise RuntimeError("generation failed")
+    assert vllm.temperature == 0.7
