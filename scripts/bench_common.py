@@ -45,6 +45,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "dagrpo": ({"scorer": "prm"}, {}),
     # refill plugins: the refill rollouts count in the rollout budget (max_refill_rounds: the PluginGRPOConfig default)
     "dars": ({"n_max": 16}, {}),
+    "dcpo": ({}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
     "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
@@ -69,10 +70,17 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
     "repexp": ({}, {}),
+    # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
+    "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
+    # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
+    "r2vpo": ({}, {"steps_per_generation": 2}),
+    "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
+    # steps_per_generation=2 with one accumulation step: the second micro-step is off-policy, so U is computed
+    "rover": ({}, {"steps_per_generation": 2}),
     "ruscarl": ({"judge": "rule"}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "seed_grpo": ({}, {}),

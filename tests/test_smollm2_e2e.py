@@ -168,8 +168,8 @@ def _stacks(urls):
         ),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
-        "r3l+gtpo+steer+rlpr+clip_cov": (
-            ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
+        "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
+            ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
@@ -197,6 +197,16 @@ def _stacks(urls):
         "prl+hapo+repexp": (
             ["repexp", "prl", "hapo"],
             {"prl": {"step_len": 4, "eta": 20.0}, "hapo": {"token_level_advantage": False}},
+            {"loss_type": "dapo"}, [],
+        ),
+        # ReMax's greedy baseline (a greedy generation on the real model), MRT's meta-prover continuations from
+        # episode prefixes, DCPO's temperature target in the advantages, ROVER's TD loss with both mean log-softmax
+        # passes (next_value="always")
+        "remax+mrt+dcpo+rover": (
+            ["remax", "mrt", "dcpo", "rover"],
+            {"mrt": {"prover_samples": 1, "max_episodes": 1},  # J at the prompt and after the whole completion
+             "dcpo": {"success_column": "digit_fraction_reward", "success_threshold": 0.2},
+             "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
     }

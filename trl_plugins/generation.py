@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,6 +66,7 @@ class GenerationService:
         *,
         prompt_ids: list[list[int]] | None = None,
         prefix_ids: list[list[int]] | None = None,
+        greedy: bool = False,
     ) -> list[Completion]:
         """Generate one completion per prompt (collective: call on every process, possibly with zero prompts).
 
@@ -72,6 +76,8 @@ class GenerationService:
             prefix_ids: optional completion prefix per request; generation continues after it and the returned
                 ``completion_ids`` are ``prefix + new tokens`` (cut to ``max_completion_length``), with NaN
                 sampling log-probs on the prefix.
+            greedy: decode greedily (argmax at every step) instead of sampling with the run's settings, e.g. for a
+                greedy baseline; every process must pass the same value. Counted in the budget like any request.
 
         Returns:
             One :class:`~trl_plugins.contexts.Completion` per request, in order.
@@ -99,7 +105,8 @@ class GenerationService:
         full = [p + q for p, q in zip(ids, prefixes)]
         dummy = full[0] if full else (self._dummy_ids or [self.trainer._tokenizer.eos_token_id])
         padded = full + [dummy] * (max_n - n_local)
-        completion_ids, logprobs = self.trainer._generate_single_turn(padded, None, {}, num_generations=1)
+        with greedy_decoding(self.trainer) if greedy else contextlib.nullcontext():
+            completion_ids, logprobs = self.trainer._generate_single_turn(padded, None, {}, num_generations=1)
         self.used_this_batch += n_local
         self.total += int(counts.sum().item())  # all processes: the same on every process, so rank 0 saves it
         limit = self.trainer.max_completion_length
@@ -129,3 +136,40 @@ class GenerationService:
 
     def load_state_dict(self, state: dict) -> None:
         self.total = int(state.get("total", 0))
+
+
+@contextlib.contextmanager
+def greedy_decoding(trainer: Any) -> Iterator[None]:
+    """Within the block, the trainer's generation backend decodes greedily; its own settings are restored after.
+
+    vLLM (server or colocate): temperature 0, vLLM's greedy decoding. Transformers: ``do_sample=False`` in both the
+    generation config TRL passes to ``generate`` and the kwargs TRL writes over the model's own generation config
+    (TRL passes both; a sampling flag left in either one would win).
+    """
+    if getattr(trainer, "use_vllm", False):
+        vllm = trainer.vllm_generation
+        saved = vllm.temperature
+        vllm.temperature = 0.0
+        try:
+            yield
+        finally:
+            vllm.temperature = saved
+        return
+    saved_config, saved_kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
+    config = copy.deepcopy(saved_config)
+    config.do_sample = False
+    for name in ("temperature", "top_p", "top_k", "min_p"):  # sampling-only settings: unset, as greedy ignores them
+        if hasattr(config, name):
+            setattr(config, name, None)
+    trainer.generation_config = config
+    if saved_kwargs is not None:
+        trainer.generation_kwargs = {
+            **{k: v for k, v in saved_kwargs.items() if k not in ("temperature", "top_p", "top_k", "min_p")},
+            "do_sample": False,
+        }
+    try:
+        yield
+    finally:
+        trainer.generation_config = saved_config
+        if saved_kwargs is not None:
+            trainer.generation_kwargs = saved_kwargs

@@ -572,7 +572,8 @@ class StubGenerationService:
     call is recorded in :attr:`calls` (the list of prompts, possibly empty: on several processes each one calls
     the service the same number of times, some with nothing to ask). Completions carry ``logprob`` per new token
     (None imitates HF generation) and NaN on a requested prefix, like the real service; ``budget`` caps the
-    completions of the batch as ``plugin_generation_budget`` does.
+    completions of the batch as ``plugin_generation_budget`` does. Whether each call asked for greedy decoding is
+    recorded in :attr:`greedy_calls` (parallel to :attr:`calls`).
     """
 
     def __init__(
@@ -588,6 +589,7 @@ class StubGenerationService:
         self.budget = budget
         self.max_completion_length = max_completion_length
         self.calls: list[list[Any]] = []
+        self.greedy_calls: list[bool] = []
         self.used_this_batch = 0
         self.total = 0
 
@@ -598,7 +600,7 @@ class StubGenerationService:
     def tokenize(self, prompts: list) -> list[list[int]]:
         return [char_encode(prompt_text(p)) for p in prompts]
 
-    def generate(self, prompts=None, *, prompt_ids=None, prefix_ids=None) -> list[Completion]:
+    def generate(self, prompts=None, *, prompt_ids=None, prefix_ids=None, greedy=False) -> list[Completion]:
         if (prompts is None) == (prompt_ids is None):
             raise PluginError("GenerationService.generate: pass exactly one of `prompts` or `prompt_ids`.")
         requests = list(prompts) if prompts is not None else [list(p) for p in prompt_ids]
@@ -611,6 +613,7 @@ class StubGenerationService:
                 f"plugin_generation_budget is {self.budget}."
             )
         self.calls.append(requests)
+        self.greedy_calls.append(bool(greedy))
         out = []
         for j, (request, prefix) in enumerate(zip(requests, prefixes)):
             new_ids = char_encode(self.respond(request, j))
