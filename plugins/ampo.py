@@ -152,6 +152,11 @@ def replaced_slots(failed: list[int], k: int, generator: torch.Generator) -> lis
 # ============================================================================================= plugin
 class AmpoPlugin(Plugin):
     """Multi-teacher guidance for failing groups, most comprehensible solutions first (sampling stage)."""
+    multi_turn = (
+        'it edits completions after generation (teacher solutions spliced into all-fail groups), and the '
+        'generation service samples single-turn text without running tools, so the edited rows would lose '
+        'their tool-call turns.'
+    )
     claim_metric = ("guided_group_fraction", "groups guided by teacher solutions")
 
     name = "ampo"

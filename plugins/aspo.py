@@ -75,6 +75,7 @@ def bounded_shaping(advantages: torch.Tensor, terms: torch.Tensor, k: float) -> 
 
 
 class AspoPlugin(Plugin):
+    claim_metric = ('shaped_fraction', 'rows whose advantage the bound shaped')
     name = "aspo"
     multi_turn = True
     version = "0.1.0"

@@ -93,6 +93,10 @@ class DarsOptions(SuccessOptions):
 
 
 class DarsPlugin(Plugin):
+    multi_turn = (
+        'it rejects groups for the refill stage, which regenerates whole groups through the generation '
+        'service (no tool loop); the trainer refuses refill with tools.'
+    )
     claim_metric = ("extra_groups", "extra rollout groups spent on hard prompts")
     overwrites = ("advantages",)  # pooled R - mean over the prompt's enlarged group, from the rewards
     name = "dars"

@@ -60,6 +60,10 @@ class DynamicSamplingOptions(SuccessOptions):
 
 
 class DynamicSamplingPlugin(Plugin):
+    multi_turn = (
+        'it rejects groups for the refill stage, which regenerates whole groups through the generation '
+        'service (no tool loop); the trainer refuses refill with tools.'
+    )
     claim_metric = ("filtered_fraction", "groups filtered out and refilled")
     name = "dynamic_sampling"
     paper = "DAPO dynamic sampling, arXiv:2503.14476"

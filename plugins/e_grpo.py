@@ -68,6 +68,7 @@ def normalised_rates(rates: torch.Tensor, group_ids: torch.Tensor, mode: str) ->
 
 
 class EGrpoPlugin(Plugin):
+    claim_metric = ('entity_match_rate', 'gold entities matched by failed rollouts')
     name = "e_grpo"
     multi_turn = True
     version = "0.1.0"

@@ -213,6 +213,8 @@ def hapo_token_loss(
 
 class HapoPlugin(Plugin):
     """Token-heterogeneous advantages and entropy-adaptive asymmetric clipping (advantage and loss stages)."""
+    claim_metric = ('high_entropy_fraction', 'tokens treated as high-entropy')
+    multi_turn = True
 
     name = "hapo"
     version = "0.1.0"

@@ -105,6 +105,7 @@ def accumulate(rewards: torch.Tensor, gamma: float, sqrt_terms: bool) -> torch.T
 
 
 class IgpoPlugin(Plugin):
+    claim_metric = ('info_gain_mean', 'information gain per turn')
     name = "igpo"
     multi_turn = True
     version = "0.1.0"

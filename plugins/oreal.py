@@ -165,6 +165,7 @@ def oreal_token_loss(
 # ============================================================================================= plugin
 class OrealPlugin(Plugin):
     """Behaviour cloning on positives, reshaped rewards on negatives, one pair per mixed group (advantage, loss)."""
+    multi_turn = True
     claim_metric = ("positive_fraction", "kept rows that are correct")
 
     name = "oreal"

@@ -71,6 +71,8 @@ def dual_update(lam: float, variance: float, target: float, lr: float, max_lambd
 
 class R2vpoPlugin(Plugin):
     """Unclipped importance-weighted surrogate with a ratio-variance penalty whose weight follows a dual ascent."""
+    claim_metric = ('ratio_variance', 'variance of the importance ratio')
+    multi_turn = True
 
     name = "r2vpo"
     version = "0.1.0"

@@ -86,6 +86,8 @@ def leave_one_out_bonus(features: torch.Tensor, group_size: int, ridge: float, c
 
 class RepExpPlugin(Plugin):
     """Representation-novelty bonus from hidden states, against the rest of the group (reward stage)."""
+    claim_metric = ('bonus', 'representation-novelty bonus')
+    multi_turn = True
 
     name = "repexp"
     version = "0.1.0"

@@ -183,6 +183,11 @@ def spear_baseline_advantage(reward: float, means: list[float], stds: list[float
 # ============================================================================================= plugin
 class ReplayPlugin(Plugin):
     """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
+    multi_turn = (
+        'it edits completions after generation (stored successes spliced into all-fail groups), and the '
+        'generation service samples single-turn text without running tools, so the edited rows would lose '
+        'their tool-call turns.'
+    )
 
     name = "replay"
     version = "0.1.0"

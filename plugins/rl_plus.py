@@ -123,6 +123,11 @@ def is_demonstration(value: Any) -> bool:
 # ============================================================================================= plugin
 class RlPlusPlugin(Plugin):
     """Demonstrations in every group, trained with MIS and the Exploration-Based Advantage (sampling, loss)."""
+    multi_turn = (
+        'it edits completions after generation (demonstrations spliced into each group), and the generation '
+        'service samples single-turn text without running tools, so the edited rows would lose their '
+        'tool-call turns.'
+    )
     claim_metric = ("demonstration_success_rate", "demonstrations that pass the verifier")
 
     name = "rl_plus"

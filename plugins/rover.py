@@ -103,6 +103,8 @@ def rover_token_loss(
 
 class RoverPlugin(Plugin):
     """Regress the uniform policy's Q-values (parameterised by log-prob ratios) onto a TD target (loss stage)."""
+    claim_metric = ('td_loss', 'TD loss of the uniform-policy Q-values')
+    multi_turn = True
 
     name = "rover"
     version = "0.1.0"
