@@ -359,7 +359,7 @@ def markdown(result: dict) -> str:
             f"{_fmt(r['distinct_per_group'], 3)} | {_fmt(r['correct_rollouts_per_step'], 1)} | {claim} |"
         )
     out.append("")
-    prefix = "learning" if result["mode"] == "quick" else f"learning_{result['mode']}"
+    prefix = result.get("section") or ("learning" if result["mode"] == "quick" else f"learning_{result['mode']}")
     out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` (held-out accuracy against rollouts), "
                f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png` (mean over seeds; "
                "shaded: ± one std).")
@@ -481,6 +481,9 @@ def parse_args(argv=None):
     p.add_argument("--fresh", action="store_true", help="ignore cached runs")
     p.add_argument("--out-dir", default=str(bc.ROOT / "docs" / "benchmarks"), help="JSON and PNG output folder")
     p.add_argument("--write-docs", action="store_true", help="rewrite the learning section of docs/benchmarks.md")
+    p.add_argument("--section", default=None,
+                   help="name of the output files and of the docs/benchmarks.md section (default: by mode, e.g. "
+                   "learning for --quick), so that a run of a few methods does not replace the mode's table")
     return p.parse_args(argv)
 
 
@@ -650,9 +653,10 @@ def main(argv=None) -> int:
                       instruction=args.instruction, instruction_pilot=instruction_pilot)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2"}[mode]
+    prefix = result["section"] = args.section or prefix
     md = markdown(result)
     print(md)
-    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2"}[mode]
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
     if mode != "tiny" and records:
         plot(records, methods, out_dir, base_acc, target, prefix=prefix)
