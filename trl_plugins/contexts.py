@@ -27,6 +27,8 @@ from .success import (
 EXTRA_PREFIX = "plugin_extra::"
 #: Generation-batch key of the (B, T) off-policy token mask.
 OFFPOLICY_KEY = "offpolicy_mask"
+#: Name of the per-row extra carrying teacher log-probs to the loss stage (``LossContext.teacher_logps``).
+TEACHER_LOGPS_EXTRA = "teacher_logps"
 
 
 #: The services of a context built without any (every member raises a ``PluginError`` naming itself).
@@ -446,6 +448,10 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         process_slice: slice of the global rows held by this process.
         local_completion_ids: (B, T) completion token ids of this process's rows (right-padded, the labels the
             loss sees), for per-token extras set with :meth:`set_local_extra`; None when not provided.
+        local_prompt_ids: B lists, the training-prompt token ids of this process's rows (unpadded); None when not
+            provided.
+        local_completion_mask: (B, T) completion mask of this process's rows (1 up to and including EOS); None when
+            not provided.
         mode: "train" or "eval".
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
@@ -465,8 +471,43 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_completion_ids: torch.Tensor | None = None
+    local_prompt_ids: list[list[int]] | None = None
+    local_completion_mask: torch.Tensor | None = None
     mode: str = "train"
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+
+    def attach_teacher_logps(self, teacher: Any, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Score this process's completions with ``teacher`` and send the log-probs to the loss stage.
+
+        ``teacher.logprobs(prompt_ids, completion_ids)`` (e.g. a :class:`~trl_plugins.components.teacher.HFTeacher`
+        or :class:`~trl_plugins.components.teacher.EndpointTeacher`) scores local rows ``rows`` (default: all B)
+        under their training prompts. Returns the (B, T) float32 tensor, NaN where absent (rows not scored,
+        positions past a row's completion); it rides with its rows to ``LossContext.teacher_logps``. Calling it again
+        (another plugin) overwrites the rows it scores and keeps the others.
+
+        Collective: call on every process (possibly with no rows). A teacher failing on one process (an endpoint
+        down after its retries, whose error names the URL) stops every process together.
+        """
+        from .collectives import run_together  # (collectives imports this module)
+
+        if self.local_completion_ids is None or self.local_prompt_ids is None or self.local_completion_mask is None:
+            raise PluginError("AdvantageContext.attach_teacher_logps needs local_prompt_ids, local_completion_ids and "
+                              "local_completion_mask (give them to the context's builder).")
+        B, T = self.local_completion_ids.shape
+        rows = list(range(B)) if rows is None else [int(i) for i in rows]
+        lengths = self.local_completion_mask.sum(-1).long().tolist()
+        completions = [self.local_completion_ids[i, : lengths[i]].tolist() for i in rows]
+        prompts = [self.local_prompt_ids[i] for i in rows]
+        plugin = self.active_plugin or "teacher log-probs"
+        scored = run_together(self, plugin, teacher.logprobs, prompts, completions)
+        previous = self.local_extras.get(TEACHER_LOGPS_EXTRA)
+        device = self.local_completion_ids.device
+        out = torch.full((B, T), float("nan"), device=device) if previous is None else previous.clone()
+        for i, values in zip(rows, scored):
+            out[i] = float("nan")
+            out[i, : values.numel()] = values.to(device=device, dtype=torch.float32)
+        self.set_local_extra(TEACHER_LOGPS_EXTRA, out)
+        return out
 
     def policy_stats(self, head_stats: bool = False) -> PolicyStats:
         """Per-token statistics of the current policy on this process's generation batch (no grad, cached).
@@ -529,6 +570,8 @@ class LossContext(_StageContext):
         per_token_loss: the base surrogate (TRL's, by ``loss_type``: :mod:`trl_plugins.loss_rules`; off-policy
             tokens already shaped): (B, T), or (B, 1) at sequence-level importance sampling with per-row advantages.
         extras: per-row tensors attached at the advantage stage (first dim B).
+        teacher_logps: (B, T) teacher log-probs of the completion tokens, NaN where absent, or None when no plugin
+            attached any (``AdvantageContext.attach_teacher_logps``); a property reading ``extras``.
         loss_type, epsilon_low, epsilon_high, beta: the run's settings.
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
         iteration: index of the current pass over this generation batch (0 .. num_iterations-1).
@@ -570,6 +613,12 @@ class LossContext(_StageContext):
     def completion_ids(self) -> torch.Tensor:
         """(B, T) completion token ids."""
         return self.inputs["completion_ids"]
+
+    @property
+    def teacher_logps(self) -> torch.Tensor | None:
+        """(B, T) float32 teacher log-probs of the completion tokens (no grad), NaN where absent (rows no plugin scored,
+        padding); None when no plugin attached any (``AdvantageContext.attach_teacher_logps``)."""
+        return self.extras.get(TEACHER_LOGPS_EXTRA)
 
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).

@@ -8,6 +8,10 @@ Common interface (:class:`Teacher`), batched:
   single corrected step.
 * ``chat(conversations, max_tokens=None) -> list[str]``: one assistant answer per conversation (critiques, judge
   feedback).
+* ``logprobs(prompt_ids, completion_ids) -> list[Tensor]``: the teacher's per-token log-probs of given completions
+  (policy token ids; one (len(completion_ids[i]),) float32 CPU tensor per row), for dense teacher supervision.
+  ``check_logprobs(policy_tokenizer)`` refuses, when the trainer is built, a teacher that cannot return them or does
+  not share the policy's tokenizer (:mod:`trl_plugins.components.teacher_logprobs`).
 
 The continuation is plain text: callers re-tokenize it with the **policy** tokenizer (the tokens are off-policy
 anyway).
@@ -70,6 +74,20 @@ class Teacher:
     def chat(self, conversations: Sequence[list[dict]], *, max_tokens: int | None = None) -> list[str]:
         raise PluginConfigError(f"{type(self).__name__} cannot answer free-form chat requests (critiques, feedback).")
 
+    def logprobs(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list:
+        """Per-token log-probs of ``completion_ids[i]`` after ``prompt_ids[i]`` (policy token ids) under the teacher:
+        one (len(completion_ids[i]),) float32 CPU tensor per row."""
+        raise PluginConfigError(self._no_logprobs())
+
+    def check_logprobs(self, policy_tokenizer: Any, probe: bool = True) -> None:
+        """Refuse a teacher that cannot score the policy's tokens (``PluginConfigError``; an endpoint that does not
+        answer: ``EndpointError`` naming its URL); called at construction. ``probe=False`` skips network requests."""
+        raise PluginConfigError(self._no_logprobs())
+
+    def _no_logprobs(self) -> str:
+        return (f"{type(self).__name__} cannot return per-token log-probs (it has no model); use a local model "
+                "(teacher 'hf') or an OpenAI-compatible endpoint serving the policy's tokenizer ('endpoint').")
+
     def close(self) -> None:
         """Release resources."""
 
@@ -114,6 +132,29 @@ class EndpointTeacher(Teacher):
         params = {"temperature": self.temperature, "max_tokens": max_tokens or self.max_tokens, **self.extra_params}
         return self.client.chat([list(c) for c in conversations], **params)
 
+    def logprobs(self, prompt_ids, completion_ids):
+        """Prompt log-probs of ``prompt + completion`` through ``/v1/completions`` (echo protocol, one request per
+        row, concurrent); the completion positions are kept."""
+        import torch
+
+        from .teacher_logprobs import ECHO_PARAMS, parse_echo_logprobs
+
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+        todo = [j for j, c in enumerate(completion_ids) if len(c)]
+        choices = self.client.completions([rows[j] for j in todo], **ECHO_PARAMS) if todo else []
+        out = [torch.zeros(0) for _ in rows]
+        url = f"{self.client.base_url}/completions"
+        for j, choice in zip(todo, choices):
+            out[j] = torch.tensor(parse_echo_logprobs(choice, rows[j], len(prompt_ids[j]), url), dtype=torch.float32)
+        return out
+
+    def check_logprobs(self, policy_tokenizer, probe: bool = True):
+        """With ``probe``: one echo request (:func:`~trl_plugins.components.teacher_logprobs.probe_endpoint`)."""
+        if probe:
+            from .teacher_logprobs import probe_endpoint
+
+            probe_endpoint(self.client, policy_tokenizer)
+
     def close(self) -> None:
         self.client.close()
 
@@ -155,6 +196,19 @@ class HFTeacher(Teacher):
 
     def chat(self, conversations, *, max_tokens=None):
         return self._generate([self._prompt_ids(list(c)) for c in conversations], max_tokens or self.max_tokens)
+
+    def logprobs(self, prompt_ids, completion_ids):
+        """One no-grad forward per batch (:func:`~trl_plugins.components.teacher_logprobs.hf_completion_logprobs`)."""
+        from .teacher_logprobs import hf_completion_logprobs
+
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return hf_completion_logprobs(self.model, prompt_ids, completion_ids, pad, self.batch_size)
+
+    def check_logprobs(self, policy_tokenizer, probe: bool = True):
+        from .teacher_logprobs import check_same_tokenizer
+
+        check_same_tokenizer(self.tokenizer, policy_tokenizer, f"model {self.name!r}")
 
     def _generate(self, requests: list[list[int]], max_tokens: int) -> list[str]:
         import torch
