@@ -260,8 +260,9 @@ class TeacherOptions(PluginOptions):
     teacher_temperature: float = option(0.0, min=0.0, help="Sampling temperature of the teacher's generations.")
     teacher_max_tokens: int = option(256, min=1, help="Longest teacher generation (hint, demonstration) in tokens.")
     teacher_probe: bool = option(
-        True, help="At construction, send one echo request to a teacher endpoint to check that it returns log-probs "
-        "and tokenizes like the policy (False: skip; a server started later is then checked at the first request).",
+        True, help="Plugins reading teacher log-probs: at construction, send one echo request to a teacher endpoint "
+        "to check that it returns log-probs and tokenizes like the policy (False: skip; a server started later then "
+        "fails at its first request instead).",
     )
 
     def validate(self) -> None:
