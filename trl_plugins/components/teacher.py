@@ -110,6 +110,7 @@ class EndpointTeacher(Teacher):
         self.max_tokens = max_tokens
         self.extra_params = dict(extra_params or {})
         self.client = OpenAICompatibleClient(config)
+        self._scoring: OpenAICompatibleClient | None = None
 
     def continue_from(self, rows, prompts, prefixes, *, stop=None, max_tokens=None):
         if not prefixes:
@@ -139,9 +140,11 @@ class EndpointTeacher(Teacher):
 
         from .teacher_logprobs import ECHO_PARAMS, parse_echo_logprobs
 
+        if self._scoring is None:  # no response cache: scored completions rarely repeat, and the cache never shrinks
+            self._scoring = OpenAICompatibleClient(EndpointConfig(**{**self.config.__dict__, "cache": False}))
         rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
         todo = [j for j, c in enumerate(completion_ids) if len(c)]
-        choices = self.client.completions([rows[j] for j in todo], **ECHO_PARAMS) if todo else []
+        choices = self._scoring.completions([rows[j] for j in todo], **ECHO_PARAMS) if todo else []
         out = [torch.zeros(0) for _ in rows]
         url = f"{self.client.base_url}/completions"
         for j, choice in zip(todo, choices):
@@ -157,6 +160,8 @@ class EndpointTeacher(Teacher):
 
     def close(self) -> None:
         self.client.close()
+        if self._scoring is not None:
+            self._scoring.close()
 
 
 # ============================================================================================= Hugging Face
