@@ -25,6 +25,10 @@ policy's tokenizer (refused at construction otherwise); a teacher endpoint is pr
 (``teacher_probe``) and, when it dies later, retried with backoff before every process stops with its URL in the
 error. Metrics: ``gated_fraction`` (rows scored by the teacher), ``teacher_advantage`` (mean ``A_teacher`` on gated
 tokens), ``teacher_kl`` (k3 on gated tokens), ``hard_group_fraction``, ``hinted_success_rate``, ``hinted_rows``.
+
+Stacking: put ``kepo`` after sampling plugins that fill rows (``luffy``'s demonstrations), so that a group counts as
+all-fail on its final rows. The teacher log-probs are raw (temperature 1); the policy's are TRL's temperature-scaled
+ones, so ``A_teacher`` is exact at ``temperature=1.0``.
 """
 
 from __future__ import annotations

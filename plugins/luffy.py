@@ -29,7 +29,14 @@ slot's sample). Demonstrations are counted separately as teacher rollouts (metri
 Sources (``source``): the dataset column ``demonstration_column`` (official; a string, or a list of strings whose k-th
 entry fills the k-th demonstration slot), or a ``teacher`` model (an endpoint or a local model, answering the prompt;
 our option, for datasets without solutions). Metrics: ``teacher_rollouts`` (demonstrations in the generation batch,
-all processes), ``demonstration_tokens`` (mean length), ``demonstration_truncated_fraction``.
+all processes), ``demonstration_tokens`` (mean length), ``demonstration_truncated_fraction`` (demonstrations cut at
+``max_completion_length``: they lose their EOS and, often, their final answer), and with
+``advantage_baseline="on_policy"`` ``demonstration_advantage``.
+
+Stacking: put ``luffy`` before other sampling plugins that inspect the group (they then see the demonstrations).
+Loss-stage plugins that replace the surrogate leave off-policy tokens to the shaped branch (``lp_reg``) or skip
+them (``clip_cov``, ``kl_cov``). Not implemented: the official code's partial-trace prefixes (``prefix_ratio < 1``,
+the policy continuing after a demonstration prefix) and its SFT-loss ablation.
 """
 
 from __future__ import annotations
