@@ -49,7 +49,7 @@ from trl_plugins import (
 )
 from trl_plugins.collectives import gather_floats, run_together
 from trl_plugins.components.steps import question_text
-from trl_plugins.components.teacher_logprobs import TeacherOptions, teacher_from_options
+from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.success import SuccessOptions

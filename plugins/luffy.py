@@ -48,7 +48,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
 from trl_plugins.collectives import run_together
-from trl_plugins.components.teacher_logprobs import TeacherOptions, teacher_from_options
+from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.loss import check_offpolicy_gamma
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .collectives import context_device  # noqa: F401 -- re-exported: plugins import it from here
+from .collectives import run_together
 from .errors import PluginError
 from .services import RunInfo, StageServices, gather_padded
 from .success import (
@@ -123,13 +125,6 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
     """
     global_index = [process_index * local_rows + j for j in range(local_rows)]
     return global_index, [g // num_generations for g in global_index], [g % num_generations for g in global_index]
-
-
-def context_device(ctx: Any) -> torch.device:
-    """The device of a context's collectives (``ctx.device``: the accelerator's; CPU for the kit's contexts and for
-    stand-ins without a device)."""
-    device = getattr(ctx, "device", None)
-    return device if device is not None else torch.device("cpu")
 
 
 # =============================================================================================== sampling
@@ -488,8 +483,6 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         Collective: call on every process (possibly with no rows). A teacher failing on one process (an endpoint
         down after its retries, whose error names the URL) stops every process together.
         """
-        from .collectives import run_together  # (collectives imports this module)
-
         if self.local_completion_ids is None or self.local_prompt_ids is None or self.local_completion_mask is None:
             raise PluginError("AdvantageContext.attach_teacher_logps needs local_prompt_ids, local_completion_ids and "
                               "local_completion_mask (give them to the context's builder).")

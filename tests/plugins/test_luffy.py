@@ -13,7 +13,6 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, hookimpl
 from trl_plugins.components.client import EndpointError
 from trl_plugins.components.teacher import clear_shared_teachers
-from trl_plugins.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.tiny import build_and_save
 from trl_plugins.testing import (
     assert_reduces_to_vanilla,

@@ -13,6 +13,9 @@ Common interface (:class:`Teacher`), batched:
   ``check_logprobs(policy_tokenizer)`` refuses, when the trainer is built, a teacher that cannot return them or does
   not share the policy's tokenizer (:mod:`trl_plugins.components.teacher_logprobs`).
 
+Plugins configure a teacher with the option mixin :class:`TeacherOptions` (kind, model, endpoint, retries, device) and
+build the shared instance with :func:`teacher_from_options`.
+
 The continuation is plain text: callers re-tokenize it with the **policy** tokenizer (the tokens are off-policy
 anyway).
 
@@ -31,22 +34,33 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from ..errors import PluginConfigError
+from ..options import PluginOptions, option
 from .client import EndpointConfig, OpenAICompatibleClient
 from .steps import split_steps
+from .teacher_logprobs import (
+    ECHO_PARAMS,
+    check_same_tokenizer,
+    hf_completion_logprobs,
+    parse_echo_logprobs,
+    probe_endpoint,
+)
 
 __all__ = [
     "EndpointTeacher",
     "HFTeacher",
     "ReferenceTeacher",
     "Teacher",
+    "TeacherOptions",
     "build_teacher",
     "clear_shared_teachers",
     "continuation_messages",
     "cut_at_stop",
     "shared_teacher",
+    "teacher_from_options",
 ]
 
 
@@ -138,8 +152,6 @@ class EndpointTeacher(Teacher):
         row, concurrent); the completion positions are kept."""
         import torch
 
-        from .teacher_logprobs import ECHO_PARAMS, parse_echo_logprobs
-
         if self._scoring is None:  # no response cache: scored completions rarely repeat, and the cache never shrinks
             self._scoring = OpenAICompatibleClient(EndpointConfig(**{**self.config.__dict__, "cache": False}))
         rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
@@ -154,8 +166,6 @@ class EndpointTeacher(Teacher):
     def check_logprobs(self, policy_tokenizer, probe: bool = True):
         """With ``probe``: one echo request (:func:`~trl_plugins.components.teacher_logprobs.probe_endpoint`)."""
         if probe:
-            from .teacher_logprobs import probe_endpoint
-
             probe_endpoint(self.client, policy_tokenizer)
 
     def close(self) -> None:
@@ -204,15 +214,11 @@ class HFTeacher(Teacher):
 
     def logprobs(self, prompt_ids, completion_ids):
         """One no-grad forward per batch (:func:`~trl_plugins.components.teacher_logprobs.hf_completion_logprobs`)."""
-        from .teacher_logprobs import hf_completion_logprobs
-
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return hf_completion_logprobs(self.model, prompt_ids, completion_ids, pad, self.batch_size)
 
     def check_logprobs(self, policy_tokenizer, probe: bool = True):
-        from .teacher_logprobs import check_same_tokenizer
-
         check_same_tokenizer(self.tokenizer, policy_tokenizer, f"model {self.name!r}")
 
     def _generate(self, requests: list[list[int]], max_tokens: int) -> list[str]:
@@ -327,3 +333,58 @@ def clear_shared_teachers() -> None:
     for teacher in _SHARED.values():
         teacher.close()
     _SHARED.clear()
+
+
+# ============================================================================================= plugin options
+@dataclass
+class TeacherOptions(PluginOptions):
+    """The teacher options of plugins that use a teacher model (generation, hints, log-probs); their option
+    dataclasses derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
+
+    plugin_name: ClassVar[str] = "?"
+
+    teacher: Literal["hf", "endpoint"] = option(
+        "hf", help="Teacher: a local Hugging Face model by name/path (teacher_model), or an OpenAI-compatible server "
+        "(teacher_base_url; log-probs through the completions API's echo protocol, as `vllm serve` answers it).",
+    )
+    teacher_model: str = option("default", help="Teacher: model name/path (hf) or served model name (endpoint).")
+    teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
+    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
+    teacher_timeout: float = option(
+        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
+    )
+    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
+    teacher_device: str | None = option(None, help="Device of a local (hf) teacher (None: the run's device).")
+    teacher_temperature: float = option(0.0, min=0.0, help="Sampling temperature of the teacher's generations.")
+    teacher_max_tokens: int = option(256, min=1, help="Longest teacher generation (hint, demonstration) in tokens.")
+    teacher_probe: bool = option(
+        True, help="Plugins reading teacher log-probs: at construction, send one echo request to a teacher endpoint "
+        "to check that it returns log-probs and tokenizes like the policy (False: skip; a server started later then "
+        "fails at its first request instead).",
+    )
+
+    def validate(self) -> None:
+        if self.teacher == "endpoint" and not self.teacher_base_url:
+            raise PluginConfigError(
+                f"Plugin {self.plugin_name!r} with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible "
+                "server such as `vllm serve`); or set teacher='hf' with teacher_model."
+            )
+        if self.teacher == "hf" and self.teacher_model == "default":
+            raise PluginConfigError(
+                f"Plugin {self.plugin_name!r} with teacher='hf' needs teacher_model (a model name or path whose "
+                "tokenizer is the policy's)."
+            )
+
+
+def teacher_from_options(o: TeacherOptions, device: Any = None) -> Any:
+    """The shared teacher (:func:`~trl_plugins.components.teacher.shared_teacher`) described by :class:`TeacherOptions`;
+    ``device`` places a local teacher when ``teacher_device`` is None (the run's device)."""
+    kwargs: dict[str, Any] = dict(model=o.teacher_model, temperature=o.teacher_temperature,
+                                  max_tokens=o.teacher_max_tokens)
+    if o.teacher == "hf":
+        where = o.teacher_device if o.teacher_device is not None else device
+        kwargs["device"] = None if where is None else str(where)
+    else:
+        kwargs.update(base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env, timeout=o.teacher_timeout,
+                      max_retries=o.teacher_max_retries)
+    return shared_teacher(o.teacher, **kwargs)

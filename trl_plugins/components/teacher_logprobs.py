@@ -18,8 +18,7 @@ completion_ids)``):
 
 :func:`teacher_logprob_handler` answers that protocol from a local model on the loopback test server
 (:func:`~trl_plugins.components.local_server.serve_openai_compatible`), so the endpoint path is tested against the
-same numbers as the local one. :class:`TeacherOptions` is the option mixin of plugins that use a teacher (kind,
-model, endpoint, retries, device), :func:`teacher_from_options` builds the shared teacher from it.
+same numbers as the local one.
 """
 
 from __future__ import annotations
@@ -27,24 +26,20 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any
 
 import torch
 
 from ..errors import PluginConfigError
-from ..options import PluginOptions, option
 from .client import EndpointError
 
 __all__ = [
     "PROBE_TEXT",
-    "TeacherOptions",
     "check_same_tokenizer",
     "ECHO_PARAMS",
     "hf_completion_logprobs",
     "parse_echo_logprobs",
     "probe_endpoint",
-    "teacher_from_options",
     "teacher_logprob_handler",
 ]
 
@@ -235,60 +230,3 @@ def teacher_logprob_handler(teacher: Any, chat_text: str | None = None, seen: li
             "tokens": tokens, "token_logprobs": [None, *logps], "top_logprobs": None, "text_offset": None}}]}
 
     return handler
-
-
-# ============================================================================================= plugin options
-@dataclass
-class TeacherOptions(PluginOptions):
-    """The teacher options of plugins that use a teacher model (generation, hints, log-probs); their option
-    dataclasses derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
-
-    plugin_name: ClassVar[str] = "?"
-
-    teacher: Literal["hf", "endpoint"] = option(
-        "hf", help="Teacher: a local Hugging Face model by name/path (teacher_model), or an OpenAI-compatible server "
-        "(teacher_base_url; log-probs through the completions API's echo protocol, as `vllm serve` answers it).",
-    )
-    teacher_model: str = option("default", help="Teacher: model name/path (hf) or served model name (endpoint).")
-    teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
-    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
-    teacher_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
-    )
-    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
-    teacher_device: str | None = option(None, help="Device of a local (hf) teacher (None: the run's device).")
-    teacher_temperature: float = option(0.0, min=0.0, help="Sampling temperature of the teacher's generations.")
-    teacher_max_tokens: int = option(256, min=1, help="Longest teacher generation (hint, demonstration) in tokens.")
-    teacher_probe: bool = option(
-        True, help="Plugins reading teacher log-probs: at construction, send one echo request to a teacher endpoint "
-        "to check that it returns log-probs and tokenizes like the policy (False: skip; a server started later then "
-        "fails at its first request instead).",
-    )
-
-    def validate(self) -> None:
-        if self.teacher == "endpoint" and not self.teacher_base_url:
-            raise PluginConfigError(
-                f"Plugin {self.plugin_name!r} with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible "
-                "server such as `vllm serve`); or set teacher='hf' with teacher_model."
-            )
-        if self.teacher == "hf" and self.teacher_model == "default":
-            raise PluginConfigError(
-                f"Plugin {self.plugin_name!r} with teacher='hf' needs teacher_model (a model name or path whose "
-                "tokenizer is the policy's)."
-            )
-
-
-def teacher_from_options(o: TeacherOptions, device: Any = None) -> Any:
-    """The shared teacher (:func:`~trl_plugins.components.teacher.shared_teacher`) described by :class:`TeacherOptions`;
-    ``device`` places a local teacher when ``teacher_device`` is None (the run's device)."""
-    from .teacher import shared_teacher
-
-    kwargs: dict[str, Any] = dict(model=o.teacher_model, temperature=o.teacher_temperature,
-                                  max_tokens=o.teacher_max_tokens)
-    if o.teacher == "hf":
-        where = o.teacher_device if o.teacher_device is not None else device
-        kwargs["device"] = None if where is None else str(where)
-    else:
-        kwargs.update(base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env, timeout=o.teacher_timeout,
-                      max_retries=o.teacher_max_retries)
-    return shared_teacher(o.teacher, **kwargs)
