@@ -18,7 +18,8 @@ outcomes, before anything is generated (so zero-variance groups are avoided rath
   tau 0.3, target 1.0). A domain absent from the buffer gets ``v_d = target`` (our choice).
 * **RAPO curriculum pruning** (Fathom-DeepResearch, arXiv:2509.24107): prompts the policy has saturated (every
   rollout of its last ``prune_after`` groups correct) are removed from the pool. When fewer than a batch of
-  prompts remain, pruned prompts are drawn again (uniformly).
+  prompts remain, pruned prompts are drawn again (uniformly). RAPO's per-prompt replay buffers (a stored success
+  spliced into a later all-fail group) are the ``replay`` plugin; stack both for RAPO's pruning and replay.
 
 Sampling probability of prompt ``i`` in the unpruned pool: ``base_i = w_{d(i)} / |pool ∩ d(i)|`` (``1 / |pool|``
 without domains) and ``q_i = (1 - lam) * base_i + lam * base_i * VPS_i / sum_j base_j VPS_j``; each chunk of
@@ -232,6 +233,7 @@ class AdaptiveSamplerPlugin(Plugin):
     )
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
+    claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
     reconstructed = (
         "how VPS weighting, domain weights and pruning combine into one probability (see the module docstring)",

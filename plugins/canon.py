@@ -130,7 +130,9 @@ class CanonPlugin(Plugin):
     )
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
+    claim_metric = ("high_minus_low_reward", "reward gap between the two halves of a group")
     replaces = ("the advantages",)
+    overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

@@ -154,6 +154,7 @@ class ClipCovPlugin(Plugin):
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov), arXiv:2505.22617"
     summary = "Zeroes the surrogate of a small random subset of tokens whose logp-advantage covariance is in a window."
     Options = ClipCovOptions
+    claim_metric = ("clipped_token_fraction", "tokens clipped")
     conflicts_with = ("lp_reg", "kl_cov", "siren")
     conflict_reason = ENTROPY_PICK_ONE
     loss_types = CLIPPED_LOSS_TYPES

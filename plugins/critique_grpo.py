@@ -142,6 +142,7 @@ class CritiqueGrpoPlugin(Plugin):
     paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
     Options = CritiqueGrpoOptions
+    claim_metric = ("refinement_success_rate", "refinement success rate")
     replaces = ("one completion per group (slot 0: a refinement, off-policy)",)
     reconstructed = (
         "the wording of the refinement request and of the 'text' critic prompt (the official prompts are not copied)",

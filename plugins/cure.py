@@ -137,6 +137,7 @@ class CurePlugin(Plugin):
     paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."
     Options = CureOptions
+    claim_metric = ("critical_token_entropy", "entropy at the critical tokens")
     replaces = ("part of each group's completions (re-generated from critical-token prefixes)",)
     reconstructed = (
         "TRL samples all G rows first; the n1*n2 branch rows replace rows n1.. of the group (their first samples are "

@@ -329,6 +329,7 @@ class DaGRPOPlugin(Plugin):
     )
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
+    claim_metric = ("anchored_group_fraction", "groups anchored with the reference")
     replaces = (
         "the advantages (pair-masked)",
         "one failed completion of an all-fail group, or the group's reserved slot (a reference-solution anchor)",

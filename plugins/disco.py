@@ -149,10 +149,12 @@ class DiscoPlugin(Plugin):
     paper = "DisCO: Reinforcing Large Reasoning Models with Discriminative Constrained Optimization, arXiv:2505.12366"
     summary = "Unclipped discriminative score objective (positives up, negatives down) with a squared-hinge KL."
     Options = DiscoOptions
+    claim_metric = ("mixed_group_fraction", "groups with both signs")
     replaces = (
         "the advantages (DisCO sequence weights)",
         "the base surrogate on on-policy tokens (the score objective)",
     )
+    overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
     loss_types = ("grpo",)
     loss_types_reason = (
         "the DisCO score is a token-mean per response, which only the per-sequence token-mean of loss_type='grpo' "
@@ -184,20 +186,7 @@ class DiscoPlugin(Plugin):
                 "disco: off_policy_mask_threshold drops negative-weight sequences from the DisCO objective.",
                 stacklevel=2,
             )
-        order = list(getattr(args, "plugins", []) or [])
-        stack = getattr(trainer, "plugin_stack", None)
-        if stack is not None and self.name in order:
-            before = [
-                p.name for p in stack.implementers("trl_plugins_transform_advantages")
-                if p.name != self.name and order.index(p.name) < order.index(self.name)
-            ]
-            if before:
-                warnings.warn(
-                    f"disco: advantage-stage plugin(s) {before} run before disco, which overwrites the advantages "
-                    "with its sequence weights (any advantages they set are lost); list them after disco to "
-                    "transform DisCO's weights instead.",
-                    stacklevel=2,
-                )
+        # advantage plugins listed before disco: the stack runs disco first in that chain (Plugin.overwrites)
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):

@@ -141,6 +141,7 @@ class EmpoPlugin(Plugin):
     )
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
+    claim_metric = ("answered_fraction", "completions with an answer")
     replaces = ("the correctness reward (a label-free reward column)",)
     conflicts_with = ("rlpr",)
     conflict_reason = CORRECTNESS_PICK_ONE

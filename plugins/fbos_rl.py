@@ -335,6 +335,7 @@ class FbosRlPlugin(Plugin):
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
+    claim_metric = ("rescued_group_fraction", "groups rescued by the feedback round")
     replaces = (
         "part of each group's completions (feedback-guided round 2)",
         "the advantages (EPA / ECC normalisation)",
@@ -351,6 +352,10 @@ class FbosRlPlugin(Plugin):
         "advantages normalised within (prompt, rows under x) and (prompt, ECC rows) sub-groups",
         "gamma = 0.1 of the shaped off-policy branch (LUFFY)",
     )
+
+    def overwritten(self) -> tuple[str, ...]:
+        # advantage='subgroup' recomputes them from the rewards per sub-group; 'recentre' / 'none' adjust them
+        return ("advantages",) if self.options.advantage == "subgroup" else ()
 
     def __init__(self, options=None):
         super().__init__(options)

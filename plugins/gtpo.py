@@ -212,6 +212,7 @@ class GtpoPlugin(Plugin):
     paper = "GTPO: Trajectory-Based Policy Optimization in Large Language Models, arXiv:2508.03772"
     summary = "Protects tokens shared by good and bad completions of a group; drops high-entropy completions."
     Options = GtpoOptions
+    claim_metric = ("conflict_token_fraction", "conflict tokens")
     conflicts_with = ("llds",)
     conflict_reason = LIKELIHOOD_PICK_ONE
     reconstructed = (

@@ -141,6 +141,7 @@ class HicraPlugin(Plugin):
     paper = "Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning (HICRA), arXiv:2509.03646"
     summary = "Concentrates credit on planning tokens (strategic-phrase lexicon): A + alpha |A| there."
     Options = HicraOptions
+    claim_metric = ("planning_token_fraction", "amplified (planning) tokens")
     reconstructed = (
         "planning tokens from a strategic-phrase lexicon (the paper derives strategic grams from data)",
         "alpha = 0.2 default (not stated in the spec)",

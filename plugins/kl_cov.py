@@ -114,6 +114,7 @@ class KlCovPlugin(Plugin):
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov), arXiv:2505.22617"
     summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."
     Options = KlCovOptions
+    claim_metric = ("selected_token_fraction", "tokens penalised")
     replaces = ("the base surrogate on on-policy tokens (unclipped -A r plus the KL penalty)",)
     replaces_surrogate = True
     conflicts_with = ("lp_reg", "clip_cov", "siren")

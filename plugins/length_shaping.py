@@ -255,6 +255,7 @@ class LengthShapingPlugin(Plugin):
     )
     summary = "Length-efficient reasoning: adaptive step length bonus (LASER-D) or zero reward past a cap (DLER)."
     Options = LengthShapingOptions
+    claim_metric = ("bonus", "length bonus")
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",

@@ -97,6 +97,7 @@ class LldsPlugin(Plugin):
     paper = "On GRPO Collapse in Search-R1: The Lazy Likelihood-Displacement Death Spiral (LLDS), arXiv:2512.04220"
     summary = "Likelihood-preserving penalty on the tokens of good actions whose likelihood dropped during the update."
     Options = LldsOptions
+    claim_metric = ("regularised_token_fraction", "tokens regularised")
     conflicts_with = ("gtpo",)
     conflict_reason = LIKELIHOOD_PICK_ONE
     reconstructed = (

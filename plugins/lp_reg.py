@@ -115,6 +115,7 @@ class LpRegPlugin(Plugin):
     )
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
+    claim_metric = ("regularised_token_fraction", "tokens regularised")
     replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)
     needs_head_stats = True
     replaces_surrogate = True

@@ -141,6 +141,7 @@ class PosteriorGrpoPlugin(Plugin):
     )
     summary = "PRM process reward paid only to correct rollouts (or trust-weighted and annealed, Trust-GRPO)."
     Options = PosteriorGrpoOptions
+    claim_metric = ("paid_fraction", "rollouts paid a process reward")
     reconstructed = (
         "process reward = mean PRM step score (the papers train holistic reasoning/thinking reward models)",
         "process_weight = 1.0 in posterior mode, outcome_threshold = 0.5",

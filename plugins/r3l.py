@@ -311,6 +311,7 @@ class R3LPlugin(Plugin):
     )
     summary = "Half the group reflects on a first attempt and retries with the guidance; retries distilled unguided."
     Options = R3LOptions
+    claim_metric = ("retry_improved_fraction", "retries that beat the first attempt")
     replaces = (
         "half of each group's completions (reflect-and-retry)",
         "the advantages",
@@ -325,6 +326,10 @@ class R3LPlugin(Plugin):
         "experience fewer)",
         "pivotal credit zeroes token weights; the masked tokens still count in TRL's normaliser",
     )
+
+    def overwritten(self) -> tuple[str, ...]:
+        # baseline 'mean' / 'zscore' recompute the advantages from the rewards; 'trl' amplifies the incoming ones
+        return () if self.options.baseline == "trl" else ("advantages",)
 
     def __init__(self, options=None):
         super().__init__(options)

@@ -185,7 +185,9 @@ class RiskPOPlugin(Plugin):
     paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training, arXiv:2510.00911"
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
+    claim_metric = ("abs_advantage", "mean |advantage| (risk-weighted)")
     replaces = ("the advantages",)
+    overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
     reconstructed = (
         "eps = 1e-6 in every denominator",
         "norm_by_std defaults to on (verl's GRPO default; the recipes do not show it)",

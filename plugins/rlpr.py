@@ -219,6 +219,7 @@ class RlprPlugin(Plugin):
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"
     summary = "Verifier-free reward: the policy's mean probability of the reference answer after its own reasoning."
     Options = RlprOptions
+    claim_metric = ("answer_probability", "reference-answer probability")
     replaces = ("the correctness reward (reference-answer probability column)",)
     conflicts_with = ("empo",)
     conflict_reason = CORRECTNESS_PICK_ONE

@@ -280,6 +280,7 @@ class RuscaRLPlugin(Plugin):
     )
     summary = "Graded rubric scaffolds in generation prompts (decaying) and a per-item rubric judge reward."
     Options = RuscaRLOptions
+    claim_metric = ("rubric_score_clipped", "rubric score")
     replaces = ("the generation prompts (rubric scaffolds)",)
     reconstructed = (
         "rule-checked items: exact match of the normalised final answer (official: the math_verify package)",

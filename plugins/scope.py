@@ -164,6 +164,7 @@ class ScopePlugin(Plugin):
     )
     summary = "Failed rollouts keep their PRM-verified prefix; the rest is corrected off-policy and must verify."
     Options = ScopeOptions
+    claim_metric = ("rectified_fraction", "rollouts salvaged (rectified)")
     replaces = ("the suffix of failed completions after their verified prefix (off-policy corrections)",)
     reconstructed = (
         "who corrects: a teacher endpoint (teacher='endpoint'); the paper does not name its corrector",

@@ -95,6 +95,7 @@ class SeedGrpoPlugin(Plugin):
     paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization, arXiv:2505.12346"
     summary = "Scales each group's advantages down by the semantic entropy of its answers (uncertain = conservative)."
     Options = SeedGrpoOptions
+    claim_metric = ("semantic_entropy", "semantic entropy")
     reconstructed = (
         "cluster probabilities are answer frequencies |C_k|/G (paper: summed sequence probabilities)",
         "alpha=1.0, gamma=2.0; f clamped at 0",

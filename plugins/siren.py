@@ -114,6 +114,7 @@ class SirenPlugin(Plugin):
     paper = "Rethinking Entropy Regularization in Large Reasoning Models (SIREN), arXiv:2509.25133"
     summary = "Keeps the top-p entropy of each response's peak-entropy positions near its initial value (anchored)."
     Options = SirenOptions
+    claim_metric = ("peak_token_fraction", "tokens regularised")
     needs_head_stats = True
     conflicts_with = ("lp_reg", "clip_cov", "kl_cov")
     conflict_reason = ENTROPY_PICK_ONE

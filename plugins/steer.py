@@ -138,6 +138,7 @@ class SteerPlugin(Plugin):
     paper = "Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective (STEER), arXiv:2510.10150"
     summary = "Token weights in [lambda_min, 1] that shrink with each token's first-order entropy change."
     Options = SteerOptions
+    claim_metric = ("reweighted_token_fraction", "tokens reweighted")
     reconstructed = (
         "entropy_source='auto' uses the loss forward's entropy when the policy cannot have moved since the rollout "
         "(equal to the old entropy), else an advantage-stage forward",

@@ -30,6 +30,8 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
+    # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
+    "ampo": ({"solutions_column": "solution"}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -37,7 +39,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # character-level tokenizer: every token is one character
     "cure": ({"branches_per_response": 3, "min_token_chars": 1}, {}),
     "dagrpo": ({"scorer": "prm"}, {}),
+    # refill plugins: the refill rollouts count in the rollout budget (max_refill_rounds: the PluginGRPOConfig default)
+    "dars": ({"n_max": 16}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
+    "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
@@ -50,13 +55,19 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
+    # the official recipe: +-1 rewards, leave-one-out, pair filter, per-sign normalisation on dapo
+    "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
     # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch
     "luffy": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
+    "replay": ({}, {}),
+    "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
     "riskpo": ({"bundle_size": 2}, {}),
+    # the reference solution is the demonstration (official: a teacher trace)
+    "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
     "ruscarl": ({"judge": "rule"}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
@@ -64,6 +75,56 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "siren": ({}, {}),
     "steer": ({}, {}),
 }
+
+
+# The learning benchmark's real-model mode (``bench_learning.py --model smollm2``): SmolLM2-135M-Instruct with LoRA on
+# the one-operation problems (level 0; it solves none of level 1's two-operation chains) with the format spelled out in
+# the prompt (``make_dataset(..., instruction=...)``).
+REAL_MODEL_SETTINGS: dict[str, Any] = {
+    "levels": (0,),
+    "num_generations": 8,
+    "per_device_train_batch_size": 64,
+    "max_completion_length": 64,
+    "temperature": 1.0,
+    "learning_rate": 1e-4,
+    "train_size": 1024,
+    "eval_size": 128,
+    "lora": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+}
+# Options that only made sense for the character-level tokenizer (every token one character): defaults instead.
+REAL_MODEL_PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
+    "cure": ({}, {}),
+}
+
+
+def real_model_grpo_fields(device: str) -> dict:
+    """GRPOConfig fields of the real-model mode on ``device`` ("cuda": bf16 autocast; "cpu": float32)."""
+    r = REAL_MODEL_SETTINGS
+    return dict(num_generations=r["num_generations"], per_device_train_batch_size=r["per_device_train_batch_size"],
+                max_completion_length=r["max_completion_length"], temperature=r["temperature"],
+                learning_rate=r["learning_rate"], use_cpu=device == "cpu", bf16=device == "cuda")
+
+
+def load_real_model(device: str):
+    """``(path, tokenizer)`` of ``builtin:smollm2`` (converted once into the cache), the tokenizer padded on the left
+    for batched generation."""
+    from transformers import AutoTokenizer
+
+    from trl_plugins.models import smollm2_path
+
+    path = str(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # transformers < 5.2x leaves the converted GGUF tokenizer without one
+        tokenizer.pad_token = tokenizer.eos_token
+    return path, tokenizer
+
+
+def real_model_lora():
+    from peft import LoraConfig
+
+    return LoraConfig(task_type="CAUSAL_LM", **REAL_MODEL_SETTINGS["lora"])
 
 
 # Smaller steps for the smoke modes (--tiny): they check the plumbing, not the numbers.
@@ -168,11 +229,13 @@ def make_trainer(
     plugins: list[str] | None = None,
     plugin_config: dict | None = None,
     seed: int = 0,
+    peft_config=None,
     **overrides: Any,
 ):
     """``kind="vanilla"``: ``trl.GRPOTrainer`` + ``GRPOConfig``; ``kind="plugin"``: ``PluginGRPOTrainer``.
 
-    The model is used as given (pass a copy). Console printing of logs is switched off.
+    The model is used as given (pass a copy, or a path). ``peft_config`` goes to the trainer (LoRA). Console
+    printing of logs is switched off.
     """
     import warnings
 
@@ -188,7 +251,7 @@ def make_trainer(
             args = GRPOConfig(**fields)
             trainer = GRPOTrainer(
                 model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                processing_class=tokenizer,
+                processing_class=tokenizer, peft_config=peft_config,
             )
         elif kind == "plugin":
             args = PluginGRPOConfig(
@@ -196,7 +259,7 @@ def make_trainer(
             )
             trainer = PluginGRPOTrainer(
                 model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                processing_class=tokenizer,
+                processing_class=tokenizer, peft_config=peft_config,
             )
         else:
             raise ValueError(f"kind must be 'vanilla' or 'plugin', got {kind!r}")

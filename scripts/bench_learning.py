@@ -45,11 +45,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 
+from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
+from trl_plugins.equal_budget import mean_std as _mean_std  # noqa: E402
+from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
+from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
+
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
+# Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
+# within its sub-groups instead of recomputing them too (two plugins that both recompute one quantity are refused).
+STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"advantage": "recentre"}}}
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
 ALL_METHODS = ["grpo", *CONTROLS, *bc.PLUGIN_SETTINGS, *STACKS]
+# Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
+REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "hint_scaffold", "cure",
+                "dynamic_sampling", "replay", "dars",
+                "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
 
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
 LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
@@ -60,7 +72,7 @@ LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
 }
 
 
-def method_settings(method: str) -> tuple[list[str], dict, dict]:
+def method_settings(method: str, real_model: bool = False) -> tuple[list[str], dict, dict]:
     if method == "grpo":
         return [], {}, {}
     if method in CONTROLS:
@@ -69,6 +81,9 @@ def method_settings(method: str) -> tuple[list[str], dict, dict]:
     options, overrides = {}, {}
     for name in names:
         opts, over = LEARNING_SETTINGS.get(name, bc.PLUGIN_SETTINGS.get(name, ({}, {})))
+        if real_model and name in bc.REAL_MODEL_PLUGIN_SETTINGS:
+            opts, over = bc.REAL_MODEL_PLUGIN_SETTINGS[name]
+        opts = {**opts, **STACK_OPTIONS.get(method, {}).get(name, {})}
         if opts:
             options[name] = dict(opts)
         overrides.update(over)
@@ -97,32 +112,33 @@ def run_one(job: dict) -> dict:
     bc.set_threads(1)
     method, seed, budget = job["method"], job["seed"], job["budget"]
     s = bc.demo_settings()
-    model, tokenizer = bc.load_model(job["cache_dir"], untrained=job.get("untrained", False))
-    train_set = make_dataset(s.train_size, levels=s.levels, seed=0, split="train")
-    eval_set = make_dataset(job["eval_size"], levels=s.levels, seed=1, split="test")
-    plugins, options, overrides = method_settings(method)
-    overrides = {**(bc.SMOKE_OVERRIDES if job.get("untrained") else {}), **job.get("grpo_config", {}), **overrides}
+    real = job.get("model") == "smollm2"
+    task = task_settings(real)
+    if real:
+        model, tokenizer = bc.load_real_model(job["device"])
+        base_fields, peft_config = bc.real_model_grpo_fields(job["device"]), bc.real_model_lora()
+    else:
+        model, tokenizer = bc.load_model(job["cache_dir"], untrained=job.get("untrained", False))
+        base_fields, peft_config = {}, None
+    train_set = make_dataset(task["train_size"], levels=task["levels"], seed=0, split="train",
+                             instruction=job.get("instruction"))
+    eval_set = make_dataset(job["eval_size"], levels=task["levels"], seed=1, split="test",
+                            instruction=job.get("instruction"))
+    plugins, options, overrides = method_settings(method, real_model=real)
+    overrides = {**base_fields, **(bc.SMOKE_OVERRIDES if job.get("untrained") else {}), **job.get("grpo_config", {}),
+                 **overrides}
     batch = overrides.get("per_device_train_batch_size", s.per_device_train_batch_size)
     max_steps = math.ceil(budget / batch)
     out_dir = tempfile.mkdtemp(prefix="bench_learning_")
     trainer = bc.make_trainer(
         "plugin", model, tokenizer, train_set, [accuracy_reward], out_dir, plugins=plugins, plugin_config=options,
-        seed=seed, max_steps=max_steps, **overrides,
+        seed=seed, max_steps=max_steps, peft_config=peft_config, **overrides,
     )
     G = trainer.num_generations
-    counts = {"rollouts": 0}
+    counts = count_policy_rollouts(trainer)
     per_step: list[dict] = []
     pending: dict = {}
 
-    original_single_turn = trainer._generate_single_turn
-
-    def counting_single_turn(*args, **kwargs):
-        out = original_single_turn(*args, **kwargs)
-        if trainer.model.training:
-            counts["rollouts"] += len(out[0])
-        return out
-
-    trainer._generate_single_turn = counting_single_turn
     original_rewards = trainer._calculate_rewards
 
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
@@ -141,7 +157,7 @@ def run_one(job: dict) -> dict:
 
     def evaluate(step: int) -> None:
         state = torch.get_rng_state()
-        acc = evaluate_accuracy(trainer.model, tokenizer, eval_set, max_new_tokens=s.max_completion_length)
+        acc = evaluate_accuracy(trainer.model, tokenizer, eval_set, max_new_tokens=task["max_completion_length"])
         torch.set_rng_state(state)
         evals.append({"step": step, "rollouts": counts["rollouts"], "accuracy": acc})
 
@@ -174,11 +190,21 @@ def run_one(job: dict) -> dict:
         row.update({k: v for k, v in logs.get(row["step"], {}).items() if k not in row})
     record = {
         "method": method, "seed": seed, "budget": budget, "plugins": plugins, "plugin_config": options,
+        "model": job.get("model", "tiny"),
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
         "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
     }
     Path(job["path"]).write_text(json.dumps(record, default=float))
     return record
+
+
+def task_settings(real_model: bool) -> dict:
+    """Task and generation sizes of a mode: the tiny model's pinned demo settings, or the real-model settings."""
+    if real_model:
+        r = bc.REAL_MODEL_SETTINGS
+        return {k: r[k] for k in ("levels", "train_size", "max_completion_length")}
+    s = bc.demo_settings()
+    return {"levels": s.levels, "train_size": s.train_size, "max_completion_length": s.max_completion_length}
 
 
 def _worker(job: dict) -> tuple[str, int, float, str | None]:
@@ -193,39 +219,6 @@ def _worker(job: dict) -> tuple[str, int, float, str | None]:
 
 
 # ------------------------------------------------------------------------------------------------ analysis
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    vals = [v for v in values if v == v]
-    if not vals:
-        return float("nan"), float("nan")
-    m = sum(vals) / len(vals)
-    sd = (sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
-    return m, sd
-
-
-def rollouts_to_target(evals: list[dict], base_acc: float, target: float) -> float:
-    """Rollouts at which held-out accuracy first reaches ``target`` (linear interpolation); nan if never."""
-    prev_r, prev_a = 0, base_acc
-    if base_acc >= target:
-        return 0.0
-    for e in evals:
-        if e["accuracy"] >= target:
-            if e["accuracy"] == prev_a:
-                return float(e["rollouts"])
-            return prev_r + (target - prev_a) * (e["rollouts"] - prev_r) / (e["accuracy"] - prev_a)
-        prev_r, prev_a = e["rollouts"], e["accuracy"]
-    return float("nan")
-
-
-def _tail_mean(per_step: list[dict], key: str, n: int = 5) -> float:
-    vals = [r[key] for r in per_step if key in r and r[key] == r[key]]
-    return sum(vals[-n:]) / len(vals[-n:]) if vals else float("nan")
-
-
-def _run_mean(per_step: list[dict], key: str) -> float:
-    vals = [r[key] for r in per_step if key in r and r[key] == r[key]]
-    return sum(vals) / len(vals) if vals else float("nan")
 
 
 # What each paper claims, and the per-step quantity that measures it here.
@@ -303,11 +296,39 @@ def _fmt(ms: tuple[float, float], digits: int = 3, scale: float = 1.0) -> str:
     return f"{m * scale:.{digits}f} ± {sd * scale:.{digits}f}"
 
 
+def _instruction_pilot_text(result: dict) -> str:
+    pilot = result.get("instruction_pilot")
+    if not pilot:
+        return ""
+    rates = ", ".join(f"{k}: {v:.3f}" for k, v in pilot["sampled_pass_rate"].items())
+    return f" (chosen before training by the untrained model's sampled pass rate on 64 training problems: {rates})"
+
+
+def _real_model_header(result: dict) -> str:
+    pilot = result.get("lr_pilot")
+    pilot_text = "" if not pilot else (
+        f" Learning rate {result['learning_rate']:g}, chosen by a pilot of vanilla GRPO only (seed 0, full budget, "
+        f"final held-out accuracy per learning rate: "
+        + ", ".join(f"{lr:g}: {acc:.3f}" for lr, acc in sorted(pilot["final_accuracy"].items())) + ").")
+    return (
+        f"Real-model mode: {result['model']} (rank {result['lora']['r']}, all attention and MLP projections), "
+        f"level-{'/'.join(map(str, result['levels']))} problems with the format instruction "
+        f"`{result['instruction']}` appended to each question{_instruction_pilot_text(result)}, "
+        f"on {result['device_name']}. Seeds {result['seeds']}, rollout budget {result['budget']} per run "
+        f"({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} rollouts, G="
+        f"{result['num_generations']}, at most {result['max_completion_length']} completion tokens), held-out greedy "
+        f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Before RL: held-out "
+        f"greedy accuracy {result['base_accuracy']:.3f}, sampled pass rate (T=1) {result['base_pass_rate']:.3f}. "
+        f"Target accuracy: {result['target']:.2f}.{pilot_text} {len(result['runs'])} runs; this invocation took "
+        f"{result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes sharing the device."
+    )
+
+
 def markdown(result: dict) -> str:
     rows, base, target = result["summary"], result["base_accuracy"], result["target"]
     grpo = next((r for r in rows if r["method"] == "grpo"), None)
     info = result["machine"]
-    out = [
+    out = [_real_model_header(result)] if result.get("model") else [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
         "rollouts), held-out greedy "
@@ -318,6 +339,8 @@ def markdown(result: dict) -> str:
         f"{sum(r['seconds'] for r in result['runs']) / 60:.1f} min (each run shared 2 cores with other processes), "
         f"this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes "
         "(runs found in the run cache are not re-run).",
+    ]
+    out += [
         "",
         "| method | steps | final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
         "train reward (last 5 steps) | entropy first 5 → last 5 steps | grad norm | distinct / group | "
@@ -342,7 +365,8 @@ def markdown(result: dict) -> str:
                "shaded: ± one std).")
     if result.get("failed"):
         out.append("")
-        out.append("Failed runs: " + "; ".join(f"{m} seed {s}: {e}" for m, s, e in result["failed"]))
+        out.append("Failed or missing runs: " + "; ".join(
+            f"{m} seed {s}: {e.split('. ')[0][:120]}" for m, s, e in result["failed"]))
     return "\n".join(out)
 
 
@@ -424,14 +448,31 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help=f"methods {', '.join(QUICK_METHODS)}; budget 1920")
     p.add_argument("--tiny", action="store_true",
                    help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps")
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
+                   help="tiny: the warm-started character-level model; smollm2: the real-model mode "
+                   f"(builtin:smollm2 with LoRA; methods {', '.join(REAL_METHODS)}; budget 1536)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="real-model mode: where to train (default: cuda when available)")
+    p.add_argument("--pilot-lrs", type=float, nargs="*", default=None,
+                   help="real-model mode: first train vanilla GRPO (seed 0, full budget) at each of these learning "
+                   "rates and use the one with the best final held-out accuracy for every method")
+    p.add_argument("--instruction", default="auto",
+                   help="real-model mode: the format instruction appended to each question (a key of "
+                   "trl_plugins.tasks.arithmetic.FORMAT_INSTRUCTIONS), or auto: the one with the best sampled pass "
+                   "rate of the untrained model on 64 training problems")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="run nothing: summarize the runs already in --run-dir (an interrupted benchmark)")
+    p.add_argument("--base-from", default=None, metavar="JSON",
+                   help="take the untrained model's numbers (and the chosen format instruction and device) from this "
+                   "earlier result JSON of the same mode instead of evaluating them again")
     p.add_argument("--methods", nargs="*", default=None, help="grpo, plugin names or stacks a+b (default: all)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     p.add_argument("--budget", type=int, default=None,
-                   help="policy rollouts per run (default 2560 = 40 vanilla steps of 64; quick 1920)")
+                   help="policy rollouts per run (default 2560 = 40 vanilla steps of 64; quick 1920; smollm2 1536)")
     p.add_argument("--eval-every", type=int, default=None, help="rollouts between evaluations (default 640)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems (default 128)")
     p.add_argument("--target", type=float, default=None,
-                   help="target held-out accuracy (default: base + 0.12; quick: base + 0.08)")
+                   help="target held-out accuracy (default: base + 0.12; quick: base + 0.08; smollm2: base + 0.15)")
     p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: DemoSettings, 1e-4)")
     p.add_argument("--grpo-config", default="{}", help="extra GRPOConfig fields for every method, as JSON")
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes (one torch thread each)")
@@ -443,14 +484,77 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _run_jobs(jobs: list[dict], workers: int) -> list[tuple[str, int, str]]:
+    """Run the jobs (in ``workers`` spawned processes when > 1); returns the failures (method, seed, error)."""
+    failed = []
+
+    def report(method, seed, secs, err):
+        print(f"  {method:24s} seed {seed}: {'FAILED ' + err if err else f'{secs:.0f}s'}", flush=True)
+        if err:
+            failed.append((method, seed, err))
+
+    if workers > 1 and len(jobs) > 1:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(min(workers, len(jobs)), maxtasksperchild=4) as pool:
+            for result in pool.imap_unordered(_worker, jobs):
+                report(*result)
+    else:
+        for job in jobs:
+            report(*_worker(job))
+    return failed
+
+
+def _base_model_numbers(args, eval_size: int, real: bool) -> tuple[float, float, dict | None]:
+    """Held-out greedy accuracy and sampled (T=1, 4 samples) pass rate of the model before training, and (real-model
+    mode with ``--instruction auto``) the format-instruction pilot: each instruction's sampled pass rate on 64
+    training problems (never the held-out ones); the best is written to ``args.instruction``."""
+    from trl_plugins.tasks.arithmetic import FORMAT_INSTRUCTIONS, make_dataset
+    from trl_plugins.tasks.tiny import evaluate_accuracy
+
+    task = task_settings(real)
+    pilot = None
+    if real:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path, tokenizer = bc.load_real_model(args.device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device)
+        if args.instruction == "auto":
+            rates = {}
+            for name in FORMAT_INSTRUCTIONS:
+                dev = make_dataset(64, levels=task["levels"], seed=2, split="train", instruction=name)
+                rates[name] = evaluate_accuracy(model, tokenizer, dev, max_new_tokens=task["max_completion_length"],
+                                                temperature=1.0, num_samples=4)
+            args.instruction = max(FORMAT_INSTRUCTIONS, key=lambda n: rates[n])
+            pilot = {"sampled_pass_rate": rates, "chosen": args.instruction}
+            print(f"format-instruction pilot (sampled pass rate on 64 training problems): {rates}; "
+                  f"chosen {args.instruction!r}", flush=True)
+    else:
+        model, tokenizer = bc.load_model(args.cache_dir, untrained=args.tiny)
+        args.instruction = None
+    eval_set = make_dataset(eval_size, levels=task["levels"], seed=1, split="test", instruction=args.instruction)
+    base_acc = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=task["max_completion_length"])
+    base_pass = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=task["max_completion_length"],
+                                  temperature=1.0, num_samples=4)
+    return base_acc, base_pass, pilot
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/bench_learning.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     start = time.perf_counter()
     info = bc.machine_info()
+    real = args.model == "smollm2"
+    if real and args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.tiny:
         methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 16, 8, 8, args.seeds[:1]
         gain = 0.05
+    elif real:
+        methods, budget, eval_every, eval_size, seeds = REAL_METHODS, 1536, 512, 128, args.seeds
+        gain = 0.15
     elif args.quick:
         methods, budget, eval_every, eval_size, seeds = QUICK_METHODS, 1920, 640, 128, args.seeds
         gain = 0.08
@@ -461,60 +565,69 @@ def main(argv=None) -> int:
     budget = args.budget or budget
     eval_every = args.eval_every or eval_every
     eval_size = args.eval_size or eval_size
-    mode = "tiny" if args.tiny else ("quick" if args.quick else "full")
+    mode = "tiny" if args.tiny else ("smollm2" if real else ("quick" if args.quick else "full"))
     grpo_config = json.loads(args.grpo_config)
     if args.lr is not None:
         grpo_config["learning_rate"] = args.lr
-    tag = "" if not grpo_config else "__" + "_".join(f"{k}={v}" for k, v in sorted(grpo_config.items()))
     run_dir = Path(args.run_dir or bc.ROOT / "runs" / "bench_learning" / mode)
     run_dir.mkdir(parents=True, exist_ok=True)
 
+    def make_jobs(methods_: list[str], seeds_: list[int], config: dict) -> tuple[list[dict], list[dict]]:
+        tag = "" if not config else "__" + "_".join(f"{k}={v}" for k, v in sorted(config.items()))
+        tag += f"__{args.instruction}" if args.instruction else ""
+        jobs_, cached = [], []
+        for method in methods_:
+            for seed in seeds_:
+                path = run_dir / f"{method}__s{seed}__b{budget}__e{eval_every}__n{eval_size}{tag}.json"
+                if path.exists() and not args.fresh:
+                    cached.append(json.loads(path.read_text()))
+                    continue
+                jobs_.append({"method": method, "seed": seed, "budget": budget, "eval_every": eval_every,
+                              "eval_size": eval_size, "cache_dir": args.cache_dir, "path": str(path),
+                              "grpo_config": config, "untrained": args.tiny, "model": args.model,
+                              "device": args.device, "instruction": args.instruction})
+        return jobs_, cached
+
     # base model numbers (shared by every run) and the model cache, built once before the workers start
     bc.set_threads(1)
-    from trl_plugins.tasks.arithmetic import make_dataset
-    from trl_plugins.tasks.tiny import evaluate_accuracy
-
-    s = bc.demo_settings()
-    model, tokenizer = bc.load_model(args.cache_dir, untrained=args.tiny)
-    eval_set = make_dataset(eval_size, levels=s.levels, seed=1, split="test")
-    base_acc = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=s.max_completion_length)
-    base_pass = evaluate_accuracy(model, tokenizer, eval_set, max_new_tokens=s.max_completion_length,
-                                  temperature=s.temperature, num_samples=4)
+    earlier = json.loads(Path(args.base_from).read_text()) if args.base_from else None
+    if earlier:  # the numbers, machine and device of the run that made the cached runs
+        info, args.device = earlier["machine"], earlier.get("device", args.device)
+        base_acc, base_pass = earlier["base_accuracy"], earlier["base_pass_rate"]
+        instruction_pilot, args.instruction = earlier.get("instruction_pilot"), earlier.get("instruction")
+    else:
+        base_acc, base_pass, instruction_pilot = _base_model_numbers(args, eval_size, real)
     target = args.target if args.target is not None else round(base_acc + gain, 2)
     print(f"base held-out greedy accuracy {base_acc:.3f}, sampled pass rate {base_pass:.3f}, target {target:.2f}",
           flush=True)
 
-    jobs, records = [], []
-    for method in methods:
-        for seed in seeds:
-            path = run_dir / f"{method}__s{seed}__b{budget}__e{eval_every}__n{eval_size}{tag}.json"
-            if path.exists() and not args.fresh:
-                records.append(json.loads(path.read_text()))
-                continue
-            jobs.append({"method": method, "seed": seed, "budget": budget, "eval_every": eval_every,
-                         "eval_size": eval_size, "cache_dir": args.cache_dir, "path": str(path),
-                         "grpo_config": grpo_config, "untrained": args.tiny})
-    print(f"{len(records)} cached runs, {len(jobs)} to run with {args.workers} workers", flush=True)
-    failed = []
-    if jobs:
-        if args.workers > 1:
-            ctx = mp.get_context("spawn")
-            with ctx.Pool(args.workers, maxtasksperchild=4) as pool:
-                results = pool.imap_unordered(_worker, jobs)
-                for method, seed, secs, err in results:
-                    print(f"  {method:24s} seed {seed}: {'FAILED ' + err if err else f'{secs:.0f}s'}", flush=True)
-                    if err:
-                        failed.append((method, seed, err))
-        else:
-            for job in jobs:
-                method, seed, secs, err = _worker(job)
-                print(f"  {method:24s} seed {seed}: {'FAILED ' + err if err else f'{secs:.0f}s'}", flush=True)
-                if err:
-                    failed.append((method, seed, err))
-        for job in jobs:
-            if Path(job["path"]).exists():
-                records.append(json.loads(Path(job["path"]).read_text()))
+    failed, pilot = [], None
+    if real and args.pilot_lrs:
+        pilot_jobs, pilot_records = [], []
+        for lr in args.pilot_lrs:
+            jobs_, cached = make_jobs(["grpo"], [0], {**grpo_config, "learning_rate": lr})
+            pilot_jobs += jobs_
+            pilot_records += cached
+        print(f"learning-rate pilot (vanilla GRPO, seed 0): {args.pilot_lrs}", flush=True)
+        failed += _run_jobs(pilot_jobs, args.workers)
+        pilot_records += [json.loads(Path(j["path"]).read_text()) for j in pilot_jobs if Path(j["path"]).exists()]
+        finals = {r["grpo_overrides"]["learning_rate"]: r["evals"][-1]["accuracy"] for r in pilot_records if r["evals"]}
+        if finals:
+            best = max(sorted(finals), key=lambda lr: finals[lr])
+            grpo_config["learning_rate"] = best
+            pilot = {"learning_rates": args.pilot_lrs, "final_accuracy": finals, "chosen": best}
+            print(f"pilot final held-out accuracy {finals}; chosen learning rate {best}", flush=True)
 
+    jobs, records = make_jobs(methods, seeds, grpo_config)
+    if args.summarize_only:
+        failed += [(j["method"], j["seed"], _run_error(Path(j["path"]))) for j in jobs]
+        print(f"{len(records)} finished runs summarized, {len(jobs)} missing", flush=True)
+        jobs = []
+    print(f"{len(records)} cached runs, {len(jobs)} to run with {args.workers} workers", flush=True)
+    failed += _run_jobs(jobs, args.workers)
+    records += [json.loads(Path(j["path"]).read_text()) for j in jobs if Path(j["path"]).exists()]
+
+    s = bc.demo_settings()
     summary = summarize(records, base_acc, target)
     result = {
         "command": command.strip(), "quick": args.quick or args.tiny, "mode": mode, "machine": info,
@@ -526,19 +639,45 @@ def main(argv=None) -> int:
         "wall_seconds": time.perf_counter() - start, "loadavg_end": bc.machine_info()["loadavg_1_5_15"],
         "summary": summary, "failed": failed, "runs": records,
     }
+    if real:
+        r = bc.REAL_MODEL_SETTINGS
+        device_name = earlier["device_name"] if earlier else _device_name(args.device)
+        result.update(model="builtin:smollm2 (SmolLM2-135M-Instruct) + LoRA", device=args.device,
+                      device_name=device_name, batch=r["per_device_train_batch_size"],
+                      num_generations=r["num_generations"], lora=r["lora"], levels=list(r["levels"]),
+                      max_completion_length=r["max_completion_length"],
+                      learning_rate=grpo_config.get("learning_rate", r["learning_rate"]), lr_pilot=pilot,
+                      instruction=args.instruction, instruction_pilot=instruction_pilot)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md = markdown(result)
     print(md)
-    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny"}[mode]
+    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2"}[mode]
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
-    if mode != "tiny":
+    if mode != "tiny" and records:
         plot(records, methods, out_dir, base_acc, target, prefix=prefix)
     if args.write_docs:
         from bench_overhead import write_docs_section
 
         print(f"wrote {write_docs_section(prefix, md, result['command'])}")
     return 0 if not failed else 1
+
+
+def _run_error(path: Path) -> str:
+    """The last line of a failed run's traceback (``<run>.error``), or "not run"."""
+    error = path.with_suffix(".error")
+    if not error.exists():
+        return "not run"
+    lines = [line for line in error.read_text().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else "failed"
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "CPU"
 
 
 if __name__ == "__main__":

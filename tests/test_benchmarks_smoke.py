@@ -43,3 +43,22 @@ def test_bench_learning_tiny(tmp_path):
         assert run["rollouts"] >= run["budget"]
         assert run["evals"] and 0.0 <= run["evals"][-1]["accuracy"] <= 1.0
         assert any("entropy" in s for s in run["per_step"])
+
+
+def test_bench_learning_real_model_summarize_only_reuses_the_recorded_base_numbers(tmp_path):
+    """--summarize-only --base-from: nothing is trained or evaluated; missing runs are listed as not run, and the
+    table's header carries the recorded device, format instruction and untrained-model numbers."""
+    earlier = ROOT / "docs" / "benchmarks" / "learning_smollm2.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_learning.py"), "--model", "smollm2", "--summarize-only",
+         "--base-from", str(earlier), "--run-dir", str(tmp_path / "runs"), "--out-dir", str(tmp_path),
+         "--methods", "grpo", "--seeds", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]  # the one asked-for run is missing
+    result = json.loads((tmp_path / "learning_smollm2.json").read_text())
+    recorded = json.loads(earlier.read_text())
+    assert result["failed"] == [["grpo", 0, "not run"]]
+    assert result["device_name"] == recorded["device_name"] and result["instruction"] == recorded["instruction"]
+    assert result["base_accuracy"] == recorded["base_accuracy"]
+    assert "Real-model mode: builtin:smollm2" in proc.stdout and recorded["device_name"] in proc.stdout

@@ -57,10 +57,25 @@ def test_new_scaffolds_and_prints_the_next_commands(tmp_path, capsys):
     assert "already exists (trl-plugins (built-in))" in capsys.readouterr().err
     assert main(["new", "Bad Name!", "--dir", str(tmp_path / "bad")]) == 2
     assert "Invalid plugin name" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exc:
-        main(["new", "x", "--stage", "critic"])
-    assert exc.value.code == 2
-    assert "invalid choice: 'critic'" in capsys.readouterr().err
+    assert main(["new", "x", "--stage", "critic", "--dir", str(tmp_path / "x")]) == 2
+    assert "Unknown stage 'critic'; allowed: sampling, reward, advantage, loss." in capsys.readouterr().err
+    assert main(["new", "x", "--stage", "advantag", "--dir", str(tmp_path / "x")]) == 2
+    assert "Did you mean 'advantage'" in capsys.readouterr().err
+
+
+def test_new_takes_several_stages(tmp_path, capsys):
+    """A two-stage method: one class with both stages' hooks and options, and both stages' tests."""
+    target = tmp_path / "two"
+    assert main(["new", "two_stage_probe", "--dir", str(target), "--stage", "loss", "--stage", "advantage"]) == 0
+    plugin = (target / "src" / "trl_plugins_two_stage_probe" / "plugin.py").read_text()
+    assert plugin.count("class TwoStageProbePlugin(Plugin)") == 1 and plugin.count("@hookimpl") == 3  # + configure
+    tests = (target / "tests" / "test_two_stage_probe.py").read_text()
+    assert "def test_hook_on_a_hand_made_context_advantage(" in tests
+    assert "def test_hook_on_a_hand_made_context_loss(" in tests
+    assert "['advantage', 'loss']" in tests
+    other = tmp_path / "three"
+    assert main(["new", "three_stage_probe", "--dir", str(other), "--stage", "sampling,reward,loss"]) == 0
+    assert "sampling, reward, loss stages" in (other / "pyproject.toml").read_text()
 
 
 def test_new_defaults_to_the_advantage_stage_in_the_current_directory(tmp_path, monkeypatch, capsys):
@@ -86,3 +101,50 @@ def test_train_and_demo_forward_their_options(command, capsys):
         main([command, "--help"])
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_docs_renders_the_page_of_a_third_party_plugin(tmp_path, capsys, temporary_plugin):
+    from dataclasses import dataclass
+
+    from trl_plugins import Plugin, PluginOptions, hookimpl, option
+
+    @dataclass
+    class Opts(PluginOptions):
+        strength: float = option(0.5, min=0.0, help="How strongly it acts.")
+
+    class ThirdPartyDoc(Plugin):
+        name = "third_party_doc"
+        paper = "Someone's method, arXiv:2501.00001"
+        summary = "A third-party plugin."
+        Options = Opts
+
+        @hookimpl
+        def trl_plugins_transform_advantages(self, ctx):
+            pass
+
+    temporary_plugin(ThirdPartyDoc)
+    assert main(["docs", "--plugin", "third_party_doc", "--out", str(tmp_path)]) == 0
+    page = (tmp_path / "plugins" / "third_party_doc.md").read_text()
+    assert "# `third_party_doc`" in page and "| `strength` | float | `0.5` | >= 0.0 | How strongly it acts. |" in page
+    assert "[arXiv:2501.00001](https://arxiv.org/abs/2501.00001)" in page
+    assert "../compatibility.md" not in page  # no link to pages a third-party repository does not have
+    assert f"Wrote {tmp_path / 'plugins' / 'third_party_doc.md'}" in capsys.readouterr().out
+    assert main(["docs", "--plugin", "third_party_doc", "--out", str(tmp_path), "--check"]) == 0
+    assert main(["docs", "--plugin", "third_party_dco"]) == 2
+    assert "Did you mean 'third_party_doc'" in capsys.readouterr().err
+
+
+def test_plugin_config_json_on_the_command_line_replaces_the_files(tmp_path):
+    """The README's `--plugins ... --plugin_config '{...}'` form: names and a JSON object keyed by plugin name."""
+    from trl import ModelConfig, TrlParser
+
+    from trl_plugins.config import PluginGRPOConfig
+    from trl_plugins.train import TrainScriptArguments, parse_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text(f"output_dir: {tmp_path / 'out'}\nplugins: [hint_scaffold, canon]\n"
+                      "plugin_config:\n  canon: {metric: length}\n")
+    parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
+    _, args, _ = parse_config(parser, ["--config", str(config), "--plugins", "hint_scaffold", "lp_reg",
+                                       "--plugin_config", '{"lp_reg": {"kappa": 0.05}}'])
+    assert args.plugins == ["hint_scaffold", "lp_reg"] and args.plugin_config == {"lp_reg": {"kappa": 0.05}}

@@ -203,3 +203,55 @@ def test_writing_guide_examples_run():
     namespace = {"__name__": "writing_a_plugin"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"{GUIDE.name}[python block {i}]", "exec"), namespace)
+
+
+def test_testing_kit_page_examples_run(tmp_path):
+    """docs/testing-kit.md: every ```python block runs in one namespace, then every test function it defines passes
+    (with a fresh ``tmp_path`` when it takes one), the example plugin registered by name as a test would."""
+    import inspect
+
+    from trl_plugins.testing import temporary_plugin
+
+    page = DOCS / "testing-kit.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    namespace = {"__name__": "testing_kit_page"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"{page.name}[python block {i}]", "exec"), namespace)
+    tests = {name: fn for name, fn in namespace.items() if name.startswith("test_") and callable(fn)}
+    assert len(tests) >= 6, sorted(tests)
+    with temporary_plugin(namespace["ScalePositives"]):
+        for name, fn in tests.items():
+            kwargs = {"tmp_path": tmp_path / name} if "tmp_path" in inspect.signature(fn).parameters else {}
+            fn(**kwargs)
+
+
+def test_the_index_links_every_page_and_the_readme_links_the_index():
+    index = (DOCS / "index.md").read_text()
+    pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
+    missing = [page for page in pages if f"]({page})" not in index]
+    assert not missing, f"docs/index.md does not link {missing}"
+    assert "](plugins/index.md)" in index
+    for target in re.findall(r"\]\(([^)#]+)\)", index):
+        assert (DOCS / target).is_file(), f"docs/index.md links {target}, which does not exist"
+    assert "(docs/index.md)" in (REPO / "README.md").read_text()
+
+
+def test_configuration_reference_has_every_field_option_and_variable(plugins):
+    import dataclasses
+
+    from trl_plugins.compare import build_parser
+    from trl_plugins.train import TrainScriptArguments
+
+    page = render_all(plugins)["configuration.md"]
+    for name in ("plugins", "plugin_config", "offpolicy_shaping_gamma", "plugin_generation_budget"):
+        assert f"| `{name}` |" in page
+    for f in dataclasses.fields(TrainScriptArguments):
+        assert f"| `{f.name}` |" in page
+    for action in build_parser()._actions:
+        if action.option_strings and action.dest != "help":
+            assert f"| `{', '.join(action.option_strings)}` |" in page
+    for variable in ("TRL_PLUGINS_DISABLE_AUTOLOAD", "TRL_PLUGINS_LOAD", "TRL_PLUGINS_CACHE"):
+        assert f"| `{variable}` |" in page
+    for name, cls in plugins.items():
+        for info in cls.Options.describe():
+            assert f"| [`{name}`](plugins/{name}.md) | `{info.name}` |" in page

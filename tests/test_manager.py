@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 import pytest
+import torch
 
 import trl_plugins.manager as manager
 from trl_plugins import (
@@ -150,7 +151,7 @@ def test_loss_types_declared_by_a_plugin_are_enforced_with_its_reason(temporary_
     assert build_plugins(["canon"]).by_name["canon"].supported_loss_types() is None  # TRL's loss: any of TRL's
 
 
-def test_misspelt_hook_is_refused(temporary_plugin):
+def test_misspelt_hook_is_refused_at_registration_with_the_fix(temporary_plugin):
     class Misspelt(Plugin):
         name = "misspelt_demo"
 
@@ -158,9 +159,78 @@ def test_misspelt_hook_is_refused(temporary_plugin):
         def trl_plugins_los(self, ctx):
             pass
 
-    temporary_plugin(Misspelt)
-    with pytest.raises(PluginConfigError, match="trl_plugins_los"):
-        build_plugins(["misspelt_demo"])
+    with pytest.raises(PluginConfigError, match="'trl_plugins_los' is decorated with @hookimpl but is no hook. "
+                       "Did you mean 'trl_plugins_loss'"):
+        temporary_plugin(Misspelt)
+    assert "misspelt_demo" not in available_plugins()
+
+
+def test_hook_method_without_hookimpl_is_refused_at_registration(temporary_plugin):
+    class Undecorated(Plugin):
+        name = "undecorated_demo"
+
+        def trl_plugins_transform_advantages(self, ctx):  # no @hookimpl: pluggy would never call it
+            ctx.advantages = ctx.advantages * 0
+
+    with pytest.raises(PluginConfigError, match="'trl_plugins_transform_advantages' is named like a hook but is not "
+                       "decorated with @hookimpl.*add `@hookimpl`"):
+        temporary_plugin(Undecorated)
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("transform_advantages", "Did you mean 'trl_plugins_transform_advantages'"),  # the prefix forgotten
+    ("trl_plugins_transform_advantage", "Did you mean 'trl_plugins_transform_advantages'"),  # undecorated typo
+])
+def test_hook_names_without_prefix_or_misspelt_are_refused(method, expected):
+    cls = type("Typo", (Plugin,), {"name": "typo_demo", method: lambda self, ctx: None})
+    with pytest.raises(PluginConfigError, match=expected):
+        manager.register_plugin(cls)
+    assert "typo_demo" not in available_plugins()
+
+
+def test_every_builtin_passes_the_registration_checks():
+    for name, cls in available_plugins().items():
+        assert manager.hook_method_problems(cls) == [], name
+
+
+class _DoubleAdvantages(Plugin):
+    name = "double_demo"
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx):
+        ctx.advantages = ctx.advantages * 2.0
+
+
+def test_an_overwriting_plugin_runs_first_in_its_chain_with_a_warning(temporary_plugin):
+    """canon recomputes the advantages from the rewards: listed after a transform, it would discard it."""
+    from trl_plugins.testing import make_advantage_context, run_hook
+
+    temporary_plugin(_DoubleAdvantages)
+    rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    alone = run_hook("canon", "trl_plugins_transform_advantages", make_advantage_context(rewards, num_generations=4))
+    assert alone.advantages.abs().sum() > 0
+    with pytest.warns(UserWarning, match=r"'canon' recomputes the advantages from scratch, so it runs first.*"
+                      r"before 'double_demo'"):
+        stack = build_plugins(["double_demo", "canon"])
+    assert [p.name for p in stack.implementers("trl_plugins_transform_advantages")] == ["canon", "double_demo"]
+    assert [p.name for p in stack] == ["double_demo", "canon"]  # the configured order stays for everything else
+    ctx = run_hook(stack, "trl_plugins_transform_advantages", make_advantage_context(rewards, num_generations=4))
+    assert torch.equal(ctx.advantages, alone.advantages * 2.0)  # the transform was kept, not discarded
+
+
+def test_two_plugins_overwriting_one_quantity_are_refused():
+    with pytest.raises(IncompatiblePluginsError, match=r"\['canon', 'riskpo'\] each recompute the advantages"):
+        build_plugins(["canon", "riskpo"])
+    # an option that makes r3l amplify TRL's advantages instead of recomputing them lifts the refusal
+    with pytest.raises(IncompatiblePluginsError, match="each recompute the advantages"):
+        build_plugins(["r3l", "canon"])
+    build_plugins(["canon", "r3l"], {"r3l": {"baseline": "trl"}})
+
+
+def test_overwrites_must_name_a_chained_quantity():
+    cls = type("Bad", (Plugin,), {"name": "bad_overwrites_demo", "overwrites": ("advantage",)})
+    with pytest.raises(PluginConfigError, match="'advantage' is not a chained quantity. Did you mean 'advantages'"):
+        manager.register_plugin(cls)
 
 
 class _FakeDist:

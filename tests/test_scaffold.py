@@ -69,7 +69,8 @@ def test_rendered_package_is_consistent(stage, tmp_path):
     assert (cls.__doc__ or "").strip() and (module.__doc__ or "").strip() and cls.summary
     assert all(info.help for info in cls.Options.describe())
     example = yaml.safe_load((root / "examples" / "stacked.yaml").read_text())
-    assert example["plugins"] == [name, "canon"]
+    assert example["plugins"] == ["canon", name]
+    assert project["project"]["optional-dependencies"]["test"] == ["pytest>=8", "hypothesis>=6"]
     cls.Options.from_dict(example["plugin_config"][name], plugin=name)  # the example's options are valid
     assert "pytest_plugins" in (root / "conftest.py").read_text()
     with pytest.raises(PluginConfigError, match="not an empty directory"):
@@ -106,6 +107,26 @@ def test_default_options_are_the_neutral_setting(stage, tmp_path):
     assert not any(k.startswith(f"plugins/{name}/") for k in ctx.metrics) or stage == "advantage"
 
 
+def test_a_two_stage_package_passes_its_unit_and_property_tests(tmp_path):
+    """Without pip (src on the path, the entry point in a hand-written dist-info): the combined plugin's entry-point,
+    option, hand-made-context and hypothesis tests of both stages pass (the slow test below runs the training ones)."""
+    root = scaffold("two_stage_unit", tmp_path / "pkg", ["advantage", "loss"])
+    info = tmp_path / "site" / "trl_plugins_two_stage_unit-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-plugins-two-stage-unit\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[trl_plugins]\ntwo_stage_unit = trl_plugins_two_stage_unit.plugin:TwoStageUnitPlugin\n")
+    path = [str(root / "src"), str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(path))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root), "-k",
+         "not reduces_to_vanilla and not trains_stacked"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert re.search(r"\b8 passed\b", done.stdout), done.stdout[-2000:]
+
+
 def _run(cmd, cwd, timeout):
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
@@ -117,7 +138,7 @@ def _stacked_config(roots, names, tiny_path, out):
     for root, n in zip(roots, names):
         plugin_config.update(yaml.safe_load((root / "examples" / "stacked.yaml").read_text())["plugin_config"])
     config.update(
-        plugins=[n.name for n in names] + ["canon"], plugin_config=plugin_config, model_name_or_path=str(tiny_path),
+        plugins=["canon"] + [n.name for n in names], plugin_config=plugin_config, model_name_or_path=str(tiny_path),
         output_dir=str(out), max_steps=1, per_device_train_batch_size=4, num_generations=4, max_completion_length=12,
         task_size=8, task_levels=[1], reward_funcs=["accuracy", "trl_plugins.testing.digit_fraction_reward"],
         use_cpu=True, bf16=False, disable_tqdm=True,
@@ -143,7 +164,7 @@ def test_scaffolded_packages_install_pass_their_tests_and_train_stacked(tmp_path
         # 1. each package's own tests, with the testing kit, in a fresh interpreter
         done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *map(str, roots)], tmp_path, 1800)
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-        assert re.search(r"\b22 passed\b", done.stdout), done.stdout[-2000:]
+        assert re.search(r"\b26 passed\b", done.stdout), done.stdout[-2000:]
 
         # 2. listed with their distributions
         done = _run([sys.executable, "-m", "trl_plugins.cli", "list"], tmp_path, 600)
@@ -161,8 +182,9 @@ def test_scaffolded_packages_install_pass_their_tests_and_train_stacked(tmp_path
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         metrics = {"sampling": "retried_rows", "reward": "mean_bonus", "advantage": "positive_fraction",
                    "loss": "mean_weight"}
+        logged = (tmp_path / "run" / "metrics.jsonl").read_text()  # the console shows headlines, the file all
         for n, stage in zip(names, STAGES):
-            assert f"plugins/{n.name}/{metrics[stage]}" in done.stdout, done.stdout[-4000:]
-        assert "plugins/canon/lam" in done.stdout
+            assert f"plugins/{n.name}/{metrics[stage]}" in logged, logged[-4000:]
+        assert "plugins/canon/lam" in logged and "Summary: 1 steps" in done.stdout
     finally:
         _run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *(n.distribution for n in names)], tmp_path, 300)

@@ -207,6 +207,35 @@ def test_reward_context_and_run_hook_with_a_class():
     assert one_column.rewards_per_func.shape == (2, 1) and one_column.reward_func_names == ["reward_0"]
 
 
+def test_run_hook_shorthand_hook_names_and_options():
+    """run_hook takes the hook without its prefix and one plugin's options directly; both equal the long form."""
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    long_form = run_hook(ScaleAdvantages, "trl_plugins_transform_advantages",
+                         make_advantage_context(rewards, num_generations=2), {"kit_scale_advantages": {"factor": 3.0}})
+    short = run_hook(ScaleAdvantages, "transform_advantages", make_advantage_context(rewards, num_generations=2),
+                     options={"factor": 3.0})
+    default = make_advantage_context(rewards, num_generations=2)
+    assert default.advantages.abs().sum() > 0
+    torch.testing.assert_close(short.advantages, 3.0 * default.advantages)  # the options reached the plugin
+    assert torch.equal(short.advantages, long_form.advantages)
+    with pytest.raises(PluginError, match="Unknown hook 'transform_advantage'. Did you mean "
+                       "'trl_plugins_transform_advantages'"):
+        run_hook(ScaleAdvantages, "transform_advantage", make_advantage_context(rewards, num_generations=2))
+    with pytest.raises(PluginError, match="options= is for one plugin"):
+        run_hook(["lp_reg", "canon"], "loss", make_loss_context(), options={"kappa": 0.5})
+
+
+def test_make_tiny_trainer_is_quiet_unless_verbose(tmp_path, capsys):
+    trainer = make_tiny_trainer(max_steps=1, output_dir=str(tmp_path), reward_funcs=[digit_fraction_reward])
+    trainer.train()
+    assert "'loss'" not in capsys.readouterr().out  # TRL's per-step metrics dict is not printed
+    assert any("loss" in log for log in trainer.state.log_history)  # ... but logged
+    loud = make_tiny_trainer(max_steps=1, output_dir=str(tmp_path / "v"), reward_funcs=[digit_fraction_reward],
+                             verbose=True)
+    loud.train()
+    assert "'loss'" in capsys.readouterr().out
+
+
 def test_advantage_context_defaults_are_trls():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25, 0.0, 0.0, 1.0, 1.0])
     ctx = make_advantage_context(rewards, num_generations=4)

@@ -1,6 +1,15 @@
 """trl-plugins: research methods for RL on LLMs as stackable pluggy plugins for TRL's GRPOTrainer."""
 
-from .contexts import AdvantageContext, Completion, LossContext, PolicyStats, PromptContext, RewardContext, RolloutContext
+from .contexts import (
+    AdvantageContext,
+    Completion,
+    LossContext,
+    PolicyStats,
+    PromptContext,
+    RefillContext,
+    RewardContext,
+    RolloutContext,
+)
 from .errors import (
     GenerationBudgetExceeded,
     IncompatiblePluginsError,
@@ -44,6 +53,7 @@ __all__ = [
     "PluginOptions",
     "PolicyStats",
     "PromptContext",
+    "RefillContext",
     "RewardContext",
     "RolloutContext",
     "RunInfo",

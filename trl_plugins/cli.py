@@ -1,4 +1,5 @@
-"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``, ``new NAME``, ``docs``."""
+"""The ``trl-plugins`` command: ``list``, ``show NAME``, ``train CONFIG.yaml``, ``demo``, ``compare``, ``new NAME``,
+``docs``."""
 
 from __future__ import annotations
 
@@ -86,20 +87,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.demo_args)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import main as compare_main
+
+    return compare_main(args.compare_args)
+
+
 def cmd_new(args: argparse.Namespace) -> int:
     """Scaffold a third-party plugin package (``trl_plugins.scaffold``)."""
-    from .scaffold import PackageNames, next_steps, scaffold
+    from .scaffold import DEFAULT_STAGE, PackageNames, next_steps, scaffold
 
-    root = scaffold(args.name, args.dir, args.stage)
+    root = scaffold(args.name, args.dir, args.stage or [DEFAULT_STAGE])
     print(next_steps(root, PackageNames.from_name(args.name)))
     return 0
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    """Regenerate (or, with --check, verify) the plugin reference pages (``trl_plugins.docs``)."""
+    """Regenerate (or, with --check, verify) the reference pages (``trl_plugins.docs``); ``--plugin NAME``: the page
+    of one installed plugin, e.g. a third-party one, for its own repository."""
     from .docs import main as docs_main
 
-    return docs_main((["--out", args.out] if args.out else []) + (["--check"] if args.check else []))
+    plugins = [arg for name in args.plugin or [] for arg in ("--plugin", name)]
+    return docs_main((["--out", args.out] if args.out else []) + (["--check"] if args.check else []) + plugins)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Warm-start a tiny model offline, train it with GRPO + plugins on CPU.")
     p.add_argument("demo_args", nargs=argparse.REMAINDER, help="Options of the demo (see `trl-plugins demo --help`).")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("compare", help="Train plugin stacks at an equal rollout budget on your config (or --demo) "
+                       "and compare their held-out scores (table, plots, JSON; resumable).")
+    p.add_argument("compare_args", nargs=argparse.REMAINDER,
+                   help="Config and options of the comparison (see `trl-plugins compare --help`).")
+    p.set_defaults(func=cmd_compare)
     from .scaffold import DEFAULT_STAGE, STAGES
 
     p = sub.add_parser(
@@ -127,12 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="Plugin name, e.g. my_method (the package is trl-plugins-my-method).")
     p.add_argument("--dir", default=None, help="Directory to create (default: ./trl-plugins-<name>); new or empty.")
     p.add_argument(
-        "--stage", choices=STAGES, default=DEFAULT_STAGE, help="Stage of the example plugin (default: %(default)s)."
+        "--stage", action="append", metavar="STAGE",
+        help=f"Stage of the example plugin: {', '.join(STAGES)} (default: {DEFAULT_STAGE}). Repeat it (or give "
+        "a comma-separated list) for a method with hooks at several stages: --stage advantage --stage loss.",
     )
     p.set_defaults(func=cmd_new)
     p = sub.add_parser("docs", help="Generate the plugin reference pages (docs/plugins/*.md, docs/hooks.md).")
     p.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")
     p.add_argument("--check", action="store_true", help="Only check that the pages are up to date (exit 1 if not).")
+    p.add_argument("--plugin", action="append", metavar="NAME",
+                   help="Only the reference page of this installed plugin, third-party ones included, written to "
+                   "OUT/plugins/NAME.md (OUT default ./docs); repeatable.")
     p.set_defaults(func=cmd_docs)
     return parser
 
@@ -140,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # `demo` and `train` forward their own --options to the demo's parser / TRL's parser
-    if argv and argv[0] in ("demo", "train"):
+    # `demo`, `compare` and `train` forward their own --options to the demo's / comparison's / TRL's parser
+    if argv and argv[0] in ("demo", "train", "compare"):
         args, rest = parser.parse_known_args(argv[:2] if argv[0] == "train" else argv[:1])
         if argv[0] == "demo":
             args.demo_args = argv[1:]
+        elif argv[0] == "compare":
+            args.compare_args = argv[1:]
         else:
             args.overrides = argv[2:]
     else:

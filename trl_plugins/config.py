@@ -44,6 +44,11 @@ class PluginGRPOConfig(GRPOConfig):
             when a plugin needs LM-head statistics; peak extra memory is ``chunk * vocab`` floats.
         plugin_generation_budget (`int` or `None`): the most extra completions plugins may request from the
             generation service per generation batch and process (None: unlimited, still counted and logged).
+        max_refill_rounds (`int`, defaults to 9): refill rounds per generation batch when plugins reject groups
+            (``trl_plugins_reject_groups``); verl's ``max_num_gen_batches = n`` is ``max_refill_rounds = n - 1``.
+        refill_at_limit (`str`, defaults to ``"keep"``): what becomes of groups still rejected after the last refill
+            round: ``"keep"`` (train on them as they are), ``"zero_advantage"`` (keep them with advantage 0) or
+            ``"error"`` (stop, as verl's DAPO trainer does).
     """
 
     _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["plugin_config"]
@@ -67,6 +72,15 @@ class PluginGRPOConfig(GRPOConfig):
     plugin_generation_budget: int | None = field(
         default=None,
         metadata={"help": "Max extra completions plugins may request per generation batch and process."},
+    )
+
+    max_refill_rounds: int = field(
+        default=9,
+        metadata={"help": "Refill rounds per generation batch when plugins reject groups (verl: max_num_gen_batches - 1)."},
+    )
+    refill_at_limit: str = field(
+        default="keep",
+        metadata={"help": "Groups still rejected after the last refill round: keep, zero_advantage or error."},
     )
 
     def __post_init__(self):
@@ -99,6 +113,10 @@ class PluginGRPOConfig(GRPOConfig):
         build_plugins(self.plugins, self.plugin_config).check_loss_type(self.loss_type)  # fail now, not at step 500
 
 
+#: What ``refill_at_limit`` may say.
+REFILL_AT_LIMIT = ("keep", "zero_advantage", "error")
+
+
 def check_project_fields(args: PluginGRPOConfig) -> None:
     """The fields this package adds (and ``output_dir``), checked before TRL's and transformers' own checks."""
     gamma = args.offpolicy_shaping_gamma
@@ -110,6 +128,13 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
     budget = args.plugin_generation_budget
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise PluginConfigError(f"plugin_generation_budget must be an integer >= 0 or None (unlimited); got {budget!r}.")
+    rounds = args.max_refill_rounds
+    if not _is_int(rounds) or rounds < 0:
+        raise PluginConfigError(f"max_refill_rounds must be an integer >= 0; got {rounds!r}.")
+    if args.refill_at_limit not in REFILL_AT_LIMIT:
+        raise PluginConfigError(
+            f"refill_at_limit must be one of {', '.join(REFILL_AT_LIMIT)}; got {args.refill_at_limit!r}."
+        )
     if args.max_steps == 0:
         raise PluginConfigError(
             "max_steps=0 trains nothing (and would still save a checkpoint); use a positive number of steps, or -1 to "

@@ -448,6 +448,8 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         local_completion_mask: (B, T) completion mask of this process's rows (1 up to and including EOS); None when
             not provided.
         mode: "train" or "eval".
+        prompt_keys: (N // G,) long, one key per group slot: groups with the same key were generated from the same
+            prompt draw (refill plugins' ``RefillContext.repeat``); None = every group its own (see :meth:`pool_ids`).
         services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
     """
 
@@ -469,6 +471,7 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     local_prompt_ids: list[list[int]] | None = None
     local_completion_mask: torch.Tensor | None = None
     mode: str = "train"
+    prompt_keys: torch.Tensor | None = None
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
 
     def attach_teacher_logps(self, teacher: Any, rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -501,6 +504,12 @@ class AdvantageContext(_VerdictMixin, _StageContext):
             out[i, : values.numel()] = values.to(device=device, dtype=torch.float32)
         self.set_local_extra(TEACHER_LOGPS_EXTRA, out)
         return out
+    def pool_ids(self) -> torch.Tensor:
+        """(N,) long: rows with the same id were generated from the same prompt draw -- the group id, except for
+        groups a refill plugin added with ``RefillContext.repeat`` (they share the repeated group's key)."""
+        if self.prompt_keys is None:
+            return self.group_ids
+        return self.prompt_keys.to(self.group_ids.device).repeat_interleave(self.num_generations)
 
     def policy_stats(self, head_stats: bool = False) -> PolicyStats:
         """Per-token statistics of the current policy on this process's generation batch (no grad, cached).
@@ -652,3 +661,96 @@ class LossContext(_StageContext):
     def global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> float:
         """Token-mean of ``x`` (B, T) over ``mask`` (default: the loss mask) across all processes; for metrics."""
         return self._service("masked_mean")(x, self.mask if mask is None else mask)
+
+
+# =============================================================================================== refill
+@dataclass
+class RefillContext(_VerdictMixin, _StageContext):
+    """Sampling stage, once the batch's rewards are known: reject whole groups; the trainer refills their slots.
+
+    Identical on every process (built from the gathered reward matrix), so a plugin deciding from it decides the same
+    everywhere. Called once per round: round 0 after the first generation, round ``r`` after the ``r``-th refill.
+    Rejections are whole groups (``S = N // G`` group slots); a rejected slot is refilled with a new group of G rows,
+    so G and N never change. See ``trl_plugins_reject_groups`` in :mod:`trl_plugins.hookspecs`.
+
+    Attributes:
+        rewards_per_func: (N, K) the reward functions' values of the current batch, gathered (before the reward-stage
+            transforms, which run once on the final batch; NaN in placeholder columns).
+        rewards: (N,) combined reward: weighted nansum of ``rewards_per_func`` (TRL's weights).
+        group_ids, index_in_group: (N,) long tensors; ``num_generations`` = G.
+        round: 0 for the first generation; ``r`` after the ``r``-th refill round.
+        max_refill_rounds: the run's limit (``PluginGRPOConfig.max_refill_rounds``); groups rejected in the round
+            ``round == max_refill_rounds`` are not refilled (``refill_at_limit`` decides what becomes of them).
+        fresh: (S,) bool, groups generated in this round (all of them in round 0): a plugin judging each group once
+            looks at these.
+        prompt_keys: (S,) long, one key per prompt draw: groups made by :meth:`repeat` share the key of the group whose
+            prompt they repeat (the advantage stage gets them as ``AdvantageContext.prompt_keys``).
+        rejected: (S,) bool, groups rejected so far in this round (by this plugin or earlier ones in the chain);
+            change it through :meth:`reject`.
+        step: ``trainer.state.global_step``.
+        mode: "train" (refill runs on training batches only).
+        services: the :class:`~trl_plugins.services.StageServices` behind the methods (a constructor argument).
+    """
+
+    rewards_per_func: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    index_in_group: torch.Tensor
+    num_generations: int
+    round: int
+    max_refill_rounds: int
+    fresh: torch.Tensor
+    prompt_keys: torch.Tensor
+    rejected: torch.Tensor
+    step: int = 0
+    mode: str = "train"
+    #: replacement sources asked for by plugins, in order: ("repeat", group) or ("row", dataset row dict)
+    replacements: list[tuple[str, Any]] = field(default_factory=list)
+    #: per rejected group slot: the plugin that rejected it first (for the metrics)
+    rejected_by: dict[int, str] = field(default_factory=dict)
+    services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+
+    @property
+    def num_groups(self) -> int:
+        """S, the number of group slots of the batch (``N // G``)."""
+        return int(self.fresh.numel())
+
+    def group_rewards(self) -> torch.Tensor:
+        """(S, G) combined rewards, one row per group slot."""
+        return self.rewards.view(-1, self.num_generations)
+
+    def group_success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
+        """(S, G) bool: which rollouts succeed under ``rule`` (the verifier column; see :mod:`trl_plugins.success`)."""
+        return self.success(rule).view(-1, self.num_generations)
+
+    def reject(self, groups: Sequence[int] | torch.Tensor) -> None:
+        """Reject group slots ``groups`` (ints in ``[0, S)``, or an (S,) bool mask): their G rows leave the batch and the
+        trainer refills the slots (next round), unless the round limit is reached."""
+        if isinstance(groups, torch.Tensor) and groups.dtype == torch.bool:
+            if groups.shape != self.rejected.shape:
+                raise PluginError(f"reject: a bool mask must have shape {tuple(self.rejected.shape)} (one per group).")
+            groups = groups.nonzero().flatten().tolist()
+        for g in [int(x) for x in groups]:
+            if not 0 <= g < self.num_groups:
+                raise PluginError(f"reject: group {g} is out of range [0, {self.num_groups}).")
+            if not bool(self.rejected[g]):
+                self.rejected[g] = True
+                self.rejected_by[g] = self._active_plugin or "framework"
+
+    def repeat(self, group: int, times: int = 1) -> None:
+        """Ask for ``times`` replacement groups generated from the prompt (dataset row) of group slot ``group``.
+
+        Replacements fill this round's rejected slots in the order they were asked for (before the trainer's refill
+        stream); those beyond the rejected slots are dropped (metric ``plugins/framework/unplaced_replacements``). The
+        new groups share ``prompt_keys[group]``. A repeated group may itself be rejected (its prompt is kept)."""
+        if not 0 <= int(group) < self.num_groups:
+            raise PluginError(f"repeat: group {group} is out of range [0, {self.num_groups}).")
+        self.replacements.extend([("repeat", int(group))] * int(times))
+
+    def supply(self, row: dict) -> None:
+        """Ask for one replacement group generated from ``row`` (a dataset row: ``prompt`` plus the columns the reward
+        functions read), e.g. from a plugin's buffer. It must be the same row on every process (decide from gathered
+        data). Placed like :meth:`repeat`."""
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise PluginError("supply: a replacement must be a dataset row (a dict with a 'prompt' key).")
+        self.replacements.append(("row", dict(row)))

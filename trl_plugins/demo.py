@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="builtin:tiny",
                         help="builtin:tiny (default: warm-started offline), builtin:smollm2 (the offline real model, "
                         "fetched and converted once) or any model name / local path.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="Print every step's whole metrics dict above the progress bar (they always go to "
+                        "<output-dir>/trainer/metrics.jsonl).")
     parser.add_argument("--cache-dir", default=None,
                         help="Cache of the warm-started tiny model (default: $TRL_PLUGINS_CACHE, else "
                         "~/.cache/trl-plugins; shared with `trl-plugins train`).")
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if tiny:
         cache = args.cache_dir or cache_root()
         print(f"[1/4] Warm-starting the tiny model (cached under {cache}) ...", flush=True)
-        model, tokenizer = demo_model(cache, settings, verbose=True)
+        model, tokenizer = demo_model(cache, settings, progress=True)
     else:
         print(f"[1/4] Loading {args.model} ...", flush=True)
         model, tokenizer = load_pretrained(args.model)
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         model=model, reward_funcs=[accuracy_reward], args=config, train_dataset=train_set, processing_class=tokenizer,
         peft_config=None if tiny else real_model_lora(),
     )
+    from .console import install, table
+
+    install(trainer, verbose=args.verbose, desc="GRPO")
     trainer.train()
 
     print("[4/4] Held-out accuracy after GRPO ...", flush=True)
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"      accuracy after:  {after:.3f}   (before: {before:.3f})")
+    print("\n".join(table([("held-out accuracy", "before", "after"), ("", f"{before:.3f}", f"{after:.3f}")])))
     print(f"Reward curve: {plot_path}   Summary: {out / 'summary.json'}   Total time: {elapsed:.0f}s")
     if after <= before:
         print("Held-out accuracy did not rise in this run.")

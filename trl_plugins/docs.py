@@ -8,7 +8,9 @@ Writes, under the checkout's ``docs/`` (or ``--out``):
 * ``plugins/index.md``: the catalogue table;
 * ``compatibility.md``: which plugins refuse to be stacked and why, what each replaces, which loss types each runs
   with (from ``conflicts_with``, ``replaces``, ``replaces_surrogate`` and ``loss_types``);
-* ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods).
+* ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods);
+* ``configuration.md``: every field, command-line option and environment variable trl-plugins adds, and every
+  plugin option.
 
 ``--check`` writes nothing and exits 1 when a page is missing, different or stale (``tests/test_docs.py`` does
 the same in memory), so the pages never drift from the code: regenerate them whenever a plugin, a hook spec
@@ -128,12 +130,24 @@ def loss_types_text(cls: type, code=lambda s: f"`{s}`") -> str:
     return f"{text} only: {cls.loss_types_reason}" if cls.loss_types and cls.loss_types_reason else text
 
 
+def default_overwrites(cls: type) -> tuple[str, ...]:
+    """The chained quantities a plugin recomputes from scratch with its default options (``Plugin.overwritten``)."""
+    try:
+        return tuple(cls(cls.Options()).overwritten())
+    except Exception:  # a plugin whose defaults cannot be instantiated alone: its class declaration
+        return tuple(cls.overwrites)
+
+
 def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
     """What a plugin replaces, the loss types it runs with and the plugins it refuses, one sentence each (shown on
     its reference page and by ``trl-plugins show``); ``code`` formats a name or value."""
     notes = []
     if cls.replaces:
         notes.append(f"Replaces {'; '.join(cls.replaces)}.")
+    for quantity in default_overwrites(cls):
+        notes.append(f"Recomputes the {quantity} from scratch (with its default options): its hook runs first in the "
+                     f"{quantity} chain whatever its place in `plugins` (a warning says so), and a second plugin "
+                     f"that recomputes the {quantity} is refused.")
     if cls.replaces_surrogate:
         notes.append("Replaces the base surrogate on a token subset: at most one such plugin per stack.")
     notes.append(f"Loss types: {loss_types_text(cls, code)}.")
@@ -145,8 +159,9 @@ def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ pages
-def plugin_page(cls: type) -> str:
-    """The Markdown reference page of one plugin class."""
+def plugin_page(cls: type, builtin: bool = True) -> str:
+    """The Markdown reference page of one plugin class (``builtin=False``: a third-party plugin's page, without the
+    links to this project's other pages)."""
     from .hookspecs import HOOK_STAGES
 
     lines = [GENERATED, "", f"# `{cls.name}`", ""]
@@ -185,8 +200,8 @@ def plugin_page(cls: type) -> str:
         notes.append("Uses chunked LM-head statistics (`ctx.head_stats()`); the full (B, T, V) logits are never "
                      "materialised.")
     notes += stacking_notes(cls)
-    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`. "
-                 "All plugins: [compatibility](../compatibility.md).")
+    notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`."
+                 + (" All plugins: [compatibility](../compatibility.md)." if builtin else ""))
     lines += [f"- {n}" for n in notes] + [""]
     infos = cls.Options.describe()
     lines += ["## Options", ""]
@@ -271,7 +286,8 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         "",
         "# Compatibility",
         "",
-        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `replaces_surrogate`, `loss_types`; "
+        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `overwrites`, `replaces_surrogate`, "
+        "`loss_types`; "
         "see [writing-a-plugin.md](writing-a-plugin.md)). The trainer enforces every rule below when it is built, "
         "with the reason in the error. `trl-plugins show NAME` prints the same for one plugin, third-party ones "
         "included.",
@@ -288,6 +304,16 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         lines += ["", "At most one plugin per stack may replace the base surrogate, since a token's loss can have only "
                   "one replacement: " + ", ".join(f"`{n}`" for n in replacers) + " (and any plugin whose options make "
                   "it one, see the table below)."]
+    overwriters: dict[str, list[str]] = {}
+    for name, cls in plugins.items():
+        for quantity in default_overwrites(cls):
+            overwriters.setdefault(quantity, []).append(name)
+    for quantity, names in overwriters.items():
+        lines += ["", f"**Recompute the {quantity} from scratch** (`overwrites`; with their default options): "
+                  + ", ".join(f"`{n}`" for n in names) + f". At most one of them per stack (the others' {quantity} "
+                  f"would be discarded), and it runs first in the {quantity} chain whatever its place in `plugins`, "
+                  f"so that plugins listed before it still act on (and read) its {quantity}; a warning says when it "
+                  "was moved."]
     lines += [
         "",
         "Every other combination stacks: plugins on different stages compose, and hooks of one stage chain in the "
@@ -383,6 +409,82 @@ def hooks_page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _field_rows(cls: type, only: set[str] | None = None) -> list[str]:
+    import dataclasses
+    import typing
+
+    from .options import _type_name
+
+    hints = typing.get_type_hints(cls)
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        kind = _type_name(hints[f.name])
+        rows.append(f"| `{f.name}` | {_cell(kind)} | {_code(default)} | {_cell(f.metadata.get('help', ''))} |")
+    return rows
+
+
+def _argparse_rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = ["| option | default | description |", "|---|---|---|"]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = "-" if action.default in (None, False, argparse.SUPPRESS) else _code(action.default)
+        text = (action.help or "").replace("%(default)s", str(action.default))
+        rows.append(f"| `{', '.join(action.option_strings)}` | {default} | {_cell(text)} |")
+    return rows
+
+
+def configuration_page(plugins: Mapping[str, type]) -> str:
+    """Every setting trl-plugins adds, from the code: the YAML / command-line fields of ``trl-plugins train`` and
+    ``compare``, ``PluginGRPOConfig``'s own fields, the environment variables, and every built-in plugin's
+    options (linked to its page)."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from . import compare, manager, models
+    from .config import PluginGRPOConfig
+    from .train import TrainScriptArguments
+
+    own = {f.name for f in dataclasses.fields(PluginGRPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    lines = [
+        GENERATED, "", "# Configuration reference", "",
+        "Everything trl-plugins adds to TRL's settings, generated from the code. A `trl-plugins train` YAML file (or "
+        "`--field value` on its command line) holds these fields together with every field of TRL's `GRPOConfig` and "
+        "`ModelConfig` (model path, LoRA, 4-bit quantisation: see TRL's documentation); "
+        "`PluginGRPOConfig(...)` takes the same fields in Python. `trl-plugins train CONFIG --help` lists them all.",
+        "", "## `PluginGRPOConfig`: the plugin fields", "",
+        *_field_rows(PluginGRPOConfig, own), "",
+        "`plugin_config` on the command line is one JSON object: "
+        "`--plugins hint_scaffold lp_reg --plugin_config '{\"lp_reg\": {\"kappa\": 0.05}}'`.", "",
+        "## `trl-plugins train`: data and rewards", "",
+        *_field_rows(TrainScriptArguments), "",
+        "## `trl-plugins compare`", "",
+        "`trl-plugins compare CONFIG --stacks ...` takes the YAML of `trl-plugins train` (its `plugins` are replaced by "
+        "each stack) and these options:", "",
+        *_argparse_rows(compare.build_parser()), "",
+        "## Environment variables", "",
+        "| variable | effect |", "|---|---|",
+        f"| `{manager.DISABLE_AUTOLOAD_ENV}` | `1` / `true` / `yes` / `on`: load no entry-point (third-party) plugins. |",
+        f"| `{manager.LOAD_ENV}` | `a,b`: load only these entry-point plugins (built-ins stay available). |",
+        f"| `{models.CACHE_ENV}` | Cache folder of `builtin:tiny` and `builtin:smollm2` (default "
+        "`$XDG_CACHE_HOME/trl-plugins`, else `~/.cache/trl-plugins`). |",
+        "", "## Plugin options", "",
+        "Set under `plugin_config: {NAME: {...}}`; unknown keys, wrong types and out-of-range values are refused when "
+        "the config is built. Each plugin's page has the help text of every option.", "",
+        "| plugin | option | type | default | allowed |", "|---|---|---|---|---|",
+    ]
+    for name, cls in plugins.items():
+        for info in cls.Options.describe():
+            lines.append(f"| [`{name}`](plugins/{name}.md) | `{info.name}` | {_cell(info.type)} | "
+                         f"{_code(info.default)} | {_allowed(info)} |")
+    return "\n".join(lines).rstrip() + "\n"
+
+
 def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     """Every generated page, path relative to the docs directory -> text (nothing is written)."""
     plugins = builtin_plugins() if plugins is None else dict(plugins)
@@ -390,21 +492,22 @@ def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     pages["plugins/index.md"] = index_page(plugins)
     pages["compatibility.md"] = compatibility_page(plugins)
     pages["hooks.md"] = hooks_page()
+    pages["configuration.md"] = configuration_page(plugins)
     return pages
 
 
 def _generated_on_disk(out: Path) -> set[str]:
     """Relative paths of generated pages present under ``out`` (recognised by their first line)."""
     found = set()
-    for path in [out / "hooks.md", out / "compatibility.md", *sorted((out / "plugins").glob("*.md"))]:
+    for path in [out / "hooks.md", out / "compatibility.md", out / "configuration.md",
+                 *sorted((out / "plugins").glob("*.md"))]:
         if path.is_file() and path.read_text(encoding="utf-8").startswith(GENERATED):
             found.add(path.relative_to(out).as_posix())
     return found
 
 
-def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone."""
-    pages = render_all() if pages is None else pages
+def check_pages(out: Path, pages: Mapping[str, str]) -> list[str]:
+    """Problems with ``pages`` under ``out``: missing or different."""
     problems = []
     for rel, text in pages.items():
         path = out / rel
@@ -412,14 +515,11 @@ def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
             problems.append(f"{rel} is missing")
         elif path.read_text(encoding="utf-8") != text:
             problems.append(f"{rel} is out of date")
-    for rel in sorted(_generated_on_disk(out) - set(pages)):
-        problems.append(f"{rel} is stale (no such plugin any more)")
     return problems
 
 
-def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Write the pages under ``out`` and delete stale generated ones; returns the paths changed."""
-    pages = render_all() if pages is None else pages
+def write_pages(out: Path, pages: Mapping[str, str]) -> list[str]:
+    """Write ``pages`` under ``out`` (those that changed); returns their paths."""
     changed = []
     for rel, text in pages.items():
         path = out / rel
@@ -428,17 +528,59 @@ def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
         changed.append(rel)
+    return changed
+
+
+def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
+    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone."""
+    pages = render_all() if pages is None else pages
+    problems = check_pages(out, pages)
+    for rel in sorted(_generated_on_disk(out) - set(pages)):
+        problems.append(f"{rel} is stale (no such plugin any more)")
+    return problems
+
+
+def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
+    """Write the pages under ``out`` and delete stale generated ones; returns the paths changed."""
+    pages = render_all() if pages is None else pages
+    changed = write_pages(out, pages)
     for rel in sorted(_generated_on_disk(out) - set(pages)):
         (out / rel).unlink()
         changed.append(rel)
     return changed
 
 
+def plugin_pages(names: list[str]) -> dict[str, str]:
+    """``plugins/<name>.md`` -> page for any available plugins by name (third-party ones included)."""
+    from .manager import get_plugin_class
+
+    pages = {}
+    for name in names:
+        cls = get_plugin_class(name)
+        pages[f"plugins/{cls.name}.md"] = plugin_page(cls, builtin=cls.distribution() == "trl-plugins (built-in)")
+    return pages
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_plugins.docs", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/).")
+    parser.add_argument("--out", default=None, help="Docs directory (default: the checkout's docs/; with "
+                        "--plugin: ./docs).")
     parser.add_argument("--check", action="store_true", help="Only check; exit 1 when a page is not up to date.")
+    parser.add_argument("--plugin", action="append", default=None, metavar="NAME",
+                        help="Only the reference page of this installed plugin (third-party ones too), written to "
+                        "OUT/plugins/NAME.md; repeatable.")
     args = parser.parse_args(argv)
+    if args.plugin:
+        out = Path(args.out) if args.out else Path.cwd() / "docs"
+        pages = plugin_pages(args.plugin)
+        if args.check:
+            problems = check_pages(out, pages)
+            for p in problems:
+                print(f"{out}/{p}")
+            return 1 if problems else 0
+        write_pages(out, pages)
+        print("\n".join(f"Wrote {out / rel}" for rel in pages))
+        return 0
     out = Path(args.out) if args.out else docs_dir()
     if args.check:
         problems = check(out)

@@ -19,7 +19,7 @@ Stages and the hooks that belong to them:
 lifecycle   ``trl_plugins_configure``, ``trl_plugins_reward_functions``, ``trl_plugins_on_step_end``,
             ``trl_plugins_state_dict``, ``trl_plugins_load_state_dict``
 sampling    ``trl_plugins_train_sampler`` (which prompts are drawn), ``trl_plugins_generation_prompts``,
-            ``trl_plugins_after_generation``
+            ``trl_plugins_after_generation``, ``trl_plugins_reject_groups`` (drop and refill whole groups)
 reward      ``trl_plugins_reward_functions`` (adds columns), ``trl_plugins_transform_rewards``
 advantage   ``trl_plugins_transform_advantages``
 loss        ``trl_plugins_loss_advantages``, ``trl_plugins_loss``
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .contexts import AdvantageContext, LossContext, PromptContext, RewardContext, RolloutContext
+    from .contexts import AdvantageContext, LossContext, PromptContext, RefillContext, RewardContext, RolloutContext
 
 PROJECT = "trl_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -49,6 +49,7 @@ HOOK_STAGES: dict[str, str] = {
     "trl_plugins_train_sampler": "sampling",
     "trl_plugins_generation_prompts": "sampling",
     "trl_plugins_after_generation": "sampling",
+    "trl_plugins_reject_groups": "sampling",
     "trl_plugins_transform_rewards": "reward",
     "trl_plugins_transform_advantages": "advantage",
     "trl_plugins_loss_advantages": "loss",
@@ -150,6 +151,25 @@ def trl_plugins_after_generation(ctx: RolloutContext) -> None:
     provenance (``ctx.splice``; off-policy tokens take the shaped loss branch and get NaN sampling log-probs).
     Every process must call the service the same number of times; decide from globally gathered data
     (``ctx.gather``). Only called in training mode.
+    """
+
+
+@hookspec
+def trl_plugins_reject_groups(ctx: RefillContext) -> None:
+    """Reject whole groups once the batch's rewards are known; the trainer refills their slots within the step.
+
+    Runs at the end of the sampling stage (after ``after_generation``), on every process with the same gathered
+    reward matrix, once per round: ``ctx.round`` 0 after the first generation, then after each refill round. Mark
+    groups with ``ctx.reject(groups)``; optionally name their replacements with ``ctx.repeat(group, times)`` (the same
+    prompt again) or ``ctx.supply(row)`` (a dataset row, e.g. from a buffer). Slots left without a named replacement
+    are refilled from the trainer's refill stream: a seeded permutation of the training set, the same on every process
+    and resumed from checkpoints. The trainer generates the replacement groups (G rows each, through the generation
+    service: collective-safe, counted in the rollout budget), scores them and calls the hook again, until nothing is
+    rejected or ``PluginGRPOConfig.max_refill_rounds`` refill rounds have run; groups still rejected then are kept,
+    kept with zero advantage, or an error (``refill_at_limit``). Rejections chain over plugins in order (union).
+    Metrics: ``plugins/framework/refill_rounds``, ``.../rejected_groups``, ``.../refill_rollouts``,
+    ``.../kept_at_limit``. Only called in training mode; not available with ``rollout_func``, tools, environments,
+    images or iterable datasets (refused at construction).
     """
 
 

@@ -27,7 +27,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginError, suggest
-from .plugin import Plugin
+from .plugin import OVERWRITABLE, Plugin, hook_method_problems
 from .plugin_settings import merge_plugin_settings
 
 ENTRY_POINT_GROUP = "trl_plugins"
@@ -59,6 +59,16 @@ def _validate_class(cls: Any, source: str) -> None:
         raise PluginConfigError(
             f"{source}: plugin class {cls.__name__} has an invalid name {cls.name!r}; use lower-case [a-z0-9_]."
         )
+    problems = hook_method_problems(cls)
+    if problems:
+        raise PluginConfigError(f"{source}: plugin {cls.name!r} ({cls.__module__}.{cls.__qualname__}): "
+                                + " ".join(problems))
+    unknown = [q for q in cls.overwrites if q not in OVERWRITABLE]
+    if unknown:
+        raise PluginConfigError(
+            f"{source}: plugin {cls.name!r} declares overwrites={tuple(cls.overwrites)!r}; {unknown[0]!r} is not a "
+            f"chained quantity.{suggest(unknown[0], OVERWRITABLE)} Allowed: {', '.join(OVERWRITABLE)}."
+        )
 
 
 def builtin_modules() -> list[str]:
@@ -74,6 +84,7 @@ def _builtin_plugins() -> dict[str, type[Plugin]]:
         for value in vars(module).values():
             if isinstance(value, type) and issubclass(value, Plugin) and value is not Plugin and value.name:
                 if value.__module__ == module.__name__:
+                    _validate_class(value, source=f"built-in module {module.__name__}")
                     value._distribution = "trl-plugins (built-in)"
                     found[value.name] = value
     return found
@@ -203,10 +214,14 @@ class PluginStack:
                 f"{exc} Known hooks: {', '.join(hookspecs.HOOK_STAGES)}."
             ) from exc
         self._order = {id(p): i for i, p in enumerate(plugins)}
+        first = overwriters_first(plugins)
         self._impls: dict[str, list] = {}
         for hook in hookspecs.HOOK_STAGES:
             impls = getattr(self.pm.hook, hook).get_hookimpls()
-            self._impls[hook] = sorted(impls, key=lambda impl: self._order[id(impl.plugin)])
+            # within a chain, a plugin that recomputes the quantity from scratch runs first (overwriters_first)
+            self._impls[hook] = sorted(
+                impls, key=lambda impl: (id(impl.plugin) not in first.get(hook, ()), self._order[id(impl.plugin)])
+            )
 
     def __bool__(self) -> bool:
         return bool(self.plugins)
@@ -295,6 +310,41 @@ def check_compatibility(plugins: list[Plugin]) -> None:
             "most one may do so in a stack, since a token's loss can have only one replacement. Enable only one of "
             "them."
         )
+
+
+def overwriters_first(plugins: list[Plugin]) -> dict[str, set[int]]:
+    """``{hook: ids of the plugins that run first in its chain}``: those that overwrite its quantity.
+
+    A plugin declaring ``overwrites=("advantages",)`` (e.g. ``canon``) recomputes the advantages from the rewards, so
+    every advantage hook that ran before it would be discarded (a transform) or would have read values that no
+    longer hold (a reader). Its hook is therefore moved to the front of that chain, and a warning names the plugins
+    it now runs before; the order of every other hook stays that of ``plugins``. Two plugins overwriting the same
+    quantity are refused (the first one's work would always be lost).
+    """
+    first: dict[str, set[int]] = {}
+    for quantity, hook in OVERWRITABLE.items():
+        chain = [p for p in plugins if hook in p.hook_names()]
+        owners = [p for p in chain if quantity in p.overwritten()]
+        if len(owners) > 1:
+            raise IncompatiblePluginsError(
+                f"Plugins {[p.name for p in owners]} each recompute the {quantity} from scratch, so stacked only the "
+                f"last one's {quantity} would count and the others' work would be discarded. Enable only one of them."
+            )
+        if not owners:
+            continue
+        owner = owners[0]
+        before = [p.name for p in chain[: chain.index(owner)]]
+        if before:
+            warnings.warn(
+                f"Plugin {owner.name!r} recomputes the {quantity} from scratch, so it runs first in the {quantity} "
+                f"chain (before {', '.join(repr(n) for n in before)}, which come earlier in plugins="
+                f"{[p.name for p in plugins]}); otherwise their work on the {quantity} would be discarded. Put "
+                f"{owner.name!r} first in `plugins` to silence this warning.",
+                UserWarning,
+                stacklevel=3,
+            )
+        first[hook] = {id(owner)}
+    return first
 
 
 def check_loss_type(plugins: Iterable[Plugin], loss_type: str) -> None:

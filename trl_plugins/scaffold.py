@@ -6,11 +6,15 @@ The package is a complete, installable project that passes its own tests out of 
         pyproject.toml              entry point in the ``trl_plugins`` group, src layout
         README.md
         src/trl_plugins_NAME/__init__.py
-        src/trl_plugins_NAME/plugin.py   a documented example plugin for the chosen stage
+        src/trl_plugins_NAME/plugin.py   a documented example plugin for the chosen stage(s)
         conftest.py                 enables the testing kit (``trl_plugins.testing``) as a pytest plugin
-        tests/test_NAME.py          entry point, options, hook on a hand-made context, neutral setting ==
-                                    trl.GRPOTrainer, a short run stacked with the built-in ``canon``
-        examples/stacked.yaml       ``trl-plugins train examples/stacked.yaml`` (NAME stacked with ``canon``)
+        tests/test_NAME.py          entry point, options, hook on a hand-made context, a hypothesis property test of
+                                    the math, neutral setting == trl.GRPOTrainer, a short run stacked with
+                                    the built-in ``canon`` (test extras: pytest, hypothesis)
+        examples/stacked.yaml       ``trl-plugins train examples/stacked.yaml`` (``canon`` stacked with NAME)
+
+Several stages (``--stage advantage --stage loss``) give one plugin class with each stage's example hooks, options
+and helpers, and each stage's tests (suffixed with the stage name).
 
 Each stage has its own example, chosen to show that stage's context and its rules:
 
@@ -29,11 +33,13 @@ from __future__ import annotations
 
 import keyword
 import re
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from .errors import PluginConfigError
+from .errors import PluginConfigError, suggest
 
 STAGES = ("sampling", "reward", "advantage", "loss")
 DEFAULT_STAGE = "advantage"
@@ -74,10 +80,25 @@ class PackageNames:
         )
 
 
-def render(names: PackageNames, stage: str = DEFAULT_STAGE) -> dict[str, str]:
-    """The files of the package, relative path -> text (nothing is written)."""
-    if stage not in STAGES:
-        raise PluginConfigError(f"Unknown stage {stage!r}; allowed: {', '.join(STAGES)}.")
+def normalise_stages(stages: str | Sequence[str]) -> tuple[str, ...]:
+    """``"advantage"``, ``["advantage", "loss"]`` or ``"advantage,loss"`` -> the stages in pipeline order, checked."""
+    items = [stages] if isinstance(stages, str) else list(stages)
+    chosen = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+    if not chosen:
+        raise PluginConfigError(f"No stage given; allowed: {', '.join(STAGES)}.")
+    for stage in chosen:
+        if stage not in STAGES:
+            raise PluginConfigError(f"Unknown stage {stage!r}; allowed: {', '.join(STAGES)}.{suggest(stage, STAGES)}")
+    return tuple(stage for stage in STAGES if stage in chosen)
+
+
+def render(names: PackageNames, stage: str | Sequence[str] = DEFAULT_STAGE) -> dict[str, str]:
+    """The files of the package, relative path -> text (nothing is written).
+
+    ``stage`` is one stage or several (``["advantage", "loss"]``): with several, the example plugin has the hooks,
+    options and helper functions of each stage's example in one class, and the tests of each (suffixed with the
+    stage)."""
+    stages = normalise_stages(stage)
     from . import __version__
 
     values = dict(
@@ -86,32 +107,99 @@ def render(names: PackageNames, stage: str = DEFAULT_STAGE) -> dict[str, str]:
         package=names.package,
         cls=names.cls,
         options_cls=names.options_cls,
-        stage=stage,
+        stage=", ".join(stages),
+        stage_flags=" ".join(f"--stage {s}" for s in stages),
+        stages_list=repr(list(stages)),
+        stage_word="stage" if len(stages) == 1 else "stages",
         version=__version__,
-        active_yaml=_ACTIVE_YAML[stage],
+        active_yaml="{" + ", ".join(_ACTIVE_YAML[s].strip("{}") for s in stages) + "}",
     )
 
     def sub(text: str) -> str:
         return Template(text).substitute(values)
 
+    if len(stages) == 1:
+        plugin, tests = sub(_PLUGINS[stages[0]]), sub(_TESTS[stages[0]])
+    else:
+        plugin = _combined_plugin(names, [sub(_PLUGINS[s]) for s in stages], stages)
+        tests = "".join(re.sub(r"\ndef (test_\w+)\(", rf"\ndef \1_{s}(", sub(_TESTS[s])) for s in stages)
     return {
         "pyproject.toml": sub(_PYPROJECT),
         "README.md": sub(_README),
         f"src/{names.package}/__init__.py": sub(_INIT),
-        f"src/{names.package}/plugin.py": sub(_PLUGINS[stage]),
+        f"src/{names.package}/plugin.py": plugin,
         "conftest.py": sub(_CONFTEST),
-        f"tests/test_{names.name}.py": sub(_TESTS_HEAD) + sub(_TESTS[stage]),
+        f"tests/test_{names.name}.py": sub(_TESTS_HEAD) + tests,
         "examples/stacked.yaml": sub(_EXAMPLE_YAML),
     }
 
 
+def _section(text: str, start: str, end: str) -> str:
+    i = text.index(start) + len(start)
+    return text[i : text.index(end, i)]
+
+
+def _combined_plugin(names: PackageNames, modules: list[str], stages: Sequence[str]) -> str:
+    """One plugin module from the single-stage examples ``modules``: their docstrings' example paragraphs, imports,
+    constants, option fields, helper functions and hooks, in one class (``configure`` bodies merged)."""
+    docs, imports, constants, fields, helpers, configure, hooks = [], set(), [], [], [], [], []
+    for stage, text in zip(stages, modules):
+        doc = _section(text, "The code below is a complete ", '"""\n')
+        docs.append(f"**{stage.capitalize()} stage.** " + doc.split("example to start from. ", 1)[1].strip())
+        imports.update(n.strip() for n in _section(text, "from trl_plugins import ", "\n").split(","))
+        constants.append(_section(text, imports_line(text), "@dataclass").strip())
+        body = _section(text, f"class {names.options_cls}(PluginOptions):\n", "\n\n\n")
+        fields.append(body.split('"""', 2)[2].strip("\n"))
+        helpers.append(_section(text, body + "\n\n\n", f"class {names.cls}(Plugin):").strip())
+        class_hooks = text.split(f"    Options = {names.options_cls}\n", 1)[1]
+        for block in re.split(r"\n(?=    @hookimpl\n)", class_hooks):
+            if "def trl_plugins_configure(" in block:
+                configure.append(block.split(") -> None:\n", 1)[1].rstrip())
+            elif block.strip():
+                hooks.append(block.rstrip())
+    stage_text = ", ".join(stages)
+    merged_configure = (
+        "    @hookimpl\n    def trl_plugins_configure(self, trainer, args) -> None:\n" + "\n".join(configure) + "\n\n"
+        if configure else ""
+    )
+    parts = [
+        f'"""{names.name}: <one line on what your method does> (<paper title>, arXiv:0000.00000).\n\n'
+        f"<Describe the method here, top to bottom: this docstring is the \"Method\" section of `trl-plugins show "
+        f"{names.name}`\nand of generated docs pages. State the defaults the paper gives and the details it leaves "
+        "open.>\n\n" + textwrap.fill(
+            f"The code below is a complete example with hooks at several stages ({stage_text}), one class, to start "
+            "from. Each stage's part is the single-stage example of `trl-plugins new --stage <stage>`; its defaults "
+            "are its neutral setting, so the plugin as a whole changes nothing until an option is set.", 115)
+        + "\n\n" + "\n\n".join(docs) + '\n"""\n\n',
+        "from __future__ import annotations\n\nfrom dataclasses import dataclass\n\nimport torch\n"
+        "from trl_plugins import (\n" + "".join(f"    {n},\n" for n in sorted(imports)) + ")\n",
+        *["\n" + c + "\n" for c in constants if c],
+        f"\n@dataclass\nclass {names.options_cls}(PluginOptions):\n"
+        f'    """Options of ``{names.name}`` (``plugin_config: {{{names.name}: {{...}}}}``), validated when the trainer '
+        'is built."""\n\n' + "\n".join(fields) + "\n\n",
+        *[f"\n{h}\n\n" for h in helpers],
+        f"\nclass {names.cls}(Plugin):\n    \"\"\"Template example with hooks at the {stage_text} stages.\"\"\"\n\n"
+        f'    name = "{names.name}"\n    version = "0.1.0"\n    paper = "<paper title>, arXiv:0000.00000"\n'
+        f'    summary = "Template example with hooks at the {stage_text} stages."\n    Options = {names.options_cls}\n\n'
+        + merged_configure + "\n\n".join(hooks) + "\n",
+    ]
+    return "".join(parts)
+
+
+def imports_line(text: str) -> str:
+    """The line of a template module that imports from trl_plugins (the module constants follow it)."""
+    start = text.index("from trl_plugins import ")
+    return text[start : text.index("\n", start) + 1]
+
+
 def scaffold(
-    name: str, directory: str | Path | None = None, stage: str = DEFAULT_STAGE, *, check_taken: bool = True
+    name: str, directory: str | Path | None = None, stage: str | Sequence[str] = DEFAULT_STAGE, *,
+    check_taken: bool = True,
 ) -> Path:
     """Write the package for plugin ``name`` into ``directory`` (default ``./trl-plugins-<name>``).
 
-    Refuses an invalid name, a name an available plugin already uses (``check_taken``), and a directory that
-    exists and is not empty. Returns the package directory.
+    ``stage``: one stage or several (see :func:`render`). Refuses an invalid name, a name an available plugin
+    already uses (``check_taken``), and a directory that exists and is not empty. Returns the package directory.
     """
     names = PackageNames.from_name(name)
     if check_taken:
@@ -153,13 +241,13 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "${dist}"
 version = "0.1.0"
-description = "${name}: a trl-plugins plugin (${stage} stage) for TRL's GRPOTrainer"
+description = "${name}: a trl-plugins plugin (${stage} ${stage_word}) for TRL's GRPOTrainer"
 readme = "README.md"
 requires-python = ">=3.10"
 dependencies = ["trl-plugins>=${version}"]
 
 [project.optional-dependencies]
-test = ["pytest>=8"]
+test = ["pytest>=8", "hypothesis>=6"]  # what tests/ imports: pip install -e ".[test]"
 
 # This line is what makes `plugins: [${name}]` work once the package is installed.
 [project.entry-points.trl_plugins]
@@ -194,13 +282,13 @@ _README = '''\
 # ${dist}
 
 `${name}` is a [trl-plugins](https://pypi.org/project/trl-plugins/) plugin for TRL's `GRPOTrainer`, at the
-**${stage}** stage. It was generated by `trl-plugins new ${name} --stage ${stage}`. The code in
+**${stage}** ${stage_word}. It was generated by `trl-plugins new ${name} ${stage_flags}`. The code in
 `src/${package}/plugin.py` is a working example to replace with your method.
 
 ## Install, test, run
 
 ```bash
-pip install -e .                              # registers `${name}` under the `trl_plugins` entry points
+pip install -e ".[test]"                      # registers `${name}` under the `trl_plugins` entry points
 python -m pytest                              # the tests in tests/ (uses trl_plugins.testing)
 trl-plugins list                              # ${name} is listed with its distribution, ${dist}
 trl-plugins train examples/stacked.yaml       # a short run of ${name} stacked with the built-in `canon`
@@ -211,7 +299,7 @@ trl-plugins train examples/stacked.yaml       # a short run of ${name} stacked w
 ```python
 from trl_plugins import PluginGRPOConfig, PluginGRPOTrainer
 
-args = PluginGRPOConfig(output_dir="out", plugins=["${name}", "canon"],
+args = PluginGRPOConfig(output_dir="out", plugins=["canon", "${name}"],
                         plugin_config={"${name}": {...}})   # its options: `trl-plugins show ${name}`
 trainer = PluginGRPOTrainer(model=..., reward_funcs=..., args=args, train_dataset=...)
 ```
@@ -222,6 +310,7 @@ trainer = PluginGRPOTrainer(model=..., reward_funcs=..., args=args, train_datase
 - Give every option a `help` text, and mark details the paper does not state with `reconstructed=True`.
 - Keep a neutral setting (the method switched off) and its test against `trl.GRPOTrainer`
   (`assert_reduces_to_vanilla` in `tests/test_${name}.py`).
+- `trl-plugins docs --plugin ${name}` writes its reference page (`docs/plugins/${name}.md`) from the code.
 - `python -m build` then `twine upload dist/*`.
 '''
 
@@ -245,7 +334,7 @@ logging_steps: 1
 report_to: none
 save_strategy: "no"
 loss_type: dr_grpo
-plugins: [${name}, canon]
+plugins: [canon, ${name}]   # canon recomputes the advantages from the rewards: it runs first in that chain
 plugin_config:
   ${name}: ${active_yaml}
 '''
@@ -565,10 +654,13 @@ _PLUGINS = {
 # ------------------------------------------------------------------------------------------------ tests
 _TESTS_HEAD = '''\
 """Tests of ${name}, written with the trl-plugins testing kit (``trl_plugins.testing``; conftest.py enables
-its fixtures). They run offline on a CPU in well under a minute: a tiny Llama and the bundled arithmetic tasks."""
+its fixtures; reference: the kit's page docs/testing-kit.md in trl-plugins) and hypothesis for property tests of
+the method's math. They run offline on a CPU in well under a minute: a tiny Llama and the bundled arithmetic tasks."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trl_plugins import PluginConfigError, available_plugins
 from trl_plugins.testing import assert_reduces_to_vanilla, build_stack, digit_fraction_reward, run_hook
 
@@ -582,7 +674,7 @@ def test_registered_through_the_entry_point():
     cls = available_plugins()[NAME]
     assert cls is ${cls}
     assert cls.distribution().startswith("${dist} ")
-    assert cls.stages() == ["${stage}"]
+    assert cls.stages() == ${stages_list}
     assert "arXiv:" in cls.paper
 
 
@@ -608,7 +700,7 @@ def test_hook_on_a_hand_made_context():
 
     ctx = make_advantage_context([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0], num_generations=4)
     before = ctx.advantages.clone()  # TRL's group-normalised advantages
-    run_hook(NAME, "trl_plugins_transform_advantages", ctx, {NAME: {"positive_scale": 2.0, "negative_scale": 0.5}})
+    run_hook(NAME, "transform_advantages", ctx, options={"positive_scale": 2.0, "negative_scale": 0.5})
     torch.testing.assert_close(ctx.advantages, torch.where(before > 0, 2.0 * before, 0.5 * before))
     assert ctx.metrics[f"plugins/{NAME}/positive_fraction"] == [pytest.approx(4 / 8)]
     assert_group_sizes(ctx)
@@ -621,13 +713,24 @@ def test_neutral_setting_reduces_to_vanilla(tmp_path):
 
 
 def test_trains_stacked_with_a_builtin(make_trainer):
-    trainer = make_trainer(plugins=[NAME, "canon"], plugin_config={NAME: {"positive_scale": 1.5}},
+    trainer = make_trainer(plugins=["canon", NAME], plugin_config={NAME: {"positive_scale": 1.5}},
                            reward_funcs=[digit_fraction_reward], loss_type="dr_grpo", max_steps=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = _merged_logs(trainer)
     assert f"plugins/{NAME}/positive_fraction" in logs and "plugins/canon/lam" in logs
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=1, max_size=16), st.floats(0, 3), st.floats(0, 3))
+def test_rescaling_keeps_signs_and_is_neutral_at_one(values, positive_scale, negative_scale):
+    from ${package}.plugin import rescale_advantages
+
+    a = torch.tensor(values)
+    out = rescale_advantages(a, positive_scale, negative_scale)
+    assert torch.all(out * a >= 0)  # never flips a sign
+    assert torch.equal(rescale_advantages(a, 1.0, 1.0), a)  # the neutral setting
 '''
 
 _TESTS_REWARD = '''\
@@ -645,7 +748,7 @@ def test_hook_on_a_hand_made_context():
     # group 0: one success out of 4 (rate 1/4); group 1: three out of 4 (rate 3/4); column 1 is left alone
     rewards = [[1.0, 7.0], [0.0, 7.0], [0.0, 7.0], [0.0, 7.0], [1.0, 7.0], [1.0, 7.0], [0.0, 7.0], [1.0, 7.0]]
     ctx = make_reward_context(rewards, num_generations=4)
-    run_hook(NAME, "trl_plugins_transform_rewards", ctx, {NAME: {"bonus": 1.0}})
+    run_hook(NAME, "transform_rewards", ctx, options={"bonus": 1.0})
     expected = torch.tensor([1.75, 0.0, 0.0, 0.0, 1.25, 1.25, 0.0, 1.25])
     torch.testing.assert_close(ctx.rewards_per_func[:, 0], expected)
     assert torch.equal(ctx.rewards_per_func[:, 1], torch.full((8,), 7.0))
@@ -660,13 +763,24 @@ def test_neutral_setting_reduces_to_vanilla(tmp_path):
 
 def test_trains_stacked_with_a_builtin(make_trainer):
     # a threshold every random completion passes, so the bonus applies on the untrained tiny model
-    trainer = make_trainer(plugins=[NAME, "canon"], plugin_config={NAME: {"bonus": 0.5, "success_threshold": -1.0}},
+    trainer = make_trainer(plugins=["canon", NAME], plugin_config={NAME: {"bonus": 0.5, "success_threshold": -1.0}},
                            reward_funcs=[digit_fraction_reward], loss_type="dr_grpo", max_steps=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = _merged_logs(trainer)
     assert f"plugins/{NAME}/mean_bonus" in logs and "plugins/canon/lam" in logs
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0]), min_size=4, max_size=4).map(lambda g: g * 2), st.floats(0, 2))
+def test_bonus_is_paid_to_successes_only_and_bounded(rewards, bonus):
+    from ${package}.plugin import rarity_bonus
+
+    r = torch.tensor(rewards)
+    extra = rarity_bonus(r, 4, bonus, 0.5)
+    assert torch.all(extra[r <= 0.5] == 0)  # failures get nothing
+    assert torch.all((extra >= 0) & (extra <= bonus + 1e-6))
 '''
 
 _TESTS_SAMPLING = '''\
@@ -689,7 +803,7 @@ def test_hook_on_a_hand_made_context():
     # max_completion_length=4: "abcd" and "wxyz" hit the limit; the stub service answers "ok"
     service = StubGenerationService(respond=lambda prompt, j: "ok")
     ctx = make_rollout_context([["abcd", "ab"], ["a", "wxyz"]], service=service)
-    run_hook(NAME, "trl_plugins_after_generation", ctx, {NAME: {"max_retries": 2}}, max_completion_length=4)
+    run_hook(NAME, "after_generation", ctx, options={"max_retries": 2}, max_completion_length=4)
     assert len(service.calls) == 1  # the second round found nothing left to retry (on any process)
     assert [len(prompts) for prompts in service.calls] == [2]
     assert ctx.changed == {0, 3}
@@ -710,7 +824,7 @@ def test_every_process_calls_the_service_equally():
         texts = [["ab", "ab"]] if rank == 0 else [["abcd", "ab"]]
         ctx = make_rollout_context(texts, service=StubGenerationService(respond=lambda p, j: "ok"),
                                    process_index=rank, gather=gather)
-        run_hook(stack, "trl_plugins_after_generation", ctx)
+        run_hook(stack, "after_generation", ctx)
         return ctx
 
     ranks = run_on_processes(2, process)
@@ -726,7 +840,7 @@ def test_neutral_setting_reduces_to_vanilla(tmp_path):
 
 def test_trains_stacked_with_a_builtin(make_trainer):
     # the untrained tiny model rarely stops before max_completion_length: most rows are re-generated
-    trainer = make_trainer(plugins=[NAME, "canon"], plugin_config={NAME: {"max_retries": 1}},
+    trainer = make_trainer(plugins=["canon", NAME], plugin_config={NAME: {"max_retries": 1}},
                            reward_funcs=[digit_fraction_reward], loss_type="dr_grpo", max_steps=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -734,6 +848,15 @@ def test_trains_stacked_with_a_builtin(make_trainer):
     assert f"plugins/{NAME}/retried_rows" in logs and "plugins/canon/lam" in logs
     assert logs["plugins/framework/extra_rollouts"] == logs[f"plugins/{NAME}/retried_rows"]
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), max_size=8), max_size=8), st.integers(1, 8))
+def test_length_limit_rows_are_exactly_the_full_ones(completion_ids, max_length):
+    from ${package}.plugin import hit_length_limit
+
+    rows = hit_length_limit(completion_ids, max_length)
+    assert rows == [i for i, ids in enumerate(completion_ids) if len(ids) >= max_length]
 '''
 
 _TESTS_LOSS = '''\
@@ -758,7 +881,7 @@ def test_hook_on_a_hand_made_context():
     entropies = torch.tensor([[1.0, 3.0, 2.0], [2.0, 2.0, 2.0]])  # mean 2
     ctx = make_loss_context(shape=(2, 3), entropies=entropies)
     base = loss_from_context(ctx)
-    run_hook(NAME, "trl_plugins_loss", ctx, {NAME: {"power": 2.0, "max_weight": 2.0}})
+    run_hook(NAME, "loss", ctx, options={"power": 2.0, "max_weight": 2.0})
     (weights,) = ctx.token_weights
     torch.testing.assert_close(weights, torch.tensor([[0.25, 2.0, 1.0], [1.0, 1.0, 1.0]]))  # 2.25 clamped to 2
     expected = (ctx.per_token_loss * weights * ctx.mask).sum() / ctx.mask.sum()  # loss_type="dapo"
@@ -773,13 +896,24 @@ def test_neutral_setting_reduces_to_vanilla(tmp_path):
 
 
 def test_trains_stacked_with_a_builtin(make_trainer):
-    trainer = make_trainer(plugins=[NAME, "canon"], plugin_config={NAME: {"power": 1.0}},
+    trainer = make_trainer(plugins=["canon", NAME], plugin_config={NAME: {"power": 1.0}},
                            reward_funcs=[digit_fraction_reward], loss_type="dr_grpo", max_steps=2)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = _merged_logs(trainer)
     assert f"plugins/{NAME}/mean_weight" in logs and "plugins/canon/lam" in logs
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.01, 5), min_size=6, max_size=6), st.floats(0, 3), st.floats(1, 5))
+def test_weights_are_positive_clamped_and_one_at_power_zero(entropies, power, max_weight):
+    from ${package}.plugin import entropy_weights
+
+    h, mask = torch.tensor(entropies).view(2, 3), torch.ones(2, 3)
+    w = entropy_weights(h, mask, power, max_weight)
+    assert torch.all((w > 0) & (w <= max_weight + 1e-6))
+    assert torch.equal(entropy_weights(h, mask, 0.0, max_weight), torch.ones(2, 3))
 '''
 
 _TESTS = {

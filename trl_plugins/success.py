@@ -105,6 +105,14 @@ def weighted_nansum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return (values * weights.to(values).unsqueeze(0)).nansum(dim=1)
 
 
+def combined_reward(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """(n,) TRL's combined reward as its advantages use it: :func:`weighted_nansum`, NaN where every column is NaN
+    (an unscorable row)."""
+    combined = weighted_nansum(values, weights)
+    combined[torch.isnan(values).all(dim=1)] = torch.nan
+    return combined
+
+
 @dataclasses.dataclass(frozen=True)
 class RewardColumns:
     """What the reward functions say about n candidate completions, column by column.

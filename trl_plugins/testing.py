@@ -1,12 +1,12 @@
 """Testing kit for plugin authors (and this project's own tests).
 
-Usable as a pytest plugin: put ``pytest_plugins = ["trl_plugins.testing"]`` in your top-level ``conftest.py``
+Reference with examples: ``docs/testing-kit.md``. Usable as a pytest plugin: put ``pytest_plugins = ["trl_plugins.testing"]`` in your top-level ``conftest.py``
 (or run ``pytest -p trl_plugins.testing``). It provides the fixtures ``tiny_tokenizer``, ``tiny_model``,
 ``tiny_dataset``, ``make_trainer`` and ``temporary_plugin``. Everything is built offline in seconds on a CPU: a
 character-level tokenizer, a tiny Llama and the bundled arithmetic tasks. Every helper also works without pytest.
 
 Training runs on the tiny model:
-    :func:`make_tiny_trainer` builds a ``PluginGRPOTrainer`` (or ``trl.GRPOTrainer``) on the tiny model.
+    :func:`make_tiny_trainer` builds a ``PluginGRPOTrainer`` (or ``trl.GRPOTrainer``) on the tiny model, quietly.
     :func:`record_run` trains a few steps and records, per generation batch and optimizer step, the
     completions, rewards, advantages, losses and gradients, so two runs can be compared exactly.
     :func:`assert_runs_equal` compares two such records.
@@ -18,7 +18,7 @@ Hand-made stage contexts for unit tests (no model, no trainer; stub services rec
     :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context` (their services are
     :func:`stub_services`: a :class:`CharTokenizer`, a one-process gather ...; keyword arguments replace any);
     :func:`build_stack` / :func:`run_hook` enable a plugin by name (options validated, ``configure`` called) and
-    call one of its hooks; :func:`loss_from_context` composes a loss context's contributions as the framework
+    call one of its hooks (``run_hook(name, "loss", ctx, options={...})``); :func:`loss_from_context` composes a loss context's contributions as the framework
     does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
 
 Stage-contract assertions (work on contexts, on a generation batch and on a :class:`RunRecord`):
@@ -49,6 +49,7 @@ from .contexts import (
     LossContext,
     PolicyStats,
     PromptContext,
+    RefillContext,
     RewardContext,
     RolloutContext,
     TEACHER_LOGPS_EXTRA,
@@ -130,11 +131,15 @@ def make_tiny_trainer(
     *,
     eval_dataset=None,
     peft_config=None,
+    verbose: bool = False,
     **config,
 ):
-    """A trainer on the tiny model and tasks. ``trainer_cls`` defaults to ``PluginGRPOTrainer``;
-    pass ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``).
-    ``config`` sets any (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``."""
+    """A trainer on the tiny model and tasks: the kit's one trainer helper (the ``make_trainer`` fixture is this
+    function with a per-test ``output_dir``). ``trainer_cls`` defaults to ``PluginGRPOTrainer``; pass
+    ``trl.GRPOTrainer`` for the vanilla baseline (its config is then a plain ``GRPOConfig``). ``config`` sets any
+    (Plugin)GRPOConfig field, e.g. ``plugins=[...]``, ``loss_type="dapo"``, ``max_steps=3``. Quiet: the metrics of
+    each step are in ``trainer.state.log_history``, not printed (``verbose=True`` prints them as TRL does)."""
+    from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from .trainer import PluginGRPOTrainer
@@ -144,7 +149,7 @@ def make_tiny_trainer(
     model = model if model is not None else tiny_model(tokenizer, seed=seed)
     config_cls = GRPOConfig if trainer_cls is GRPOTrainer else None
     args = tiny_config(config_cls=config_cls, seed=seed, **config)
-    return trainer_cls(
+    trainer = trainer_cls(
         model=model,
         reward_funcs=reward_funcs if reward_funcs is not None else default_reward_funcs(),
         args=args,
@@ -153,6 +158,9 @@ def make_tiny_trainer(
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    if not verbose:
+        trainer.remove_callback(PrinterCallback)  # TRL prints every step's whole metrics dict with disable_tqdm
+    return trainer
 
 
 @dataclass
@@ -832,6 +840,7 @@ def make_advantage_context(
     mode: str = "train",
     run: RunInfo | None = None,
     prompt_ids: Sequence[Sequence[int]] | None = None,
+    prompt_keys: Any = None,
     **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
@@ -847,6 +856,7 @@ def make_advantage_context(
         run: what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
         prompt_ids: ``ctx.local_prompt_ids`` (N lists); default each group's question of :func:`stub_rows`, as
             characters.
+        prompt_keys: (N // G,) one key per group (groups a refill plugin repeated share one); default None.
 
     ``ctx.metrics`` records the metrics the plugin logs.
     """
@@ -886,10 +896,64 @@ def make_advantage_context(
                           [char_encode(prompt_text(r["prompt"])) for r in stub_rows(N // G, G)]),
         local_completion_mask=stats.mask,
         mode=mode,
+        prompt_keys=None if prompt_keys is None else torch.as_tensor(prompt_keys, dtype=torch.long),
         services=stub_services(metrics, run=run, policy_stats=policy_stats_fn, completion_mask=lambda: stats.mask,
                                **services),
     )
     ctx.metrics, ctx.policy_stats_calls = metrics, policy_stats_calls
+    return ctx
+
+
+def make_refill_context(
+    rewards_per_func: Any,
+    *,
+    num_generations: int,
+    reward_weights: Sequence[float] | None = None,
+    round: int = 0,
+    max_refill_rounds: int = 9,
+    fresh: Any = None,
+    prompt_keys: Any = None,
+    step: int = 0,
+    run: RunInfo | None = None,
+    **services: Any,
+) -> RefillContext:
+    """A :class:`~trl_plugins.contexts.RefillContext` over a whole batch (what every process sees).
+
+    Args:
+        rewards_per_func: (N, K) reward-function values, or (N,) for one column.
+        reward_weights: (K,) TRL's weights; default 1.0 each. ``ctx.rewards`` is their weighted nansum.
+        fresh: (S,) groups generated in this round; default all. ``prompt_keys``: (S,); default ``arange(S)``.
+        run: what ``ctx.run`` gives (its ``reward_func_names`` / ``placeholder_columns`` drive ``ctx.success``).
+
+    After the hook: ``ctx.rejected`` (S,) bool, ``ctx.replacements`` (what the plugin asked for), ``ctx.metrics``.
+    """
+    from .success import combined_reward
+
+    values = _as_matrix(rewards_per_func).float().clone()
+    N, K = values.shape
+    G = num_generations
+    if N % G:
+        raise ValueError(f"make_refill_context: {N} rows are not whole groups of {G}.")
+    S = N // G
+    weights = torch.ones(K) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    combined = combined_reward(values, weights)
+    idx = torch.arange(N)
+    metrics = MetricsRecorder()
+    ctx = RefillContext(
+        rewards_per_func=values,
+        rewards=combined,
+        group_ids=idx // G,
+        index_in_group=idx % G,
+        num_generations=G,
+        round=round,
+        max_refill_rounds=max_refill_rounds,
+        fresh=torch.ones(S, dtype=torch.bool) if fresh is None else torch.as_tensor(fresh, dtype=torch.bool),
+        prompt_keys=torch.arange(S) if prompt_keys is None else torch.as_tensor(prompt_keys, dtype=torch.long),
+        rejected=torch.zeros(S, dtype=torch.bool),
+        step=step,
+        services=stub_services(metrics, run=run, **services),
+    )
+    ctx.metrics = metrics
     return ctx
 
 
@@ -1089,16 +1153,54 @@ def build_stack(
     return stack
 
 
+def hook_name(hook: str) -> str:
+    """The full hook name for ``hook``, which may omit the ``trl_plugins_`` prefix (``"loss"``,
+    ``"transform_advantages"``); an unknown name is refused with the closest hooks."""
+    from .errors import suggest
+    from .hookspecs import HOOK_STAGES
+
+    full = hook if hook.startswith("trl_plugins_") else f"trl_plugins_{hook}"
+    if full not in HOOK_STAGES:
+        short = [h[len("trl_plugins_"):] for h in HOOK_STAGES]
+        raise PluginError(f"Unknown hook {hook!r}.{suggest(full, HOOK_STAGES) or suggest(hook, short)} Hooks: "
+                          f"{', '.join(short)} (with or without the trl_plugins_ prefix).")
+    return full
+
+
 def run_hook(
     plugins: str | type[Plugin] | Sequence[str | type[Plugin]] | PluginStack,
     hook: str,
     ctx: Any,
     plugin_config: Mapping[str, Mapping[str, Any]] | None = None,
+    *,
+    options: Mapping[str, Any] | None = None,
     **config: Any,
 ) -> Any:
-    """Call ``hook`` (e.g. ``"trl_plugins_transform_advantages"``) of the enabled plugins on ``ctx``, in order,
-    exactly as the trainer does (the context knows which plugin is active, so metrics get its name), and return
-    ``ctx``. ``plugins`` is a stack from :func:`build_stack` or what :func:`build_stack` takes."""
+    """Call ``hook`` of the enabled plugins on ``ctx``, in order, exactly as the trainer does (the context knows
+    which plugin is active, so metrics get its name), and return ``ctx``.
+
+    Args:
+        plugins: a plugin name or class, several, or a stack from :func:`build_stack`.
+        hook: the hook, with or without its ``trl_plugins_`` prefix: ``"transform_advantages"``, ``"loss"`` ...
+        ctx: a context from ``make_*_context``.
+        plugin_config: options keyed by plugin name, as in ``PluginGRPOConfig``.
+        options: shorthand for one plugin: its options (``options={"kappa": 0.1}`` is
+            ``plugin_config={name: {"kappa": 0.1}}``).
+        config: ``PluginGRPOConfig`` fields of the run the plugins are configured with (``max_completion_length=4``).
+
+    Example::
+
+        ctx = run_hook("my_method", "transform_advantages", make_advantage_context([1, 0, 0, 1]),
+                       options={"scale": 2.0})
+    """
+    hook = hook_name(hook)
+    if options is not None:
+        if isinstance(plugins, PluginStack) or not isinstance(plugins, (str, type)):
+            raise PluginError("run_hook: options= is for one plugin given by name or class; use plugin_config= "
+                              "({name: {...}}) for several plugins or a built stack.")
+        if plugin_config:
+            raise PluginError("run_hook: give either options= or plugin_config=, not both.")
+        plugin_config = {_resolve_plugin(plugins)[0]: dict(options)}
     stack = plugins if isinstance(plugins, PluginStack) else build_stack(plugins, plugin_config, **config)
     stack.call(hook, ctx)
     return ctx
@@ -1324,11 +1426,8 @@ if pytest is not None:
 
     @pytest.fixture(name="make_trainer")
     def _make_trainer_fixture(tmp_path):
-        def factory(**kwargs):
-            kwargs.setdefault("output_dir", str(tmp_path / "out"))
-            return make_tiny_trainer(**kwargs)
-
-        return factory
+        """:func:`make_tiny_trainer` with ``output_dir`` in the test's temporary directory."""
+        return functools.partial(make_tiny_trainer, output_dir=str(tmp_path / "out"))
 
     @pytest.fixture(name="temporary_plugin")
     def _temporary_plugin_fixture():

@@ -39,6 +39,12 @@ class TrainScriptArguments:
     )
     task_levels: list[int] = field(default_factory=lambda: [1, 2], metadata={"help": "Levels of the built-in tasks."})
     task_size: int = field(default=512, metadata={"help": "Number of built-in training problems."})
+    verbose: bool = field(
+        default=False,
+        metadata={"help": "Print every logging step's whole metrics dict (TRL's console output) above the progress "
+                  "bar. Without it the console shows a progress bar with the headline metrics and a closing "
+                  "summary; every metric still goes to report_to and <output_dir>/metrics.jsonl."},
+    )
 
 
 def load_reward_funcs(names: list[str]) -> list:
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+    from .console import install
+
+    install(trainer, verbose=script_args.verbose)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")

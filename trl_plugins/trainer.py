@@ -7,7 +7,7 @@ identical to ``trl.GRPOTrainer`` (``tests/test_reduction.py``).
 Where each stage runs inside TRL 1.16's ``_generate_and_score_completions``:
 
 * sampling: ``_generate`` (per-row generation prompts, then after-generation edits with the generation
-  service), before TRL pads, computes old/ref log-probs and scores;
+  service, then the refill rounds of :mod:`trl_plugins.refill`), before TRL pads, computes old/ref log-probs and scores;
 * reward: ``_calculate_rewards`` (after TRL gathers the reward matrix, before it computes advantages);
 * advantage: after TRL's method returns (global advantages recomputed from the gathered batch, sliced back);
 * loss: ``_compute_loss`` (:func:`trl_plugins.loss.compute_loss_with_plugins`).
@@ -58,6 +58,7 @@ from .generation import SCORING_FAILED, GenerationService
 from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
+from .refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices
 from .success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
@@ -77,6 +78,7 @@ class _BatchState:
     annotations: list[dict] | None = None
     rewards_per_func: torch.Tensor | None = None
     policy_stats: dict = field(default_factory=dict)
+    refill: Any = None  # the RefillOutcome of this batch (refill plugins only)
 
 
 class _StepEndCallback(TrainerCallback):
@@ -128,6 +130,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
         stack.check_loss_type(self.loss_type)
+        #: The refill stage (plugins rejecting whole groups: ``trl_plugins_reject_groups``), else None.
+        self.refill_stage: RefillStage | None = RefillStage(self) if stack.has(REJECT_HOOK) else None
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -226,6 +230,15 @@ class PluginGRPOTrainer(GRPOTrainer):
         return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
 
     def _generate(self, prompts: list):
+        """The sampling stage (:meth:`_generate_sampling_stage`), then the refill rounds when a plugin rejects groups
+        (:mod:`trl_plugins.refill`; edits TRL's ``inputs`` and ``prompts`` lists in place for replaced rows)."""
+        generated = self._generate_sampling_stage(prompts)
+        state = self._pbatch
+        if self.refill_stage is not None and state is not None and state.mode == "train":
+            generated, state.refill = self.refill_stage.run(state, prompts, generated)
+        return generated
+
+    def _generate_sampling_stage(self, prompts: list):
         """TRL's ``_generate`` with the sampling stage: prompt hooks, generation, after-generation hooks.
 
         Steps: :meth:`_run_prompt_hooks` (per-row generation/training prompts, deferred rows),
@@ -461,10 +474,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             return [{"role": "assistant", "content": text}]
         return text
 
-    def _score_locally(self, rows: list[dict], prompts: list, completions: list) -> RewardColumns:
+    def _score_locally(
+        self, rows: list[dict], prompts: list, completions: list, completion_ids: list[list[int]] | None = None
+    ) -> RewardColumns:
         """Every reward function's value for candidate completions on this process only (no gather, no logging):
         the (n, K) matrix, NaN where a function returned None and in placeholder columns (filled at the reward stage,
-        so not run here); ``RolloutContext.score`` takes TRL's weighted nansum of it."""
+        so not run here); ``RolloutContext.score`` takes TRL's weighted nansum of it. ``completion_ids``: the rows'
+        generated ids (default: the completions re-tokenized)."""
         device = self.accelerator.device
         placeholders = tuple(is_placeholder(f) for f in self.reward_funcs)
         if not rows:
@@ -473,12 +489,13 @@ class PluginGRPOTrainer(GRPOTrainer):
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "completion_ids")]
         kwargs = {k: [r[k] for r in rows] for k in keys}
         kwargs.update(trainer_state=self.state, log_extra=lambda *a, **k: None, log_metric=lambda *a, **k: None)
-        completion_ids = [
-            self.processing_class(text=c if isinstance(c, str) else c[-1]["content"], add_special_tokens=False)[
-                "input_ids"
+        if completion_ids is None:
+            completion_ids = [
+                self.processing_class(text=c if isinstance(c, str) else c[-1]["content"], add_special_tokens=False)[
+                    "input_ids"
+                ]
+                for c in completions
             ]
-            for c in completions
-        ]
         columns = []
         for func, proc, placeholder in zip(self.reward_funcs, self.reward_processing_classes, placeholders):
             if placeholder:
@@ -505,8 +522,11 @@ class PluginGRPOTrainer(GRPOTrainer):
                              placeholders)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)
         state = self._pbatch
+        if state is not None and state.refill is not None:  # the refill stage scored the final batch already
+            rewards_per_func = state.refill.rewards_per_func
+        else:
+            rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)
         if state is None:
             return rewards_per_func
         if self.plugin_stack.has("trl_plugins_transform_rewards"):
@@ -567,6 +587,10 @@ class PluginGRPOTrainer(GRPOTrainer):
             output[OFFPOLICY_KEY] = offpolicy
         if self.plugin_stack.has("trl_plugins_transform_advantages"):
             output = self._run_advantage_stage(output, offpolicy)
+        if state.refill is not None and state.refill.zero_advantage_groups:  # refill_at_limit="zero_advantage"
+            output["advantages"] = zero_group_advantages(
+                output["advantages"], state.refill.zero_advantage_groups, self.num_generations, self._process_slice(B)
+            )
         return output
 
     def _run_advantage_stage(self, output: dict, offpolicy: torch.Tensor) -> dict:
@@ -602,6 +626,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             local_prompt_ids=[ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])],
             local_completion_mask=output["completion_mask"],
             mode=state.mode,
+            prompt_keys=None if state.refill is None else state.refill.prompt_keys,
             services=dataclasses.replace(
                 self.plugin_services,
                 policy_stats=functools.partial(self._policy_stats, output),
@@ -685,12 +710,16 @@ class PluginGRPOTrainer(GRPOTrainer):
     def plugin_state_dict(self) -> dict:
         """Resumable state of every plugin, plus the framework's rollout counter."""
         state = {"__framework__": {"generation_service": self.generation_service.state_dict()}}
+        if self.refill_stage is not None:
+            state["__framework__"]["refill"] = self.refill_stage.state_dict()
         for plugin, value in self.plugin_stack.call("trl_plugins_state_dict"):
             state[plugin.name] = value
         return state
 
     def load_plugin_state_dict(self, state: dict) -> None:
         self.generation_service.load_state_dict(state.get("__framework__", {}).get("generation_service", {}))
+        if self.refill_stage is not None:
+            self.refill_stage.load_state_dict(state.get("__framework__", {}).get("refill", {}))
         missing = []
         for plugin in self.plugin_stack.implementers("trl_plugins_load_state_dict"):
             if plugin.name in state:

@@ -228,7 +228,6 @@ def _configure(**overrides):
                args=args)
 
 
-@pytest.mark.filterwarnings("ignore:canon:UserWarning")
 def test_configure_refuses_other_loss_types_and_warns():
     refused = "'disco' does not support loss_type='dapo'.*Use loss_type 'grpo'"
     with pytest.raises(IncompatiblePluginsError, match=refused):
@@ -237,8 +236,11 @@ def test_configure_refuses_other_loss_types_and_warns():
         _configure(beta=0.04)
     with pytest.warns(UserWarning, match="top_entropy_quantile"):
         _configure(top_entropy_quantile=0.2)
-    with pytest.warns(UserWarning, match=r"\['canon'\] run before disco, which overwrites"):
-        _configure(plugins=["canon", "disco"], loss_type="grpo")
+    # an advantage transform listed before disco would be overwritten: the stack runs disco first, and says so
+    with pytest.warns(UserWarning, match=r"'disco' recomputes the advantages from scratch.*before 'hicra'"):
+        _configure(plugins=["hicra", "disco"], loss_type="grpo")
+    with pytest.raises(IncompatiblePluginsError, match=r"\['canon', 'disco'\] each recompute the advantages"):
+        build_plugins(["canon", "disco"])
 
 
 def test_refused_together_with_another_surrogate_replacer():

@@ -2,17 +2,22 @@
 group), GHPO keeps the last hinted group when no level succeeds, and the plugin reduces to vanilla GRPO when no group
 fails; Scaf-GRPO tiered hints."""
 
+import json
+
 import pytest
 
 from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.components.local_server import chat_response, serve_openai_compatible
+from trl_plugins.components.teacher import clear_shared_teachers
 from trl_plugins.testing import (
     StubGenerationService,
     assert_reduces_to_vanilla,
+    build_stack,
     make_rollout_context,
     run_on_processes,
     stub_rows,
 )
-from trl_plugins_builtin.hint_scaffold import tiered_levels
+from trl_plugins_builtin.hint_scaffold import parse_tiers, tiered_levels
 
 
 def accuracy(completions, answer, **kwargs):
@@ -148,3 +153,66 @@ def test_tiered_levels_agree_across_processes():
     (calls0, levels0), (calls1, levels1) = run_on_processes(2, work)
     assert calls0 == [2, 2, 2, 2] and calls1 == [2, 0, 0, 0]
     assert levels0 == ["solution:2"] * 2 and levels1 == ["knowledge:1"] * 2
+
+
+# ------------------------------------------------------------------------------------------ Scaf-GRPO teacher tiers
+def test_parse_tiers_keeps_the_requested_tiers_only():
+    answer = 'Sure: {"knowledge": ["K1", "K2"], "planning": "P1", "solution": [], "extra": ["X"]} done'
+    assert parse_tiers(answer, ["knowledge", "planning", "solution"]) == {"knowledge": ["K1", "K2"], "planning": ["P1"]}
+    assert parse_tiers("no json here", ["knowledge"]) == {}
+    assert parse_tiers("{not json}", ["knowledge"]) == {}
+
+
+def test_teacher_tiers_from_a_loopback_endpoint_once_per_problem():
+    requests = []
+
+    def handler(path, payload):
+        requests.append(payload["messages"][-1]["content"])
+        return chat_response(json.dumps({"knowledge": ["K1"], "planning": ["P1"], "solution": ["S1", "S2"]}))
+
+    def respond(prompt, j):
+        return "7." if "S1" in prompt[-1]["content"] else "no."
+
+    clear_shared_teachers()
+    try:
+        with serve_openai_compatible(handler) as url:
+            stack = build_stack("hint_scaffold", {"hint_scaffold": {
+                "hints": "tiered", "tiers_from": "teacher", "teacher_base_url": url, "teacher_max_retries": 0,
+                "replace": "one", "tiers": ["knowledge", "planning", "solution"]}})
+            rows = stub_rows(2, 2, answer=["7."] * 2, solution="3+4=7")
+            ctx = make_rollout_context([["1.", "2."], ["3.", "4."]], rows=rows,
+                                       service=StubGenerationService(respond), reward_funcs=[accuracy, formatted],
+                                       reward_weights=[1.0, 0.5])
+            stack.call("trl_plugins_after_generation", ctx)
+            assert len(requests) == 2 and "## Reference solution\n3+4=7" in requests[0]  # one request per problem
+            assert ctx.changed == {0, 2}
+            assert ctx.annotations[0]["hint_level"] == "solution:1"
+            assert ctx.training_prompts[0][-1]["content"].endswith("Hint:\nK1\nP1\nS1")
+            ctx2 = make_rollout_context([["1.", "2."], ["3.", "4."]], rows=rows, service=StubGenerationService(respond),
+                                        reward_funcs=[accuracy, formatted])
+            stack.call("trl_plugins_after_generation", ctx2)
+            assert len(requests) == 2  # the tiers are kept for the rest of the run
+        state = stack.plugins[0].trl_plugins_state_dict()
+        assert state["teacher_tiers"][ctx.prompts[0][-1]["content"]]["solution"] == ["S1", "S2"]
+    finally:
+        clear_shared_teachers()
+
+
+def test_teacher_without_usable_tiers_leaves_the_group_and_reports_it():
+    clear_shared_teachers()
+    try:
+        with serve_openai_compatible(lambda path, payload: chat_response("I cannot help.")) as url:
+            stack = build_stack("hint_scaffold", {"hint_scaffold": {
+                "hints": "tiered", "tiers_from": "teacher", "teacher_base_url": url, "teacher_max_retries": 0}})
+            ctx = _tiered_ctx([["1.", "2."]], [None], lambda prompt, j: "7.")
+            with pytest.warns(RuntimeWarning, match="no usable tiers"):
+                stack.call("trl_plugins_after_generation", ctx)
+        assert not ctx.changed and ctx.service.calls == []
+        assert ctx.metrics["plugins/hint_scaffold/fallback_teacher_tiers_invalid"] == [1.0]
+    finally:
+        clear_shared_teachers()
+
+
+def test_teacher_tiers_need_an_endpoint_url():
+    with pytest.raises(PluginConfigError, match="teacher_base_url"):
+        build_plugins(["hint_scaffold"], {"hint_scaffold": {"hints": "tiered", "tiers_from": "teacher"}})

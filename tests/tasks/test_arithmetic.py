@@ -137,7 +137,7 @@ def test_train_and_test_splits_never_share_a_problem():
 
 def test_dataset_rejects_bad_levels():
     with pytest.raises(ValueError, match="unknown level"):
-        make_dataset(2, levels=(0,))
+        make_dataset(2, levels=(6,))
     with pytest.raises(ValueError):
         make_dataset(2, levels=())
 

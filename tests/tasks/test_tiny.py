@@ -238,15 +238,19 @@ def test_generation_helpers_on_a_real_model(tokenizer):
 # ------------------------------------------------------------------------------------------------- demo model
 
 
-def test_demo_model_caches_by_settings(tmp_path):
+def test_demo_model_caches_by_settings(tmp_path, capsys):
     small = dataclasses.replace(
         DemoSettings(), hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, warm_start_steps=3,
         warm_start_batch_size=4,
     )
-    model, tok = demo_model(tmp_path, small)
-    entries = list(tmp_path.iterdir())
+    model, tok = demo_model(tmp_path, small, progress=True)
+    err = capsys.readouterr().err
+    assert "[builtin:tiny] first use: warm-starting the tiny model into" in err and "once per machine" in err
+    assert "warm-starting builtin:tiny" in err and "3/3" in err  # the progress bar ran to the end
+    entries = [e for e in tmp_path.iterdir() if not e.name.startswith(".")]  # (and the lock file)
     assert [e.name for e in entries] == [f"tiny-{small.cache_key()}"]
-    again, tok2 = demo_model(tmp_path, small)  # loaded by path, not retrained
+    again, tok2 = demo_model(tmp_path, small, progress=True)  # loaded by path, not retrained
+    assert "first use" not in capsys.readouterr().err  # nothing to announce
     ids = torch.tensor([tok("<|user|>Compute 1+2<|assistant|>")["input_ids"]])
     torch.testing.assert_close(model(input_ids=ids).logits, again(input_ids=ids).logits)
     assert tok2.chat_template == tok.chat_template

@@ -32,6 +32,7 @@ Difficulty levels (see :data:`LEVELS`); every intermediate value stays in ``0..9
 =====  =====  ===========================  ====================
 level  steps  ``+``/``-`` operand range     ``*`` operand range
 =====  =====  ===========================  ====================
+0      1      1..9                         2..9
 1      2      1..9                         2..9
 2      3      1..9                         2..9
 3      4      1..20                        2..9
@@ -67,6 +68,7 @@ __all__ = [
     "first_error_step",
     "hint",
     "in_split",
+    "FORMAT_INSTRUCTIONS",
     "make_dataset",
     "make_problem",
     "make_rubrics",
@@ -103,13 +105,14 @@ class LevelSpec:
 
 
 LEVELS: dict[int, LevelSpec] = {
+    0: LevelSpec(num_steps=1, max_operand=9),
     1: LevelSpec(num_steps=2, max_operand=9),
     2: LevelSpec(num_steps=3, max_operand=9),
     3: LevelSpec(num_steps=4, max_operand=20),
     4: LevelSpec(num_steps=5, max_operand=20),
     5: LevelSpec(num_steps=6, max_operand=30),
 }
-"""Difficulty levels 1..5 (see the module docstring)."""
+"""Difficulty levels 0..5 (see the module docstring)."""
 
 
 def apply_op(lhs: int, op: str, rhs: int) -> int:
@@ -136,7 +139,7 @@ class Problem:
         operators: the ``k`` operators, in order.
         steps: the ``k`` reference steps ``(lhs, op, rhs, result)``, evaluated left to right.
         answer: the value of the expression (the result of the last step).
-        level: the difficulty level it was drawn from (0 for hand-made problems).
+        level: the difficulty level it was drawn from (0 for hand-made problems, as for one-operation ones).
     """
 
     operands: list[int]
@@ -303,11 +306,23 @@ def make_rubrics(problem: Problem) -> list[dict[str, Any]]:
     return items
 
 
+FORMAT_INSTRUCTIONS: dict[str, str] = {
+    "lines": "Write one operation per line, like 3+4=7, then a last line 'Answer: N'.",
+    "example": "Show each operation on its own line, then give the result on a last line that starts with "
+               "'Answer:'. For example, for 3+4*2 you write:\n3+4=7\n7*2=14\nAnswer: 14",
+    "answer_only": "Reply with a single line of the form 'Answer: N'.",
+}
+"""Texts that ``make_dataset(..., instruction=name)`` appends to each question: the answer format spelled out for a
+pretrained chat model (``builtin:smollm2``), which has never seen this task. The tiny model learns the format from its
+warm start and gets the bare question."""
+
+
 def make_dataset(
     n: int,
     levels: Iterable[int] = (1, 2),
     seed: int = 0,
     split: str | None = None,
+    instruction: str | None = None,
 ) -> Any:
     """A ``datasets.Dataset`` of ``n`` problems, levels cycling through ``levels``.
 
@@ -316,10 +331,14 @@ def make_dataset(
     :func:`make_rubrics`) and ``problem`` (JSON for :meth:`Problem.from_json`).
 
     ``split="train"``/``"test"`` keeps only problems of that hash split (:func:`in_split`), so a
-    training set and a held-out set never share a problem. The result is a function of the arguments.
+    training set and a held-out set never share a problem. ``instruction`` (a key of
+    :data:`FORMAT_INSTRUCTIONS`) appends that format instruction to every question, for pretrained chat models. The
+    result is a function of the arguments.
     """
     import datasets  # deferred: importing datasets is slow and not needed by the rest of the module
 
+    if instruction is not None and instruction not in FORMAT_INSTRUCTIONS:
+        raise ValueError(f"unknown instruction {instruction!r}; allowed: {sorted(FORMAT_INSTRUCTIONS)} or None")
     levels = tuple(levels)
     if not levels:
         raise ValueError("levels must name at least one level")
@@ -335,7 +354,8 @@ def make_dataset(
         if not in_split(problem, split):
             continue
         i += 1
-        rows["prompt"].append([{"role": "user", "content": problem.question}])
+        question = problem.question if instruction is None else f"{problem.question} {FORMAT_INSTRUCTIONS[instruction]}"
+        rows["prompt"].append([{"role": "user", "content": question}])
         rows["answer"].append(str(problem.answer))
         rows["solution"].append(problem.solution)
         rows["level"].append(level)

@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import string
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -254,12 +255,14 @@ def warm_start(
     warmup_steps: int = 20,
     informal_fraction: float | Mapping[int, float] = 0.0,
     log_every: int = 0,
+    progress: bool = False,
 ) -> PreTrainedModel:
     """Supervised fine-tuning on freshly drawn reference solutions (train split), in place.
 
     AdamW, linear warm-up over ``warmup_steps`` then cosine decay to 10 % of ``lr``; the loss covers
     only the assistant tokens (solution and ``<|end|>``). Deterministic given ``seed``. Returns
-    ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps.
+    ``model`` (in eval mode). ``log_every > 0`` prints the loss every that many steps; ``progress`` shows a
+    progress bar (steps, loss, time left) on stderr.
 
     ``informal_fraction`` of the targets (a number, or a number per level) end with an informal
     last line, ``"The answer is N."`` or ``"The result is N."`` (correct ``N``), instead of
@@ -289,6 +292,11 @@ def warm_start(
         progress = (step - warmup_steps) / max(1, steps - warmup_steps)
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="warm-starting builtin:tiny", unit="step", dynamic_ncols=True)
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -302,6 +310,12 @@ def warm_start(
         optimizer.step()
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(f"warm_start step {step:4d} loss {loss.item():.4f}", flush=True)
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0 or step == steps - 1:
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
     model.eval()
     return model
 
@@ -494,20 +508,40 @@ _CACHE_VERSION = 1  # bump when the tokenizer, model or warm start changes meani
 
 
 def demo_model(
-    cache_dir: str | Path | None = None, settings: DemoSettings | None = None, verbose: bool = False
+    cache_dir: str | Path | None = None, settings: DemoSettings | None = None, verbose: bool = False,
+    progress: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """The warm-started tiny model and its tokenizer, cached on disk under ``cache_dir``.
 
-    The cache entry is ``cache_dir/tiny-<settings.cache_key()>`` (written atomically); a later call
-    with the same settings loads it by path instead of training. ``cache_dir=None`` disables caching.
+    The cache entry is ``cache_dir/tiny-<settings.cache_key()>`` (written atomically, under a file lock so that
+    processes started together warm it up once); a later call with the same settings loads it by path instead of
+    training. ``builtin:tiny`` (the demo, ``trl-plugins train``, ``compare``, the trainer) uses the per-user cache
+    folder (:func:`trl_plugins.models.cache_root`), so it is warm-started once per machine. ``cache_dir=None``
+    disables caching. ``progress`` announces a first-use warm-up and shows a progress bar on stderr; ``verbose``
+    prints the loss every 50 steps instead.
     """
     settings = settings or DemoSettings()
     target = Path(cache_dir).expanduser() / f"tiny-{settings.cache_key()}" if cache_dir is not None else None
+    if target is not None and not (target / "config.json").exists():
+        from ..models import _locked
+
+        with _locked(target.parent / f".{target.name}.lock"):
+            return _build_or_load(target, settings, verbose, progress)
+    return _build_or_load(target, settings, verbose, progress)
+
+
+def _build_or_load(
+    target: Path | None, settings: DemoSettings, verbose: bool, progress: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     if target is not None and (target / "config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(target)
         model = AutoModelForCausalLM.from_pretrained(target)
         model.eval()
         return model, tokenizer
+    if progress:
+        where = f"into {target} (once per machine; later runs load it)" if target is not None else "(not cached)"
+        print(f"[builtin:tiny] first use: warm-starting the tiny model {where}; a few minutes on a CPU.",
+              file=sys.stderr, flush=True)
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(
@@ -529,6 +563,7 @@ def demo_model(
         batch_size=settings.warm_start_batch_size,
         informal_fraction=settings.warm_start_informal_fraction,
         log_every=50 if verbose else 0,
+        progress=progress and not verbose,
     )
     if verbose:
         print(f"warm start took {time.perf_counter() - start:.1f}s", flush=True)

@@ -1,0 +1,392 @@
+"""Replay — per-prompt replay of the policy's own successful rollouts into groups that fail (SPEAR, RAPO).
+
+Two papers, one mechanism. **RAPO** (Fathom-DeepResearch, arXiv:2509.24107) keeps a replay buffer per prompt and
+injects the latest successful rollout of a prompt into a later group of that prompt in which every rollout failed,
+which restores the group's reward variance (GRPO's advantages vanish in an all-fail group). **SPEAR** ("Learn the
+Ropes, Then Trust the Wins", arXiv:2509.22601) is self-imitation learning: a buffer of the agent's own good
+trajectories, replayed off-policy, with a staleness limit and a recalibrated advantage. This plugin is RAPO's
+per-prompt splice with SPEAR's staleness limit and advantage treatments as options::
+
+    success(row)  = verifier column of the row > success_threshold        (trl_plugins.success's rule)
+    store         after generation: the successful rows the policy sampled itself under the prompt (no off-policy
+                  token, no prompt swap, not a replay), newest last, at most buffer_size per prompt
+    evict         entries older than max_age_steps optimizer steps (None: kept until pushed out)
+    splice        a group with no success whose prompt has a stored entry: slot replace_index gets the entry
+                  (pick='latest': the newest one), annotated ``replayed``; the group keeps exactly G rows
+    provenance    replay_tokens='offpolicy': every replayed token is off-policy, trained through the shaped branch
+                  -A p/(p+gamma) (LUFFY; gamma = offpolicy_shaping_gamma); 'policy': trained like the group's own
+                  rows. Either way its sampling log-probs are NaN (not sampled in this step), so TRL's vLLM
+                  importance-sampling correction leaves the row alone
+    advantage     'group' (RAPO): TRL's own group advantage, the replayed row counted as a group member.
+                  'spear_baseline' (SPEAR's default recalibration): A_replay = max(0, r - p50(mu)) where mu are the
+                  mean rewards of the last baseline_groups groups (divided by p50(sigma) + 1e-6 when scale_rewards
+                  is not 'none'); the group's own rows get the advantage they would have had without the replay.
+                  'spear_decay': A_replay = (advantage the row had when it was stored) * advantage_decay, the own
+                  rows as in 'spear_baseline'.
+    coefficient   A_replay *= replay_coef * ramp(step), ramp = (1 - cos(pi * min(step / warmup, 1))) / 2
+                  (replay_coef_warmup_steps = 0: ramp = 1). The loss of a row is linear in its advantage on both
+                  branches, so this scales the replayed row's loss, as SPEAR's replay_loss_coef does.
+
+Facts from SPEAR's official code (TrajectoryBufferBatch in its verl recipe): stored rows are those with a positive
+advantage; rows more than trajectory_tolerate_steps (5 to 10 in the scripts, capped at 10) older than the newest are
+dropped; the baseline history keeps per-group reward means and stds of the last baseline_buffer_size = 10240
+groups; recalibrated advantages are ``r - p50`` (``/ (p50_std + 1e-6)`` with std normalisation) and negative ones
+are dropped (here: set to 0, the row stays in its group); the decay variant multiplies the stored advantage
+(weight_decay_trajectory_replay in (0, 1]); replay_loss_coef = 1 ramps up over max_replay_loss_steps = 200 steps
+with a cosine schedule. SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
+behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
+framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no
+training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
+reconstructed.
+RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
+
+Multi-process: the buffers are **global and identical on every process**. Success flags and prompt keys of all rows
+are gathered (one collective), the token ids of the rows to store too (two collectives, only in steps that store
+something, decided from the gathered flags); every process then applies the same updates. A rollout of prompt p is
+therefore replayable in any later group of p whichever process holds it, the checkpoint written by the main process
+holds every buffer, and a run resumed on another number of processes sees the same buffers.
+
+Neutral setting: ``max_age_steps=0`` (every entry expires before a later step could replay it) leaves every row and
+advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_group_fraction``, ``stored_rollouts``,
+``buffer_prompts``, ``buffer_rollouts``, ``replay_age`` (steps since the replayed rollout was stored),
+``replay_advantage`` (mean advantage of the replayed rows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.collectives import gather_id_lists
+from trl_plugins.contexts import context_device
+from trl_plugins.success import SuccessOptions
+
+#: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
+REPLAYED = "replayed"
+REPLAY_STEP = "replay_stored_step"
+REPLAY_ADVANTAGE = "replay_stored_advantage"
+#: TRL's epsilon in its group-std normalisation, and SPEAR's in its recalibration.
+TRL_STD_EPS = 1e-4
+SPEAR_STD_EPS = 1e-6
+
+
+@dataclass
+class ReplayOptions(SuccessOptions):
+    buffer_size: int = option(
+        1, min=1, help="Successful rollouts kept per prompt, newest last (RAPO: the latest success, 1)."
+    )
+    max_age_steps: int | None = option(
+        None, min=0,
+        help="Staleness limit: a stored rollout older than this many optimizer steps is evicted (SPEAR official: "
+        "trajectory_tolerate_steps, 5 to 10); None = kept until newer successes push it out (RAPO states no limit); "
+        "0 = never replayed (neutral setting).",
+    )
+    pick: Literal["latest", "random"] = option(
+        "latest",
+        help="Which stored rollout of the prompt is replayed: the newest (RAPO) or one drawn uniformly (seeded by the "
+        "run's seed, the step and the group).",
+        reconstructed=True,
+    )
+    replace_index: int = option(
+        0, min=0, help="Slot of the all-fail group that receives the replayed rollout (every slot failed).",
+        reconstructed=True,
+    )
+    key_column: str | None = option(
+        None, help="Dataset column identifying a prompt (e.g. an id); None = the prompt itself."
+    )
+    replay_tokens: Literal["offpolicy", "policy"] = option(
+        "offpolicy",
+        help="'offpolicy': replayed tokens take the shaped off-policy branch -A p/(p+gamma) (LUFFY); 'policy': they "
+        "train like the group's own rows (TRL's clipped ratio, old log-probs recomputed now: RAPO's in-group "
+        "treatment as we read it). Sampling log-probs are NaN either way.",
+        reconstructed=True,
+    )
+    advantage: Literal["group", "spear_baseline", "spear_decay"] = option(
+        "group",
+        help="'group': TRL's group advantage with the replayed row as a member (RAPO); 'spear_baseline': "
+        "max(0, r - p50 of recent group mean rewards), own rows as without the replay (SPEAR's default); "
+        "'spear_decay': the row's stored advantage times advantage_decay (SPEAR's alternative).",
+    )
+    baseline_groups: int = option(
+        10240, min=1, help="'spear_baseline': groups whose mean and std rewards form the p50 baseline (SPEAR 10240)."
+    )
+    advantage_decay: float = option(
+        0.9, min=0.0, max=1.0, min_exclusive=True,
+        help="'spear_decay': factor on the stored advantage (SPEAR's weight_decay_trajectory_replay, in (0, 1]).",
+    )
+    replay_coef: float = option(
+        1.0, min=0.0, help="Multiplies the replayed rows' advantages, i.e. their loss (SPEAR's replay_loss_coef, 1)."
+    )
+    replay_coef_warmup_steps: int = option(
+        0, min=0,
+        help="The coefficient rises from 0 to replay_coef over this many steps, (1 - cos(pi t / T)) / 2 (SPEAR's "
+        "max_replay_loss_steps, 200 in its scripts); 0 = constant.",
+    )
+
+    def validate(self) -> None:
+        if self.key_column is not None and not self.key_column:
+            raise PluginConfigError(
+                "Option 'key_column' of plugin 'replay' got ''; allowed: a dataset column name, or None for the prompt."
+            )
+
+
+# ============================================================================================= pure functions
+def prompt_key(value: Any) -> int:
+    """A stable signed 64-bit key of a prompt (or of a key column's value): the same on every process and run."""
+    text = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False)
+    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "little", signed=True)
+
+
+def cosine_ramp(step: int, warmup_steps: int) -> float:
+    """``(1 - cos(pi * min(step / warmup, 1))) / 2``, rising from 0 to 1; 1 when ``warmup_steps`` is 0."""
+    if warmup_steps <= 0:
+        return 1.0
+    t = min(max(step, 0) / warmup_steps, 1.0)
+    return (1.0 - math.cos(math.pi * t)) / 2.0
+
+
+def own_rows_advantages(rewards: torch.Tensor, scale: str, batch_std: float) -> torch.Tensor:
+    """Advantages of a group's own rows as TRL gives them without the replayed row.
+
+    Args:
+        rewards: (G - 1,) combined rewards of the group's own rows.
+        scale: the run's ``scale_rewards`` ('group', 'batch' or 'none').
+        batch_std: TRL's batch std of the rewards (used when ``scale == 'batch'``).
+    Returns:
+        (G - 1,) ``r - mean`` divided by ``std + 1e-4`` (group) or ``batch_std + 1e-4`` (batch).
+    """
+    centred = rewards - rewards.mean()
+    if scale == "group":
+        std = rewards.std() if rewards.numel() > 1 else torch.zeros(())
+        return centred / (torch.nan_to_num(std, nan=0.0) + TRL_STD_EPS)
+    if scale == "batch":
+        return centred / (batch_std + TRL_STD_EPS)
+    return centred
+
+
+def spear_baseline_advantage(reward: float, means: list[float], stds: list[float], scale_by_std: bool) -> float:
+    """SPEAR's recalibrated advantage of a replayed row: ``max(0, r - p50(means))`` (``/ (p50(stds) + 1e-6)``)."""
+    if not means:
+        return 0.0
+    p50_mean = float(torch.tensor(means, dtype=torch.float64).quantile(0.5))
+    value = reward - p50_mean
+    if scale_by_std:
+        value /= float(torch.tensor(stds, dtype=torch.float64).quantile(0.5)) + SPEAR_STD_EPS
+    return max(value, 0.0)
+
+
+# ============================================================================================= plugin
+class ReplayPlugin(Plugin):
+    """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
+
+    name = "replay"
+    version = "0.1.0"
+    paper = (
+        "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
+        "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
+        "Synthesis for SLMs (RAPO replay buffers), arXiv:2509.24107"
+    )
+    summary = "Keeps each prompt's latest successes and splices one into a later group of that prompt that all failed."
+    Options = ReplayOptions
+    claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
+    replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
+    reconstructed = (
+        "the slot that receives the replay (replace_index) and pick='random'",
+        "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "
+        "training code)",
+        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch",
+        "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
+    )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.buffers: dict[int, list[dict]] = {}  # prompt key -> entries {"ids", "step", "advantage"}, newest last
+        self.group_means: list[float] = []  # 'spear_baseline' history, oldest first
+        self.group_stds: list[float] = []
+        self._pending: dict[int, dict] = {}  # global row -> entry stored this step (its advantage comes later)
+        self._scale = "group"
+        self._seed = 0
+
+    def required_columns(self) -> list[str]:
+        return [self.options.key_column] if self.options.key_column else []
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        G = args.num_generations
+        if self.options.replace_index >= G:
+            raise PluginConfigError(
+                f"Option 'replace_index' of plugin 'replay' got {self.options.replace_index}; allowed: a slot of the "
+                f"group, 0 to {G - 1} (num_generations={G})."
+            )
+        scale = args.scale_rewards
+        self._scale = {True: "group", False: "none"}.get(scale, scale)
+        self._seed = int(args.seed)
+
+    @hookimpl
+    def trl_plugins_state_dict(self) -> dict:
+        return {
+            "buffers": {int(k): [dict(e, ids=list(e["ids"])) for e in v] for k, v in self.buffers.items()},
+            "group_means": list(self.group_means),
+            "group_stds": list(self.group_stds),
+        }
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state: dict) -> None:
+        self.buffers = {int(k): [dict(e, ids=list(e["ids"])) for e in v] for k, v in state["buffers"].items()}
+        self.group_means = list(state["group_means"])
+        self.group_stds = list(state["group_stds"])
+        self._pending = {}
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def _key(self, ctx: RolloutContext, i: int) -> int:
+        column = self.options.key_column
+        return prompt_key(ctx.rows[i].get(column) if column else ctx.prompts[i])
+
+    def _storable(self, ctx: RolloutContext, i: int) -> bool:
+        """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay)."""
+        return (bool(ctx.completion_ids[i]) and not any(ctx.offpolicy[i]) and not ctx.prompt_swapped[i]
+                and not ctx.annotations[i].get(REPLAYED))
+
+    def evict(self, step: int) -> None:
+        """Drop entries older than ``max_age_steps`` at ``step`` (and prompts left without entries)."""
+        limit = self.options.max_age_steps
+        if limit is None:
+            return
+        for key in list(self.buffers):
+            kept = [e for e in self.buffers[key] if step - e["step"] <= limit]
+            if kept:
+                self.buffers[key] = kept
+            else:
+                del self.buffers[key]
+
+    def _pick(self, entries: list[dict], step: int, group: int) -> dict:
+        if self.options.pick == "latest" or len(entries) == 1:
+            return entries[-1]
+        g = torch.Generator().manual_seed((self._seed * 1_000_003 + step * 7_919 + group) % (2**63 - 1))
+        return entries[int(torch.randint(len(entries), (1,), generator=g))]
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx: RolloutContext):
+        o = self.options
+        G, B = ctx.num_generations, len(ctx)
+        device = context_device(ctx)
+        success = ctx.success(range(B), rule=o.success_rule).cpu()
+        local = torch.tensor(
+            [[int(success[i]), int(self._storable(ctx, i)), self._key(ctx, i)] for i in range(B)], dtype=torch.long
+        ).view(B, 3)
+        flags = ctx.gather(local.to(device)).cpu()  # (N, 3): success, storable, prompt key -- same on every process
+        N = flags.size(0)
+        n_groups = N // G
+        ok, storable, keys = flags[:, 0].bool(), flags[:, 1].bool() & flags[:, 0].bool(), flags[:, 2].tolist()
+
+        # replays come from entries of earlier steps only: evict first, decide, then store this step's successes
+        self.evict(ctx.step)
+        splices: dict[int, dict] = {}  # global row -> entry
+        all_fail = ~ok.view(n_groups, G).any(dim=1)
+        for g in torch.nonzero(all_fail).flatten().tolist():
+            target = g * G + o.replace_index
+            entries = self.buffers.get(keys[target])
+            if entries:
+                splices[target] = self._pick(entries, ctx.step, g)
+        to_store = self._rows_to_store(storable, keys, G)
+        self._store(ctx, to_store, keys)
+        for i in range(B):
+            entry = splices.get(ctx.global_index[i])
+            if entry is not None:
+                self._splice(ctx, i, entry)
+
+        ctx.log_metric("all_fail_group_fraction", float(all_fail.float().mean()) if n_groups else 0.0)
+        ctx.log_metric("replayed_group_fraction", len(splices) / max(n_groups, 1))
+        ctx.log_metric("stored_rollouts", len(to_store))
+        ctx.log_metric("buffer_prompts", len(self.buffers))
+        ctx.log_metric("buffer_rollouts", sum(len(v) for v in self.buffers.values()))
+        if splices:
+            ctx.log_metric("replay_age", sum(ctx.step - e["step"] for e in splices.values()) / len(splices))
+
+    def _rows_to_store(self, storable: torch.Tensor, keys: list[int], G: int) -> list[int]:
+        """Global rows whose rollouts enter the buffers: per prompt, the last ``buffer_size`` storable rows."""
+        by_key: dict[int, list[int]] = {}
+        for n in torch.nonzero(storable).flatten().tolist():
+            by_key.setdefault(keys[n], []).append(n)
+        return sorted(n for rows in by_key.values() for n in rows[-self.options.buffer_size:])
+
+    def _store(self, ctx: RolloutContext, rows: list[int], keys: list[int]) -> None:
+        self._pending = {}
+        if not rows:  # decided from gathered flags: every process skips the id gather together
+            return
+        wanted = set(rows)
+        ids = gather_id_lists(ctx, [ctx.completion_ids[i] if ctx.global_index[i] in wanted else []
+                                    for i in range(len(ctx))])
+        for n in rows:
+            entry = {"ids": ids[n], "step": int(ctx.step), "advantage": math.nan}
+            entries = self.buffers.setdefault(keys[n], [])
+            entries.append(entry)
+            del entries[: max(len(entries) - self.options.buffer_size, 0)]
+            self._pending[n] = entry
+
+    def _splice(self, ctx: RolloutContext, i: int, entry: dict) -> None:
+        o = self.options
+        prompt = ctx.prompts[i] if ctx.training_prompts[i] != ctx.prompts[i] else None
+        # logprobs=None: NaN sampling log-probs (not sampled in this step), on 'policy' tokens too
+        ctx.replace_row(i, list(entry["ids"]), offpolicy=o.replay_tokens == "offpolicy", logprobs=None,
+                        training_prompt=prompt, prompt_swapped=False)
+        ctx.annotations[i].update({REPLAYED: True, REPLAY_STEP: entry["step"], REPLAY_ADVANTAGE: entry["advantage"]})
+
+    # ------------------------------------------------------------------------------------------ advantage
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        if ctx.mode != "train":
+            return
+        o = self.options
+        G = ctx.num_generations
+        rewards = torch.nan_to_num(ctx.rewards.detach().float().cpu(), nan=0.0)
+        before = ctx.advantages.detach().float().cpu()
+        per_row = before if before.dim() == 1 else before.mean(dim=1)
+        for n, entry in self._pending.items():  # the rows stored this step: their advantage, for 'spear_decay'
+            if n < per_row.numel():
+                entry["advantage"] = float(per_row[n])
+        self._pending = {}
+        replayed = [n for n, a in enumerate(ctx.annotations) if a.get(REPLAYED)]
+        adv = ctx.advantages.clone()
+        if o.advantage != "group":
+            batch_std = float(rewards.std()) if rewards.numel() > 1 else 0.0
+            for n in replayed:
+                g = n // G
+                own = [j for j in range(g * G, (g + 1) * G) if j != n]
+                values = own_rows_advantages(rewards[own], self._scale, batch_std)
+                for j, v in zip(own, values.tolist()):
+                    adv[j] = v
+                if o.advantage == "spear_baseline":
+                    value = spear_baseline_advantage(float(rewards[n]), self.group_means, self.group_stds,
+                                                     self._scale != "none")
+                else:
+                    stored = ctx.annotations[n].get(REPLAY_ADVANTAGE, math.nan)
+                    value = (stored if not math.isnan(stored) else float(per_row[n])) * o.advantage_decay
+                adv[n] = value
+            if o.advantage == "spear_baseline":
+                self._record_groups(rewards, set(replayed), G)
+        coef = o.replay_coef * cosine_ramp(ctx.step, o.replay_coef_warmup_steps)
+        for n in replayed:
+            adv[n] = adv[n] * coef
+        ctx.advantages = adv
+        if replayed:
+            rows = adv[replayed] if adv.dim() == 1 else adv[replayed].mean(dim=1)
+            ctx.log_metric("replay_advantage", float(rows.float().mean()))
+            ctx.log_metric("replay_coef", coef)
+
+    def _record_groups(self, rewards: torch.Tensor, replayed: set[int], G: int) -> None:
+        """Append this batch's per-group mean and std of the own rows' rewards to the baseline history."""
+        for g in range(rewards.numel() // G):
+            own = torch.tensor([float(rewards[j]) for j in range(g * G, (g + 1) * G) if j not in replayed])
+            self.group_means.append(float(own.mean()))
+            self.group_stds.append(float(own.std(unbiased=False)) if own.numel() > 1 else 0.0)
+        excess = len(self.group_means) - self.options.baseline_groups
+        if excess > 0:
+            del self.group_means[:excess]
+            del self.group_stds[:excess]

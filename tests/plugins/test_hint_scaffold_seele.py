@@ -1,0 +1,124 @@
+"""hint_scaffold, schedule='seele' (SEELE, arXiv:2509.06923): the three-parameter logistic fit and its inverse,
+solution-step hints and the pessimistic cold start, the first round hinted with deferred later rounds, the second
+round sampled from each problem's fitted rate (one collective call, trained under the hinted prompt), the remembered
+rates, option checks and a tiny-model run."""
+
+import math
+
+import pytest
+import torch
+
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.services import RunInfo
+from trl_plugins.testing import (
+    StubGenerationService,
+    build_stack,
+    make_prompt_context,
+    make_rollout_context,
+    make_tiny_trainer,
+    record_run,
+    stub_rows,
+)
+from trl_plugins_builtin.hint_scaffold import (
+    cold_start_rate,
+    fit_three_pl,
+    rate_for_accuracy,
+    seele_hint,
+    three_pl,
+)
+
+
+def _text(prompt):
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+
+def _hint_of(prompt_text):
+    marker = "refer to:\n"
+    return prompt_text.split(marker, 1)[1] if marker in prompt_text else ""
+
+
+def _score(rows, prompts, completions):
+    return torch.tensor([1.0 if _text(c).startswith("OK") else 0.0 for c in completions])
+
+
+STEPS = "s1\ns2\ns3\ns4"  # four solution steps
+SEELE = {"schedule": "seele", "seele_rounds": 2}
+
+
+def test_three_pl_fit_recovers_the_curve_and_inverts_it():
+    rates = [0.2, 0.4, 0.6, 0.8, 1.0]
+    accuracies = three_pl(torch.tensor(rates), 20.0, -0.6, 0.05).tolist()
+    k, mu, b = fit_three_pl(rates, accuracies)
+    assert (k, mu, b) == pytest.approx((20.0, -0.6, 0.05), abs=1e-3)
+    # f(p) = 0.5 at p = -mu - ln((1-b)/(0.5-b) - 1)/k
+    expected = 0.6 - math.log(0.95 / 0.45 - 1) / 20.0
+    assert rate_for_accuracy(0.5, k, mu, b) == pytest.approx(expected, abs=1e-4)
+    assert rate_for_accuracy(0.5, 5.0, 0.0, 0.6) == 0.0  # the floor already reaches the target
+    # repeated rates are averaged before the fit (the paper's Eq. 13)
+    assert fit_three_pl([0.5, 0.5, 1.0], [0.0, 1.0, 1.0]) == pytest.approx(fit_three_pl([0.5, 1.0], [0.5, 1.0]))
+
+
+def test_seele_hints_are_solution_step_prefixes():
+    assert cold_start_rate(STEPS, "lines") == 0.75
+    assert seele_hint(STEPS, 0.75, "lines") == "s1\ns2\ns3"
+    assert seele_hint(STEPS, 0.1, "lines") == ""
+    assert seele_hint("ABCDEFGH", 0.5, "chars") == "ABCD"
+
+
+def _seele_rows():
+    return stub_rows(2, 4, solution=STEPS)
+
+
+def test_seele_first_round_is_hinted_and_later_rounds_deferred():
+    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE})
+    stack.plugins[0].seele_rates[_text(_seele_rows()[4]["prompt"])] = 0.25  # remembered rate of group 1
+    ctx = make_prompt_context(_seele_rows(), num_generations=4)
+    stack.call("trl_plugins_generation_prompts", ctx)
+    assert ctx.deferred == [False, False, True, True] * 2
+    for i in (0, 1):
+        assert _hint_of(_text(ctx.generation_prompts[i])) == "s1\ns2\ns3"  # cold start (S - 1) / S
+        assert ctx.training_prompts[i] == ctx.generation_prompts[i] and ctx.annotations[i]["hint_rate"] == 0.75
+    assert _hint_of(_text(ctx.generation_prompts[4])) == "s1"
+    assert ctx.generation_prompts[2] == ctx.prompts[2]  # deferred rows are filled after generation
+
+
+def test_seele_second_round_uses_the_fitted_rate_and_trains_under_it():
+    rows = _seele_rows()
+    # round 1 (slots 0, 1): group 0 all correct with 3 steps revealed, group 1 all wrong
+    service = StubGenerationService(lambda prompt, j: "OK" if _hint_of(_text(prompt)).count("s") >= 2 else "no")
+    ctx = make_rollout_context([["OK", "OK", "", ""], ["no", "no", "", ""]], rows=rows, deferred=[2, 3, 6, 7],
+                               scorer=_score, service=service,
+                               annotations=[{"hint_rate": 0.75} for _ in range(8)], run=RunInfo(max_completion_length=16))
+    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE})
+    stack.call("trl_plugins_after_generation", ctx)
+    assert len(service.calls) == 1 and len(service.calls[0]) == 4  # one collective call: the deferred rows
+    k, mu, b = fit_three_pl([0.75], [1.0])
+    rate0 = rate_for_accuracy(0.5, k, mu, b)
+    rate1 = rate_for_accuracy(0.5, *fit_three_pl([0.75], [0.0]))
+    assert rate0 < 0.75 < rate1  # easier than the target: shorter hint; harder: longer hint
+    for i in (2, 3):
+        assert ctx.annotations[i]["hint_rate"] == pytest.approx(rate0) and ctx.annotations[i]["seele_round"] == 1
+        assert ctx.training_prompts[i] != ctx.prompts[i] or seele_hint(STEPS, rate0, "lines") == ""
+    assert _hint_of(_text(ctx.training_prompts[6])) == seele_hint(STEPS, rate1, "lines")
+    assert all(i in ctx.changed for i in (2, 3, 6, 7)) and not any(ctx.prompt_swapped)
+    stored = stack.plugins[0].seele_rates
+    assert set(stored) == {_text(rows[0]["prompt"]), _text(rows[4]["prompt"])}
+    assert ctx.metrics["plugins/hint_scaffold/round_1_accuracy"] == [0.5]
+    assert stack.plugins[0].trl_plugins_state_dict()["seele_rates"] == stored
+
+
+def test_seele_option_checks():
+    with pytest.raises(PluginConfigError, match="multiple"):
+        build_stack("hint_scaffold", {"hint_scaffold": {"schedule": "seele", "seele_rounds": 3}}, num_generations=4)
+    with pytest.raises(PluginConfigError, match="solution_prefix"):
+        build_plugins(["hint_scaffold"], {"hint_scaffold": {"schedule": "seele", "hints": "tiered"}})
+
+
+def test_seele_tiny_run_trains_every_group_with_fitted_hints():
+    trainer = make_tiny_trainer(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": SEELE}, max_steps=1,
+                                max_completion_length=16)
+    run = record_run(trainer)
+    logs = {k: v for log in run.logs for k, v in log.items()}
+    assert 0.0 <= logs["plugins/hint_scaffold/mean_hint_rate"] <= 1.0
+    assert "plugins/hint_scaffold/round_1_accuracy" in logs
+    assert trainer.plugin_stack.plugins[0].seele_rates  # remembered for the next visit

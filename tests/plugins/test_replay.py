@@ -1,0 +1,376 @@
+"""replay: per-prompt buffers of successful rollouts spliced into later all-fail groups (SPEAR, RAPO).
+
+Hook tests chain the plugin's hooks over several steps on the kit's contexts (the same plugin instance, as in a
+run); trainer-level tests check the neutral setting against trl.GRPOTrainer and a checkpoint round trip."""
+
+import hashlib
+import io
+import math
+import os
+
+import pytest
+import torch
+
+from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.testing import (
+    assert_group_sizes,
+    assert_offpolicy_logprobs_nan,
+    assert_reduces_to_vanilla,
+    build_stack,
+    char_encode,
+    digit_fraction_reward,
+    make_advantage_context,
+    make_rollout_context,
+    make_tiny_trainer,
+    prompt_text,
+    run_hook,
+    run_on_processes,
+    stub_rows,
+    tiny_dataset,
+)
+from trl_plugins_builtin.replay import (
+    REPLAY_ADVANTAGE,
+    REPLAYED,
+    cosine_ramp,
+    own_rows_advantages,
+    prompt_key,
+    spear_baseline_advantage,
+)
+
+G = 4
+AFTER = "trl_plugins_after_generation"
+ADVANTAGES = "trl_plugins_transform_advantages"
+
+
+def right(completions, **kwargs):
+    """Verifier: 1.0 when the completion says 'right'."""
+    return [1.0 if "right" in prompt_text(c) else 0.0 for c in completions]
+
+
+def rollout(groups, step, first_group=0, **kwargs):
+    """A rollout context of the given groups (lists of G texts), groups asking Q{first_group}, Q{first_group+1}..."""
+    rows = stub_rows(len(groups), G, first_group=first_group)
+    return make_rollout_context(groups, rows=rows, reward_funcs=[right], step=step, **kwargs)
+
+
+def plugin_of(plugins):
+    (plugin,) = list(plugins)
+    return plugin
+
+
+def stack(**options):
+    return build_stack("replay", {"replay": options}, num_generations=G)
+
+
+FAIL = ["no a", "no b", "no c", "no d"]
+
+
+# ============================================================================================ splice
+def test_splice_only_in_all_fail_groups_of_a_prompt_with_a_stored_success():
+    s = stack()
+    # step 0: Q0 has a success, Q1 fails everywhere but nothing is stored for it yet: no row changes
+    ctx0 = run_hook(s, AFTER, rollout([["no", "right 0", "no", "no"], FAIL], step=0))
+    assert ctx0.changed == set()
+    assert ctx0.metrics["plugins/replay/stored_rollouts"] == [1]
+    # step 1: Q0 and Q1 fail everywhere, Q2 (never seen) too; Q3 has a success -> only Q0's group gets the replay
+    groups = [FAIL, FAIL]
+    ctx1 = run_hook(s, AFTER, rollout(groups, step=1))
+    assert ctx1.changed == {0}  # slot replace_index=0 of Q0's group
+    assert ctx1.completion_ids[0] == char_encode("right 0")
+    assert ctx1.completion_ids[1:] == [char_encode(t) for t in ["no b", "no c", "no d"] + FAIL]
+    ctx2 = run_hook(s, AFTER, rollout([FAIL, ["right 3", "no", "no", "no"]], step=2, first_group=2))
+    assert ctx2.changed == set()  # Q2 has no stored success, Q3 has its own success
+    assert_group_sizes(ctx1, G)
+    assert ctx1.metrics["plugins/replay/replayed_group_fraction"] == [0.5]
+    assert ctx1.metrics["plugins/replay/all_fail_group_fraction"] == [1.0]
+
+
+def test_a_group_with_a_success_is_never_spliced_even_with_a_stored_one():
+    s = stack()
+    run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+    ctx = run_hook(s, AFTER, rollout([["no", "no", "right b", "no"]], step=1))
+    assert ctx.changed == set()
+
+
+def test_replace_index_chooses_the_slot():
+    s = stack(replace_index=3)
+    run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=1))
+    assert ctx.changed == {3} and ctx.completion_ids[3] == char_encode("right a")
+
+
+def test_key_column_identifies_prompts_across_wordings():
+    s = stack(key_column="id")
+    rows0 = stub_rows(1, G, first_group=0, id="p7")
+    rows1 = stub_rows(1, G, first_group=5, id="p7")  # another wording, same id
+    run_hook(s, AFTER, make_rollout_context([["right a", "no", "no", "no"]], rows=rows0, reward_funcs=[right]))
+    ctx = run_hook(s, AFTER, make_rollout_context([FAIL], rows=rows1, reward_funcs=[right], step=1))
+    assert ctx.changed == {0}
+
+
+# ============================================================================================ provenance
+@pytest.mark.parametrize("tokens", ["offpolicy", "policy"])
+def test_provenance_and_nan_sampling_logprobs_on_the_replayed_row(tokens):
+    s = stack(replay_tokens=tokens)
+    run_hook(s, AFTER, rollout([["no", "right 0", "no", "no"]], step=0))
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=3))
+    n = len(char_encode("right 0"))
+    assert ctx.offpolicy[0] == [tokens == "offpolicy"] * n
+    assert len(ctx.sampling_logprobs[0]) == n and all(math.isnan(x) for x in ctx.sampling_logprobs[0])
+    assert ctx.sampling_logprobs[1] == [-1.0] * len(char_encode("no b"))  # own rows keep their log-probs
+    assert ctx.prompt_swapped[0] is False
+    assert ctx.annotations[0][REPLAYED] is True and ctx.annotations[0]["replay_stored_step"] == 0
+    assert ctx.metrics["plugins/replay/replay_age"] == [3.0]
+    assert_offpolicy_logprobs_nan(ctx)
+
+
+@pytest.mark.parametrize("tokens", ["offpolicy", "policy"])
+def test_replayed_rows_never_enter_the_buffer(tokens):
+    """Only the policy's own rollouts of the step are stored (the replay is spliced after the store): a replay that
+    'succeeds' again must not refresh its entry, whatever its provenance flags."""
+    s = stack(max_age_steps=2, replay_tokens=tokens)
+    run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+    for step in (1, 2):  # replayed in both steps (its tokens are 'right a', a success for the verifier)
+        ctx = run_hook(s, AFTER, rollout([FAIL], step=step))
+        assert ctx.changed == {0}
+        assert ctx.metrics["plugins/replay/stored_rollouts"] == [0]
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=3))
+    assert ctx.changed == set()  # the step-0 entry expired: its replays did not renew it
+
+
+# ============================================================================================ staleness / size
+def test_staleness_eviction():
+    s = stack(max_age_steps=2)
+    run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+    assert run_hook(s, AFTER, rollout([FAIL], step=2)).changed == {0}  # 2 steps old: still replayable
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=3))
+    assert ctx.changed == set()
+    assert ctx.metrics["plugins/replay/buffer_prompts"] == [0]  # evicted, prompt dropped
+
+
+def test_buffer_size_limit_keeps_the_newest():
+    s = stack(buffer_size=2)
+    plugin = plugin_of(s)
+    run_hook(s, AFTER, rollout([["right a", "right b", "right c", "no"]], step=0))
+    (entries,) = plugin.buffers.values()
+    assert [e["ids"] for e in entries] == [char_encode("right b"), char_encode("right c")]
+    run_hook(s, AFTER, rollout([["no", "no", "right d", "no"]], step=1))
+    (entries,) = plugin.buffers.values()
+    assert [e["ids"] for e in entries] == [char_encode("right c"), char_encode("right d")]
+    assert [e["step"] for e in entries] == [0, 1]
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=2))
+    assert ctx.completion_ids[0] == char_encode("right d")  # pick='latest'
+
+
+def test_random_pick_is_seeded_and_draws_from_the_buffer():
+    picks = []
+    for _ in range(2):
+        s = stack(buffer_size=3, pick="random")
+        run_hook(s, AFTER, rollout([["right a", "right b", "right c", "no"]], step=0))
+        picks.append([char_encode_text(run_hook(s, AFTER, rollout([FAIL], step=k)).completion_ids[0])
+                      for k in range(1, 9)])
+    assert picks[0] == picks[1]  # same seed, same draws
+    assert set(picks[0]) <= {"right a", "right b", "right c"} and len(set(picks[0])) > 1
+
+
+def char_encode_text(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_neutral_max_age_zero_never_replays():
+    s = stack(max_age_steps=0)
+    run_hook(s, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=1))
+    assert ctx.changed == set()
+
+
+def lucky(completions, **kwargs):
+    """A verifier that is deterministic per completion and succeeds on about a third of them."""
+    return [1.0 if hashlib.sha1(prompt_text(c).encode()).digest()[0] % 3 == 0 else 0.0 for c in completions]
+
+
+def test_neutral_setting_reduces_to_vanilla_grpo():
+    """Two prompts drawn at every step: with the default options step 3 replays into an all-fail group (checked
+    in test_default_setting_replays_in_the_neutral_test_run); with max_age_steps=0 the run is vanilla GRPO."""
+    runs = assert_reduces_to_vanilla("replay", {"max_age_steps": 0}, loss_types=("dapo",), steps=3,
+                                     reward_funcs=[lucky, digit_fraction_reward], dataset=tiny_dataset(2),
+                                     per_device_train_batch_size=8)
+    logs = [log for log in runs["dapo"].logs if "plugins/replay/all_fail_group_fraction" in log]
+    assert logs[0]["plugins/replay/stored_rollouts"] > 0  # something was stored ...
+    assert any(log["plugins/replay/all_fail_group_fraction"] > 0 for log in logs[1:])  # ... and could be replayed
+    assert all(log["plugins/replay/replayed_group_fraction"] == 0 for log in logs)
+
+
+@pytest.mark.slow
+def test_default_setting_replays_in_the_neutral_test_run():
+    trainer = make_tiny_trainer(reward_funcs=[lucky, digit_fraction_reward], dataset=tiny_dataset(2),
+                                per_device_train_batch_size=8, max_steps=3, plugins=["replay"])
+    trainer.train()
+    replayed = [h["plugins/replay/replayed_group_fraction"] for h in trainer.state.log_history
+                if "plugins/replay/replayed_group_fraction" in h]
+    assert max(replayed) > 0
+
+
+# ============================================================================================ advantages
+def _replayed_batch(s, step=1):
+    """Step 0 stores Q0's success; step ``step`` replays it into Q0's all-fail group (row 0)."""
+    run_hook(s, AFTER, rollout([["no", "right a", "no", "no"]], step=0))
+    run_hook(s, ADVANTAGES, make_advantage_context([0.0, 1.0, 0.0, 0.0], num_generations=G, step=0))
+    return run_hook(s, AFTER, rollout([FAIL], step=step))
+
+
+def test_group_advantage_is_trls_with_the_replay_as_a_member():
+    s = stack()
+    ctx = _replayed_batch(s)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])  # what TRL scores on the spliced batch
+    actx = make_advantage_context(rewards, num_generations=G, annotations=ctx.annotations, step=1)
+    expected = actx.advantages.clone()
+    run_hook(s, ADVANTAGES, actx)
+    torch.testing.assert_close(actx.advantages, expected)
+    assert actx.advantages[0] > 0 and (actx.advantages[1:] < 0).all()
+
+
+def test_spear_baseline_recalibrates_the_replay_and_leaves_own_rows_as_without_it():
+    s = stack(advantage="spear_baseline")
+    plugin = plugin_of(s)
+    ctx = _replayed_batch(s)
+    assert plugin.group_means == [0.25]  # step 0's group (no replay in it)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    actx = make_advantage_context(rewards, num_generations=G, annotations=ctx.annotations, step=1)
+    run_hook(s, ADVANTAGES, actx)
+    std = torch.tensor([0.0, 1.0, 0.0, 0.0]).std(unbiased=False).item()
+    assert actx.advantages[0].item() == pytest.approx((1.0 - 0.25) / (std + 1e-6))
+    assert actx.advantages[1:].tolist() == [0.0, 0.0, 0.0]  # all own rows failed: no signal without the replay
+    assert plugin.group_means == [0.25, 0.0]  # this step's own rows (replay excluded)
+
+
+def test_spear_baseline_clamps_negative_advantages_to_zero():
+    assert spear_baseline_advantage(0.2, [0.5, 0.9, 0.7], [0.1, 0.1, 0.1], scale_by_std=False) == 0.0
+    assert spear_baseline_advantage(1.0, [0.5, 0.9, 0.7], [0.1, 0.3, 0.2], scale_by_std=True) == pytest.approx(
+        (1.0 - 0.7) / (0.2 + 1e-6))
+
+
+def test_spear_decay_uses_the_stored_advantage():
+    s = stack(advantage="spear_decay", advantage_decay=0.5)
+    ctx = _replayed_batch(s)
+    stored = make_advantage_context([0.0, 1.0, 0.0, 0.0], num_generations=G).advantages[1].item()
+    assert ctx.annotations[0][REPLAY_ADVANTAGE] == pytest.approx(stored)
+    actx = make_advantage_context([1.0, 0.0, 0.0, 0.0], num_generations=G, annotations=ctx.annotations, step=1)
+    run_hook(s, ADVANTAGES, actx)
+    assert actx.advantages[0].item() == pytest.approx(0.5 * stored)
+
+
+def test_replay_coefficient_ramps_on_a_cosine():
+    assert cosine_ramp(0, 0) == 1.0 and cosine_ramp(0, 10) == 0.0 and cosine_ramp(10, 10) == 1.0
+    assert cosine_ramp(5, 10) == pytest.approx(0.5) and cosine_ramp(50, 10) == 1.0
+    s = stack(replay_coef=2.0, replay_coef_warmup_steps=4)
+    ctx = _replayed_batch(s, step=1)
+    actx = make_advantage_context([1.0, 0.0, 0.0, 0.0], num_generations=G, annotations=ctx.annotations, step=1)
+    trl = actx.advantages.clone()
+    run_hook(s, ADVANTAGES, actx)
+    assert actx.advantages[0].item() == pytest.approx(trl[0].item() * 2.0 * cosine_ramp(1, 4))
+    torch.testing.assert_close(actx.advantages[1:], trl[1:])
+
+
+def test_own_rows_advantages_follow_trls_scaling():
+    r = torch.tensor([0.0, 0.5, 1.0])
+    torch.testing.assert_close(own_rows_advantages(r, "none", 9.0), r - 0.5)
+    torch.testing.assert_close(own_rows_advantages(r, "group", 9.0), (r - 0.5) / (r.std() + 1e-4))
+    torch.testing.assert_close(own_rows_advantages(r, "batch", 2.0), (r - 0.5) / (2.0 + 1e-4))
+
+
+# ============================================================================================ checkpoints
+def test_state_round_trip_and_the_resumed_plugin_keeps_replaying():
+    s = stack(advantage="spear_baseline", buffer_size=2)
+    _replayed_batch(s)
+    state = plugin_of(s).trl_plugins_state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    resumed = stack(advantage="spear_baseline", buffer_size=2)
+    plugin_of(resumed).trl_plugins_load_state_dict(torch.load(buffer, weights_only=False))
+    assert plugin_of(resumed).buffers == plugin_of(s).buffers
+    assert plugin_of(resumed).group_means == plugin_of(s).group_means
+    ctx = run_hook(resumed, AFTER, rollout([FAIL], step=2))
+    assert ctx.changed == {0} and ctx.completion_ids[0] == char_encode("right a")
+
+
+def phase_reward(phase):
+    def reward(completions, **kwargs):
+        return [1.0 if phase["succeed"] else 0.0 for _ in completions]
+    return reward
+
+
+def test_buffers_are_saved_in_checkpoints_and_a_resumed_run_replays_them(tmp_path):
+    """A run where everything succeeds saves its buffer at checkpoint-1; the resumed run fails everywhere, so each
+    of its groups can only be rescued by what the checkpoint restored."""
+    phase = {"succeed": True}
+    reward = phase_reward(phase)
+    dataset = tiny_dataset(1)
+    kw = dict(reward_funcs=[reward], dataset=dataset, plugins=["replay"], output_dir=str(tmp_path),
+              save_strategy="steps", save_steps=1)
+    first = make_tiny_trainer(max_steps=1, **kw)
+    first.train()
+    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=False)
+    assert saved["replay"]["buffers"], "the plugin state in the checkpoint holds no buffer"
+    phase["succeed"] = False
+    resumed = make_tiny_trainer(max_steps=2, **kw)
+    resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-1"))
+    plugin = plugin_of(resumed.plugin_stack)
+    logged = [h["plugins/replay/replayed_group_fraction"] for h in resumed.state.log_history
+              if "plugins/replay/replayed_group_fraction" in h]
+    assert logged and logged[-1] == 1.0
+    offpolicy = [h["plugins/framework/offpolicy_token_fraction"] for h in resumed.state.log_history
+                 if "plugins/framework/offpolicy_token_fraction" in h]
+    assert offpolicy and offpolicy[-1] > 0  # the replayed row reached the loss through the off-policy branch
+    assert plugin.buffers.keys() == saved["replay"]["buffers"].keys()
+
+
+# ============================================================================================ processes
+def test_two_processes_keep_identical_buffers_and_splice_across_them():
+    """G=4 over 2 processes with 2 rows each: a group straddles the processes. The success is on process 1;
+    the all-fail group's slot 0, on process 0, receives it."""
+    stacks = [stack(), stack()]
+
+    def work(rank, gather):
+        texts = [["no", "no"], ["right x", "no"]][rank]
+        rows = stub_rows(1, G)[:2]
+        run_hook(stacks[rank], AFTER, make_rollout_context(texts, num_generations=G, rows=rows, reward_funcs=[right],
+                                                           process_index=rank, gather=gather, step=0))
+        ctx = run_hook(stacks[rank], AFTER, make_rollout_context(["no", "no"], num_generations=G, rows=rows,
+                                                                 reward_funcs=[right], process_index=rank,
+                                                                 gather=gather, step=1))
+        return ctx.changed, [list(ids) for ids in ctx.completion_ids], plugin_of(stacks[rank]).buffers
+
+    (changed0, ids0, buf0), (changed1, ids1, buf1) = run_on_processes(2, work)
+    assert buf0 == buf1 and len(buf0) == 1
+    assert changed0 == {0} and ids0[0] == char_encode("right x")
+    assert changed1 == set()
+
+
+# ============================================================================================ options
+@pytest.mark.parametrize("options, match", [
+    ({"buffer_size": 0}, "buffer_size"),
+    ({"max_age_steps": -1}, "max_age_steps"),
+    ({"advantage": "luffy"}, "advantage"),
+    ({"replay_tokens": "teacher"}, "replay_tokens"),
+    ({"advantage_decay": 0.0}, "advantage_decay"),
+    ({"advantage_decay": 1.5}, "advantage_decay"),
+    ({"key_column": ""}, "key_column"),
+    ({"pick": "oldest"}, "pick"),
+])
+def test_bad_options_are_refused_at_construction(options, match):
+    with pytest.raises(PluginConfigError, match=match):
+        build_plugins(["replay"], {"replay": options})
+
+
+def test_replace_index_outside_the_group_is_refused_at_configure():
+    with pytest.raises(PluginConfigError, match=r"replace_index.*0 to 3"):
+        stack(replace_index=4)
+
+
+def test_prompt_key_is_stable_and_distinguishes_prompts():
+    a = [{"role": "user", "content": "Q0"}]
+    assert prompt_key(a) == prompt_key([{"content": "Q0", "role": "user"}])
+    assert prompt_key(a) != prompt_key([{"role": "user", "content": "Q1"}])
+    assert prompt_key("Q0") == prompt_key("Q0") and -(2**63) <= prompt_key("Q0") < 2**63

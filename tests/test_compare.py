@@ -1,0 +1,148 @@
+"""``trl-plugins compare`` and :mod:`trl_plugins.equal_budget`: equal rollout budgets (extra rollouts counted),
+held-out scores, the table / JSON / plots, resuming without redoing finished runs."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from trl_plugins import compare
+from trl_plugins.cli import main as cli_main
+from trl_plugins.equal_budget import (
+    EqualBudget,
+    count_policy_rollouts,
+    held_out_score,
+    mean_std,
+    merge_logs,
+    rollouts_to_target,
+)
+from trl_plugins.tasks.arithmetic import accuracy_reward
+from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
+
+
+def test_stacks_are_parsed():
+    assert compare.parse_stack("grpo") == []
+    assert compare.parse_stack("lp_reg,canon") == ["lp_reg", "canon"] == compare.parse_stack("lp_reg+canon")
+    with pytest.raises(compare.PluginConfigError, match="Empty stack"):
+        compare.parse_stack(" , ")
+
+
+def test_statistics():
+    assert mean_std([1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    assert mean_std([float("nan"), 2.0]) == (2.0, 0.0)
+    evals = [{"rollouts": 64, "score": 0.2}, {"rollouts": 128, "score": 0.6}]
+    assert rollouts_to_target(evals, 0.2, 0.4, key="score") == pytest.approx(96.0)  # halfway between 64 and 128
+    assert math.isnan(rollouts_to_target(evals, 0.2, 0.9, key="score"))
+    assert rollouts_to_target(evals, 0.5, 0.4, key="score") == 0.0
+
+
+def test_policy_rollouts_are_counted_with_the_extra_ones_and_the_budget_stops_training(tmp_path):
+    """hint_scaffold re-generates all-fail groups (every group of an untrained model): those extra completions
+    count, so the budget is reached in fewer optimizer steps than TRL's own rollouts alone would take."""
+    trainer = make_tiny_trainer(plugins=["hint_scaffold"], max_steps=5, output_dir=str(tmp_path),
+                                per_device_train_batch_size=4, num_generations=4, max_completion_length=6)
+    counts = count_policy_rollouts(trainer)
+    evaluations = []
+    budget = EqualBudget(counts, budget=8, eval_every=4, evaluate=lambda s, r: evaluations.append((s, r)))
+    trainer.add_callback(budget)
+    trainer.train()
+    extra = sum(log.get("plugins/framework/extra_rollouts", 0) for log in trainer.state.log_history)
+    assert extra > 0
+    assert counts["rollouts"] == 4 * trainer.state.global_step + extra  # TRL's 4 per step + the plugin's
+    assert trainer.state.global_step < 2  # 4 of TRL's per step alone would need 2 steps for 8
+    assert counts["rollouts"] >= 8 and evaluations[-1] == (trainer.state.global_step, counts["rollouts"])
+    rows = merge_logs(budget.per_step, trainer.state.log_history)
+    assert rows[-1]["rollouts"] == counts["rollouts"] and "reward" in rows[-1]
+
+
+def test_held_out_score_is_the_reward_of_greedy_completions():
+    from trl_plugins.tasks.tiny import evaluate_accuracy
+
+    trainer = make_tiny_trainer(reward_funcs=[digit_fraction_reward])
+    held = tiny_dataset(6, seed=3)
+    score = held_out_score(trainer.model, trainer.processing_class, held, accuracy_reward, max_new_tokens=8)
+    assert score == evaluate_accuracy(trainer.model, trainer.processing_class, held, max_new_tokens=8)
+    dense = held_out_score(trainer.model, trainer.processing_class, held, digit_fraction_reward, max_new_tokens=8)
+    assert 0.0 <= dense <= 1.0
+
+
+def _fake_run(calls):
+    def run_one(config_path, budget, eval_every, args, base_path):
+        config = yaml.safe_load(config_path.read_text())
+        calls.append((tuple(config["plugins"]), config["seed"]))
+        if not base_path.exists():
+            base_path.write_text(json.dumps({"score": 0.2, "metric": "accuracy", "held_out": "a test split"}))
+        gain = 0.1 * len(config["plugins"]) + 0.01 * config["seed"]
+        evals = [{"step": 1, "rollouts": budget // 2, "score": 0.2 + gain / 2},
+                 {"step": 2, "rollouts": budget, "score": 0.2 + gain}]
+        per_step = [{"step": 1, "rollouts": budget // 2, "entropy": 1.0, "plugins/lp_reg/regularised_token_fraction": 0.1},
+                    {"step": 2, "rollouts": budget, "entropy": 0.9, "plugins/lp_reg/regularised_token_fraction": 0.3}]
+        claims = {"lp_reg": ["regularised_token_fraction", "tokens regularised"]} if "lp_reg" in config["plugins"] else {}
+        return {"plugins": config["plugins"], "seed": config["seed"], "budget": budget, "rollouts": budget, "steps": 2,
+                "seconds": 1.0, "evals": evals, "per_step": per_step, "claim_metrics": claims}
+
+    return run_one
+
+
+def test_compare_writes_table_json_plots_and_resumes(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(compare, "run_one", _fake_run(calls))
+    config = tmp_path / "config.yaml"
+    config.write_text("model_name_or_path: builtin:tiny\nper_device_train_batch_size: 8\nplugins: [lp_reg]\n"
+                      "plugin_config:\n  lp_reg: {kappa: 0.05}\n  canon: {alpha: 0.5}\n")
+    out = tmp_path / "cmp"
+    argv = [str(config), "--stacks", "grpo", "lp_reg", "--seeds", "2", "--rollouts", "64", "--output-dir", str(out)]
+    assert compare.main(argv) == 0
+    assert sorted(calls) == [((), 0), ((), 1), (("lp_reg",), 0), (("lp_reg",), 1)]
+    run_config = yaml.safe_load(next((out / "runs").glob("lp_reg__s0*/config.yaml")).read_text())
+    assert run_config["plugin_config"] == {"lp_reg": {"kappa": 0.05}}  # the stack's own options, not canon's
+    assert run_config["save_strategy"] == "no" and run_config["max_steps"] >= 64 // 8
+    result = json.loads((out / "compare.json").read_text())
+    rows = {r["stack"]: r for r in result["summary"]}
+    assert rows["lp_reg"]["score"][0] == pytest.approx(0.305) and rows["grpo"]["score"][0] == pytest.approx(0.205)
+    assert rows["lp_reg"]["reached"] == "2/2" and rows["grpo"]["reached"] == "0/2"  # target 0.25
+    assert rows["lp_reg"]["claims"]["lp_reg: tokens regularised"][0] == pytest.approx(0.2)
+    table = (out / "compare.md").read_text()
+    assert "| lp_reg | 2 | 0.305 ± 0.007 | +0.100 |" in table and "lp_reg: tokens regularised 0.200" in table
+    assert (out / "score.png").stat().st_size > 0 and (out / "entropy.png").stat().st_size > 0
+    assert "Table:" in capsys.readouterr().out
+    # run again: every finished run is reused, none redone; --fresh redoes them
+    calls.clear()
+    assert compare.main(argv) == 0 and calls == []
+    assert compare.main(argv + ["--fresh"]) == 0 and len(calls) == 4
+
+
+def test_compare_refuses_a_bad_stack_before_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "run_one", lambda *a: pytest.fail("no run may start"))
+    config = tmp_path / "config.yaml"
+    config.write_text("model_name_or_path: builtin:tiny\n")
+    assert cli_main(["compare", str(config), "--stacks", "grpo", "lp_rge", "--output-dir", str(tmp_path)]) == 2
+    assert "Unknown plugin 'lp_rge'. Did you mean 'lp_reg'" in capsys.readouterr().err
+    assert cli_main(["compare", str(config), "--stacks", "canon,riskpo", "--output-dir", str(tmp_path)]) == 2
+    assert "each recompute the advantages" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_compare_trains_each_stack_at_the_same_budget(tmp_path):
+    """A real comparison on a tiny untrained model: every run stops at the budget, extra rollouts included."""
+    from trl_plugins.tasks.tiny import build_and_save
+
+    tiny = build_and_save(tmp_path / "tiny")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": str(tiny), "dataset_name": "builtin:arithmetic", "reward_funcs": ["accuracy"],
+        "task_size": 16, "task_levels": [1], "per_device_train_batch_size": 4, "num_generations": 4,
+        "max_completion_length": 8, "logging_steps": 1, "use_cpu": True, "bf16": False, "report_to": "none",
+        "output_dir": str(tmp_path / "unused"),
+    }))
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", str(config), "--stacks", "grpo", "hint_scaffold", "--seeds", "1", "--rollouts", "8",
+                     "--eval-size", "4", "--output-dir", str(out)]) == 0
+    result = json.loads((out / "compare.json").read_text())
+    for stack, (run,) in result["runs"].items():
+        extra = sum(row.get("plugins/framework/extra_rollouts", 0) for row in run["per_step"])
+        assert run["rollouts"] == 4 * run["steps"] + extra >= 8, stack
+        assert run["evals"] and run["evals"][-1]["rollouts"] == run["rollouts"]
+    assert result["runs"]["hint_scaffold"][0]["steps"] <= result["runs"]["grpo"][0]["steps"]
+    assert (out / "score.png").is_file() and "| hint_scaffold | 1 |" in (out / "compare.md").read_text()
