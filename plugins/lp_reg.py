@@ -172,7 +172,7 @@ class LpRegPlugin(Plugin):
         else:
             threshold = ctx.extras[THRESHOLD_KEY].unsqueeze(1)
             selected = (advantages < 0) & ctx.mask.bool() & (ctx.old_per_token_logps <= threshold)
-        regularised = selected & (lp < proxy)
+        regularised = selected & (lp < proxy) & ~ctx.offpolicy_mask  # injected tokens keep their shaped branch
         if regularised.any():
             values = lp_reg_token_loss(ctx.per_token_logps, ctx.coef_1, advantages, proxy, o.beta, o.kl_clamp)
             ctx.replace_tokens(regularised, values)

@@ -56,6 +56,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
     "igpo": ({}, {}),
+    # the teacher is the warm-started demo model itself (distillation pulls successful rollouts toward it; its hints
+    # for all-fail groups are what a tiny model writes); gated on the accuracy column
+    "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
@@ -63,6 +66,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     "otc_po": ({}, {}),
+    # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
+    # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch
+    "luffy": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
@@ -194,11 +200,20 @@ def demo_settings():
     return dataclasses.replace(DemoSettings(), **{k: v for k, v in BENCH_SETTINGS.items() if k in names})
 
 
+def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where :func:`load_demo_model` caches the warm-started tiny model (kepo's local teacher in the benchmarks: the
+    only model they have; the folder exists once the demo model was built)."""
+    return Path(cache_dir or DEFAULT_CACHE) / f"tiny-{demo_settings().cache_key()}"
+
+
 def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
     """``(model, tokenizer)``: the demo's warm-started tiny model (built once, then loaded from the cache)."""
     from trl_plugins.tasks.tiny import demo_model
 
     return demo_model(cache_dir or DEFAULT_CACHE, demo_settings(), verbose=verbose)
+
+
+PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
 
 
 def load_model(cache_dir: str | Path | None = None, untrained: bool = False):

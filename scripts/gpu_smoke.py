@@ -60,7 +60,12 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     "posterior_grpo": {"prm": "programmatic"},
     "hint_scaffold": {"success_threshold": 0.9},
     "lp_reg": {"kappa": 0.45, "rho": 0.5},
+    # the teacher is the policy's own base model, loaded by path (it shares the tokenizer by construction)
+    "kepo": {"teacher_model": "<policy model>", "success_column": "digit_fraction_reward", "success_threshold": 0.0},
+    "luffy": {},
 }
+#: Placeholder in SMOKE_CONFIG for the path of the model under test.
+POLICY_MODEL = "<policy model>"
 #: Run settings a plugin requires (refused at construction otherwise).
 SMOKE_ARGS: dict[str, dict[str, Any]] = {
     "disco": {"loss_type": "grpo"},
@@ -152,7 +157,8 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         args = tiny_config(
             output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
-            plugin_config={p: SMOKE_CONFIG[p] for p in plugins if p in SMOKE_CONFIG},
+            plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in SMOKE_CONFIG[p].items()}
+                           for p in plugins if p in SMOKE_CONFIG},
             max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
             learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
             log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},

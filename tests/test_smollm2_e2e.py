@@ -96,10 +96,30 @@ def _fixed_text_handler(calls, text):
     return handler
 
 
+def _teacher_logprob_handler(calls):
+    """A teacher serving SmolLM2's own log-probs (the completions echo protocol) and a fixed hint on chat; the model
+    is loaded at the first request."""
+    from trl_plugins.components.teacher import HFTeacher
+    from trl_plugins.components.teacher_logprobs import teacher_logprob_handler
+    from trl_plugins.models import smollm2_path
+
+    served = {}
+
+    def handler(path, payload):
+        calls.append(path)
+        if "handler" not in served:
+            teacher = HFTeacher(str(smollm2_path()))
+            served["handler"] = teacher_logprob_handler(teacher, chat_text="Work left to right, one step per line.")
+        return served["handler"](path, payload)
+
+    return handler
+
+
 @contextlib.contextmanager
 def loopback_components():
-    """Base URLs and call logs of the PRM, teacher, critic, rubric judge and feedback judge servers."""
-    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback")}
+    """Base URLs and call logs of the PRM, teacher, critic, rubric judge, feedback judge and teacher log-prob
+    servers."""
+    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs")}
     prm_seen = calls["prm"]
     with contextlib.ExitStack() as stack:
         urls = {
@@ -110,6 +130,8 @@ def loopback_components():
             "judge": stack.enter_context(serve_openai_compatible(rule_judge_handler(calls["judge"]))),
             "feedback": stack.enter_context(serve_openai_compatible(
                 _fixed_text_handler(calls["feedback"], "Check each step's arithmetic and end with 'Answer: N'."))),
+            "teacher_logprobs": stack.enter_context(serve_openai_compatible(
+                _teacher_logprob_handler(calls["teacher_logprobs"]))),
         }
         yield urls, calls
 
@@ -172,6 +194,15 @@ def _stacks(urls):
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
+        ),
+        # demonstrations in slot 0 of each G=2 group; kepo scores the rows that pass its gate (on the partial-credit
+        # column here: the 135M policy is rarely correct and 16 tokens cut the demonstrations) with a teacher endpoint
+        # answering the echo protocol on the real BPE tokenizer (probed at construction)
+        "luffy+kepo": (
+            ["luffy", "kepo"],
+            {"kepo": {"teacher": "endpoint", "teacher_base_url": urls["teacher_logprobs"], "teacher_max_retries": 1,
+                      "success_column": "digit_fraction_reward", "success_threshold": 0.0}},
+            {"loss_type": "dr_grpo", "scale_rewards": "none"}, ["teacher_logprobs"],
         ),
         # one step stores the step's successes (a replay needs a later step of the same prompt: tests/plugins)
         "replay": (["replay"], {"replay": {"replay_tokens": "offpolicy"}}, {"loss_type": "dr_grpo"}, []),

@@ -29,13 +29,19 @@ from typing import Any
 
 import torch
 
-from .contexts import context_device
 from .errors import PluginError
 
 __all__ = [
     "HeldRewardErrors", "fail_together", "gather_floats", "gather_id_lists", "gather_ints_together",
     "gather_objects_together", "raise_for_flags", "raise_together", "run_together",
 ]
+
+
+def context_device(ctx: Any) -> torch.device:
+    """The device of a context's collectives (``ctx.device``: the accelerator's; CPU for the kit's contexts and for
+    stand-ins without a device)."""
+    device = getattr(ctx, "device", None)
+    return device if device is not None else torch.device("cpu")
 
 
 # ------------------------------------------------------------------------------------------------ flags

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .collectives import context_device  # noqa: F401 -- re-exported: plugins import it from here
+from .collectives import run_together
 from .errors import PluginError
 from .services import RunInfo, StageServices, gather_padded
 from .success import (
@@ -30,6 +32,8 @@ OFFPOLICY_KEY = "offpolicy_mask"
 #: Generation-batch key of the (B, T) assistant-turn index of each completion token (multi-turn tool rollouts; -1 on
 #: tool-result tokens and padding), see :mod:`trl_plugins.turns`.
 TURN_IDS_KEY = "plugin_turn_ids"
+#: Name of the per-row extra carrying teacher log-probs to the loss stage (``LossContext.teacher_logps``).
+TEACHER_LOGPS_EXTRA = "teacher_logps"
 
 
 #: The services of a context built without any (every member raises a ``PluginError`` naming itself).
@@ -124,13 +128,6 @@ def group_layout(process_index: int, local_rows: int, num_generations: int) -> t
     """
     global_index = [process_index * local_rows + j for j in range(local_rows)]
     return global_index, [g // num_generations for g in global_index], [g % num_generations for g in global_index]
-
-
-def context_device(ctx: Any) -> torch.device:
-    """The device of a context's collectives (``ctx.device``: the accelerator's; CPU for the kit's contexts and for
-    stand-ins without a device)."""
-    device = getattr(ctx, "device", None)
-    return device if device is not None else torch.device("cpu")
 
 
 # =============================================================================================== sampling
@@ -479,6 +476,10 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         process_slice: slice of the global rows held by this process.
         local_completion_ids: (B, T) completion token ids of this process's rows (right-padded, the labels the
             loss sees), for per-token extras set with :meth:`set_local_extra`; None when not provided.
+        local_prompt_ids: B lists, the training-prompt token ids of this process's rows (unpadded); None when not
+            provided.
+        local_completion_mask: (B, T) completion mask of this process's rows (1 up to and including EOS); None when
+            not provided.
         mode: "train" or "eval".
         prompt_keys: (N // G,) long, one key per group slot: groups with the same key were generated from the same
             prompt draw (refill plugins' ``RefillContext.repeat``); None = every group its own (see :meth:`pool_ids`).
@@ -510,6 +511,8 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_extras: dict[str, torch.Tensor] = field(default_factory=dict)
     local_completion_ids: torch.Tensor | None = None
+    local_prompt_ids: list[list[int]] | None = None
+    local_completion_mask: torch.Tensor | None = None
     mode: str = "train"
     prompt_keys: torch.Tensor | None = None
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
@@ -529,6 +532,36 @@ class AdvantageContext(_VerdictMixin, _StageContext):
 
         return expand_turn_values(values, self.turn_ids, fill)
 
+    def attach_teacher_logps(self, teacher: Any, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Score this process's completions with ``teacher`` and send the log-probs to the loss stage.
+
+        ``teacher.logprobs(prompt_ids, completion_ids)`` (e.g. a :class:`~trl_plugins.components.teacher.HFTeacher`
+        or :class:`~trl_plugins.components.teacher.EndpointTeacher`) scores local rows ``rows`` (default: all B)
+        under their training prompts. Returns the (B, T) float32 tensor, NaN where absent (rows not scored,
+        positions past a row's completion); it rides with its rows to ``LossContext.teacher_logps``. Calling it again
+        (another plugin) overwrites the rows it scores and keeps the others.
+
+        Collective: call on every process (possibly with no rows). A teacher failing on one process (an endpoint
+        down after its retries, whose error names the URL) stops every process together.
+        """
+        if self.local_completion_ids is None or self.local_prompt_ids is None or self.local_completion_mask is None:
+            raise PluginError("AdvantageContext.attach_teacher_logps needs local_prompt_ids, local_completion_ids and "
+                              "local_completion_mask (give them to the context's builder).")
+        B, T = self.local_completion_ids.shape
+        rows = list(range(B)) if rows is None else [int(i) for i in rows]
+        lengths = self.local_completion_mask.sum(-1).long().tolist()
+        completions = [self.local_completion_ids[i, : lengths[i]].tolist() for i in rows]
+        prompts = [self.local_prompt_ids[i] for i in rows]
+        plugin = self.active_plugin or "teacher log-probs"
+        scored = run_together(self, plugin, teacher.logprobs, prompts, completions)
+        previous = self.local_extras.get(TEACHER_LOGPS_EXTRA)
+        device = self.local_completion_ids.device
+        out = torch.full((B, T), float("nan"), device=device) if previous is None else previous.clone()
+        for i, values in zip(rows, scored):
+            out[i] = float("nan")
+            out[i, : values.numel()] = values.to(device=device, dtype=torch.float32)
+        self.set_local_extra(TEACHER_LOGPS_EXTRA, out)
+        return out
     def pool_ids(self) -> torch.Tensor:
         """(N,) long: rows with the same id were generated from the same prompt draw -- the group id, except for
         groups a refill plugin added with ``RefillContext.repeat`` (they share the repeated group's key)."""
@@ -607,6 +640,8 @@ class LossContext(_StageContext):
         per_token_loss: the base surrogate (TRL's, by ``loss_type``: :mod:`trl_plugins.loss_rules`; off-policy
             tokens already shaped): (B, T), or (B, 1) at sequence-level importance sampling with per-row advantages.
         extras: per-row tensors attached at the advantage stage (first dim B).
+        teacher_logps: (B, T) teacher log-probs of the completion tokens, NaN where absent, or None when no plugin
+            attached any (``AdvantageContext.attach_teacher_logps``); a property reading ``extras``.
         loss_type, epsilon_low, epsilon_high, beta: the run's settings.
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
         iteration: index of the current pass over this generation batch (0 .. num_iterations-1).
@@ -654,6 +689,12 @@ class LossContext(_StageContext):
         """(B, T) long assistant-turn index of each token (-1 on tool results and padding) in multi-turn tool
         rollouts; None otherwise. The tool mask itself is folded into :attr:`mask` (and in ``inputs["tool_mask"]``)."""
         return self.inputs.get(TURN_IDS_KEY)
+
+    @property
+    def teacher_logps(self) -> torch.Tensor | None:
+        """(B, T) float32 teacher log-probs of the completion tokens (no grad), NaN where absent (rows no plugin scored,
+        padding); None when no plugin attached any (``AdvantageContext.attach_teacher_logps``)."""
+        return self.extras.get(TEACHER_LOGPS_EXTRA)
 
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.head_stats.HeadStats`).

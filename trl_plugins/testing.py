@@ -52,6 +52,7 @@ from .contexts import (
     RefillContext,
     RewardContext,
     RolloutContext,
+    TEACHER_LOGPS_EXTRA,
     group_layout,
 )
 from .errors import GenerationBudgetExceeded, PluginError
@@ -898,6 +899,7 @@ def make_advantage_context(
     step: int = 0,
     mode: str = "train",
     run: RunInfo | None = None,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
     prompt_keys: Any = None,
     turns: Sequence[Any] | None = None,
     rows: list[dict] | None = None,
@@ -917,8 +919,10 @@ def make_advantage_context(
         completion_lengths: (N,); default 4 tokens per row.
         policy_stats: what ``ctx.policy_stats()`` returns; default :func:`stub_policy_stats`. The calls are
             recorded in ``ctx.policy_stats_calls`` (their ``head_stats`` flags). ``ctx.completion_mask()`` is
-            its mask.
+            its mask, and so is ``ctx.local_completion_mask``; its ``completion_ids`` are ``ctx.local_completion_ids``.
         run: what ``ctx.run`` gives; ``services`` go to :func:`stub_services` (``gather``, ``tokenizer`` ...).
+        prompt_ids: ``ctx.local_prompt_ids`` (N lists); default each group's question of :func:`stub_rows`, as
+            characters.
         prompt_keys: (N // G,) one key per group (groups a refill plugin repeated share one); default None.
 
     ``ctx.metrics`` records the metrics the plugin logs.
@@ -955,6 +959,9 @@ def make_advantage_context(
         process_slice=slice(0, N),
         step=step,
         local_completion_ids=stats.completion_ids,
+        local_prompt_ids=([list(p) for p in prompt_ids] if prompt_ids is not None else
+                          [char_encode(prompt_text(r["prompt"])) for r in stub_rows(N // G, G)]),
+        local_completion_mask=stats.mask,
         mode=mode,
         prompt_keys=None if prompt_keys is None else torch.as_tensor(prompt_keys, dtype=torch.long),
         services=stub_services(metrics, run=run, policy_stats=policy_stats_fn, completion_mask=lambda: stats.mask,
@@ -1045,6 +1052,7 @@ def make_loss_context(
     offpolicy_mask: torch.Tensor | None = None,
     offpolicy_gamma: float = 0.1,
     extras: dict[str, torch.Tensor] | None = None,
+    teacher_logps: torch.Tensor | None = None,
     completion_ids: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | None = None,
     head_stats: Any = None,
@@ -1067,7 +1075,8 @@ def make_loss_context(
     tokens in ``offpolicy_mask`` take the shaped branch ``-A p/(p+gamma)``. ``loss_options`` sets the other fields
     of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
     ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the
-    plugins' contributions. ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
+    plugins' contributions. ``teacher_logps`` (B, T, NaN where absent) is what ``ctx.teacher_logps`` gives (the extra
+    the advantage stage attaches). ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
     it); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
     metrics the plugin logs.
     """
@@ -1118,7 +1127,7 @@ def make_loss_context(
         advantages=advantages,
         mask=mask,
         offpolicy_mask=offpolicy,
-        extras=dict(extras or {}),
+        extras={**dict(extras or {}), **({} if teacher_logps is None else {TEACHER_LOGPS_EXTRA: teacher_logps})},
         loss_type=loss_type,
         epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,

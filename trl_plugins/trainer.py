@@ -744,6 +744,8 @@ class PluginGRPOTrainer(GRPOTrainer):
             process_slice=self._process_slice(B),
             step=self.state.global_step,
             local_completion_ids=output["completion_ids"],
+            local_prompt_ids=[ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])],
+            local_completion_mask=output["completion_mask"],
             mode=state.mode,
             prompt_keys=None if state.refill is None else state.refill.prompt_keys,
             services=dataclasses.replace(

@@ -8,6 +8,13 @@ Common interface (:class:`Teacher`), batched:
   single corrected step.
 * ``chat(conversations, max_tokens=None) -> list[str]``: one assistant answer per conversation (critiques, judge
   feedback).
+* ``logprobs(prompt_ids, completion_ids) -> list[Tensor]``: the teacher's per-token log-probs of given completions
+  (policy token ids; one (len(completion_ids[i]),) float32 CPU tensor per row), for dense teacher supervision.
+  ``check_logprobs(policy_tokenizer)`` refuses, when the trainer is built, a teacher that cannot return them or does
+  not share the policy's tokenizer (:mod:`trl_plugins.components.teacher_logprobs`).
+
+Plugins configure a teacher with the option mixin :class:`TeacherOptions` (kind, model, endpoint, retries, device) and
+build the shared instance with :func:`teacher_from_options`.
 
 The continuation is plain text: callers re-tokenize it with the **policy** tokenizer (the tokens are off-policy
 anyway).
@@ -27,22 +34,33 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from ..errors import PluginConfigError
+from ..options import PluginOptions, option
 from .client import EndpointConfig, OpenAICompatibleClient
 from .steps import split_steps
+from .teacher_logprobs import (
+    ECHO_PARAMS,
+    check_same_tokenizer,
+    hf_completion_logprobs,
+    parse_echo_logprobs,
+    probe_endpoint,
+)
 
 __all__ = [
     "EndpointTeacher",
     "HFTeacher",
     "ReferenceTeacher",
     "Teacher",
+    "TeacherOptions",
     "build_teacher",
     "clear_shared_teachers",
     "continuation_messages",
     "cut_at_stop",
     "shared_teacher",
+    "teacher_from_options",
 ]
 
 
@@ -70,6 +88,20 @@ class Teacher:
     def chat(self, conversations: Sequence[list[dict]], *, max_tokens: int | None = None) -> list[str]:
         raise PluginConfigError(f"{type(self).__name__} cannot answer free-form chat requests (critiques, feedback).")
 
+    def logprobs(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list:
+        """Per-token log-probs of ``completion_ids[i]`` after ``prompt_ids[i]`` (policy token ids) under the teacher:
+        one (len(completion_ids[i]),) float32 CPU tensor per row."""
+        raise PluginConfigError(self._no_logprobs())
+
+    def check_logprobs(self, policy_tokenizer: Any, probe: bool = True) -> None:
+        """Refuse a teacher that cannot score the policy's tokens (``PluginConfigError``; an endpoint that does not
+        answer: ``EndpointError`` naming its URL); called at construction. ``probe=False`` skips network requests."""
+        raise PluginConfigError(self._no_logprobs())
+
+    def _no_logprobs(self) -> str:
+        return (f"{type(self).__name__} cannot return per-token log-probs (it has no model); use a local model "
+                "(teacher 'hf') or an OpenAI-compatible endpoint serving the policy's tokenizer ('endpoint').")
+
     def close(self) -> None:
         """Release resources."""
 
@@ -92,6 +124,7 @@ class EndpointTeacher(Teacher):
         self.max_tokens = max_tokens
         self.extra_params = dict(extra_params or {})
         self.client = OpenAICompatibleClient(config)
+        self._scoring: OpenAICompatibleClient | None = None
 
     def continue_from(self, rows, prompts, prefixes, *, stop=None, max_tokens=None):
         if not prefixes:
@@ -114,8 +147,31 @@ class EndpointTeacher(Teacher):
         params = {"temperature": self.temperature, "max_tokens": max_tokens or self.max_tokens, **self.extra_params}
         return self.client.chat([list(c) for c in conversations], **params)
 
+    def logprobs(self, prompt_ids, completion_ids):
+        """Prompt log-probs of ``prompt + completion`` through ``/v1/completions`` (echo protocol, one request per
+        row, concurrent); the completion positions are kept."""
+        import torch
+
+        if self._scoring is None:  # no response cache: scored completions rarely repeat, and the cache never shrinks
+            self._scoring = OpenAICompatibleClient(EndpointConfig(**{**self.config.__dict__, "cache": False}))
+        rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+        todo = [j for j, c in enumerate(completion_ids) if len(c)]
+        choices = self._scoring.completions([rows[j] for j in todo], **ECHO_PARAMS) if todo else []
+        out = [torch.zeros(0) for _ in rows]
+        url = f"{self.client.base_url}/completions"
+        for j, choice in zip(todo, choices):
+            out[j] = torch.tensor(parse_echo_logprobs(choice, rows[j], len(prompt_ids[j]), url), dtype=torch.float32)
+        return out
+
+    def check_logprobs(self, policy_tokenizer, probe: bool = True):
+        """With ``probe``: one echo request (:func:`~trl_plugins.components.teacher_logprobs.probe_endpoint`)."""
+        if probe:
+            probe_endpoint(self.client, policy_tokenizer)
+
     def close(self) -> None:
         self.client.close()
+        if self._scoring is not None:
+            self._scoring.close()
 
 
 # ============================================================================================= Hugging Face
@@ -155,6 +211,15 @@ class HFTeacher(Teacher):
 
     def chat(self, conversations, *, max_tokens=None):
         return self._generate([self._prompt_ids(list(c)) for c in conversations], max_tokens or self.max_tokens)
+
+    def logprobs(self, prompt_ids, completion_ids):
+        """One no-grad forward per batch (:func:`~trl_plugins.components.teacher_logprobs.hf_completion_logprobs`)."""
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return hf_completion_logprobs(self.model, prompt_ids, completion_ids, pad, self.batch_size)
+
+    def check_logprobs(self, policy_tokenizer, probe: bool = True):
+        check_same_tokenizer(self.tokenizer, policy_tokenizer, f"model {self.name!r}")
 
     def _generate(self, requests: list[list[int]], max_tokens: int) -> list[str]:
         import torch
@@ -268,3 +333,58 @@ def clear_shared_teachers() -> None:
     for teacher in _SHARED.values():
         teacher.close()
     _SHARED.clear()
+
+
+# ============================================================================================= plugin options
+@dataclass
+class TeacherOptions(PluginOptions):
+    """The teacher options of plugins that use a teacher model (generation, hints, log-probs); their option
+    dataclasses derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
+
+    plugin_name: ClassVar[str] = "?"
+
+    teacher: Literal["hf", "endpoint"] = option(
+        "hf", help="Teacher: a local Hugging Face model by name/path (teacher_model), or an OpenAI-compatible server "
+        "(teacher_base_url; log-probs through the completions API's echo protocol, as `vllm serve` answers it).",
+    )
+    teacher_model: str = option("default", help="Teacher: model name/path (hf) or served model name (endpoint).")
+    teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
+    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
+    teacher_timeout: float = option(
+        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
+    )
+    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
+    teacher_device: str | None = option(None, help="Device of a local (hf) teacher (None: the run's device).")
+    teacher_temperature: float = option(0.0, min=0.0, help="Sampling temperature of the teacher's generations.")
+    teacher_max_tokens: int = option(256, min=1, help="Longest teacher generation (hint, demonstration) in tokens.")
+    teacher_probe: bool = option(
+        True, help="Plugins reading teacher log-probs: at construction, send one echo request to a teacher endpoint "
+        "to check that it returns log-probs and tokenizes like the policy (False: skip; a server started later then "
+        "fails at its first request instead).",
+    )
+
+    def validate(self) -> None:
+        if self.teacher == "endpoint" and not self.teacher_base_url:
+            raise PluginConfigError(
+                f"Plugin {self.plugin_name!r} with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible "
+                "server such as `vllm serve`); or set teacher='hf' with teacher_model."
+            )
+        if self.teacher == "hf" and self.teacher_model == "default":
+            raise PluginConfigError(
+                f"Plugin {self.plugin_name!r} with teacher='hf' needs teacher_model (a model name or path whose "
+                "tokenizer is the policy's)."
+            )
+
+
+def teacher_from_options(o: TeacherOptions, device: Any = None) -> Any:
+    """The shared teacher (:func:`~trl_plugins.components.teacher.shared_teacher`) described by :class:`TeacherOptions`;
+    ``device`` places a local teacher when ``teacher_device`` is None (the run's device)."""
+    kwargs: dict[str, Any] = dict(model=o.teacher_model, temperature=o.teacher_temperature,
+                                  max_tokens=o.teacher_max_tokens)
+    if o.teacher == "hf":
+        where = o.teacher_device if o.teacher_device is not None else device
+        kwargs["device"] = None if where is None else str(where)
+    else:
+        kwargs.update(base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env, timeout=o.teacher_timeout,
+                      max_retries=o.teacher_max_retries)
+    return shared_teacher(o.teacher, **kwargs)
