@@ -170,6 +170,11 @@ def all_fail_groups(success: torch.Tensor, num_generations: int) -> torch.Tensor
 # ============================================================================================= plugin
 class KepoPlugin(Plugin):
     """Quality-gated teacher distillation (advantage / loss stages) and teacher hints for all-fail groups (sampling)."""
+    claim_metric = ('gated_fraction', 'rollouts that pass the quality gate and get teacher supervision')
+    multi_turn = (
+        "it edits completions after generation (teacher-hinted re-samples replacing failed rows), and the generation service samples "
+        "single-turn text without running tools, so the edited rows would lose their tool-call turns."
+    )
 
     name = "kepo"
     version = "0.1.0"

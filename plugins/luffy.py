@@ -122,6 +122,11 @@ def split_group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, on_po
 # ============================================================================================= plugin
 class LuffyPlugin(Plugin):
     """Demonstrations fill the first slots of each group; their tokens take the shaped off-policy branch."""
+    claim_metric = ('demonstration_advantage', 'mean advantage of the demonstration rows')
+    multi_turn = (
+        "it edits completions after generation (demonstrations spliced into each group), and the generation service samples "
+        "single-turn text without running tools, so the edited rows would lose their tool-call turns."
+    )
 
     name = "luffy"
     version = "0.1.0"

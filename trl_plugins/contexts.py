@@ -492,8 +492,6 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         local_turns: (B,) :class:`~trl_plugins.turns.TurnStructure` of this process's rows (empty without tools).
         local_rows: this process's B dataset rows (every column), e.g. a ground-truth answer per row; empty when
             not provided.
-        local_prompt_ids: this process's B prompt token ids (unpadded, TRL's training prompts), e.g. for
-            :meth:`policy_logprobs` probes; None when not provided.
     """
 
     rewards_per_func: torch.Tensor
@@ -520,7 +518,6 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     turn_rewards: torch.Tensor | None = None
     local_turns: list = field(default_factory=list)
     local_rows: list[dict] = field(default_factory=list)
-    local_prompt_ids: list[list[int]] | None = None
 
     def expand_turns(self, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
         """Per-turn values (N, U) -> per-token (N, T_max) over :attr:`turn_ids` (``fill`` on tool results and padding).

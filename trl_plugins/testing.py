@@ -903,7 +903,6 @@ def make_advantage_context(
     prompt_keys: Any = None,
     turns: Sequence[Any] | None = None,
     rows: list[dict] | None = None,
-    prompt_ids: list[list[int]] | None = None,
     **services: Any,
 ) -> AdvantageContext:
     """An :class:`~trl_plugins.AdvantageContext` of one process holding the whole batch (N rows).
@@ -975,7 +974,6 @@ def make_advantage_context(
         ctx.turn_ids = turn_ids_tensor(turns, max([len(t.tool_mask) for t in turns] + [1]))
         ctx.turn_rewards = turn_rewards_tensor(turns)
     ctx.local_rows = list(rows or [])
-    ctx.local_prompt_ids = prompt_ids
     return ctx
 
 

@@ -758,7 +758,6 @@ class PluginGRPOTrainer(GRPOTrainer):
             turn_rewards=turn_rewards,
             local_turns=list(state.turns or []),
             local_rows=list(state.inputs),
-            local_prompt_ids=[ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])],
         )
         self.plugin_stack.call("trl_plugins_transform_advantages", ctx)
         advantages = ctx.advantages[ctx.process_slice]

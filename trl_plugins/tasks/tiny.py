@@ -523,9 +523,9 @@ def demo_model(
     settings = settings or DemoSettings()
     target = Path(cache_dir).expanduser() / f"tiny-{settings.cache_key()}" if cache_dir is not None else None
     if target is not None and not (target / "config.json").exists():
-        from ..models import _locked
+        from ..locks import exclusive_file_lock
 
-        with _locked(target.parent / f".{target.name}.lock"):
+        with exclusive_file_lock(target.parent / f".{target.name}.lock"):
             return _build_or_load(target, settings, verbose, progress)
     return _build_or_load(target, settings, verbose, progress)
 
