@@ -371,12 +371,18 @@ def gpu_record_lines() -> list[str]:
     if not records:
         return ["Not yet run on a GPU."]
     newest = records[-1]
+    text = newest.read_text(encoding="utf-8")
+    missing = sorted(name for name in builtin_plugins() if f"| `{name}` |" not in text)
+    not_run = ([] if not missing else [
+        "", "Built-in plugins added since that run, not yet run on a GPU: "
+        + ", ".join(f"`{name}`" for name in missing) + "."])
     return [
         f"The latest run ([`gpu/{newest.name}`](gpu/{newest.name}), JSON report "
         f"[`gpu/{newest.stem}.json`](gpu/{newest.stem}.json) with every run's losses, plugin metrics, seconds and "
         "peak GPU memory):",
         "",
-        *newest.read_text(encoding="utf-8").rstrip().splitlines(),
+        *text.rstrip().splitlines(),
+        *not_run,
         "",
         "vLLM was not run: the GPU machines available to this project have no network and the `vllm` wheel (with "
         "its pinned torch) is too large to carry onto them, so the vLLM column says *not run* rather than *ok*. "

@@ -160,3 +160,21 @@ def test_tiny_run_injects_reference_solutions():
     assert logs["plugins/ampo/injected_rows"] > 0
     assert logs["plugins/ampo/injected_success_rate"] == 1.0
     assert 0 < logs["plugins/framework/offpolicy_token_fraction"] < 1
+
+
+def test_stacked_with_dynamic_sampling_guided_groups_are_mixed_and_kept():
+    """ampo + dynamic_sampling (issue 16's stack): on the untrained tiny model every group fails; ampo's guidance
+    puts the reference solution into each, so every group is mixed and DAPO's filter (which judges the groups after
+    the sampling hooks) rejects none of them: no refill round, no refill rollout."""
+    trainer = make_tiny_trainer(plugins=["ampo", "dynamic_sampling"],
+                                plugin_config={"ampo": {"solutions_column": "solution"}},
+                                max_steps=1, max_completion_length=48)
+    run = record_run(trainer)
+    logs = {k: v for log in run.logs for k, v in log.items()}
+    assert logs["plugins/ampo/injected_rows"] > 0
+    G = trainer.num_generations
+    for rewards in run.rewards:
+        rate = rewards[:, 0].view(-1, G).mean(1)
+        assert ((rate > 0) & (rate < 1)).all()
+    assert logs["plugins/framework/rejected_groups"] == 0
+    assert logs["plugins/framework/refill_rollouts"] == 0
