@@ -157,10 +157,7 @@ class ToolGuard:
             self._check_arguments(func, arguments)
             last = None
             for attempt in range(self.policy.retries + 1):
-                if self.failed:
-                    raise ToolError(f"tool {name!r} skipped: an earlier tool call of this step failed")
-                if attempt:
-                    time.sleep(self.policy.backoff * 2 ** (attempt - 1))
+                time.sleep(self._before_attempt(name, attempt))
                 try:
                     result = self._call_with_timeout(func, arguments)
                 except ToolInputError:
@@ -168,10 +165,9 @@ class ToolGuard:
                 except Exception as exc:  # the tool's fault: retried below
                     last = exc
                     continue
-                problem = check_tool_result(result)
-                if problem is None:
+                last = self._bad_result(result)
+                if last is None:
                     return result
-                last = ValueError(f"the tool {problem}")
             raise self._fatal(name, arguments, row, global_row, last)
 
         return guarded
@@ -184,10 +180,7 @@ class ToolGuard:
             self._check_arguments(func, arguments)
             last = None
             for attempt in range(self.policy.retries + 1):
-                if self.failed:
-                    raise ToolError(f"tool {name!r} skipped: an earlier tool call of this step failed")
-                if attempt:
-                    await asyncio.sleep(self.policy.backoff * 2 ** (attempt - 1))
+                await asyncio.sleep(self._before_attempt(name, attempt))
                 try:
                     result = await asyncio.wait_for(func(**arguments), self.policy.timeout)
                 except ToolInputError:
@@ -198,13 +191,25 @@ class ToolGuard:
                 except Exception as exc:  # the tool's fault: retried
                     last = exc
                     continue
-                problem = check_tool_result(result)
-                if problem is None:
+                last = self._bad_result(result)
+                if last is None:
                     return result
-                last = ValueError(f"the tool {problem}")
             raise self._fatal(name, arguments, row, global_row, last)
 
         return guarded
+
+    def _before_attempt(self, name: str, attempt: int) -> float:
+        """Seconds to wait before attempt ``attempt`` (0: none; then the doubling backoff); raises when an earlier
+        tool call of this step already failed (the step stops, so no further call is made)."""
+        if self.failed:
+            raise ToolError(f"tool {name!r} skipped: an earlier tool call of this step failed")
+        return self.policy.backoff * 2 ** (attempt - 1) if attempt else 0.0
+
+    @staticmethod
+    def _bad_result(result: Any) -> Exception | None:
+        """The error a garbage result counts as (retried like a raise), or None when the result is usable."""
+        problem = check_tool_result(result)
+        return None if problem is None else ValueError(f"the tool {problem}")
 
     @staticmethod
     def _check_arguments(func: Callable, arguments: dict) -> None:
