@@ -70,7 +70,6 @@ success, placement ``replace``, slot 0.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -88,7 +87,7 @@ from trl_plugins import (
     option,
 )
 from trl_plugins.collectives import gather_objects_together
-from trl_plugins.components.client import EndpointConfig
+from trl_plugins.components.client import EndpointConfig, api_key_from_env
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge
 from trl_plugins.contexts import context_device
 from trl_plugins.text import completion_text
@@ -364,7 +363,7 @@ class DaGRPOPlugin(Plugin):
                            parse_retries=o.judge_parse_retries)
         endpoint = EndpointConfig(
             base_url=o.judge_base_url, model=o.judge_model, timeout=o.judge_timeout, max_retries=o.judge_max_retries,
-            api_key=os.environ.get(o.judge_api_key_env) if o.judge_api_key_env else None,
+            api_key=api_key_from_env(o.judge_api_key_env),
             max_concurrency=o.judge_max_concurrency,
         )
         sampling = {"temperature": o.judge_temperature, "max_tokens": o.judge_max_tokens}

@@ -52,14 +52,13 @@ Judge backends: "endpoint" (OpenAI-compatible server, e.g. ``vllm serve``), "hf"
 from __future__ import annotations
 
 import math
-import os
 import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
 from trl_plugins.answers import extract_boxed_or_last_number, normalize_answer
-from trl_plugins.components.client import EndpointConfig
+from trl_plugins.components.client import EndpointConfig, api_key_from_env
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
 from trl_plugins.text import completion_text
 
@@ -312,9 +311,8 @@ class RuscaRLPlugin(Plugin):
                 top_p=o.judge_top_p, top_k=o.judge_top_k, parse_retries=o.judge_parse_retries,
                 on_unparsable=o.judge_on_unparsable,
             )
-        api_key = os.environ.get(o.judge_api_key_env) if o.judge_api_key_env else None
         endpoint = EndpointConfig(
-            base_url=o.judge_base_url, model=o.judge_model, api_key=api_key, timeout=o.judge_timeout,
+            base_url=o.judge_base_url, model=o.judge_model, api_key=api_key_from_env(o.judge_api_key_env), timeout=o.judge_timeout,
             max_retries=o.judge_max_retries, max_concurrency=o.judge_max_concurrency,
         )
         sampling = {

@@ -79,3 +79,15 @@ def test_timeout_is_retried_then_reported():
         with pytest.raises(EndpointError, match="ReadTimeout"):
             c.chat([[{"role": "user", "content": "x"}]])
         c.close()
+
+
+def test_api_key_from_env_reads_the_named_variable_and_refuses_an_unset_one(monkeypatch):
+    from trl_plugins.components.client import api_key_from_env
+    from trl_plugins.errors import PluginConfigError
+
+    assert api_key_from_env(None) is None
+    monkeypatch.setenv("TRLP_TEST_KEY", "sk-123")
+    assert api_key_from_env("TRLP_TEST_KEY") == "sk-123"
+    monkeypatch.delenv("TRLP_TEST_KEY")
+    with pytest.raises(PluginConfigError, match="'TRLP_TEST_KEY' is not set"):
+        api_key_from_env("TRLP_TEST_KEY")

@@ -409,6 +409,20 @@ def test_judge_scorer_options_are_checked_at_construction():
     assert plugin.required_columns() == ["solution"]  # no task column needed
 
 
+@pytest.mark.parametrize("name", ["dagrpo", "ruscarl"])
+def test_an_unset_judge_api_key_variable_is_refused_not_ignored(name, monkeypatch):
+    """A named ``judge_api_key_env`` that is not set stops the judge from being built (it used to send no key)."""
+    monkeypatch.delenv("TRLP_UNSET_KEY", raising=False)
+    options = {"judge_base_url": "http://127.0.0.1:9/v1", "judge_api_key_env": "TRLP_UNSET_KEY"}
+    if name == "dagrpo":
+        options["scorer"] = "judge"
+    plugin = build_plugins([name], {name: options}).by_name[name]
+    with pytest.raises(PluginConfigError, match="TRLP_UNSET_KEY"):
+        plugin.build_judge()
+    monkeypatch.setenv("TRLP_UNSET_KEY", "sk-1")
+    assert plugin.build_judge().client.config.api_key == "sk-1"
+
+
 # ------------------------------------------------------------------------------------------ anchors: reserved slot
 def test_reserved_anchor_slot_adds_the_anchor_or_one_more_rollout(tmp_path, monkeypatch):
     """anchor_placement='reserve': slot 0 of each group is not sampled in the first round; the all-fail group gets

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import random
 import threading
 from collections.abc import Awaitable, Sequence
@@ -21,13 +22,24 @@ from typing import Any
 
 import httpx
 
-from ..errors import PluginError
+from ..errors import PluginConfigError, PluginError
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 class EndpointError(PluginError, RuntimeError):
     """An external component (judge, PRM, teacher) could not be reached or answered garbage."""
+
+
+def api_key_from_env(env: str | None) -> str | None:
+    """The API key held by the environment variable ``env`` (an ``*_api_key_env`` option), or None when no variable
+    is named. A named variable that is not set is refused here, at construction, rather than sending requests without
+    a key and failing at the first step with an authorisation error."""
+    if env is None:
+        return None
+    if env not in os.environ:
+        raise PluginConfigError(f"The API key environment variable {env!r} is not set.")
+    return os.environ[env]
 
 
 @dataclass

@@ -43,7 +43,6 @@ local PRM over both endpoint protocols, for tests and offline demos.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from typing import Any, ClassVar, Literal
 from ..text import completion_text
 from ..errors import PluginConfigError
 from ..options import PluginOptions, option
-from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
+from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env
 from .steps import StepSpan, first_error, question_text, split_steps
 
 __all__ = [
@@ -468,18 +467,12 @@ def build_prm(
     if kind == "endpoint":
         if not base_url:
             raise PluginConfigError("A PRM endpoint needs a base URL (option prm_base_url, e.g. http://host:8000/v1).")
-        config = EndpointConfig(base_url=base_url, model=model, api_key=_api_key(api_key_env), timeout=timeout,
+        config = EndpointConfig(base_url=base_url, model=model, api_key=api_key_from_env(api_key_env), timeout=timeout,
                                 max_retries=max_retries)
         return EndpointPRM(config, protocol=protocol, separator=sep)
     raise PluginConfigError(f"Unknown PRM kind {kind!r}; allowed: 'hf', 'endpoint', 'programmatic'.")
 
 
-def _api_key(env: str | None) -> str | None:
-    if env is None:
-        return None
-    if env not in os.environ:
-        raise PluginConfigError(f"The API key environment variable {env!r} is not set.")
-    return os.environ[env]
 
 
 def shared_prm(kind: str, **kwargs: Any) -> ProcessRewardModel:

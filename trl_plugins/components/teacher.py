@@ -32,14 +32,13 @@ Backends:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ..errors import PluginConfigError
 from ..options import PluginOptions, option
-from .client import EndpointConfig, OpenAICompatibleClient
+from .client import EndpointConfig, OpenAICompatibleClient, api_key_from_env
 from .steps import split_steps
 from .teacher_logprobs import (
     ECHO_PARAMS,
@@ -311,12 +310,8 @@ def build_teacher(
                 "A teacher endpoint needs a base URL (e.g. http://host:8000/v1); or use a local model ('hf') or the "
                 "dataset's reference solutions ('reference')."
             )
-        key = None
-        if api_key_env is not None:
-            if api_key_env not in os.environ:
-                raise PluginConfigError(f"The API key environment variable {api_key_env!r} is not set.")
-            key = os.environ[api_key_env]
-        config = EndpointConfig(base_url=base_url, model=model, api_key=key, timeout=timeout, max_retries=max_retries)
+        config = EndpointConfig(base_url=base_url, model=model, api_key=api_key_from_env(api_key_env), timeout=timeout,
+                                max_retries=max_retries)
         return EndpointTeacher(config, temperature=temperature, max_tokens=max_tokens)
     raise PluginConfigError(f"Unknown teacher kind {kind!r}; allowed: 'endpoint', 'hf', 'reference'.")
 
