@@ -104,6 +104,13 @@ class DarsPlugin(Plugin):
     summary = "Extra groups of rollouts for low-accuracy prompts (ET / HW schedule); pooled R - mean advantages."
     Options = DarsOptions
     replaces = ("the advantages",)
+    conflicts_with = {
+        "dynamic_sampling": (
+            "dars applies DAPO's filter itself (pools of accuracy 0 or >= upper_threshold are dropped) after its extra "
+            "rollouts; dynamic_sampling would drop the all-fail groups in round 0, before dars spends its extra "
+            "rollouts on them -- the hard prompts DARS exists for"
+        ),
+    }
     reconstructed = (
         "extra rollouts in whole groups of G (extra_rounding)",
         "extra groups only fill the slots of dropped groups in a fixed-size batch (the official batch grows)",

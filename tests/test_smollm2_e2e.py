@@ -183,11 +183,9 @@ def _stacks(urls):
              "dagrpo": {"delta": 0.0, "anchors": False}},
             {"loss_type": "grpo", "num_generations": 4}, ["feedback"],
         ),
-        # refill within the step: DARS asks for extra groups of the hard prompts, dynamic_sampling drops the groups
-        # whose verifier column is all-equal; one refill round keeps the CPU run short (kept at the limit)
-        "dars+dynamic_sampling": (
-            ["dars", "dynamic_sampling"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, [],
-        ),
+        # refill within the step: DARS asks for extra groups of the hard prompts (and drops the pools its filter
+        # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
+        "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
@@ -222,7 +220,11 @@ def _stacks(urls):
                        "baseline": "trl"}},
             {"loss_type": "dapo"}, [],
         ),
-        "rec": (["rec"], {"rec": {"variant": "opmd"}}, {"loss_type": "bnpo", "scale_rewards": "none"}, []),
+        # rec's off-policy group REINFORCE on the batch dynamic_sampling refilled (all-equal groups dropped)
+        "rec+dynamic_sampling": (
+            ["rec", "dynamic_sampling"], {"rec": {"variant": "opmd"}},
+            {"loss_type": "bnpo", "scale_rewards": "none", "max_refill_rounds": 1}, [],
+        ),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages);
         # RepExp's bonus comes from one backbone forward of the LoRA policy
         "prl+hapo+repexp": (

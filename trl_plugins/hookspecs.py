@@ -168,8 +168,10 @@ def trl_plugins_reject_groups(ctx: RefillContext) -> None:
     rejected or ``PluginGRPOConfig.max_refill_rounds`` refill rounds have run; groups still rejected then are kept,
     kept with zero advantage, or an error (``refill_at_limit``). Rejections chain over plugins in order (union).
     Metrics: ``plugins/framework/refill_rounds``, ``.../rejected_groups``, ``.../refill_rollouts``,
-    ``.../kept_at_limit``. Only called in training mode; not available with ``rollout_func``, tools, environments,
-    images or iterable datasets (refused at construction).
+    ``.../kept_at_limit``. Replacement groups are plain on-policy groups of their own prompts: the other sampling
+    hooks (prompt rewrites, splices, extra rollouts, ``after_generation``) do not run on them, so sampling-stage
+    guidance (e.g. ``ampo``'s) reaches first-round groups only. Only called in training mode; not available with
+    ``rollout_func``, tools, environments, images or iterable datasets (refused at construction).
     """
 
 

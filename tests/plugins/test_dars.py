@@ -137,3 +137,10 @@ def test_end_to_end_refills_and_pools():
     logs = {k: v for log in trainer.state.log_history for k, v in log.items()}
     assert "plugins/dars/extra_groups" in logs and "plugins/framework/refill_rounds" in logs
     assert trainer.generation_service.total > 0  # hard prompts were sampled again
+
+
+@pytest.mark.parametrize("order", [["dars", "dynamic_sampling"], ["dynamic_sampling", "dars"]])
+def test_dynamic_sampling_is_refused_with_the_reason(order):
+    """DAPO's round-0 filter would drop the all-fail groups before dars spends its extra rollouts on them."""
+    with pytest.raises(IncompatiblePluginsError, match="before dars spends its extra rollouts"):
+        build_plugins(order)
