@@ -1,26 +1,28 @@
 """SALT — Step-level Advantage Assignment for Long-horizon Agents via Trajectory Graph (arXiv:2510.20022).
 
 A plug-in refinement of group-based advantages (GRPO, RLOO, ...) for multi-turn tool agents, from the outcome rewards
-alone, with no change to the rollouts. Facts from the paper (abstract and method overview; no official code found):
+alone, with no change to the rollouts. Sources: the paper's abstract and overview (EACL 2026 Findings); no official
+code is public. What they state:
 
 1. The G trajectories of one prompt are merged into a **trajectory graph**: a step (one assistant turn / action)
    that several trajectories share becomes one node; steps where trajectories part ways stay distinct.
-2. Each step's advantage is read off the graph: the advantage of a node is the **mean of the trajectory-level
-   advantages of the trajectories passing through it**. A step every trajectory shares gets the group's mean
-   advantage (0 under GRPO: neutral, neither rewarded nor penalised); a step only one trajectory takes keeps that
-   trajectory's own advantage (decisive).
+2. Shared steps are *neutral* and distinct steps *decisive*: the advantage of a node is the **mean of the
+   trajectory-level advantages of the trajectories passing through it**. A step every trajectory shares gets the
+   group's mean advantage (0 under GRPO: neither rewarded nor penalised); a step only one trajectory takes keeps that
+   trajectory's own advantage.
 3. Every token of a step gets its step's advantage (TRL masks the tool-result tokens out of the loss); the step
    advantages ride to the loss through the framework's turn-level path (``AdvantageContext.expand_turns``).
 
-Reconstructed (options, flagged ``[reconstructed]``): when two steps are "the same" (``step_identity``: by default
-the whole action history up to and including the step, i.e. the trajectories' prefix tree) and what a step's action
-is (``action``: the tool calls TRL parsed, name and arguments; a turn without calls -- the final answer -- by its
-exact tokens). ``strength`` (ours, not the paper's) mixes the graph advantage with the incoming one; 0 leaves the
-advantages as they came (vanilla), 1 is SALT.
+Reconstructed (options flagged ``[reconstructed]``): when two steps are "the same" (``step_identity``: by default
+the whole action history up to and including the step, i.e. the trajectories' prefix tree, our reading of "shared
+steps") and what a step's action is (``action``: the tool calls TRL parsed, name and arguments; a turn without calls
+-- the final answer -- by its exact tokens). ``strength`` (ours, not the paper's) mixes the graph advantage with the
+incoming one; 0 leaves the advantages as they came (vanilla), 1 is SALT.
 
 The incoming advantages are the chain's so far (TRL's by default): (N,) per trajectory, or (N, T) per token from an
-earlier plugin (then a step's value is its tokens' mean). Rows without tool calls are one step each; a single-turn
-run therefore merges only identical completions, whose advantages are equal already: SALT changes nothing there.
+earlier plugin (then a step's value is its tokens' mean). Trajectories are grouped by prompt draw
+(``AdvantageContext.pool_ids``). Rows without tool calls are one step each; a single-turn run would merge only
+identical completions, whose advantages are equal already, so SALT leaves single-turn batches unchanged.
 """
 
 from __future__ import annotations

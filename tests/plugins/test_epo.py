@@ -176,6 +176,16 @@ def test_neutral_setting_reduces_to_vanilla():
     assert_reduces_to_vanilla("epo", {"entropy_coef": 0.0}, loss_types=("dapo",), steps=1)
 
 
+def test_neutral_setting_reduces_to_vanilla_on_tool_rollouts():
+    from trl import GRPOTrainer
+
+    from trl_plugins.testing import assert_runs_equal, make_tool_trainer, record_run
+
+    vanilla = record_run(make_tool_trainer(GRPOTrainer, max_steps=1))
+    ours = record_run(make_tool_trainer(plugins=["epo"], plugin_config={"epo": {"entropy_coef": 0.0}}, max_steps=1))
+    assert_runs_equal(vanilla, ours)
+
+
 def test_epo_trains_on_real_tool_rollouts():
     from trl_plugins.testing import make_tool_trainer, record_run
 

@@ -133,15 +133,40 @@ def test_bad_options_are_refused_at_construction(options, match):
         build_plugins(["salt"], {"salt": options})
 
 
+def shared_call_then_split(dataset):
+    """A scripted policy: every rollout makes the question's gold call (one shared step), then even rows answer right
+    and odd rows wrong (distinct final steps)."""
+    import json
+
+    traces = {row["prompt"][-1]["content"]: (json.loads(row["gold_calls"]), row["answer"]) for row in dataset}
+
+    def script(prompt_text, row):
+        calls, answer = next(v for q, v in traces.items() if q in prompt_text)
+        if "<tool_response>" not in prompt_text:
+            return f"<tool_call>{json.dumps(calls[0])}</tool_call>"
+        return f"Answer: {answer if row % 2 == 0 else int(answer) + 1}"
+
+    return script
+
+
 def test_salt_trains_on_real_tool_rollouts():
+    from trl_plugins.tasks.tools import make_tool_dataset
     from trl_plugins.testing import make_tool_trainer, record_run
 
-    run_record = record_run(make_tool_trainer(plugins=["salt"], max_steps=1))
-    assert run_record.advantages[0].dim() == 2  # step-level advantages expanded to tokens reached the loss
-    logs = {k: v for log in run_record.logs for k, v in log.items()}
-    # the backend follows each question's gold trace, so the G rollouts of a prompt share every step
-    assert logs["plugins/salt/shared_step_fraction"] == pytest.approx(1.0)
-    assert logs["plugins/salt/steps_mean"] > 1
+    script = shared_call_then_split(make_tool_dataset(8, kinds=("lookup",)))
+    kw = dict(kinds=("lookup",), script=script, max_steps=1)
+    vanilla = record_run(make_tool_trainer(**kw))
+    ours = record_run(make_tool_trainer(plugins=["salt"], **kw))
+    adv, before = ours.advantages[0], vanilla.advantages[0]
+    assert adv.dim() == 2 and before.dim() == 1 and torch.all(before != 0)  # right and wrong answers in each group
+    # token 0 belongs to the shared tool call: neutral under SALT (GRPO gave it +-A); the answer turn keeps its
+    # trajectory's advantage (the rows answering alike merge, with equal advantages)
+    assert torch.all(adv[:, 0] == 0)
+    for row in range(adv.size(0)):
+        acted = adv[row][adv[row] != 0]
+        assert acted.numel() > 0 and torch.allclose(acted, before[row].expand_as(acted))
+    logs = {k: v for log in ours.logs for k, v in log.items()}
+    assert 0 < logs["plugins/salt/shared_step_fraction"] <= 1 and logs["plugins/salt/steps_mean"] == 2
 
 
 def test_salt_with_strength_zero_reduces_to_vanilla_on_tool_rollouts():
