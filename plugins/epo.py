@@ -239,9 +239,9 @@ class EpoPlugin(Plugin):
         """(B, T) historical mean entropy of each token's turn; NaN where not smoothed (no history for that turn,
         turn before ``smooth_from_turn``, tool results and padding)."""
         ref = torch.tensor([math.nan if r is None else r for r in self.reference] or [math.nan], dtype=torch.float32)
-        index = turn_ids.clamp(min=0, max=ref.numel() - 1).cpu()
-        values = ref[index]
-        keep = (turn_ids.cpu() >= self.options.smooth_from_turn) & (turn_ids.cpu() >= 0) & (turn_ids.cpu() < ref.numel())
+        ids = turn_ids.cpu()
+        values = ref[ids.clamp(min=0, max=ref.numel() - 1)]
+        keep = (ids >= max(self.options.smooth_from_turn, 0)) & (ids >= 0) & (ids < ref.numel())
         return torch.where(keep, values, torch.full_like(values, math.nan)).to(turn_ids.device)
 
     @hookimpl

@@ -146,6 +146,21 @@ def test_history_survives_a_checkpoint():
     assert historical_means([[1.0, None], [3.0, 4.0]]) == [2.0, 4.0]
 
 
+def test_history_is_saved_in_checkpoints_and_a_resumed_run_continues_it(tmp_path):
+    import os
+
+    from trl_plugins.testing import make_tiny_trainer
+
+    kw = dict(plugins=["epo"], output_dir=str(tmp_path), save_strategy="steps", save_steps=1)
+    make_tiny_trainer(max_steps=1, **kw).train()
+    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=False)["epo"]
+    assert len(saved["history"]) == 1 and saved["history"][0][0] > 0
+    resumed = make_tiny_trainer(max_steps=2, **kw)
+    resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-1"))
+    history = epo(resumed.plugin_stack).history
+    assert len(history) == 2 and history[0] == saved["history"][0]  # step 1 averaged with the restored step 0
+
+
 def test_eval_batches_and_entropy_coef_zero_leave_everything_alone():
     stack = build_stack("epo", max_steps=10)
     record_history(stack, torch.ones(2, 4), mode="eval")

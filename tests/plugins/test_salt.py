@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.testing import make_advantage_context, run_hook
+from trl_plugins.testing import make_advantage_context, run_hook, run_on_processes
 from trl_plugins.turns import build_turn_structure
 from trl_plugins_builtin.salt import graph_advantages, step_keys, step_values
 
@@ -123,6 +123,24 @@ def test_graph_helpers_on_hand_values():
     merged, shared = graph_advantages(values, keys, torch.tensor([2, 1]), torch.tensor([0, 0]))
     assert merged[0, 0] == 0.0 and merged[1, 0] == 0.0 and merged[0, 1] == 1.0 and torch.isnan(merged[1, 1])
     assert shared.tolist() == [[True, False], [True, False]]
+
+
+def test_two_processes_build_the_same_graph_as_one():
+    trajectories = three_trajectories() + [trajectory(CALC_Y, (8, 8), (12, 13))]
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    single = run(context(trajectories, rewards, G=4)).advantages
+
+    def work(rank, gather):
+        # every process holds the gathered (global) fields; the turn structures and token ids are its own rows
+        ctx = context(trajectories, rewards, G=4, gather=gather)
+        local = slice(2 * rank, 2 * rank + 2)
+        ctx.local_turns = ctx.local_turns[local]
+        ctx.local_completion_ids = ctx.local_completion_ids[local]
+        ctx.process_slice = local
+        return run(ctx).advantages
+
+    first, second = run_on_processes(2, work)
+    assert torch.equal(first, single) and torch.equal(second, single)
 
 
 @pytest.mark.parametrize("options, match", [
