@@ -33,7 +33,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
-    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0).
+    # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0,
+    # SALT's graph has one step per rollout). EPO acts on any rollout (its entropy bonus; one turn on this task).
     # funrl and e_grpo are not listed: they read dataset columns the arithmetic task lacks (gold_calls, entities).
     "aspo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
@@ -49,6 +50,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "disco": ({}, {"loss_type": "grpo"}),
     "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
+    "epo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
     "hapo": ({}, {}),
@@ -88,6 +90,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # steps_per_generation=2 with one accumulation step: the second micro-step is off-policy, so U is computed
     "rover": ({}, {"steps_per_generation": 2}),
     "ruscarl": ({"judge": "rule"}, {}),
+    "salt": ({}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "seed_grpo": ({}, {}),
     "siren": ({}, {}),

@@ -137,6 +137,10 @@ def loopback_components():
 
 
 AGENT_STACK = "igpo+otc_po+aspo+e_grpo+funrl"
+#: trajectory-graph step advantages and the multi-turn entropy regulariser, on the tool environment too
+SALT_EPO_STACK = "salt+epo"
+#: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK]
 
 
 def _stacks(urls):
@@ -188,6 +192,7 @@ def _stacks(urls):
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
+        SALT_EPO_STACK: (["salt", "epo"], {"epo": {"entropy_coef": 0.01}}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -247,8 +252,8 @@ def _stacks(urls):
 
 #: every stack of `_stacks`, by name (the URLs do not matter for the names)
 _ANY_URL = collections.defaultdict(lambda: "http://127.0.0.1:9/v1")
-#: the agent stack trains on the tool environment in its own test (test_agent_stack_trains_one_lora_step_with_tools)
-STACK_NAMES = [name for name in _stacks(_ANY_URL) if name != AGENT_STACK]
+#: the tool stacks train on the tool environment in their own test (test_tool_stack_trains_one_lora_step_with_tools)
+STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in TOOL_STACKS]
 
 
 def test_the_stacks_cover_every_builtin_plugin():
@@ -279,10 +284,12 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert calls[component], f"the {component} endpoint was never called"
 
 
-def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
-    """igpo + otc_po + e_grpo + funrl + aspo on real multi-turn tool rollouts of the real model: TRL's tool loop with the bundled
-    environment, the ChatML tool template, turn structures from the BPE tokens. The backend writes the questions'
-    gold traces (scripted: the 135M model rarely writes a well-formed call), the policy scores and trains them."""
+@pytest.mark.parametrize("stack", TOOL_STACKS)
+def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
+    """The agent plugins (igpo + otc_po + e_grpo + funrl + aspo; salt + epo) on real multi-turn tool rollouts of the
+    real model: TRL's tool loop with the bundled environment, the ChatML tool template, turn structures from the BPE
+    tokens. The backend writes the questions' gold traces (scripted: the 135M model rarely writes a well-formed call),
+    the policy scores and trains them."""
     from transformers import AutoTokenizer
 
     from trl_plugins.tasks.tools import (
@@ -290,7 +297,7 @@ def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
     )
     from trl_plugins.testing import script_generation
 
-    plugins, plugin_config, overrides, _ = _stacks(_ANY_URL)[AGENT_STACK]
+    plugins, plugin_config, overrides, _ = _stacks(_ANY_URL)[stack]
     dataset = make_tool_dataset(4, kinds=("lookup",))
     args = tiny_config(str(tmp_path), plugins=plugins, plugin_config=plugin_config,
                        **{**RUN, "max_completion_length": 128, **overrides})
@@ -306,7 +313,10 @@ def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
     assert logs["tools/call_frequency"] > 0
     silent = [p for p in plugins if not any(k.startswith((f"plugins/{p}/", f"rewards/{p}/")) for k in logs)]
     assert not silent, f"no metrics from {silent}"
-    assert logs["plugins/otc_po/tool_calls_mean"] > 0
+    if "otc_po" in plugins:
+        assert logs["plugins/otc_po/tool_calls_mean"] > 0
+    if "salt" in plugins:
+        assert logs["plugins/salt/steps_mean"] > 1  # multi-turn episodes reached the step graph
 
 
 # ------------------------------------------------------------------------ prompt swap, splice, re-tokenisation
