@@ -54,17 +54,16 @@ advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_grou
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.collectives import gather_id_lists
 from trl_plugins.contexts import context_device
 from trl_plugins.success import SuccessOptions
+from trl_plugins.text import stable_key
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
 REPLAYED = "replayed"
@@ -136,12 +135,6 @@ class ReplayOptions(SuccessOptions):
 
 
 # ============================================================================================= pure functions
-def prompt_key(value: Any) -> int:
-    """A stable signed 64-bit key of a prompt (or of a key column's value): the same on every process and run."""
-    text = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False)
-    return int.from_bytes(hashlib.sha1(text.encode("utf-8")).digest()[:8], "little", signed=True)
-
-
 def cosine_ramp(step: int, warmup_steps: int) -> float:
     """``(1 - cos(pi * min(step / warmup, 1))) / 2``, rising from 0 to 1; 1 when ``warmup_steps`` is 0."""
     if warmup_steps <= 0:
@@ -251,7 +244,7 @@ class ReplayPlugin(Plugin):
     # ------------------------------------------------------------------------------------------ sampling
     def _key(self, ctx: RolloutContext, i: int) -> int:
         column = self.options.key_column
-        return prompt_key(ctx.rows[i].get(column) if column else ctx.prompts[i])
+        return stable_key(ctx.rows[i].get(column) if column else ctx.prompts[i])
 
     def _storable(self, ctx: RolloutContext, i: int) -> bool:
         """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay)."""

@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
-from .replay import prompt_key as stable_hash  # a process-independent 64-bit hash of a JSON-able value
+from trl_plugins.text import stable_key
 
 
 @dataclass
@@ -67,9 +67,9 @@ def turn_actions(turns, completion_ids: list[int], action: str) -> list[int]:
     out = []
     for (start, end), calls in zip(turns.assistant_spans, turns.tool_calls or [[]] * turns.num_turns):
         if action == "tool_calls" and calls:
-            out.append(stable_hash(["calls", [[c.get("name"), c.get("arguments")] for c in calls]]))
+            out.append(stable_key(["calls", [[c.get("name"), c.get("arguments")] for c in calls]]))
         else:
-            out.append(stable_hash(["tokens", list(completion_ids[start:end])]))
+            out.append(stable_key(["tokens", list(completion_ids[start:end])]))
     return out
 
 
@@ -78,10 +78,10 @@ def step_keys(actions: list[int], identity: str) -> list[int]:
     if identity == "action":
         return list(actions)
     if identity == "turn_action":
-        return [stable_hash([u, a]) for u, a in enumerate(actions)]
+        return [stable_key([u, a]) for u, a in enumerate(actions)]
     keys, previous = [], 0
     for a in actions:
-        previous = stable_hash([previous, a])
+        previous = stable_key([previous, a])
         keys.append(previous)
     return keys
 

@@ -33,7 +33,6 @@ from trl_plugins_builtin.replay import (
     REPLAYED,
     cosine_ramp,
     own_rows_advantages,
-    prompt_key,
     spear_baseline_advantage,
 )
 
@@ -368,9 +367,3 @@ def test_replace_index_outside_the_group_is_refused_at_configure():
     with pytest.raises(PluginConfigError, match=r"replace_index.*0 to 3"):
         stack(replace_index=4)
 
-
-def test_prompt_key_is_stable_and_distinguishes_prompts():
-    a = [{"role": "user", "content": "Q0"}]
-    assert prompt_key(a) == prompt_key([{"content": "Q0", "role": "user"}])
-    assert prompt_key(a) != prompt_key([{"role": "user", "content": "Q1"}])
-    assert prompt_key("Q0") == prompt_key("Q0") and -(2**63) <= prompt_key("Q0") < 2**63
