@@ -137,6 +137,9 @@ def loopback_components():
 
 
 AGENT_STACK = "igpo+otc_po+aspo+e_grpo+funrl"
+MATCH_STACK = "matchtir+ikea"
+#: the stacks that train on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
+AGENT_STACKS = (AGENT_STACK, MATCH_STACK)
 
 
 def _stacks(urls):
@@ -190,6 +193,8 @@ def _stacks(urls):
         ),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
+        # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
+        MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -245,8 +250,8 @@ def _stacks(urls):
 
 #: every stack of `_stacks`, by name (the URLs do not matter for the names)
 _ANY_URL = collections.defaultdict(lambda: "http://127.0.0.1:9/v1")
-#: the agent stack trains on the tool environment in its own test (test_agent_stack_trains_one_lora_step_with_tools)
-STACK_NAMES = [name for name in _stacks(_ANY_URL) if name != AGENT_STACK]
+#: the agent stacks train on the tool environment in their own test (test_agent_stack_trains_one_lora_step_with_tools)
+STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in AGENT_STACKS]
 
 
 def test_the_stacks_cover_every_builtin_plugin():
@@ -277,9 +282,10 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert calls[component], f"the {component} endpoint was never called"
 
 
-def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
-    """igpo + otc_po + e_grpo + funrl + aspo on real multi-turn tool rollouts of the real model: TRL's tool loop with the bundled
-    environment, the ChatML tool template, turn structures from the BPE tokens. The backend writes the questions'
+@pytest.mark.parametrize("stack", AGENT_STACKS)
+def test_agent_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
+    """The agent stacks (igpo + otc_po + e_grpo + funrl + aspo; matchtir + ikea) on real multi-turn tool rollouts of
+    the real model: TRL's tool loop with the bundled environment, the ChatML tool template, turn structures from the BPE tokens. The backend writes the questions'
     gold traces (scripted: the 135M model rarely writes a well-formed call), the policy scores and trains them."""
     from transformers import AutoTokenizer
 
@@ -288,7 +294,7 @@ def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
     )
     from trl_plugins.testing import script_generation
 
-    plugins, plugin_config, overrides, _ = _stacks(_ANY_URL)[AGENT_STACK]
+    plugins, plugin_config, overrides, _ = _stacks(_ANY_URL)[stack]
     dataset = make_tool_dataset(4, kinds=("lookup",))
     args = tiny_config(str(tmp_path), plugins=plugins, plugin_config=plugin_config,
                        **{**RUN, "max_completion_length": 128, **overrides})
@@ -304,7 +310,10 @@ def test_agent_stack_trains_one_lora_step_with_tools(smollm2, tmp_path):
     assert logs["tools/call_frequency"] > 0
     silent = [p for p in plugins if not any(k.startswith((f"plugins/{p}/", f"rewards/{p}/")) for k in logs)]
     assert not silent, f"no metrics from {silent}"
-    assert logs["plugins/otc_po/tool_calls_mean"] > 0
+    if stack == AGENT_STACK:
+        assert logs["plugins/otc_po/tool_calls_mean"] > 0
+    else:
+        assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 
 
 # ------------------------------------------------------------------------ prompt swap, splice, re-tokenisation
