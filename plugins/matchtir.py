@@ -247,10 +247,7 @@ class MatchtirPlugin(Plugin):
     overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain
     conflicts_with = ("igpo",)
     conflict_reason = "igpo and matchtir both replace the advantages with turn-level advantages of their own"
-    reconstructed = (
-        "hard matching solved exactly (paper: Kuhn-Munkres); the official code matches greedily (hard_solver)",
-        "a last turn that calls tools keeps its call reward plus the outcome",
-    )
+    reconstructed = ("a last turn that calls tools keeps its call reward plus the outcome",)
 
     def required_columns(self) -> list[str]:
         return [self.options.gold_column]
