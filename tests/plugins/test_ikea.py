@@ -96,3 +96,19 @@ def test_ikea_column_on_real_tool_rollouts():
     assert torch.allclose(rewards[correct, 1], torch.full_like(rewards[correct, 1], 0.4))
     assert torch.equal(rewards[~correct, 1], torch.zeros_like(rewards[~correct, 1]))
     assert any("plugins/ikea/retrievals_mean" in log for log in run.logs)
+
+
+def test_two_processes_agree_with_one():
+    from trl_plugins.testing import run_on_processes
+
+    turns = [_turns(), _turns("search"), _turns("search", "search"), _turns("search")]
+    matrix = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+
+    def work(rank, gather):
+        ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["accuracy", "ikea"], turns=turns,
+                                  num_processes=2, process_index=rank, gather=gather)
+        run_hook("ikea", "trl_plugins_transform_rewards", ctx)
+        return ctx.rewards_per_func[:, 1].tolist()
+
+    first, second = run_on_processes(2, work, timeout=10)
+    assert first == second == pytest.approx([0.6, 0.4, 0.05, 0.05])
