@@ -21,12 +21,12 @@ data-filtering pipeline. ``reward_weight = 0`` is the neutral setting (the colum
 from __future__ import annotations
 
 import ast
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from trl_plugins import Plugin, PluginOptions, hookimpl, option
+from trl_plugins.tool_calls import call_key, parse_gold_calls
 
 
 @dataclass
@@ -36,25 +36,6 @@ class FunrlOptions(PluginOptions):
         "unordered", reconstructed=True, help="Compare several calls as a multiset, or in order."
     )
     reward_weight: float = option(1.0, min=0.0, help="TRL weight of the funrl column (0: the neutral setting).")
-
-
-def _normalise(value: Any) -> Any:
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        return value.strip()
-    if isinstance(value, (list, tuple)):
-        return tuple(_normalise(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _normalise(v)) for k, v in value.items()))
-    return repr(value)
-
-
-def call_key(name: str, arguments: dict) -> tuple:
-    """A hashable, normalised form of one call: (name, sorted (parameter, value) pairs)."""
-    return (str(name).strip(), _normalise(dict(arguments or {})))
 
 
 def parse_text_calls(text: str) -> list[tuple] | None:
@@ -101,8 +82,7 @@ def calls_match(predicted: list[tuple] | None, gold: list[tuple], ordered: bool)
 
 
 def gold_calls(value: Any) -> list[tuple]:
-    calls = json.loads(value) if isinstance(value, str) else list(value)
-    return [call_key(c["name"], c.get("arguments") or {}) for c in calls]
+    return [call_key(c["name"], c["arguments"]) for c in parse_gold_calls(value)]
 
 
 class FunrlPlugin(Plugin):

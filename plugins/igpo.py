@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.turns import accumulate_turn_rewards as accumulate
 
 EPS = 1e-4  # TRL's epsilon in the group normalisation
 
@@ -86,22 +87,6 @@ def turn_reward_matrix(info_gain: torch.Tensor, outcome: torch.Tensor, num_turns
     last = (num_turns - 1).clamp(min=0).unsqueeze(1)
     rewards = torch.where(cols < last, info_gain, torch.full_like(info_gain, math.nan))
     return torch.where(cols == last, outcome.unsqueeze(1).expand(N, U), rewards)
-
-
-def accumulate(rewards: torch.Tensor, gamma: float, sqrt_terms: bool) -> torch.Tensor:
-    """(N, U) advantages ``A_t = sum_{k >= t} gamma^(k-t) r_k`` over the non-NaN rewards of each row (divided by
-    sqrt(#terms) when ``sqrt_terms``); NaN where the row has no turn."""
-    N, U = rewards.shape
-    out = torch.full_like(rewards, math.nan)
-    running = torch.zeros(N)
-    terms = torch.zeros(N)
-    for u in range(U - 1, -1, -1):
-        valid = ~torch.isnan(rewards[:, u])
-        running = torch.where(valid, rewards[:, u].nan_to_num(0.0) + gamma * running, running)
-        terms = terms + valid.float()
-        value = running / terms.clamp(min=1).sqrt() if sqrt_terms else running
-        out[:, u] = torch.where(valid, value, out[:, u])
-    return out
 
 
 class IgpoPlugin(Plugin):

@@ -35,7 +35,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
     # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0,
     # SALT's graph has one step per rollout). EPO acts on any rollout (its entropy bonus; one turn on this task).
-    # funrl and e_grpo are not listed: they read dataset columns the arithmetic task lacks (gold_calls, entities).
+    # funrl, e_grpo and matchtir are not listed: they read dataset columns the arithmetic task lacks (gold_calls,
+    # entities). ikea acts without tools too: no retrievals, so a correct answer earns its full 0.6.
     "aspo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
@@ -58,6 +59,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
     "igpo": ({}, {}),
+    "ikea": ({}, {}),
     # the teacher is the warm-started demo model itself (distillation pulls successful rollouts toward it; its hints
     # for all-fail groups are what a tiny model writes); gated on the accuracy column
     "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),

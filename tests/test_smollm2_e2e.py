@@ -139,8 +139,10 @@ def loopback_components():
 AGENT_STACK = "igpo+otc_po+aspo+e_grpo+funrl"
 #: trajectory-graph step advantages and the multi-turn entropy regulariser, on the tool environment too
 SALT_EPO_STACK = "salt+epo"
+#: gold-trace matching (matchtir) with the knowledge-boundary retrieval reward (ikea)
+MATCH_STACK = "matchtir+ikea"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK]
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK]
 
 
 def _stacks(urls):
@@ -193,6 +195,8 @@ def _stacks(urls):
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
         SALT_EPO_STACK: (["salt", "epo"], {"epo": {"entropy_coef": 0.01}}, {"loss_type": "grpo"}, []),
+        # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
+        MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -286,10 +290,10 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
 
 @pytest.mark.parametrize("stack", TOOL_STACKS)
 def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
-    """The agent plugins (igpo + otc_po + e_grpo + funrl + aspo; salt + epo) on real multi-turn tool rollouts of the
-    real model: TRL's tool loop with the bundled environment, the ChatML tool template, turn structures from the BPE
-    tokens. The backend writes the questions' gold traces (scripted: the 135M model rarely writes a well-formed call),
-    the policy scores and trains them."""
+    """The agent plugins (igpo + otc_po + e_grpo + funrl + aspo; salt + epo; matchtir + ikea) on real multi-turn tool
+    rollouts of the real model: TRL's tool loop with the bundled environment, the ChatML tool template, turn structures
+    from the BPE tokens. The backend writes the questions' gold traces (scripted: the 135M model rarely writes a
+    well-formed call), the policy scores and trains them."""
     from transformers import AutoTokenizer
 
     from trl_plugins.tasks.tools import (
@@ -317,6 +321,8 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
         assert logs["plugins/otc_po/tool_calls_mean"] > 0
     if "salt" in plugins:
         assert logs["plugins/salt/steps_mean"] > 1  # multi-turn episodes reached the step graph
+    if "matchtir" in plugins:
+        assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 
 
 # ------------------------------------------------------------------------ prompt swap, splice, re-tokenisation

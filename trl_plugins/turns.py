@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "TurnStructure", "build_turn_structure", "expand_turn_values", "single_turn", "turn_ids_tensor",
+    "TurnStructure", "accumulate_turn_rewards", "build_turn_structure", "expand_turn_values", "single_turn", "turn_ids_tensor",
     "turn_rewards_tensor",
 ]
 
@@ -176,3 +176,19 @@ def expand_turn_values(values: torch.Tensor, turn_ids: torch.Tensor, fill: float
     index = index.clamp(max=values.size(1) - 1)
     expanded = torch.gather(values, 1, index)
     return torch.where(turn_ids.to(values.device) >= 0, expanded, torch.full_like(expanded, fill))
+
+
+def accumulate_turn_rewards(rewards: torch.Tensor, gamma: float, sqrt_terms: bool = False) -> torch.Tensor:
+    """(N, U) discounted returns of per-turn rewards (N, U): ``A_t = sum_{k >= t} gamma^(k-t) r_k`` over the non-NaN
+    rewards of each row (divided by sqrt(#terms) when ``sqrt_terms``); NaN where the row has no turn."""
+    N, U = rewards.shape
+    out = torch.full_like(rewards, math.nan)
+    running = torch.zeros(N)
+    terms = torch.zeros(N)
+    for u in range(U - 1, -1, -1):
+        valid = ~torch.isnan(rewards[:, u])
+        running = torch.where(valid, rewards[:, u].nan_to_num(0.0) + gamma * running, running)
+        terms = terms + valid.float()
+        value = running / terms.clamp(min=1).sqrt() if sqrt_terms else running
+        out[:, u] = torch.where(valid, value, out[:, u])
+    return out
