@@ -239,7 +239,8 @@ class OrealPlugin(Plugin):
     name = "oreal"
     version = "0.1.0"
     paper = "Exploring the Limit of Outcome Reward for Learning Mathematical Reasoning (OREAL), arXiv:2502.06781"
-    summary = "Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering."
+    summary = ("Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering, "
+               "optional token-level reward model.")
     Options = OrealOptions
     reconstructed = (
         "token_rm: the token-level reward model is a linear head over the policy's detached hidden states with its own "
