@@ -254,6 +254,7 @@ class OrealPlugin(Plugin):
         self.needs_head_stats = o.token_rm  # the hidden states the token reward model reads
         self.token_rm = TokenRewardHead(o.token_rm_lr, o.token_rm_weight_decay, o.token_rm_max_grad_norm, o.seed)
         self.optimizer_steps = 0
+        self._reduce = None  # sum over processes of the head's gradient (set at configure with several processes)
 
     def overwritten(self) -> tuple[str, ...]:
         # baseline 'rloo' / 'zscore' recompute the advantages from the verdicts; 'trl' keeps the incoming ones
@@ -276,7 +277,6 @@ class OrealPlugin(Plugin):
         if o.token_rm and config is not None:  # built now so that every process holds it before the first step
             text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
             self.token_rm.build(int(text_config.hidden_size), trainer.accelerator.device)
-        self._reduce = None
         accelerator = getattr(trainer, "accelerator", None)
         if getattr(accelerator, "num_processes", 1) > 1:
             self._reduce = lambda t: accelerator.reduce(t, reduction="sum")
@@ -285,7 +285,8 @@ class OrealPlugin(Plugin):
     def trl_plugins_on_step_end(self, trainer, step):
         self.optimizer_steps = int(step)
         if self.options.token_rm:
-            self.token_rm.step(getattr(self, "_reduce", None))  # collective with several processes
+            self.token_rm.step(self._reduce)  # collective with several processes
+
     @hookimpl
     def trl_plugins_state_dict(self):
         return {"optimizer_steps": self.optimizer_steps, "token_rm": self.token_rm.state_dict()}
