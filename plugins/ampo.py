@@ -18,11 +18,21 @@ group is trained with LUFFY's shaped off-policy branch. Facts from the official 
 3. Comprehension-based selection (``off_policy_reward_manager="prob"``, ``compute_score_name=
    "mean_exp_log_softmax"``): each solution is scored by the **mean probability the policy gives to the ground-truth
    answer's tokens** when they follow the solution's reasoning (``selection="answer_likelihood"``); the ``k``
-   best-scoring solutions are used (``target_selection_strategy="best_k"``). Here the answer's tokens are the last
-   occurrence of the answer text (``answer_column``) in the solution, tokenized apart from the text before it; a
-   solution without it scores 0, as in the official code. ``"sequence_likelihood"`` scores the mean token probability
-   of the whole solution, ``"first"`` keeps the column's order. The official score also mixes a 0.1-weighted format
-   reward and a threshold shaping; not reproduced (documented difference).
+   best-scoring solutions are used (``target_selection_strategy="best_k"``). Which text is scored
+   (``answer_span``): ``"answer_tag"`` (official ``replace_answer_with_gt``) rewrites the solution with the ground
+   truth (``answer_column``) as its answer: a solution with exactly one ``<answer>`` tag followed by non-blank text
+   keeps everything up to the tag and the whitespace after it (one space when none), then ``ground truth + " " +
+   "</answer>"``; any other solution gets ``"<answer> " + ground truth + " </answer>"`` appended (official: after
+   dropping its last ``len(suffix) + 5`` padded ids, which are padding unless the solution fills the response
+   length [reconstructed: the whole solution is kept]); the scored tokens are the ground truth's, tokenized apart
+   from the text around them [reconstructed]. ``"last_occurrence"`` scores the last occurrence of the answer text
+   in the solution as written (0 when it does not occur). The injected completion is the teacher's solution as
+   written either way. The official score is then ``(1 - c) * shaped(likelihood - scoreA) + c * format``, with
+   ``c = format_coefficient = 0.1`` and ``format`` = 1 when the solution holds each of ``format_tags`` (``<answer>``,
+   ``</answer>``: the official ``R1_nothink`` format) exactly once and in that order, else 0; the official shaping
+   ``threshold_0`` (0 below 0) of ``likelihood - scoreA`` with ``scoreA = 0`` (the official script's on-policy
+   reward manager is ``naive``, which sets no scoreA) is the likelihood itself. ``"sequence_likelihood"`` scores the
+   mean token probability of the whole solution, ``"first"`` keeps the column's order.
 4. Replacement: ``k`` failed rollouts of the group, chosen at random (seeded, the same on every process), are
    replaced by the selected solutions (whole solutions, ``min/max_prefix_ratio = 1.0``), best first, trained after
    the original prompt, fully off-policy: shaped branch ``-A p/(p+gamma)``, ``gamma = 0.1``
@@ -90,6 +100,20 @@ class AmpoOptions(SuccessOptions):
         "solution's reasoning (official), of every solution token, or the column's order."
     )
     answer_column: str = option("answer", help="selection='answer_likelihood': column with the ground-truth answer.")
+    answer_span: Literal["answer_tag", "last_occurrence"] = option(
+        "answer_tag", help="selection='answer_likelihood': score the ground truth written as the solution's answer "
+        "after its <answer> tag (official replace_answer_with_gt), or the last occurrence of the answer text in the "
+        "solution as written."
+    )
+    format_coefficient: float = option(
+        0.1, min=0.0, max=1.0, help="Weight c of the format reward in the score (1 - c) * likelihood + c * format "
+        "(official 0.1; 0 = likelihood only)."
+    )
+    format_tags: list[str] = option(
+        default_factory=lambda: ["<answer>", "</answer>"],
+        help="Tags the format reward wants exactly once each, in this order; also the answer tags of "
+        "answer_span='answer_tag' (official R1_nothink: <answer>, </answer>).",
+    )
     gamma: float = option(
         0.1, min=0.0, min_exclusive=True,
         help="gamma of the shaped off-policy branch (official 0.1); must equal the run's offpolicy_shaping_gamma.",
@@ -100,6 +124,11 @@ class AmpoOptions(SuccessOptions):
         if self.teachers in ("endpoint", "hf") and not self.teacher_models:
             raise PluginConfigError(f"Plugin 'ampo' with teachers={self.teachers!r} needs teacher_models (one per "
                                     "teacher).")
+        if len(self.format_tags) != 2 or not all(isinstance(t, str) and t for t in self.format_tags):
+            raise PluginConfigError(
+                f"Option 'format_tags' of plugin 'ampo' got {self.format_tags!r}; allowed: two non-empty strings, the "
+                "opening and the closing answer tag."
+            )
         if self.teachers == "endpoint" and len(self.teacher_base_urls) not in (1, len(self.teacher_models)):
             raise PluginConfigError(
                 f"Plugin 'ampo': teacher_base_urls has {len(self.teacher_base_urls)} URLs for "
@@ -132,9 +161,41 @@ def answer_token_span(solution: str, answer: str, tokenizer: Any) -> tuple[list[
     at = solution.rfind(answer) if answer else -1
     if at < 0:
         return list(tokenizer(solution, add_special_tokens=False)["input_ids"]), 0, 0
-    pieces = [solution[:at], answer, solution[at + len(answer):]]
+    return spans_apart((solution[:at], answer, solution[at + len(answer):]), tokenizer)
+
+
+def format_reward(solution: str, tags: list[str]) -> float:
+    """1.0 when ``solution`` holds each tag of ``tags`` exactly once, in that order (official ``R1_nothink``
+    format), else 0.0."""
+    if any(solution.count(t) != 1 for t in tags):
+        return 0.0
+    positions = [solution.index(t) for t in tags]
+    return 1.0 if positions == sorted(positions) else 0.0
+
+
+def ground_truth_answer_text(solution: str, answer: str, tags: list[str]) -> tuple[str, str, str]:
+    """``(before, ground truth, after)``: the solution rewritten with ``answer`` as its answer (official
+    ``replace_answer_with_gt``, ``R1_nothink``). With exactly one opening tag followed by non-blank text: the text up
+    to and including the tag plus the whitespace after it (one space when none); otherwise the whole solution plus
+    ``open + " "``. ``after`` is ``" " + close``."""
+    open_tag, close_tag = tags
+    head, sep, rest = solution.partition(open_tag)
+    if solution.count(open_tag) == 1 and rest.strip():
+        lead = rest[: len(rest) - len(rest.lstrip(" \n\t\r"))] or " "
+        return head + sep + lead, answer, " " + close_tag
+    return solution + open_tag + " ", answer, " " + close_tag
+
+
+def spans_apart(pieces: tuple[str, str, str], tokenizer: Any) -> tuple[list[int], int, int]:
+    """Token ids of ``before + middle + after``, each piece tokenized apart, and the middle's span ``[start, end)``."""
     ids = [list(tokenizer(p, add_special_tokens=False)["input_ids"]) if p else [] for p in pieces]
     return ids[0] + ids[1] + ids[2], len(ids[0]), len(ids[0]) + len(ids[1])
+
+
+def selection_score(likelihood: float, format_score: float, format_coefficient: float) -> float:
+    """The official comprehension score ``(1 - c) * max(likelihood, 0) + c * format`` (shaping ``threshold_0``,
+    ``scoreA = 0``)."""
+    return (1.0 - format_coefficient) * max(likelihood, 0.0) + format_coefficient * format_score
 
 
 def mean_probability(logps: torch.Tensor, start: int = 0, end: int | None = None) -> float:
@@ -166,8 +227,9 @@ class AmpoPlugin(Plugin):
     Options = AmpoOptions
     replaces = ("failed completions of guided groups (teacher solutions, off-policy)",)
     reconstructed = (
-        "selection='answer_likelihood': the answer's tokens are its last occurrence in the solution, tokenized apart "
-        "(official: the teacher's answer replaced by the ground truth, with a format-reward mix)",
+        "answer_span='answer_tag': the ground truth is tokenized apart from the text around it, and a solution "
+        "without a usable <answer> tag keeps all its tokens before the appended answer (official: drops its last "
+        "len(suffix) + 5 padded ids)",
         "teacher models are asked once per guided group and process (official: solutions pre-generated in the data)",
     )
 
@@ -255,18 +317,25 @@ class AmpoPlugin(Plugin):
         encoded = [demonstration_ids(t, ctx.tokenizer, max_len) for t in texts]
         if o.selection == "first":
             return [(0.0, ids) for ids in encoded]
-        spans = []
+        scored, spans = encoded, []
         if o.selection == "answer_likelihood":
             answer = str(ctx.rows[row].get(o.answer_column, ""))
+            eos = [int(ctx.tokenizer.eos_token_id)] if ctx.tokenizer.eos_token_id is not None else []
+            scored = []
             for j, t in enumerate(texts):
-                ids, start, end = answer_token_span(t, answer, ctx.tokenizer)
-                eos = [int(ctx.tokenizer.eos_token_id)] if ctx.tokenizer.eos_token_id is not None else []
-                encoded[j] = (ids + eos)[:max_len] if max_len else ids + eos
-                spans.append((start, min(end, len(encoded[j]))))
-        logps = ctx.policy_logprobs([ctx.prompt_ids[row]] * len(encoded), encoded)
+                if o.answer_span == "answer_tag":
+                    ids, start, end = spans_apart(ground_truth_answer_text(t, answer, o.format_tags), ctx.tokenizer)
+                else:
+                    ids, start, end = answer_token_span(t, answer, ctx.tokenizer)
+                    encoded[j] = (ids + eos)[:max_len] if max_len else ids + eos  # the same text, as scored
+                scored.append((ids + eos)[:max_len] if max_len else ids + eos)
+                spans.append((start, min(end, len(scored[j]))))
+        logps = ctx.policy_logprobs([ctx.prompt_ids[row]] * len(scored), scored)
         if o.selection == "answer_likelihood":
-            scores = [mean_probability(lp, s, e) if e > s else 0.0 for lp, (s, e) in zip(logps, spans)]
+            likelihoods = [mean_probability(lp, s, e) if e > s else 0.0 for lp, (s, e) in zip(logps, spans)]
         else:
-            scores = [mean_probability(lp) for lp in logps]
+            likelihoods = [mean_probability(lp) for lp in logps]
+        scores = [selection_score(lk, format_reward(t, o.format_tags), o.format_coefficient)
+                  for lk, t in zip(likelihoods, texts)]
         order = sorted(range(len(texts)), key=lambda j: -scores[j])
         return [(scores[j], encoded[j]) for j in order]

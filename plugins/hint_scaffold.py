@@ -52,11 +52,20 @@ reaches the target, 1 when the curve never does). The hint is the first ``round(
 characters with ``seele_unit="chars"``); the last fit's rate is remembered for the problem's next visit. The rounds
 after the first are deferred rows filled through the generation service (one collective call per round), so a step
 costs exactly G rollouts; all G rows form one group for the advantage, each trained under its own hinted prompt.
-Differences, documented: the paper writes the hint at the start of the response and adds an imitation term (gamma =
-0.001) on its tokens; here the hint is part of the prompt (TRL's first generation round has no completion prefix), so
-there is no imitation term. The fit is our least-squares solver (the paper: LMFIT's TRF), with ``k`` bounded by 50
-and ``b`` in [0, 1] [reconstructed]; the remembered rates are kept per process, keyed by the question text, and saved
-in checkpoints.
+Where the hint goes (``seele_hint_in``): the paper writes it at the **start of the response** and trains its tokens
+by imitation, ``L = L_RL(generated tokens) + gamma * L_NLL(hint tokens)`` with ``gamma = seele_imitation_coef =
+0.001`` (``"response"``, the default). The hint tokens (the hint's lines plus a line break, tokenized apart
+[reconstructed]) then lead the completion, flagged off-policy (NaN sampling log-probs), under the original prompt;
+at the loss stage they leave the surrogate (``seele_hint_surrogate=false`` [reconstructed]) and get the per-token
+term ``-gamma log pi``, aggregated like the surrogate (``loss_type``) [reconstructed]; the generated tokens after
+them are trained as usual. Rounds after the first are sampled as continuations of the hint (the generation service's
+completion prefix); the first round is TRL's own generation, which cannot start a response with a prefix, so it is
+sampled with the hint in the prompt (``template``) and trained with the hint as the response's start, its generated
+tokens treated as prompt-swapped (NaN sampling log-probs) [reconstructed]. ``seele_hint_in="prompt"`` keeps the
+hint in the training prompt (this project's earlier reading: no imitation term, no hint tokens in the completion).
+The fit is our least-squares solver (the paper: LMFIT's TRF), with ``k`` bounded by 50 and ``b`` in [0, 1]
+[reconstructed]; the remembered rates are kept per process, keyed by the question text, and saved in checkpoints.
+Metric (response placement): ``hint_token_fraction`` (the loss tokens that are hint tokens).
 """
 
 from __future__ import annotations
@@ -68,12 +77,22 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
+from trl_plugins import (
+    AdvantageContext,
+    LossContext,
+    Plugin,
+    PluginConfigError,
+    PromptContext,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.collectives import run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.success import SuccessOptions
 
+HINT_TOKENS_KEY = "seele_hint_tokens"  # per-row count of leading hint tokens (annotation and loss extra)
 DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"
 
 
@@ -154,6 +173,18 @@ class HintScaffoldOptions(SuccessOptions):
     seele_unit: Literal["lines", "chars"] = option(
         "lines", reconstructed=True, help="schedule='seele': unit of the hinting rate (paper: solution steps; a step "
         "is one line here)."
+    )
+    seele_hint_in: Literal["response", "prompt"] = option(
+        "response", help="schedule='seele': the hint starts the response, trained by imitation (paper), or joins the "
+        "prompt (no imitation term)."
+    )
+    seele_imitation_coef: float = option(
+        0.001, min=0.0, help="schedule='seele', seele_hint_in='response': gamma of the imitation term -gamma log pi on "
+        "the hint tokens (paper: 0.001; 0 = none)."
+    )
+    seele_hint_surrogate: bool = option(
+        False, reconstructed=True, help="schedule='seele', seele_hint_in='response': also train the hint tokens with "
+        "the RL surrogate (the shaped off-policy branch) instead of the imitation term alone."
     )
 
     def validate(self) -> None:
@@ -334,6 +365,21 @@ def cold_start_rate(solution: str, unit: str) -> float:
     return (n - 1) / n if n > 0 else 0.0
 
 
+def hint_token_mask(hint_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1.0 on each row's first ``hint_tokens[b]`` completion tokens that are loss tokens, else 0.
+
+    Args:
+        hint_tokens: (B,) leading hint tokens per row. mask: (B, T) loss mask.
+    """
+    positions = torch.arange(mask.size(1), device=mask.device).unsqueeze(0)
+    return (positions < hint_tokens.to(mask.device).unsqueeze(-1)).to(mask.dtype) * mask
+
+
+def imitation_term(per_token_logps: torch.Tensor, hint_mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """(B, T) SEELE's imitation term ``-coef * log pi`` on the hint tokens (0 elsewhere)."""
+    return -coef * per_token_logps * hint_mask.to(per_token_logps.dtype)
+
+
 class HintScaffoldPlugin(Plugin):
     """Re-generate all-fail groups from growing reference-solution hints (sampling stage)."""
 
@@ -361,8 +407,9 @@ class HintScaffoldPlugin(Plugin):
             "hints='tiered': levels are cumulative (earlier tiers in full, then the first k parts of the current "
             "tier), and the tiered_template wording"
         ),
-        "schedule='seele': the hint is part of the prompt (paper: the response's start, with an imitation term), the "
-        "3PL fit's solver and bounds, and per-process memory of the rates",
+        "schedule='seele': the 3PL fit's solver and bounds, per-process memory of the rates; with the hint in the "
+        "response: its tokenization (lines plus a line break), the first round sampled with the hint in the prompt, "
+        "the imitation term aggregated like the surrogate and the hint tokens left out of the surrogate",
     )
 
     def __init__(self, options=None):
@@ -418,7 +465,9 @@ class HintScaffoldPlugin(Plugin):
             solution = self._seele_solution(ctx, i)
             rate = self.seele_rates.get(_question_key(ctx.prompts[i]), cold_start_rate(solution, o.seele_unit))
             prompt = self._seele_prompt(ctx.prompts[i], solution, rate)
-            ctx.generation_prompts[i] = ctx.training_prompts[i] = prompt
+            ctx.generation_prompts[i] = prompt
+            if o.seele_hint_in == "prompt":
+                ctx.training_prompts[i] = prompt
             ctx.annotations[i].update(hint_rate=rate, seele_round=0)
 
     @hookimpl
@@ -483,6 +532,11 @@ class HintScaffoldPlugin(Plugin):
         rounds = [ctx.index_in_group[i] // per_round for i in range(B)]
         state = torch.full((B, 2), float("nan"))  # (success, hinting rate) of each local row, NaN until sampled
         first = [i for i in range(B) if rounds[i] == 0]
+        if o.seele_hint_in == "response":  # sampled with the hint in the prompt: trained with it leading the response
+            for i in first:
+                hint = self._hint_ids(ctx, i, float(ctx.annotations[i]["hint_rate"]))
+                if hint:
+                    self._set_hinted_row(ctx, i, hint, hint + list(ctx.completion_ids[i]), None, prompt_swapped=True)
         if first:
             state[first, 0] = ctx.success(first, rule=o.success_rule).float().cpu()
             state[first, 1] = torch.tensor([float(ctx.annotations[i]["hint_rate"]) for i in first])
@@ -497,12 +551,20 @@ class HintScaffoldPlugin(Plugin):
             if r == o.seele_rounds:
                 break
             rows = [i for i in range(B) if rounds[i] == r]
-            prompts = [self._seele_prompt(ctx.prompts[i], self._seele_solution(ctx, i), rates[ctx.group_ids[i]])
-                       for i in rows]
-            completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none
-            for i, prompt, completion in zip(rows, prompts, completions):
-                ctx.replace_row(i, completion.completion_ids, logprobs=completion.logprobs, training_prompt=prompt,
-                                prompt_swapped=False)
+            if o.seele_hint_in == "response":
+                hints = [self._hint_ids(ctx, i, rates[ctx.group_ids[i]]) for i in rows]
+                completions = ctx.service.generate(prompts=[ctx.prompts[i] for i in rows], prefix_ids=hints)
+                for i, hint, completion in zip(rows, hints, completions):
+                    self._set_hinted_row(ctx, i, hint, completion.completion_ids, completion.logprobs,
+                                         prompt_swapped=False)
+            else:
+                prompts = [self._seele_prompt(ctx.prompts[i], self._seele_solution(ctx, i), rates[ctx.group_ids[i]])
+                           for i in rows]
+                completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none
+                for i, prompt, completion in zip(rows, prompts, completions):
+                    ctx.replace_row(i, completion.completion_ids, logprobs=completion.logprobs, training_prompt=prompt,
+                                    prompt_swapped=False)
+            for i in rows:
                 ctx.annotations[i].update(hint_rate=rates[ctx.group_ids[i]], seele_round=r)
             if rows:
                 state[rows, 0] = ctx.success(rows, rule=o.success_rule).float().cpu()
@@ -514,6 +576,47 @@ class HintScaffoldPlugin(Plugin):
         ctx.log_metric("extra_rollouts", 0.0)
         for i in range(B):  # the rate for the problem's next visit
             self.seele_rates[_question_key(ctx.prompts[i])] = rates[ctx.group_ids[i]]
+
+    def _hint_ids(self, ctx: RolloutContext, i: int, rate: float) -> list[int]:
+        """Token ids of row ``i``'s hint at ``rate`` as the start of a response (its lines and a line break); []
+        for an empty hint."""
+        hint = seele_hint(self._seele_solution(ctx, i), rate, self.options.seele_unit)
+        return list(ctx.tokenizer(hint + "\n", add_special_tokens=False)["input_ids"]) if hint else []
+
+    @staticmethod
+    def _set_hinted_row(ctx: RolloutContext, i: int, hint: list[int], ids: list[int], logprobs, *,
+                        prompt_swapped: bool) -> None:
+        """Row ``i`` := ``ids`` (the hint's tokens first, flagged off-policy) under the original prompt."""
+        limit = ctx.run.max_completion_length
+        ids = list(ids)[:limit] if limit else list(ids)
+        n_hint = min(len(hint), len(ids))
+        lps = None if logprobs is None else list(logprobs)[: len(ids)]
+        ctx.replace_row(i, ids, offpolicy=[True] * n_hint + [False] * (len(ids) - n_hint), logprobs=lps,
+                        training_prompt=ctx.prompts[i], prompt_swapped=prompt_swapped)
+        ctx.annotations[i][HINT_TOKENS_KEY] = n_hint
+
+    # ------------------------------------------------------------------------------------------ SEELE imitation
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        o = self.options
+        if o.schedule != "seele" or o.seele_hint_in != "response":
+            return
+        counts = [float(a.get(HINT_TOKENS_KEY, 0)) for a in ctx.annotations]
+        if any(counts):
+            ctx.extras[HINT_TOKENS_KEY] = torch.tensor(counts, device=ctx.advantages.device)
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx: LossContext):
+        o = self.options
+        counts = ctx.extras.get(HINT_TOKENS_KEY)
+        if counts is None:
+            return
+        hint = hint_token_mask(counts, ctx.mask)  # (B, T)
+        if not o.seele_hint_surrogate:
+            ctx.scale_tokens(1.0 - hint)
+        if o.seele_imitation_coef > 0:
+            ctx.add_token_loss(imitation_term(ctx.per_token_logps, hint, o.seele_imitation_coef))
+        ctx.log_metric("hint_token_fraction", float(hint.sum() / ctx.mask.sum().clamp(min=1)))
 
     def _seele_solution(self, ctx, i: int) -> str:
         solution = ctx.rows[i].get(self.options.solution_column)

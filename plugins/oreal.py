@@ -25,15 +25,27 @@ with the positives'. Facts from the official code (``InternLM/OREAL``: ``train_o
 5. KL to the reference: k3 with coefficient 0.01 -- TRL's own ``beta=0.01`` (the official ``kl_type="unbias"``);
    TRL also applies it to the dropped rows, which the official code leaves out of the batch.
 
-Not here: the official **token-level reward model** (a copy of the policy with a scalar head, trained online on the
-sequence-mean logit, whose cumulative-mean sigmoid reweights tokens through ``threshold_rescale``) is a second
-trained model, outside the stage contract; the released ``oreal_wo_tokenrm`` config trains without it, which is what
-this plugin reproduces. Also not here: the official difficulty re-balancing of the prompt set.
+6. Token-level reward model (``token_rm=true``; the official OREAL-7B / 32B configs use it, the released
+   ``oreal_wo_tokenrm`` config does not): a scalar head scores every completion token, is trained online on the
+   kept rows by the binary cross-entropy of its sequence-mean score against the outcome (1 correct, 0 wrong), and
+   weights the tokens of the loss above: positive rows by ``rescale(p_t)``, negative rows by ``rescale(1 - p_t)``,
+   ``p_t = sigmoid(cumulative mean of the scores up to t)``, ``rescale`` = ``threshold`` (``clamp((p - 0.5) / 0.5,
+   0, 1)``, official) or ``topk``. Here the head is linear over the policy's detached last hidden states, with its
+   own AdamW (official: a full copy of the policy with that head, lr 2e-6) [reconstructed]; its gradients are summed
+   over processes before each optimizer step and its weights and optimizer state are saved in checkpoints. An
+   untrained head gives ``p_t`` near 0.5, i.e. weights near 0 under ``threshold``: the official runs therefore
+   freeze the policy for the first 10 steps while the head learns (``actor_freeze_steps``). Default off: it needs
+   those warm-up steps before the policy learns at all, and the released ``oreal_wo_tokenrm`` config runs without it.
 
-Neutral setting: ``baseline="trl", positive_objective="policy_gradient", filter="none", normalisation="run"`` trains
+Not here: the official difficulty re-balancing of the prompt set.
+
+Neutral setting: ``baseline="trl", positive_objective="policy_gradient", filter="none", normalisation="run"`` (and
+``token_rm=false``, the default) trains
 every row with ``-A pi/sg(pi_old)`` on TRL's advantages and aggregation -- TRL's surrogate whenever no token would be
 clipped (the first pass over a batch). Metrics: ``kept_fraction``, ``positive_fraction`` (of kept rows),
-``mixed_group_fraction``.
+``mixed_group_fraction``; with the token reward model ``token_rm_loss`` (mean cross-entropy of the micro-batch's
+kept rows), ``token_rm_steps``, ``positive_token_weight`` / ``negative_token_weight`` (mean weight of the kept
+positive / negative rows' tokens).
 """
 
 from __future__ import annotations
@@ -42,11 +54,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, hookimpl, option
+from trl_plugins import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginConfigError,
+    hookimpl,
+    option,
+)
+from trl_plugins.head_stats import unwrap_causal_lm
 from trl_plugins.success import SuccessOptions
+
+from ._oreal_token_rm import TokenRewardHead, oreal_token_weights, sequence_bce
 
 POSITIVE_KEY = "oreal_positive"
 SCALE_KEY = "oreal_row_scale"
+KEEP_KEY = "oreal_keep"
 
 
 @dataclass
@@ -69,7 +93,51 @@ class OrealOptions(SuccessOptions):
         "official", help="'official': positive and negative token sums each over their own token count (needs "
         "loss_type='dapo'); 'run': the run's loss_type aggregation, factors applied as is."
     )
-    seed: int = option(0, help="filter='one_pair': seed of the random pair choice (with the step).")
+    seed: int = option(0, help="filter='one_pair': seed of the random pair choice (with the step); also seeds the "
+                       "token reward model's initial head.")
+    token_rm: bool = option(
+        False, help="Weight the loss's tokens by an online-trained token-level reward model (official OREAL-7B/32B "
+        "configs: on; the released wo_tokenrm config: off). Needs actor_freeze_steps of head training first."
+    )
+    token_rm_lr: float = option(
+        1e-3, min=0.0, min_exclusive=True, reconstructed=True,
+        help="token_rm: AdamW learning rate of the linear head (official 2e-6 for a full policy copy; a lone head "
+        "on frozen features needs a larger one).",
+    )
+    token_rm_weight_decay: float = option(0.01, min=0.0, help="token_rm: AdamW weight decay (official 0.01).")
+    token_rm_max_grad_norm: float = option(
+        1.0, min=0.0, help="token_rm: gradient-norm clip of the head (official 1.0; 0 = none)."
+    )
+    token_rm_rescale: Literal["threshold", "topk"] = option(
+        "threshold", help="token_rm: probability -> weight map: clamp((p - c) / (1 - c), 0, 1) (official) or the top "
+        "share of each row's tokens, min-max normalised."
+    )
+    correct_threshold: float = option(
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='threshold': c of positive rows (official "
+        "0.5)."
+    )
+    incorrect_threshold: float = option(
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='threshold': c of negative rows (official "
+        "0.5)."
+    )
+    correct_topk_ratio: float = option(
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a positive row's tokens kept (official 0.5)."
+    )
+    incorrect_topk_ratio: float = option(
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a negative row's tokens kept (official 0.5)."
+    )
+    actor_freeze_steps: int = option(
+        0, min=0, help="Optimizer steps at the start during which OREAL's policy loss is zeroed while the token "
+        "reward model trains (official 10 with token_rm)."
+    )
+
+    def validate(self) -> None:
+        for name in ("correct_threshold", "incorrect_threshold"):
+            if getattr(self, name) >= 1.0:
+                raise PluginConfigError(
+                    f"Option {name!r} of plugin 'oreal' got {getattr(self, name)!r}; allowed: [0, 1) (the rescale "
+                    "divides by 1 - threshold)."
+                )
 
 
 # ============================================================================================= pure functions
@@ -171,8 +239,22 @@ class OrealPlugin(Plugin):
     name = "oreal"
     version = "0.1.0"
     paper = "Exploring the Limit of Outcome Reward for Learning Mathematical Reasoning (OREAL), arXiv:2502.06781"
-    summary = "Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering."
+    summary = ("Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering, "
+               "optional token-level reward model.")
     Options = OrealOptions
+    reconstructed = (
+        "token_rm: the token-level reward model is a linear head over the policy's detached hidden states with its own "
+        "AdamW, stepped at every optimizer step (official: a full policy copy with a scalar head, stepped once per "
+        "generation batch)",
+    )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        o = self.options
+        self.needs_head_stats = o.token_rm  # the hidden states the token reward model reads
+        self.token_rm = TokenRewardHead(o.token_rm_lr, o.token_rm_weight_decay, o.token_rm_max_grad_norm, o.seed)
+        self.optimizer_steps = 0
+        self._reduce = None  # sum over processes of the head's gradient (set at configure with several processes)
 
     def overwritten(self) -> tuple[str, ...]:
         # baseline 'rloo' / 'zscore' recompute the advantages from the verdicts; 'trl' keeps the incoming ones
@@ -190,6 +272,30 @@ class OrealPlugin(Plugin):
             )
         if o.baseline == "rloo" and args.num_generations < 2:
             raise IncompatiblePluginsError("oreal: the leave-one-out baseline needs num_generations >= 2.")
+        model = getattr(trainer, "model", None)
+        config = getattr(unwrap_causal_lm(model), "config", None) if model is not None else None
+        if o.token_rm and config is not None:  # built now so that every process holds it before the first step
+            text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+            self.token_rm.build(int(text_config.hidden_size), trainer.accelerator.device)
+        accelerator = getattr(trainer, "accelerator", None)
+        if getattr(accelerator, "num_processes", 1) > 1:
+            self._reduce = lambda t: accelerator.reduce(t, reduction="sum")
+
+    @hookimpl
+    def trl_plugins_on_step_end(self, trainer, step):
+        self.optimizer_steps = int(step)
+        if self.options.token_rm:
+            self.token_rm.step(self._reduce)  # collective with several processes
+
+    @hookimpl
+    def trl_plugins_state_dict(self):
+        return {"optimizer_steps": self.optimizer_steps, "token_rm": self.token_rm.state_dict()}
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state):
+        state = state or {}
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+        self.token_rm.load_state_dict(state.get("token_rm", {}))
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
@@ -211,6 +317,7 @@ class OrealPlugin(Plugin):
         ctx.advantages = (advantages * keep.float()).to(device=device, dtype=ctx.advantages.dtype)
         ctx.extras[POSITIVE_KEY] = success.float().to(device)
         ctx.extras[SCALE_KEY] = scale.to(device)
+        ctx.extras[KEEP_KEY] = keep.float().to(device)
         s = success.view(-1, G)
         ctx.log_metric("kept_fraction", keep.float().mean().item())
         ctx.log_metric("positive_fraction", (success & keep).sum().item() / max(int(keep.sum()), 1))
@@ -220,7 +327,34 @@ class OrealPlugin(Plugin):
     def trl_plugins_loss(self, ctx: LossContext):
         if POSITIVE_KEY not in ctx.extras:  # a batch the advantage hook did not see
             return
-        positive, scale = ctx.extras[POSITIVE_KEY], ctx.extras[SCALE_KEY]
-        values = oreal_token_loss(ctx.per_token_logps, ctx.old_per_token_logps, ctx.advantages, positive > 0.5,
-                                  scale, self.options.positive_objective)
+        o = self.options
+        positive, scale = ctx.extras[POSITIVE_KEY] > 0.5, ctx.extras[SCALE_KEY]
+        values = oreal_token_loss(ctx.per_token_logps, ctx.old_per_token_logps, ctx.advantages, positive, scale,
+                                  o.positive_objective)
+        if o.token_rm:
+            values = values * self._token_rm_weights(ctx, positive).to(values.dtype)
+        if self.optimizer_steps < o.actor_freeze_steps:
+            values = values * 0.0  # the policy waits while the token reward model learns (graph kept)
         ctx.replace_tokens(ctx.mask.bool(), values)
+
+    def _token_rm_weights(self, ctx: LossContext, positive: torch.Tensor) -> torch.Tensor:
+        """(B, T) token weights of the reward model's scores; trains it on the kept rows (first pass, train mode)."""
+        o = self.options
+        hidden = ctx.head_stats().hidden_c  # (B, T, d) states predicting the completion tokens
+        self.token_rm.build(hidden.size(-1), hidden.device)
+        scores = self.token_rm.scores(hidden)  # (B, T), graph to the head only
+        mask = ctx.mask.float()
+        keep = ctx.extras.get(KEEP_KEY, torch.ones_like(positive, dtype=torch.float)) > 0.5
+        if ctx.mode == "train" and ctx.iteration == 0 and torch.is_grad_enabled():
+            losses = sequence_bce(scores[keep], mask[keep], positive[keep].float())
+            self.token_rm.accumulate(losses.sum(), int(keep.sum()))
+            if losses.numel():
+                ctx.log_metric("token_rm_loss", float(losses.detach().mean()))
+        ctx.log_metric("token_rm_steps", self.token_rm.steps)
+        weights = oreal_token_weights(scores, mask, positive, o.token_rm_rescale, o.correct_threshold,
+                                      o.incorrect_threshold, o.correct_topk_ratio, o.incorrect_topk_ratio)
+        for name, rows in (("positive_token_weight", positive & keep), ("negative_token_weight", ~positive & keep)):
+            tokens = mask[rows].sum()
+            if tokens > 0:
+                ctx.log_metric(name, float((weights[rows] * mask[rows]).sum() / tokens))
+        return weights

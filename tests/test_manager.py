@@ -47,7 +47,7 @@ def test_builtins_are_available_with_stages_and_papers():
     plugins = available_plugins()
     assert {"lp_reg", "hint_scaffold", "canon"} <= set(plugins)
     assert plugins["lp_reg"].stages() == ["advantage", "loss"]
-    assert plugins["hint_scaffold"].stages() == ["sampling"]
+    assert plugins["hint_scaffold"].stages() == ["sampling", "advantage", "loss"]  # SEELE imitation term
     assert plugins["canon"].stages() == ["advantage"]
     for name in ("lp_reg", "hint_scaffold", "canon"):
         assert "arXiv:" in plugins[name].paper

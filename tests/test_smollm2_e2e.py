@@ -217,7 +217,8 @@ def _stacks(urls):
         # slot 0 (MIS + exploration-based advantage on its tokens); oreal and rec each replace the surrogate, so they
         # run alone (at most one surrogate replacer per stack); the 135M policy never passes the verifier, so oreal
         # decides success on the partial-credit column and keeps TRL's advantages and every row (its BC / unclipped
-        # ratio loss and per-sign normalisation still act)
+        # ratio loss and per-sign normalisation still act); its token-level reward model reads the LoRA policy's
+        # real hidden states and takes its first optimiser step
         "ampo+rl_plus": (
             ["ampo", "rl_plus"],
             {"ampo": {"solutions_column": "solution"}},
@@ -226,7 +227,7 @@ def _stacks(urls):
         "oreal": (
             ["oreal"],
             {"oreal": {"success_column": "digit_fraction_reward", "success_threshold": 0.05, "filter": "none",
-                       "baseline": "trl"}},
+                       "baseline": "trl", "token_rm": True}},
             {"loss_type": "dapo"}, [],
         ),
         # rec's off-policy group REINFORCE on the batch dynamic_sampling refilled (all-equal groups dropped)

@@ -1,6 +1,7 @@
 """ampo: AMPO multi-teacher guidance (from the official code).
 
-The adaptive number of injected solutions, the solutions column's formats, the answer-token span, the sampling hook
+The adaptive number of injected solutions, the solutions column's formats, the answer-token span, the official score
+(ground truth written after the solution's <answer> tag, 0.1-weighted format reward), the sampling hook
 (only failing groups are guided, the most comprehensible solutions under the policy replace failed rows, off-policy
 with NaN sampling log-probs, G kept), endpoint teachers through a loopback OpenAI-compatible server, refusals at
 construction, the neutral setting and a tiny-model run."""
@@ -27,7 +28,15 @@ from trl_plugins.testing import (
     stub_rows,
 )
 from trl_plugins.text import completion_text
-from trl_plugins_builtin.ampo import answer_token_span, guidance_count, mean_probability, solution_texts
+from trl_plugins_builtin.ampo import (
+    answer_token_span,
+    format_reward,
+    ground_truth_answer_text,
+    guidance_count,
+    mean_probability,
+    selection_score,
+    solution_texts,
+)
 
 
 @pytest.mark.parametrize("successes,available,trigger,expected", [
@@ -73,9 +82,9 @@ def _policy(prompt_ids, completion_ids):
     return [torch.full((len(c),), math.log(0.9 if GOOD in c else 0.2)) for c in completion_ids]
 
 
-def _context(solutions, completions, **kwargs):
+def _context(solutions, completions, policy=_policy, **kwargs):
     rows = stub_rows(2, 4, teacher_solutions=solutions, answer="42")
-    return make_rollout_context(completions, rows=rows, reward_funcs=[_correct], policy_logprobs=_policy,
+    return make_rollout_context(completions, rows=rows, reward_funcs=[_correct], policy_logprobs=policy,
                                 run=RunInfo(max_completion_length=64), **kwargs)
 
 
@@ -104,7 +113,8 @@ def test_answer_likelihood_scores_only_the_answer_tokens():
     # the policy gives "!"-containing rows 0.9 everywhere: the score is 0.9 on the answer span, 0 without an answer
     sols = ["no answer!", "reasoning 42"]
     ctx = _context([sols, sols], [["a", "b", "c", "d"], ["a", "b", "c", "d"]])
-    run_hook("ampo", "trl_plugins_after_generation", ctx)
+    run_hook("ampo", "trl_plugins_after_generation", ctx,
+             options={"answer_span": "last_occurrence", "format_coefficient": 0.0})
     first = next(i for i in range(4) if ctx.annotations[i].get("teacher_guided"))
     assert ctx.tokenizer.decode(ctx.completion_ids[first], skip_special_tokens=True) in sols
     assert ctx.metrics["plugins/ampo/selected_score_mean"][0] == pytest.approx((0.0 + 0.2) / 2)
@@ -178,3 +188,43 @@ def test_stacked_with_dynamic_sampling_guided_groups_are_mixed_and_kept():
         assert ((rate > 0) & (rate < 1)).all()
     assert logs["plugins/framework/rejected_groups"] == 0
     assert logs["plugins/framework/refill_rollouts"] == 0
+
+
+def test_official_answer_rewrite_and_format_reward():
+    tags = ["<answer>", "</answer>"]
+    assert ground_truth_answer_text("x=4 <answer>\n 5</answer>", "4", tags) == ("x=4 <answer>\n ", "4", " </answer>")
+    assert ground_truth_answer_text("x=4 <answer>5", "4", tags) == ("x=4 <answer> ", "4", " </answer>")
+    # no tag, two tags, or nothing after the tag: the answer is appended to the whole solution
+    for bad in ("x=4", "<answer>1<answer>2", "x <answer>  "):
+        assert ground_truth_answer_text(bad, "4", tags) == (bad + "<answer> ", "4", " </answer>")
+    assert format_reward("a <answer>4</answer> b", tags) == 1.0
+    assert format_reward("a </answer>4<answer>", tags) == 0.0 and format_reward("<answer>4", tags) == 0.0
+    assert selection_score(0.5, 1.0, 0.1) == pytest.approx(0.55) and selection_score(0.5, 0.0, 0.1) == 0.45
+
+
+def test_default_score_is_the_ground_truth_after_the_answer_tag_plus_format():
+    # every token of a "!"-solution is 0.9 likely, others 0.2; the ground truth "42" is scored where the solution's
+    # answer stands (its own answer "41" is wrong), and the format reward decides between equal likelihoods
+    sols = ["work <answer>41</answer>", "work!  <answer> 41", "plain 42", "work! no tags 42"]
+    scored = []
+
+    def policy(prompt_ids, completion_ids):
+        scored.extend(completion_ids)
+        return _policy(prompt_ids, completion_ids)
+
+    ctx = _context([sols, sols], [["a", "b", "c", "d"], ["a", "b", "c", "d"]], policy=policy)
+    run_hook("ampo", "trl_plugins_after_generation", ctx, options={"pass_fraction": 1.0})
+    seen = [ctx.tokenizer.decode(ids, skip_special_tokens=True) for ids in scored]
+    assert seen[:4] == ["work <answer> 42 </answer>", "work!  <answer> 42 </answer>", "plain 42<answer> 42 </answer>",
+                        "work! no tags 42<answer> 42 </answer>"]
+    # scores 0.9 * 0.2 + 0.1 (format), 0.9 * 0.9 + 0 (one tag only), 0.9 * 0.2, 0.9 * 0.9: k = 4, all injected
+    expected = sorted([0.28, 0.81, 0.18, 0.81], reverse=True)
+    assert ctx.metrics["plugins/ampo/selected_score_mean"][0] == pytest.approx(sum(expected) / 4, abs=1e-6)
+    injected = sorted(ctx.tokenizer.decode(ctx.completion_ids[i], skip_special_tokens=True)
+                      for i in range(4) if ctx.annotations[i].get("teacher_guided"))
+    assert injected == sorted(sols)  # the teachers' solutions as written, not the rewritten scoring texts
+
+
+def test_format_tags_are_checked():
+    with pytest.raises(PluginConfigError, match="format_tags"):
+        build_stack("ampo", {"ampo": {"format_tags": ["<answer>"]}})

@@ -1,7 +1,9 @@
 """hint_scaffold, schedule='seele' (SEELE, arXiv:2509.06923): the three-parameter logistic fit and its inverse,
 solution-step hints and the pessimistic cold start, the first round hinted with deferred later rounds, the second
 round sampled from each problem's fitted rate (one collective call, trained under the hinted prompt), the remembered
-rates, option checks and a tiny-model run."""
+rates, option checks and a tiny-model run; with the hint at the start of the response (the paper's placement): the hint
+tokens leading the completion (off-policy, under the original prompt, the later round continuing them), their count
+riding to the loss, and the imitation term -gamma log pi replacing the surrogate on them."""
 
 import math
 
@@ -13,6 +15,10 @@ from trl_plugins.services import RunInfo
 from trl_plugins.testing import (
     StubGenerationService,
     build_stack,
+    char_encode,
+    loss_from_context,
+    make_advantage_context,
+    make_loss_context,
     make_prompt_context,
     make_rollout_context,
     make_tiny_trainer,
@@ -20,8 +26,11 @@ from trl_plugins.testing import (
     stub_rows,
 )
 from trl_plugins_builtin.hint_scaffold import (
+    HINT_TOKENS_KEY,
     cold_start_rate,
     fit_three_pl,
+    hint_token_mask,
+    imitation_term,
     rate_for_accuracy,
     seele_hint,
     three_pl,
@@ -42,7 +51,8 @@ def _score(rows, prompts, completions):
 
 
 STEPS = "s1\ns2\ns3\ns4"  # four solution steps
-SEELE = {"schedule": "seele", "seele_rounds": 2}
+SEELE = {"schedule": "seele", "seele_rounds": 2, "seele_hint_in": "prompt"}
+SEELE_RESPONSE = {"schedule": "seele", "seele_rounds": 2}  # the paper's placement: the hint starts the response
 
 
 def test_three_pl_fit_recovers_the_curve_and_inverts_it():
@@ -115,10 +125,91 @@ def test_seele_option_checks():
 
 
 def test_seele_tiny_run_trains_every_group_with_fitted_hints():
-    trainer = make_tiny_trainer(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": SEELE}, max_steps=1,
-                                max_completion_length=16)
+    trainer = make_tiny_trainer(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": SEELE_RESPONSE},
+                                max_steps=1, max_completion_length=16)
     run = record_run(trainer)
     logs = {k: v for log in run.logs for k, v in log.items()}
     assert 0.0 <= logs["plugins/hint_scaffold/mean_hint_rate"] <= 1.0
     assert "plugins/hint_scaffold/round_1_accuracy" in logs
+    assert logs["plugins/hint_scaffold/hint_token_fraction"] > 0  # hint tokens reached the loss
     assert trainer.plugin_stack.plugins[0].seele_rates  # remembered for the next visit
+
+
+# ------------------------------------------------------------------------------------------ hint in the response
+def test_hint_token_mask_and_imitation_term_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    hint = hint_token_mask(torch.tensor([2.0, 3.0, 0.0]), mask)
+    assert hint.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]  # padding never counts
+    lp = torch.log(torch.tensor([[0.5, 0.25, 0.9, 0.9]] * 3))
+    assert torch.allclose(imitation_term(lp, hint, 0.001)[0], 0.001 * torch.tensor([math.log(2), math.log(4), 0, 0]))
+
+
+def test_loss_trains_hint_tokens_by_imitation_and_the_rest_by_the_surrogate():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    lp = (-2 * torch.rand(2, 4, generator=g)).requires_grad_(True)
+    counts = torch.tensor([2.0, 1.0])
+    ctx = make_loss_context(lp, mask=mask, advantages=torch.tensor([1.0, -1.0]), loss_type="dapo",
+                            extras={HINT_TOKENS_KEY: counts})
+    base = ctx.per_token_loss.detach().clone()
+    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE}, loss_type="dapo")
+    stack.call("trl_plugins_loss", ctx)
+    loss = loss_from_context(ctx)
+    hint = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    expected = ((ctx.per_token_loss * (1 - hint) - 0.001 * lp * hint) * mask).sum() / mask.sum()
+    assert torch.allclose(loss, expected)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert torch.allclose(grad[0, :2], torch.full((2,), -0.001 / 7))  # d(-gamma log pi) / d log pi, dapo over 7
+    assert torch.allclose(grad[0, 2:], torch.full((2,), -1.0 / 7))  # ratio surrogate, A = +1, first pass
+    assert ctx.metrics["plugins/hint_scaffold/hint_token_fraction"] == [pytest.approx(3 / 7)]
+    # seele_hint_surrogate keeps the surrogate on the hint tokens too; coefficient 0 drops the term
+    ctx2 = make_loss_context(lp, mask=mask, advantages=torch.tensor([1.0, -1.0]), loss_type="dapo",
+                             extras={HINT_TOKENS_KEY: counts})
+    build_stack("hint_scaffold", {"hint_scaffold": {**SEELE_RESPONSE, "seele_hint_surrogate": True,
+                                                     "seele_imitation_coef": 0.0}}, loss_type="dapo").call(
+        "trl_plugins_loss", ctx2)
+    assert torch.allclose(loss_from_context(ctx2), (base * mask).sum() / mask.sum())
+
+
+def test_hint_token_counts_ride_from_annotations_to_the_loss():
+    ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=4,
+                                 annotations=[{HINT_TOKENS_KEY: 3}, {}, {HINT_TOKENS_KEY: 1}, {}])
+    build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE}).call("trl_plugins_transform_advantages", ctx)
+    assert ctx.extras[HINT_TOKENS_KEY].tolist() == [3.0, 0.0, 1.0, 0.0]
+    ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=4,
+                                 annotations=[{HINT_TOKENS_KEY: 3}, {}, {}, {}])
+    build_stack("hint_scaffold", {"hint_scaffold": SEELE}).call("trl_plugins_transform_advantages", ctx)
+    assert HINT_TOKENS_KEY not in ctx.extras  # hint in the prompt: nothing to imitate
+
+
+def _ok_anywhere(rows, prompts, completions):
+    return torch.tensor([1.0 if "OK" in _text(c) else 0.0 for c in completions])
+
+
+def test_response_placement_puts_the_hint_first_and_continues_it():
+    rows = _seele_rows()
+    service = StubGenerationService(lambda prompt, j: "OK")
+    sampled = [["gen a", "gen b", "", ""], ["no", "no", "", ""]]  # round 1 of TRL, under the hinted prompt
+    ctx = make_rollout_context(sampled, rows=rows, deferred=[2, 3, 6, 7], scorer=_ok_anywhere, service=service,
+                               annotations=[{"hint_rate": 0.75} for _ in range(8)],
+                               run=RunInfo(max_completion_length=32))
+    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE})
+    stack.call("trl_plugins_after_generation", ctx)
+    first_hint = char_encode("s1\ns2\ns3\n")  # cold start 3 of 4 steps, and a line break
+    for i, text in ((0, "gen a"), (4, "no")):
+        n = len(first_hint)
+        assert ctx.completion_ids[i] == first_hint + char_encode(text)
+        assert ctx.offpolicy[i] == [True] * n + [False] * len(text) and ctx.annotations[i][HINT_TOKENS_KEY] == n
+        assert ctx.training_prompts[i] == ctx.prompts[i] and ctx.prompt_swapped[i]
+        assert all(math.isnan(x) for x in ctx.sampling_logprobs[i])
+    # round 2: the original prompts, continued after each problem's fitted hint (one collective call)
+    assert len(service.calls) == 1 and service.calls[0] == [ctx.prompts[i] for i in (2, 3, 6, 7)]
+    rate1 = rate_for_accuracy(0.5, *fit_three_pl([0.75], [0.0]))
+    hint1 = seele_hint(STEPS, rate1, "lines")
+    for i in (6, 7):
+        n = len(char_encode(hint1 + "\n")) if hint1 else 0
+        assert ctx.completion_ids[i][:n] == char_encode(hint1 + "\n")[:n] and ctx.completion_ids[i][n:] == char_encode("OK")
+        assert ctx.offpolicy[i] == [True] * n + [False] * 2 and ctx.annotations[i].get(HINT_TOKENS_KEY, 0) == n
+        assert not ctx.prompt_swapped[i] and ctx.training_prompts[i] == ctx.prompts[i]
+        assert all(math.isnan(x) for x in ctx.sampling_logprobs[i][:n]) and ctx.sampling_logprobs[i][n:] == [-1.0] * 2
+        assert ctx.annotations[i]["seele_round"] == 1
