@@ -189,7 +189,9 @@ def _stacks(urls):
             ["dars", "dynamic_sampling"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, [],
         ),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
-        AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
+        # (igpo in its A2TGPO mode: the adaptive turn-level clipping reaches the loss of the real model)
+        AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {"igpo": {"mode": "a2tgpo"}}, {"loss_type": "grpo"},
+                      []),
         "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},

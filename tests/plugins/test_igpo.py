@@ -189,3 +189,47 @@ def test_igpo_trains_on_real_tool_rollouts():
     adv = run.advantages[0]
     assert adv.dim() == 2 and adv.abs().sum() > 0  # token-level advantages reached the loss
     assert any("plugins/igpo/info_gain_mean" in log for log in run.logs)
+
+
+def _detour_script():
+    """Every row follows its question's gold trace; odd rows first make a detour call, so both rows of a group have a
+    first turn and their information gains differ (a turn-group of one row normalises to 0: clip factor 1)."""
+    import re
+
+    from trl_plugins.tasks.tools import gold_trace_script, make_tool_dataset
+
+    gold = gold_trace_script(make_tool_dataset(8, kinds=("lookup", "scaled")), shortcut_every=0)
+    detour = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+
+    def script(prompt_text, row):
+        if row % 2 == 0:
+            return gold(prompt_text, row)
+        if "<tool_response>" not in prompt_text:
+            return detour
+        return gold(re.sub(r"<tool_response>.*?</tool_response>", "", prompt_text, count=1, flags=re.S), row)
+
+    return script
+
+
+@pytest.mark.slow
+def test_a2tgpo_clips_turns_on_real_tool_rollouts(monkeypatch):
+    from trl_plugins import LossContext
+    from trl_plugins.testing import make_tool_trainer, record_run
+
+    scales = []
+    original = LossContext.scale_clip_range
+
+    def recording(self, scale):
+        scales.append((scale.detach().clone(), self.turn_ids.clone()))
+        return original(self, scale)
+
+    monkeypatch.setattr(LossContext, "scale_clip_range", recording)
+    trainer = make_tool_trainer(plugins=["igpo"], plugin_config={"igpo": {"mode": "a2tgpo"}}, max_steps=1,
+                                loss_type="grpo", script=_detour_script())
+    run = record_run(trainer)
+    assert any("plugins/igpo/clip_factor_mean" in log for log in run.logs)
+    assert scales, "the loss stage never received A2TGPO's clip factors"
+    for scale, turn_ids in scales:
+        assert torch.equal(scale[turn_ids < 0], torch.ones_like(scale[turn_ids < 0]))  # tool results, padding: 1
+        assert ((scale > 1 - 0.3) & (scale < 1 + 0.3)).all()
+    assert any((scale != 1).any() for scale, _ in scales)  # some turn's range really moved
