@@ -185,10 +185,10 @@ class FunrlPlugin(Plugin):
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=False)
 
-        lengths = stats.mask.size(1) if ctx.local_completion_mask is None else ctx.local_completion_mask.sum(-1)
+        full = ctx.local_completion_mask  # the completion (tool results included), for the marker search
+        lengths = [stats.mask.size(1)] * len(stats.mask) if full is None else full.sum(-1).long().tolist()
         local = []
-        for i, (entropies, ids, mask) in enumerate(zip(stats.entropies, stats.completion_ids, stats.mask)):
-            length = int(lengths[i]) if torch.is_tensor(lengths) else lengths
+        for entropies, ids, mask, length in zip(stats.entropies, stats.completion_ids, stats.mask, lengths):
             boundary = phase_boundary(ids[:length].tolist(), decode, self.options.cot_marker)
             cot = mask[:boundary] > 0
             local.append(float(entropies[:boundary][cot].float().mean()) if cot.any() else 0.0)
