@@ -153,7 +153,10 @@ class FunrlPlugin(Plugin):
     multi_turn = True
     version = "0.1.0"
     paper = "Exploring Superior Function Calls via Reinforcement Learning (FunRL), arXiv:2508.05118"
-    summary = "Strict binary function-call reward: calls verified against gold calls by their syntax tree."
+    summary = (
+        "Strict binary function-call reward (calls verified against gold calls by their syntax tree) and a clipped "
+        "chain-of-thought entropy bonus on the advantages."
+    )
     Options = FunrlOptions
     claim_metric = ("cot_entropy", "mean token entropy of the chain of thought")
     reconstructed = (
