@@ -12,15 +12,22 @@ interaction turn raised the policy's own probability of the ground-truth answer.
    turn's advantage is the discounted sum of the normalised rewards from that turn to the end; every token of an
    assistant turn gets its turn's advantage (tool-result tokens are masked out of the loss by TRL).
 
-A2TGPO (``mode="a2tgpo"``; facts from its abstract): (i) information gains are normalised within each
+A2TGPO (``mode="a2tgpo"``; facts from its abstract, and for (iii) from a published description of its released code,
+github.com/CuSO4-Chen/A-TGPO, which could not be read here): (i) information gains are normalised within each
 (prompt, turn index) group, so a turn is compared only with turns at the same depth; (ii) the accumulated advantage
-is divided by the square root of the number of accumulated terms; (iii) an adaptive per-turn clip range -- **not
-implemented here**: TRL's clip range applies to every turn.
+is divided by the square root of the number of accumulated terms; (iii) adaptive turn-level clipping: turn t's PPO
+clip range is multiplied by ``c_t = 1 + beta (2 sigmoid(g_t) - 1)`` (``clip_beta`` = beta, 0.3), ``g_t`` its
+turn-group-normalised information gain -- wider for informative turns, narrower for uninformative ones, within
+``(1 - beta, 1 + beta)`` times TRL's ``epsilon_low`` / ``epsilon_high``. The factors ride with their rows to the loss
+stage, where every token of an assistant turn takes its turn's factor (``LossContext.scale_clip_range`` from the
+``trl_plugins_loss_advantages`` hook, before the surrogate is built); ``clip_beta=0`` keeps TRL's range.
 
 Reconstructed (options, flagged): the text the answer is probed with (``answer_template``), the discount
-(``gamma``, 1.0), that in A2TGPO mode the outcome rewards are normalised per group like GRPO's, and the epsilon and
-unbiased standard deviation (TRL's). Rows without tool calls have one turn: their advantage is the group-normalised
-outcome, i.e. GRPO's -- with no tool call in a group, IGPO equals GRPO (and ``ig_weight=0`` leaves TRL's advantages).
+(``gamma``, 1.0), that in A2TGPO mode the outcome rewards are normalised per group like GRPO's, that the answer turn
+(which has no information gain) keeps TRL's clip range (``c = 1``), ``clip_beta`` (0.3, from the description of the
+code, not the paper), and the epsilon and unbiased standard deviation (TRL's). Rows without tool calls have one turn:
+their advantage is the group-normalised outcome, i.e. GRPO's -- with no tool call in a group, IGPO equals GRPO (and
+``ig_weight=0`` leaves TRL's advantages).
 """
 
 from __future__ import annotations
@@ -30,18 +37,28 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
 from trl_plugins.turns import accumulate_turn_rewards as accumulate
+from trl_plugins.turns import expand_turn_values
 
 EPS = 1e-4  # TRL's epsilon in the group normalisation
+#: Extra carrying A2TGPO's per-turn clip factors (N, U) from the advantage stage to the loss stage.
+CLIP_FACTORS_EXTRA = "igpo_clip_factors"
 
 
 @dataclass
 class IgpoOptions(PluginOptions):
     mode: Literal["igpo", "a2tgpo"] = option(
         "igpo", help="'igpo': normalise every turn reward of a group together (IGPO); 'a2tgpo': normalise information "
-        "gains per (prompt, turn index) and divide accumulated advantages by sqrt(#terms) (A2TGPO, without its "
-        "adaptive clipping)."
+        "gains per (prompt, turn index), divide accumulated advantages by sqrt(#terms) and scale each turn's clip "
+        "range by its normalised gain (A2TGPO)."
+    )
+    clip_beta: float = option(
+        0.3, min=0.0, max=1.0, reconstructed=True,
+        help="A2TGPO only: turn clip range = TRL's times 1 + clip_beta (2 sigmoid(g) - 1), g the turn's normalised "
+        "information gain (0: TRL's clip range on every turn). 0.3 is the value reported for the official code "
+        "(not stated in the paper's abstract). Needs a clipped loss_type.",
     )
     answer_column: str = option("answer", help="Dataset column holding the ground-truth answer.")
     answer_template: str = option(
@@ -89,6 +106,13 @@ def turn_reward_matrix(info_gain: torch.Tensor, outcome: torch.Tensor, num_turns
     return torch.where(cols == last, outcome.unsqueeze(1).expand(N, U), rewards)
 
 
+def clip_factors(normalised_gains: torch.Tensor, beta: float) -> torch.Tensor:
+    """A2TGPO's per-turn clip factors ``c = 1 + beta (2 sigmoid(g) - 1)`` (N, U) from the turn-group-normalised
+    information gains ``g`` (N, U); 1 where ``g`` is NaN (the answer turn, padding)."""
+    factors = 1 + beta * (2 * torch.sigmoid(normalised_gains) - 1)
+    return torch.where(torch.isnan(normalised_gains), torch.ones_like(factors), factors)
+
+
 class IgpoPlugin(Plugin):
     claim_metric = ('info_gain_mean', 'information gain per turn')
     name = "igpo"
@@ -105,8 +129,22 @@ class IgpoPlugin(Plugin):
     reconstructed = (
         "answer_template: the text the answer is probed with",
         "gamma = 1.0 (discount of the accumulation)",
-        "a2tgpo: outcome rewards normalised per group like GRPO's; adaptive turn-level clipping not implemented",
+        "a2tgpo: outcome rewards normalised per group like GRPO's",
+        "a2tgpo: clip_beta = 0.3 (from a description of the official code); the answer turn keeps TRL's clip range",
     )
+
+    def clips_turns(self) -> bool:
+        """Whether the adaptive turn-level clipping of A2TGPO is on."""
+        return self.options.mode == "a2tgpo" and self.options.clip_beta > 0
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        if self.clips_turns() and args.loss_type not in CLIPPED_LOSS_TYPES:
+            raise IncompatiblePluginsError(
+                f"igpo: mode='a2tgpo' with clip_beta={self.options.clip_beta} scales PPO's clip range per turn, but "
+                f"loss_type={args.loss_type!r} has no clip range; use one of {', '.join(CLIPPED_LOSS_TYPES)} or set "
+                "clip_beta=0."
+            )
 
     def required_columns(self) -> list[str]:
         return [self.options.answer_column]
@@ -158,11 +196,24 @@ class IgpoPlugin(Plugin):
             is_last = cols == (num_turns.clamp(min=1) - 1).unsqueeze(1)
             gains = torch.where(is_last, torch.full_like(rewards, math.nan), rewards)
             outcomes = torch.where(is_last, rewards, torch.full_like(rewards, math.nan))
-            normalised = normalise(gains, groups * U + cols, self.options.scale)
-            normalised = torch.where(is_last, normalise(outcomes, groups, self.options.scale), normalised)
+            normalised_gains = normalise(gains, groups * U + cols, self.options.scale)
+            normalised = torch.where(is_last, normalise(outcomes, groups, self.options.scale), normalised_gains)
+            if self.clips_turns():
+                factors = clip_factors(normalised_gains, self.options.clip_beta)
+                ctx.extras[CLIP_FACTORS_EXTRA] = factors.to(ctx.advantages.device)
+                has_gain = ~torch.isnan(normalised_gains)
+                ctx.log_metric("clip_factor_mean", float(factors[has_gain].mean()) if has_gain.any() else 1.0)
         advantages = accumulate(normalised, self.options.gamma, sqrt_terms=self.options.mode == "a2tgpo")
         ctx.turn_rewards = rewards.to(ctx.advantages.device)
         ctx.advantages = ctx.expand_turns(advantages.nan_to_num(0.0).to(ctx.advantages.device))
         gains = info_gain[~torch.isnan(info_gain)]
         ctx.log_metric("info_gain_mean", float(gains.mean()) if gains.numel() else 0.0)
         ctx.log_metric("turns_mean", float(num_turns.float().mean()))
+
+    @hookimpl
+    def trl_plugins_loss_advantages(self, ctx: LossContext):
+        """A2TGPO: each token of assistant turn u takes the clip factor of turn u (tool results, padding: 1)."""
+        factors = ctx.extras.get(CLIP_FACTORS_EXTRA)
+        if factors is None or ctx.turn_ids is None:
+            return
+        ctx.scale_clip_range(expand_turn_values(factors.to(ctx.per_token_logps.device), ctx.turn_ids, fill=1.0))

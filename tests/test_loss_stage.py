@@ -330,6 +330,38 @@ def test_loss_advantages_hook_feeds_surrogate_and_shaped_branch(loss_setup):
     torch.testing.assert_close(loss, -base)
 
 
+def test_scale_clip_range_gives_each_token_its_own_clip_range(loss_setup):
+    trainer, inputs = loss_setup
+    _, _, base_ctx = _loss(trainer, inputs)
+    g = torch.Generator().manual_seed(3)
+    old = base_ctx.per_token_logps.detach() + 0.6 * (torch.rand(base_ctx.per_token_logps.shape, generator=g) - 0.5)
+    batch = dict(inputs, old_per_token_logps=old)  # ratios in about (0.74, 1.35): TRL's 0.2 range clips some
+    _, _, vanilla = _loss(trainer, batch)
+    scale = torch.ones_like(old)
+    scale[:, ::2] = 2.0  # widened on even positions ...
+    scale[:, 1::4] = 0.5  # ... narrowed on some odd ones
+    ProbeA.adv_action = lambda ctx: ctx.scale_clip_range(scale)
+    _, _, ctx = _loss(trainer, batch)
+    torch.testing.assert_close(ctx.clip_scale, scale)
+    ratio, adv = ctx.coef_1.detach(), ctx.advantages.detach()
+    clipped = torch.clamp(ratio, 1 - trainer.epsilon_low * scale, 1 + trainer.epsilon_high * scale)
+    expected = -torch.min(ratio * adv, clipped * adv)
+    on = ~inputs["offpolicy_mask"].bool() & inputs["completion_mask"].bool()
+    torch.testing.assert_close(ctx.per_token_loss.detach()[on], expected[on])
+    off = inputs["offpolicy_mask"].bool()
+    torch.testing.assert_close(ctx.per_token_loss.detach()[off], vanilla.per_token_loss.detach()[off])  # shaped
+    assert not torch.allclose(ctx.per_token_loss.detach()[on], vanilla.per_token_loss.detach()[on])
+
+
+def test_scale_clip_range_after_the_surrogate_is_refused(loss_setup):
+    from trl_plugins import PluginError
+
+    trainer, inputs = loss_setup
+    ProbeA.action = lambda ctx: ctx.scale_clip_range(torch.ones_like(ctx.per_token_logps))
+    with pytest.raises(PluginError, match="after the surrogate was built"):
+        _loss(trainer, inputs)
+
+
 def test_vllm_is_ratio_is_one_on_offpolicy_tokens(loss_setup, monkeypatch):
     trainer, inputs = loss_setup
     _, _, ctx = _loss(trainer, inputs)

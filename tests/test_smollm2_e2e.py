@@ -193,7 +193,9 @@ def _stacks(urls):
         # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
-        AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {}, {"loss_type": "grpo"}, []),
+        # (igpo in its A2TGPO mode: the adaptive turn-level clipping reaches the loss of the real model)
+        AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {"igpo": {"mode": "a2tgpo"}}, {"loss_type": "grpo"},
+                      []),
         SALT_EPO_STACK: (["salt", "epo"], {"epo": {"entropy_coef": 0.01}}, {"loss_type": "grpo"}, []),
         # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
         MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),

@@ -640,6 +640,9 @@ class LossContext(_StageContext):
         teacher_logps: (B, T) teacher log-probs of the completion tokens, NaN where absent, or None when no plugin
             attached any (``AdvantageContext.attach_teacher_logps``); a property reading ``extras``.
         loss_type, epsilon_low, epsilon_high, beta: the run's settings.
+        clip_scale: (B, T) per-token factors of the clip range, ``clip(r, 1 - c eps_low, 1 + c eps_high)``, set
+            through :meth:`scale_clip_range` by ``trl_plugins_loss_advantages`` hooks; None: TRL's scalar range.
+        surrogate_built: True once :attr:`per_token_loss` exists (the framework sets it after those hooks).
         num_items_in_batch: loss tokens in the whole generation batch (all processes), TRL's dapo normaliser.
         iteration: index of the current pass over this generation batch (0 .. num_iterations-1).
         mode: "train" or "eval".
@@ -675,6 +678,8 @@ class LossContext(_StageContext):
     replacement: tuple[torch.Tensor, torch.Tensor] | None = None
     _replacer: str | None = None
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
+    clip_scale: torch.Tensor | None = None
+    surrogate_built: bool = False
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -706,6 +711,24 @@ class LossContext(_StageContext):
                 f"Plugin {self._active_plugin!r} called ctx.head_stats() without declaring needs_head_stats = True."
             )
         return self.services.head_stats()
+
+    def scale_clip_range(self, scale: torch.Tensor) -> None:
+        """Widen (> 1) or narrow (< 1) the PPO clip range per token: ``clip(r, 1 - c eps_low, 1 + c eps_high)``.
+
+        ``scale`` (B, T) (or broadcastable), positive; the factors of several plugins multiply. Call it from a
+        ``trl_plugins_loss_advantages`` hook: the surrogate is built right after those hooks (a call from
+        ``trl_plugins_loss`` comes too late and raises). Clipped loss types only (``loss_rules.CLIPPED_LOSS_TYPES``).
+        """
+        if self.surrogate_built:
+            raise PluginError(
+                f"Plugin {self._active_plugin!r} called ctx.scale_clip_range() after the surrogate was built; call it "
+                "from a trl_plugins_loss_advantages hook."
+            )
+        scale = torch.as_tensor(scale, dtype=self.per_token_logps.dtype, device=self.per_token_logps.device)
+        if not bool((scale > 0).all()):
+            raise PluginError(f"Plugin {self._active_plugin!r}: scale_clip_range needs positive factors.")
+        scale = scale.expand_as(self.per_token_logps)
+        self.clip_scale = scale if self.clip_scale is None else self.clip_scale * scale
 
     def scale_tokens(self, weights: torch.Tensor) -> None:
         """Multiply the surrogate per token by ``weights`` ((B, T) or broadcastable); weights of plugins multiply."""

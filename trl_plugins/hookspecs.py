@@ -193,7 +193,8 @@ def trl_plugins_loss_advantages(ctx: LossContext) -> None:
     """Transform the token advantages ``ctx.advantages`` (B, T) of a micro-batch before the surrogate is built.
 
     Per-row advantages arrive expanded to (B, T); when the hooks leave them constant along each row, the surrogate
-    and TRL's metrics use them per row, exactly as TRL does.
+    and TRL's metrics use them per row, exactly as TRL does. This is also where ``ctx.scale_clip_range(c)`` widens or
+    narrows the clip range per token (clipped loss types), since the surrogate is built right after these hooks.
     """
 
 

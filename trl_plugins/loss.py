@@ -10,7 +10,7 @@ this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's 
 1. per-token log-probs and entropies through TRL's fused LM head (+ hidden states captured for head stats);
 2. TRL's entropy mask (``top_entropy_quantile``);
 3. token advantages (B, T) (+ ``trl_plugins_loss_advantages`` chain; advantages the hooks keep per row go back
-   to (B, 1), so the surrogate and the metrics are TRL's);
+   to (B, 1), so the surrogate and the metrics are TRL's; + per-token clip range from ``ctx.scale_clip_range``);
 4. old log-probs, TRL's off-policy sequence mask (+ never applied to off-policy tokens), importance ratio;
 5. reference KL;
 6. base surrogate by ``loss_type`` (+ off-policy tokens: ``-A * p / (p + gamma)``, LUFFY shaping, no ratio);
@@ -190,13 +190,14 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         is_ratio = rules.offpolicy_neutral_ratio(inputs["importance_sampling_ratio"], offpolicy_tokens)
     in_surrogate = rules.ratio_enters_surrogate(settings.loss_type)
     surrogate = rules.base_surrogate(
-        settings, per_token_logps, weights, advantages, mask, is_ratio if in_surrogate else None
+        settings, per_token_logps, weights, advantages, mask, is_ratio if in_surrogate else None, ctx.clip_scale
     )
     per_token_loss = rules.shape_offpolicy_tokens(
         surrogate.per_token_loss, per_token_logps, advantages, offpolicy_tokens, settings.offpolicy_gamma
     )
 
     ctx.per_token_loss = per_token_loss
+    ctx.surrogate_built = True
     if stack.has("trl_plugins_loss"):
         stack.call("trl_plugins_loss", ctx)
     per_token_loss = rules.compose_token_loss(
@@ -231,7 +232,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         loss = loss + t.router_aux_loss_coef * aux_loss / normalizer
         t._metrics[mode]["aux_loss"].append(t.accelerator.gather_for_metrics(aux_loss).mean().item())
 
-    _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages)
+    _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages, ctx.clip_scale)
     if has_offpolicy or stack.has("trl_plugins_after_generation"):
         t._metrics[mode]["plugins/framework/offpolicy_token_fraction"].append(
             _global_masked_mean(t, offpolicy.float(), mask)
@@ -277,7 +278,9 @@ def _global_masked_mean(t: Any, x: torch.Tensor, mask: torch.Tensor) -> float:
     return (totals[0] / totals[1].clamp(min=1.0)).item()
 
 
-def _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages) -> None:
+def _log_trl_metrics(
+    t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages, clip_scale=None
+) -> None:
     """TRL's own loss metrics (kl, entropy, clip ratios, VESPO's phi), so dashboards look the same with plugins on.
 
     TRL logs the clip ratios and ``phi`` per sequence at sequence-level importance sampling (one value per row).
@@ -302,8 +305,9 @@ def _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_
         t._metrics[mode]["kl"].append(_global_masked_mean(t, per_token_kl, mask))
     t._metrics[mode]["entropy"].append(_global_masked_mean(t, entropies, mask))
     if t.loss_type in rules.CLIPPED_LOSS_TYPES:
-        is_low_clipped = (coef_1 < 1 - t.epsilon_low) & (advantages < 0)
-        is_high_clipped = (coef_1 > 1 + t.epsilon_high) & (advantages > 0)
+        low_bound, high_bound = rules.clip_bounds(rules.LossSettings.from_trainer(t), clip_scale)
+        is_low_clipped = (coef_1 < low_bound) & (advantages < 0)
+        is_high_clipped = (coef_1 > high_bound) & (advantages > 0)
         is_region_clipped = is_low_clipped | is_high_clipped
         low, high = at_trl_level(is_low_clipped.float()), at_trl_level(is_high_clipped.float())
         t._metrics[mode]["clip_ratio/low_mean"].append(_global_masked_mean(t, low, mask))

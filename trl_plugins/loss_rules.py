@@ -11,7 +11,8 @@ Order of a micro-batch (B rows, T completion positions; steps marked + are ours,
 1. :func:`importance_weights` -- ``log pi_theta - log pi_old`` and the ratio ``coef_1`` at the token or
    sequence level;
 2. :func:`reference_kl` -- TRL's k3 estimator to the reference model (only when ``beta != 0``);
-3. :func:`base_surrogate` -- the per-token loss of ``loss_type``;
+3. :func:`base_surrogate` -- the per-token loss of ``loss_type`` (+ a per-token clip range when a
+   ``trl_plugins_loss_advantages`` hook called ``LossContext.scale_clip_range``: :func:`clip_bounds`);
 4. + :func:`shape_offpolicy_tokens` -- tokens a sampling plugin marked off-policy take ``-A p / (p + gamma)``;
 5. :func:`compose_token_loss` -- + one plugin's replacement on a token subset, + token weights (multiply), TRL's
    off-policy sequence mask and entropy mask (multiply), the vLLM importance-sampling ratio (multiply; 1 on
@@ -175,11 +176,13 @@ def base_surrogate(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     importance_sampling_ratio: torch.Tensor | None = None,
+    clip_scale: torch.Tensor | None = None,
 ) -> Surrogate:
     """TRL's per-token surrogate of ``settings.loss_type``.
 
     * clipped (grpo, bnpo, dr_grpo, dapo, luspo): ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``, with ``r``
-      capped at ``delta`` first when set;
+      capped at ``delta`` first when set; with ``clip_scale`` ``c`` the range is per token,
+      ``clip(r, 1 - c eps_low, 1 + c eps_high)`` (:func:`clip_bounds`);
     * cispo: ``-sg(min(r, eps_high)) A log pi``;
     * sapo: ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau`` = ``sapo_temperature_pos`` where ``A > 0``, else
       ``sapo_temperature_neg``;
@@ -193,14 +196,22 @@ def base_surrogate(
         mask: (B, T) loss mask.
         importance_sampling_ratio: (B, T) vLLM importance-sampling ratio; used by vespo only (the other loss types
             get it in :func:`compose_token_loss`).
+        clip_scale: (B, T) positive factors of the clip range per token (``LossContext.scale_clip_range``), or None
+            (TRL's scalar range). Only for the clipped loss types.
     """
     coef_1 = weights.coef_1
     loss_type = settings.loss_type
+    if clip_scale is not None and loss_type not in CLIPPED_LOSS_TYPES:
+        raise ValueError(
+            f"A per-token clip scale needs a clipped loss type ({', '.join(CLIPPED_LOSS_TYPES)}); "
+            f"loss_type={loss_type!r} has no PPO clip range."
+        )
     if loss_type == "cispo":
         clamped_ratios = torch.clamp(coef_1, max=settings.epsilon_high).detach()
         return Surrogate(-clamped_ratios * advantages * per_token_logps, coef_1)
     if loss_type in CLIPPED_LOSS_TYPES:
-        coef_2 = torch.clamp(coef_1, 1 - settings.epsilon_low, 1 + settings.epsilon_high)
+        low, high = clip_bounds(settings, clip_scale)
+        coef_2 = torch.clamp(coef_1, low, high)
         if settings.delta is not None:
             coef_1 = torch.clamp(coef_1, max=settings.delta)
         return Surrogate(-torch.min(coef_1 * advantages, coef_2 * advantages), coef_1)
@@ -221,6 +232,16 @@ def base_surrogate(
         )
         return Surrogate(-phi_seq * advantages * per_token_logps, coef_1, phi_seq)
     raise ValueError(f"loss_type={loss_type!r} is unknown; allowed: {', '.join(LOSS_TYPES)}.")
+
+
+def clip_bounds(
+    settings: LossSettings, clip_scale: torch.Tensor | None = None
+) -> tuple[float | torch.Tensor, float | torch.Tensor]:
+    """The clip range ``(1 - eps_low, 1 + eps_high)`` of the clipped loss types: TRL's two scalars, or with
+    ``clip_scale`` ``c`` ((B, T), one factor per token) the per-token bounds ``(1 - c eps_low, 1 + c eps_high)``."""
+    if clip_scale is None:
+        return 1 - settings.epsilon_low, 1 + settings.epsilon_high
+    return 1 - clip_scale * settings.epsilon_low, 1 + clip_scale * settings.epsilon_high
 
 
 def ratio_enters_surrogate(loss_type: str) -> bool:

@@ -53,6 +53,7 @@ from .contexts import (
     RewardContext,
     RolloutContext,
     TEACHER_LOGPS_EXTRA,
+    TURN_IDS_KEY,
     group_layout,
 )
 from .errors import GenerationBudgetExceeded, PluginError
@@ -1052,6 +1053,8 @@ def make_loss_context(
     extras: dict[str, torch.Tensor] | None = None,
     teacher_logps: torch.Tensor | None = None,
     completion_ids: torch.Tensor | None = None,
+    turn_ids: torch.Tensor | None = None,
+    clip_scale: torch.Tensor | None = None,
     num_items_in_batch: torch.Tensor | None = None,
     head_stats: Any = None,
     iteration: int = 0,
@@ -1074,7 +1077,10 @@ def make_loss_context(
     of :class:`~trl_plugins.loss_rules.LossSettings` by name (``{"delta": 1.5}``, ``sapo_temperature_pos``,
     ``vespo_k_pos`` ...; TRL's defaults otherwise). Use :func:`loss_from_context` for the micro-batch loss with the
     plugins' contributions. ``teacher_logps`` (B, T, NaN where absent) is what ``ctx.teacher_logps`` gives (the extra
-    the advantage stage attaches). ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
+    the advantage stage attaches). ``turn_ids`` (B, T) is what ``ctx.turn_ids`` gives (multi-turn rollouts);
+    ``clip_scale`` (B, T) builds the clipped surrogate with the per-token range a ``trl_plugins_loss_advantages``
+    hook sets through ``ctx.scale_clip_range`` (call the hook on one context, then pass its ``ctx.clip_scale`` here).
+    ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
     it); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
     metrics the plugin logs.
     """
@@ -1107,7 +1113,7 @@ def make_loss_context(
     mask = torch.ones(B, T) if mask is None else mask
     offpolicy = torch.zeros(B, T, dtype=torch.bool) if offpolicy_mask is None else offpolicy_mask.bool()
     weights = rules.importance_weights(per_token_logps, old, mask, settings.importance_sampling_level)
-    surrogate = rules.base_surrogate(settings, per_token_logps, weights, advantages, mask)
+    surrogate = rules.base_surrogate(settings, per_token_logps, weights, advantages, mask, clip_scale=clip_scale)
     per_token_loss = rules.shape_offpolicy_tokens(
         surrogate.per_token_loss, per_token_logps, advantages, offpolicy if offpolicy.any() else None,
         settings.offpolicy_gamma,
@@ -1115,8 +1121,11 @@ def make_loss_context(
     if completion_ids is None:
         completion_ids = torch.arange(B * T).view(B, T) % 50
     metrics = MetricsRecorder()
+    inputs = {"completion_ids": completion_ids, "completion_mask": mask}
+    if turn_ids is not None:
+        inputs[TURN_IDS_KEY] = turn_ids
     ctx = LossContext(
-        inputs={"completion_ids": completion_ids, "completion_mask": mask},
+        inputs=inputs,
         per_token_logps=per_token_logps,
         old_per_token_logps=old,
         ref_per_token_logps=ref_per_token_logps,
@@ -1137,6 +1146,7 @@ def make_loss_context(
         log_ratio=weights.log_weights,
         coef_1=weights.coef_1,
         per_token_loss=per_token_loss,
+        clip_scale=clip_scale,
         services=stub_services(metrics, run=run, head_stats=None if head_stats is None else (lambda: head_stats),
                                **services),
     )

@@ -26,8 +26,9 @@ Phases:
     next phase together -- which only works if neither was left inside a collective.
 ``tools``
     A multi-turn tool run (the bundled environment, TRL's tool loop, a scripted backend writing the gold tool calls)
-    with ``igpo`` and ``otc_po``: groups straddle the ranks, the turn structures are gathered (information gains,
-    tool-call counts) and it must finish with whole groups.
+    with ``igpo`` (A2TGPO mode: per-turn clip factors ride with their rows to each rank's loss stage) and ``otc_po``:
+    groups straddle the ranks, the turn structures are gathered (information gains, tool-call counts) and it must
+    finish with whole groups.
 ``tool_fails_on_one_rank`` (expected to fail on both ranks; the launch goes on)
     The environment's search tool raises on rank 1 only. The tool guard retries, then holds the error until the end
     of TRL's tool loop, where one gathered flag makes rank 1 raise the ``ToolError`` (naming the tool and the row) and
@@ -218,7 +219,8 @@ def build_trainer(phase: str, out_dir: str, num_processes: int):
         trainer = make_tool_trainer(
             n=12, per_device_train_batch_size=per_device, num_generations=G, max_steps=1,
             output_dir=os.path.join(out_dir, phase), loss_type="dr_grpo", tool_retries=1, tool_retry_backoff=0.0,
-            **({"plugins": ["igpo", "otc_po"]} if phase == "tools" else {}),
+            **({"plugins": ["igpo", "otc_po"], "plugin_config": {"igpo": {"mode": "a2tgpo"}}} if phase == "tools"
+               else {}),
         )
         if phase == "tool_fails_on_one_rank":
             trainer.environment_factories = {None: SearchDownOnRank1}

@@ -160,6 +160,7 @@ def test_a_tool_run_on_two_processes_keeps_whole_groups(two_processes):
     assert r0["batches"] == r1["batches"]
     assert r0["logs"]["tools/call_frequency"] > 0
     assert "plugins/igpo/info_gain_mean" in r0["logs"] and "plugins/otc_po/tool_calls_mean" in r0["logs"]
+    assert "plugins/igpo/clip_factor_mean" in r0["logs"]  # A2TGPO mode: clip factors sent with the rows to both ranks
 
 
 def test_a_tool_failing_on_one_rank_stops_both_ranks_together(two_processes):
