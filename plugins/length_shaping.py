@@ -55,7 +55,9 @@ Both papers shorten chains of thought through the reward alone:
   column of a correct response of ``n`` tokens becomes the budget-aware reward (official ``min(f1, f2)``, or the
   paper's piecewise ``f1`` / ``f2``; ``f1 = beta cos(pi n / 2L) - alpha |n - b|``, ``f2 = beta cos(pi b / 2L)``), 0 for a
   wrong one; the advantages are the hierarchical ones, ``(R - mean) / (std + 1e-6)`` over the group plus
-  ``w (mean of the sub-group's R - f2(b))`` (official ``w = 2``, the paper's equation ``w = 1``). Evaluation batches
+  ``w (mean of the sub-group's R - f2(b))`` (official ``w = 2``, the paper's equation ``w = 1``), in place of TRL's
+  (``scale_rewards`` does not apply). Refused with the refill plugins (refilled groups would lack the budget
+  sentences) and with another plugin that recomputes the advantages from scratch. Evaluation batches
   keep their prompts, rewards and advantages (the paper evaluates without budget sentences). Facts and formulas:
   :mod:`trl_plugins_builtin._hbpo`. ``hbpo_intra_weight=0`` leaves GRPO's group-normalised advantage (std + 1e-6)
   of the budget rewards; the budget sentences and the budget reward are what HBPO is, so it has no setting equal to
@@ -88,12 +90,14 @@ import torch
 
 from trl_plugins import (
     AdvantageContext,
+    IncompatiblePluginsError,
     Plugin,
     PluginConfigError,
     PluginError,
     PluginOptions,
     PromptContext,
     RewardContext,
+    available_plugins,
     hookimpl,
     option,
 )
@@ -123,6 +127,10 @@ LASER_MODES = ("laser", "laser_d", "laser_de")
 #: Modes whose bonus is written to the plugin's own (placeholder) reward column.
 COLUMN_MODES = LASER_MODES + ("pear",)
 DLER_MODES = ("dler", "dler_difficulty")
+HBPO_REFILL_REASON = (
+    "a refill plugin regenerates rejected groups from the original prompts, without HBPO's budget sentences, while "
+    "their rewards and advantages would still follow the budgets"
+)
 
 
 @dataclass
@@ -437,7 +445,8 @@ class LengthShapingPlugin(Plugin):
     claim_metric = ("bonus", "length bonus")
     replaces = (
         "mode hbpo: the correctness column's value (by the budget-aware reward) and the advantages (hierarchical; "
-        "refused together with another plugin that recomputes the advantages from scratch)",
+        "refused together with another plugin that recomputes the advantages from scratch); mode hbpo is refused with "
+        f"the refill plugins (dynamic_sampling, dars): {HBPO_REFILL_REASON}",
     )
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
@@ -510,6 +519,14 @@ class LengthShapingPlugin(Plugin):
             raise PluginConfigError(
                 "length_shaping needs a correctness reward function (e.g. accuracy_reward) besides its own column."
             )
+        if o.mode == "hbpo":
+            refill = [name for name in getattr(args, "plugins", None) or []
+                      if name != self.name and "trl_plugins_reject_groups" in available_plugins()[name].hook_names()]
+            if refill:
+                raise IncompatiblePluginsError(
+                    f"length_shaping (mode hbpo) and {refill[0]!r} cannot be stacked: {HBPO_REFILL_REASON}. Use "
+                    f"another length_shaping mode or disable {refill[0]}."
+                )
         if o.mode == "hbpo" and args.num_generations % len(o.hbpo_budgets):
             raise PluginConfigError(
                 f"length_shaping (hbpo): num_generations={args.num_generations} is not a multiple of the "

@@ -4,12 +4,14 @@ hierarchical advantage (inter-group normalisation + weighted intra-sub-group ter
 training run whose rows are sampled under their budget prompts."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.testing import (
+    build_stack,
     make_advantage_context,
     make_prompt_context,
     make_reward_context,
@@ -133,6 +135,9 @@ def test_refusals():
         build_plugins(["length_shaping"], {"length_shaping": {**HBPO, "hbpo_budgets": []}})
     with pytest.raises(IncompatiblePluginsError, match="advantages"):
         build_plugins(["length_shaping", "canon"], {"length_shaping": HBPO})
+    with pytest.raises(IncompatiblePluginsError, match="budget sentences"):
+        build_stack(["length_shaping", "dynamic_sampling"], {"length_shaping": HBPO},
+                    trainer=SimpleNamespace(max_completion_length=16, reward_func_names=["acc"]))
     with pytest.raises(PluginConfigError, match="multiple"):
         make_tiny_trainer(plugins=["length_shaping"], plugin_config={"length_shaping": {**HBPO, "hbpo_budgets":
                                                                                          [2, 4, 8]}})
