@@ -30,7 +30,7 @@ from .errors import PluginConfigError
 #: ``rule(logits)``: (B, V) float logits of one decoding step -> (B,) positive temperatures.
 TemperatureRule = Callable[[torch.Tensor], torch.Tensor]
 #: Sampling settings the processor takes over from the generation config (neutral values while it runs).
-TAKEN_OVER = {"temperature": 1.0, "top_k": None, "top_p": 1.0, "min_p": None}
+TAKEN_OVER = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None}  # top_k None would mean 50
 #: Warpers with no counterpart in the processor: refused while a rule is set.
 UNSUPPORTED = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
 

@@ -93,6 +93,28 @@ def test_tiny_model_samples_from_raw_logits_over_the_rules_temperature():
     assert trainer.generation_config.temperature == 0.5 and "generate" not in vars(model)  # restored after
 
 
+def test_sampled_tokens_follow_softmax_of_the_logits_over_hapos_temperature():
+    # tau = 1 and statistics that clip every h_hat to +1: T_t = 0.5 (1 + 1) = 1.0 while TRL's temperature is 0.5
+    trainer = make_tiny_trainer(plugins=["hapo"], plugin_config={"hapo": {**NEUTRAL_LOSS, "temperature_tau": 1.0}},
+                                temperature=0.5)
+    trainer.plugin_stack.plugins[0].entropy_stats = EntropyStats(median=-100.0, std=1.0, scale_pos=1.0, scale_neg=1.0)
+    trainer.set_generation_length_cap(1)
+    ids = trainer.generation_service.tokenize(["1+1="])[0]
+    torch.manual_seed(0)
+    out, _ = trainer._generate_single_turn([ids] * 3000, None, {}, 1)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    tokens = torch.tensor([c[0] for c in out])
+    rule, trl = torch.log_softmax(logits / 1.0, -1), torch.log_softmax(logits / 0.5, -1)
+    assert (torch.bincount(tokens, minlength=logits.numel()) > 0).all()  # no top-k (TRL's top_k=0) crept in
+    # mean log-likelihood ratio of the samples: KL(p_rule || p_trl) > 0 if they come from p_rule, -KL(p_trl || p_rule)
+    # < 0 if they came from TRL's single temperature
+    llr = float((rule[tokens] - trl[tokens]).mean())
+    kl_rule = float((rule.exp() * (rule - trl)).sum())
+    assert abs(llr - kl_rule) < 0.4 * kl_rule, (llr, kl_rule)
+
+
 def test_vllm_is_refused():
     with pytest.raises(IncompatiblePluginsError, match="cannot go through vLLM"):
         build_stack("hapo", {"hapo": {"temperature_tau": 0.05}}, use_vllm=True)
