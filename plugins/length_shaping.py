@@ -527,6 +527,13 @@ class LengthShapingPlugin(Plugin):
                     f"length_shaping (mode hbpo) and {refill[0]!r} cannot be stacked: {HBPO_REFILL_REASON}. Use "
                     f"another length_shaping mode or disable {refill[0]}."
                 )
+        if o.mode == "hbpo" and max(o.hbpo_budgets) > (o.hbpo_max_length or self.max_len):
+            warnings.warn(
+                f"length_shaping (hbpo): budgets {o.hbpo_budgets} exceed L_max={o.hbpo_max_length or self.max_len} "
+                "(hbpo_max_length, default max_completion_length); the paper's budgets (up to 2560) assume a 4096-token "
+                "response length. Set hbpo_budgets for this run's length.",
+                stacklevel=2,
+            )
         if o.mode == "hbpo" and args.num_generations % len(o.hbpo_budgets):
             raise PluginConfigError(
                 f"length_shaping (hbpo): num_generations={args.num_generations} is not a multiple of the "
