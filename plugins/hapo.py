@@ -25,10 +25,21 @@ official code (starriver030515/HAPO @7671dde: ``compute_hapo_outcome_advantage``
    other tokens use ``A_ent`` inside and ``A`` outside.
 5. PPO with the per-token epsilons and the redistributed advantage, plus the dual clip ``-A c`` (``c = 10``) on
    negative advantages; aggregation is TRL's (``loss_type="dapo"`` is the paper's token-mean).
-6. **Adaptive sampling temperature** (``T_t = T (1 + tau clip(h_hat_t, -1, 1))``, per generated token): **not
-   offered**. vLLM samples every token of a request at one temperature, so it cannot go through vLLM at all
-   (``temperature_tau > 0`` is refused with ``use_vllm=True``); for TRL's HF generation it would need a per-token
-   logits processor the framework does not have yet, so it is refused there too, with that reason.
+6. **Adaptive sampling temperature** (``temperature_tau > 0``; official recipe 0.05): every generated token is
+   sampled at ``T_t = T (1 + tau h_hat_t)``, ``T`` the run's temperature, ``h_hat_t`` the normalised log-entropy of
+   that step's next-token distribution (from the raw logits, before any temperature) with the statistics of the
+   previous optimizer step: the ``entropy_pivot`` quantile ``med``, the RMS deviation ``s`` and the scales
+   ``1 / max(h)`` and ``1 / |min(h)|`` of ``h = (ln H - med) / s`` over the loss tokens that step saw (current-policy
+   entropies at ``T``), so ``h_hat_t = clip(h_t * scale, -1, 1)``; before the first step the temperature stays ``T``.
+   The official code computes the statistics over the whole batch of old-policy entropies of the previous step on the
+   driver; here each process uses the tokens of its own micro-batches [reconstructed]; ``code_sign_compat`` applies
+   to the scale of the negative side as in item 2 (the official sampler's scale is negative there too, so it only
+   ever raises the temperature). Transformers generation only
+   (:meth:`~trl_plugins.PluginGRPOTrainer.set_token_temperature`, :mod:`trl_plugins.token_temperature`): vLLM samples
+   every token of a request at one temperature, so ``temperature_tau > 0`` is refused with ``use_vllm=True``.
+   Log-probs: as in the official code (old log-probs recomputed at the rollout's base temperature), the loss, the
+   old log-probs and the importance ratio use the single temperature ``T``; the tokens are treated as samples of
+   ``pi_T`` and the small mismatch (``|T_t / T - 1| <= tau``) is not importance-corrected.
 
 Defaults are the authors' recipe: ``entropy_pivot=0.8``, ``clip_alpha=1``, ``adv_beta=1``, ``dual_clip_c=10``, clip
 0.2/0.2 (TRL's ``epsilon``/``epsilon_high``). Neutral setting: ``token_level_advantage=false, clip_alpha=0,
@@ -39,7 +50,7 @@ Off-policy (injected) tokens keep the shaped off-policy branch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -96,9 +107,10 @@ class HapoOptions(PluginOptions):
         "paper's h_hat in [-1, 1].",
     )
     temperature_tau: float = option(
-        0.0, min=0.0,
-        help="Per-token adaptive sampling temperature strength (paper: 0.05). Not offered: must stay 0 (vLLM samples "
-        "a request at one temperature; TRL's HF generation has no per-token temperature hook here).",
+        0.0, min=0.0, max=1.0,
+        help="Per-token adaptive sampling temperature T (1 + tau h_hat) (official recipe: 0.05; 0: TRL's single "
+        "temperature). Transformers generation only: refused with use_vllm=True (vLLM samples a request at one "
+        "temperature).",
     )
 
     def is_neutral_loss(self) -> bool:
@@ -211,6 +223,44 @@ def hapo_token_loss(
     return torch.where(advantages < 0, torch.minimum(clipped, -advantages * dual_clip_c), clipped)
 
 
+# --------------------------------------------------------------------------------------------- sampling temperature
+class EntropyStats(NamedTuple):
+    """Normalisation of the log-entropies for the sampling temperature: ``h_hat = clip(h * scale, -1, 1)`` with
+    ``h = (ln H - median) / std`` and ``scale = scale_pos`` for ``h > 0``, ``scale_neg`` otherwise."""
+
+    median: float
+    std: float
+    scale_pos: float
+    scale_neg: float
+
+
+def entropy_statistics(entropies: torch.Tensor, pivot: float, code_sign: bool = False,
+                       eps: float = 1e-8) -> EntropyStats:
+    """The official ``compute_entropy_h`` statistics of (M,) token entropies: nearest-rank ``pivot`` quantile of
+    ``ln max(H, eps)``, RMS deviation from it (``sqrt(max(mean (l - med)^2, eps))``), ``1 / max(h)`` and
+    ``1 / |min(h)|`` (``code_sign``: the official ``1 / min(h)``, negative) over ``h = (l - med) / std``."""
+    logh = torch.log(entropies.float().clamp(min=eps))
+    med = torch.quantile(logh, pivot, interpolation="nearest")
+    std = (logh - med).pow(2).mean().clamp(min=eps).sqrt()
+    h = (logh - med) / std
+    pos_max = h.clamp(min=0).max().clamp(min=eps)
+    neg_min = h.clamp(max=0).min().clamp(max=-eps)
+    scale_neg = 1.0 / neg_min if code_sign else 1.0 / neg_min.abs()
+    return EntropyStats(float(med), float(std), float(1.0 / pos_max), float(scale_neg))
+
+
+def adaptive_temperatures(logits: torch.Tensor, stats: EntropyStats, temperature: float, tau: float,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """HAPO's per-token sampling temperature (B,) from one decoding step's raw (B, V) logits:
+    ``T (1 + tau clip(h * scale, -1, 1))``, ``h = (ln max(H, eps) - median) / (std + eps)``, ``H`` the entropy of
+    ``softmax(logits)``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(dim=-1)
+    h = (torch.log(entropy.clamp(min=eps)) - stats.median) / (stats.std + eps)
+    h_hat = torch.where(h > 0, h * stats.scale_pos, h * stats.scale_neg).clamp(-1.0, 1.0)
+    return temperature * (1.0 + tau * h_hat)
+
+
 class HapoPlugin(Plugin):
     """Token-heterogeneous advantages and entropy-adaptive asymmetric clipping (advantage and loss stages)."""
     claim_metric = ('high_entropy_fraction', 'tokens treated as high-entropy')
@@ -241,8 +291,15 @@ class HapoPlugin(Plugin):
     reconstructed = (
         "h_hat's sign on low-entropy tokens follows the paper (the official code's sign: code_sign_compat=true)",
         "the GRPO fallback uses TRL's advantage (std + 1e-4) where the official code adds 1e-6",
-        "the adaptive sampling temperature is not offered (temperature_tau must stay 0)",
+        "the adaptive temperature's entropy statistics come from each process's loss tokens of the previous optimizer "
+        "step (official: the whole previous batch's old-policy entropies, on the driver)",
     )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.temperature = 1.0
+        self.entropy_stats: EntropyStats | None = None  # of the previous optimizer step
+        self._step_entropies: list[torch.Tensor] = []
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -252,13 +309,10 @@ class HapoPlugin(Plugin):
                 raise IncompatiblePluginsError(
                     f"hapo: temperature_tau={o.temperature_tau!r} asks for a per-token sampling temperature, which "
                     "cannot go through vLLM (it samples every token of a request at one temperature). Set "
-                    "temperature_tau=0."
+                    "temperature_tau=0 or use_vllm=False."
                 )
-            raise IncompatiblePluginsError(
-                f"hapo: temperature_tau={o.temperature_tau!r}: the per-token adaptive sampling temperature is not "
-                "offered (TRL's HF generation path has no per-token temperature hook in this framework). Set "
-                "temperature_tau=0."
-            )
+            self.temperature = float(args.temperature)
+            trainer.set_token_temperature(self.sampling_temperatures)
         others = [p for p in getattr(args, "plugins", None) or [] if p in ADVANTAGE_ESTIMATORS]
         if o.token_level_advantage and others:
             raise IncompatiblePluginsError(
@@ -289,9 +343,33 @@ class HapoPlugin(Plugin):
         ctx.advantages = adv.to(ctx.advantages.dtype)
         ctx.log_metric("fallback_group_fraction", fallback.float().mean().item())
 
+    def sampling_temperatures(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) raw logits of one decoding step -> (B,) temperatures ``T (1 + tau h_hat)``."""
+        if self.entropy_stats is None:
+            return torch.full(logits.shape[:1], self.temperature, device=logits.device)
+        return adaptive_temperatures(logits, self.entropy_stats, self.temperature, self.options.temperature_tau)
+
+    @hookimpl
+    def trl_plugins_on_step_end(self, trainer, step):
+        if self._step_entropies:
+            o = self.options
+            self.entropy_stats = entropy_statistics(torch.cat(self._step_entropies), o.entropy_pivot, o.code_sign_compat)
+            self._step_entropies = []
+
+    @hookimpl
+    def trl_plugins_state_dict(self):
+        return {"entropy_stats": None if self.entropy_stats is None else list(self.entropy_stats)}
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state):
+        stats = (state or {}).get("entropy_stats")
+        self.entropy_stats = None if stats is None else EntropyStats(*[float(x) for x in stats])
+
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
         o = self.options
+        if o.temperature_tau > 0 and ctx.mode == "train":
+            self._step_entropies.append(ctx.entropies.detach()[ctx.mask.bool()].float().cpu())
         if o.is_neutral_loss():
             return
         with torch.no_grad():

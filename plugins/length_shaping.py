@@ -48,6 +48,20 @@ Both papers shorten chains of thought through the reward alone:
   ``kappa`` following the change of the NRP ratio. The official chunk judge is a fine-tuned 1.5B model asked whether a
   chunk contains the correct answer; here the judge is a rule (the reference answer of ``answer_column`` appears in the
   chunk as a whole token) [reconstructed]. Facts and formulas: :mod:`trl_plugins_builtin._decs`.
+* **HBPO** (Hierarchical Budget Policy Optimization, arXiv:2507.15844; ``mode="hbpo"``, sampling, reward and advantage
+  stages): each group of ``G`` rollouts is split into ``k = len(hbpo_budgets)`` equal sub-groups (rows
+  ``j * G/k .. (j+1) * G/k - 1`` get budget ``b_j``); each row is sampled **and trained** under its prompt with the
+  budget sentence (``hbpo_prompt``, official "I will answer the question with {budget} tokens"). The correctness
+  column of a correct response of ``n`` tokens becomes the budget-aware reward (official ``min(f1, f2)``, or the
+  paper's piecewise ``f1`` / ``f2``; ``f1 = beta cos(pi n / 2L) - alpha |n - b|``, ``f2 = beta cos(pi b / 2L)``), 0 for a
+  wrong one; the advantages are the hierarchical ones, ``(R - mean) / (std + 1e-6)`` over the group plus
+  ``w (mean of the sub-group's R - f2(b))`` (official ``w = 2``, the paper's equation ``w = 1``), in place of TRL's
+  (``scale_rewards`` does not apply). Refused with the refill plugins (refilled groups would lack the budget
+  sentences) and with another plugin that recomputes the advantages from scratch. Evaluation batches
+  keep their prompts, rewards and advantages (the paper evaluates without budget sentences). Facts and formulas:
+  :mod:`trl_plugins_builtin._hbpo`. ``hbpo_intra_weight=0`` leaves GRPO's group-normalised advantage (std + 1e-6)
+  of the budget rewards; the budget sentences and the budget reward are what HBPO is, so it has no setting equal to
+  vanilla GRPO (disable the plugin for that).
 
 Lengths are completion tokens (EOS included, as TRL's completion mask counts them); correctness is
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect): ``correctness_column``, by default
@@ -76,15 +90,18 @@ import torch
 
 from trl_plugins import (
     AdvantageContext,
+    IncompatiblePluginsError,
     Plugin,
     PluginConfigError,
     PluginError,
     PluginOptions,
+    PromptContext,
     RewardContext,
+    available_plugins,
     hookimpl,
     option,
 )
-from trl_plugins.success import SuccessRule, mark_placeholder
+from trl_plugins.success import SuccessRule, mark_placeholder, verifier_column
 
 from ._decs import (
     SPLIT_WORDS,
@@ -95,6 +112,14 @@ from ._decs import (
     nrp_split,
     per_position_advantages,
 )
+from ._hbpo import (
+    OFFICIAL_BUDGET_PROMPT,
+    PAPER_BUDGETS,
+    budget_rewards,
+    budget_slots,
+    hierarchical_advantages,
+    with_budget_sentence,
+)
 from ._pear import pear_bonus, phase_boundary, phase_entropies
 
 COLUMN = "length_shaping"
@@ -102,17 +127,22 @@ LASER_MODES = ("laser", "laser_d", "laser_de")
 #: Modes whose bonus is written to the plugin's own (placeholder) reward column.
 COLUMN_MODES = LASER_MODES + ("pear",)
 DLER_MODES = ("dler", "dler_difficulty")
+HBPO_REFILL_REASON = (
+    "a refill plugin regenerates rejected groups from the original prompts, without HBPO's budget sentences, while "
+    "their rewards and advantages would still follow the budgets"
+)
 
 
 @dataclass
 class LengthShapingOptions(PluginOptions):
-    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear", "siri"] = option(
+    mode: Literal["laser", "laser_d", "laser_de", "dler", "dler_difficulty", "decs", "pear", "siri", "hbpo"] = option(
         "laser_d",
         help="laser: fixed-target step bonus; laser_d: adaptive difficulty-aware targets; laser_de: plus exploration "
         "bonus for wrong answers; dler: zero reward beyond a cap; dler_difficulty: tighter caps on easy prompts; "
         "decs: penalise only the tokens after the first correct answer, per-position advantages, curriculum; pear: "
         "penalise the thinking phase's token entropy (reconstructed formula); siri: oscillate the rollout length cap "
-        "(compression / expansion) with zero reward beyond it.",
+        "(compression / expansion) with zero reward beyond it; hbpo: budget sub-groups sampled with per-row budget "
+        "sentences, budget-aware reward, hierarchical (intra + inter sub-group) advantage.",
     )
     correctness_column: str | None = option(
         None, help="Reward column that says whether a response is correct (default: the first reward function that is "
@@ -217,8 +247,49 @@ class LengthShapingOptions(PluginOptions):
     pear_only_correct: bool = option(
         True, help="PEAR: pay the entropy bonus to correct responses only.", reconstructed=True,
     )
+    hbpo_budgets: list[int] = option(
+        default_factory=lambda: list(PAPER_BUDGETS),
+        help="HBPO: token budgets of the sub-groups (paper: 512, 1024, 2048, 2560); num_generations must be a "
+        "multiple of their number (equal sub-groups).",
+    )
+    hbpo_prompt: str = option(
+        OFFICIAL_BUDGET_PROMPT,
+        help="HBPO: budget sentence ({budget} is replaced), appended to a text prompt after a space or to the last "
+        "user message of a conversational prompt after a blank line [reconstructed for conversational prompts: the "
+        "official rollout prefills it after '<think>' in the assistant turn]. Official wording 'with {budget} "
+        "tokens'; the paper writes 'within {budget} tokens'.",
+    )
+    hbpo_reward: Literal["official_min", "paper_piecewise"] = option(
+        "official_min",
+        help="HBPO: reward of a correct answer. official_min: min(f1, f2) (official code); paper_piecewise: f1 beyond "
+        "the budget, f2 within it (the paper's equation).",
+    )
+    hbpo_beta: float = option(4.0, min=0.0, help="HBPO: reward scale beta of the cosine terms (official: 4).")
+    hbpo_alpha: float | None = option(
+        None, min=0.0, help="HBPO: deviation penalty alpha per token beyond/away from the budget (default / official: "
+        "1 / hbpo_max_length).",
+    )
+    hbpo_max_length: int | None = option(
+        None, min=1, help="HBPO: L_max of the cosine terms (default: max_completion_length; official: the 4096-token "
+        "response length).",
+    )
+    hbpo_intra_weight: float = option(
+        2.0, min=0.0,
+        help="HBPO: weight of the intra-sub-group advantage mean_i(R) - f2(b_i). Official code: 2 (the term is added "
+        "twice); the paper's equation: 1; 0 leaves the inter-sub-group (group-normalised) advantage only.",
+    )
 
     def validate(self) -> None:
+        if not self.hbpo_budgets or any(int(b) < 1 for b in self.hbpo_budgets):
+            raise PluginConfigError(
+                f"Option 'hbpo_budgets' of plugin 'length_shaping' got {self.hbpo_budgets!r}; allowed: a non-empty "
+                "list of positive token counts."
+            )
+        if "{budget}" not in self.hbpo_prompt:
+            raise PluginConfigError(
+                f"Option 'hbpo_prompt' of plugin 'length_shaping' got {self.hbpo_prompt!r}; it must contain the "
+                "placeholder '{budget}'."
+            )
         edges = self.difficulty_edges
         if len(edges) != 2 or not (0.0 <= edges[0] <= edges[1] <= 1.0):
             raise PluginConfigError(
@@ -365,13 +436,18 @@ class LengthShapingPlugin(Plugin):
         "Reinforcement Learning, arXiv:2510.15110; Overthinking Reduction with Decoupled Rewards and Curriculum Data "
         "Scheduling (DECS), arXiv:2509.25827; PEAR: Phase Entropy Aware Reward for Efficient Reasoning, "
         "arXiv:2510.08026; SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, "
-        "arXiv:2509.25176"
+        "arXiv:2509.25176; Hierarchical Budget Policy Optimization for Adaptive Reasoning (HBPO), arXiv:2507.15844"
     )
     summary = ("Length-efficient reasoning: adaptive step length bonus (LASER-D), zero reward past a cap (DLER), "
                "penalties on the tokens after the first correct answer only (DECS), thinking-entropy penalty (PEAR), "
-               "oscillating rollout length cap (SIRI).")
+               "oscillating rollout length cap (SIRI), budget sub-groups with budget-aware rewards (HBPO).")
     Options = LengthShapingOptions
     claim_metric = ("bonus", "length bonus")
+    replaces = (
+        "mode hbpo: the correctness column's value (by the budget-aware reward) and the advantages (hierarchical; "
+        "refused together with another plugin that recomputes the advantages from scratch); mode hbpo is refused with "
+        f"the refill plugins (dynamic_sampling, dars): {HBPO_REFILL_REASON}",
+    )
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",
         "LASER-D's ECR is estimated online on recent training rollouts (the paper uses a periodic monitoring set)",
@@ -382,6 +458,8 @@ class LengthShapingPlugin(Plugin):
         "exact formula was not available)",
         "DECS: the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
         "DECS: the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
+        "HBPO: the budget sentence of a conversational prompt ends the last user message (official: assistant prefill "
+        "after '<think>', which TRL's chat templating cannot express)",
     )
 
     def __init__(self, options=None):
@@ -396,6 +474,13 @@ class LengthShapingPlugin(Plugin):
 
     def required_columns(self) -> list[str]:
         return [self.options.answer_column] if self.options.mode == "decs" else []
+
+    def hook_enabled(self, hook: str) -> bool:
+        # only HBPO samples under per-row prompts; the other modes keep TRL's sampling path
+        return hook != "trl_plugins_generation_prompts" or self.options.mode == "hbpo"
+
+    def overwritten(self) -> tuple[str, ...]:
+        return ("advantages",) if self.options.mode == "hbpo" else ()
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
@@ -434,6 +519,26 @@ class LengthShapingPlugin(Plugin):
             raise PluginConfigError(
                 "length_shaping needs a correctness reward function (e.g. accuracy_reward) besides its own column."
             )
+        if o.mode == "hbpo":
+            refill = [name for name in getattr(args, "plugins", None) or []
+                      if name != self.name and "trl_plugins_reject_groups" in available_plugins()[name].hook_names()]
+            if refill:
+                raise IncompatiblePluginsError(
+                    f"length_shaping (mode hbpo) and {refill[0]!r} cannot be stacked: {HBPO_REFILL_REASON}. Use "
+                    f"another length_shaping mode or disable {refill[0]}."
+                )
+        if o.mode == "hbpo" and max(o.hbpo_budgets) > (o.hbpo_max_length or self.max_len):
+            warnings.warn(
+                f"length_shaping (hbpo): budgets {o.hbpo_budgets} exceed L_max={o.hbpo_max_length or self.max_len} "
+                "(hbpo_max_length, default max_completion_length); the paper's budgets (up to 2560) assume a 4096-token "
+                "response length. Set hbpo_budgets for this run's length.",
+                stacklevel=2,
+            )
+        if o.mode == "hbpo" and args.num_generations % len(o.hbpo_budgets):
+            raise PluginConfigError(
+                f"length_shaping (hbpo): num_generations={args.num_generations} is not a multiple of the "
+                f"{len(o.hbpo_budgets)} budgets {o.hbpo_budgets}; HBPO splits each group into equal budget sub-groups."
+            )
         self.eos_ids = set(getattr(trainer, "eos_token_ids", None) or [trainer.processing_class.eos_token_id])
         pad = getattr(trainer.processing_class, "pad_token_id", None)
         if pad is not None:
@@ -461,6 +566,10 @@ class LengthShapingPlugin(Plugin):
             return
         if o.mode == "siri":
             self._siri_rewards(ctx)
+            return
+        if o.mode == "hbpo":
+            if ctx.mode == "train":
+                self._hbpo_rewards(ctx)
             return
         check_repetition = o.mode == "laser_de" and o.explore_gate != "none"
         local = [(len(ids), self._unfinished(ids), check_repetition and is_repetitive(list(ids)))
@@ -538,6 +647,56 @@ class LengthShapingPlugin(Plugin):
         ctx.log_metric("cap", float(cap))
         ctx.log_metric("truncated_fraction", zero.float().mean().item())
 
+    # ------------------------------------------------------------------------------------------ HBPO
+    def _hbpo_row_budgets(self, index_in_group, G: int) -> torch.Tensor:
+        """(N,) long budget of each row (its sub-group's) from its index in the group."""
+        budgets = torch.tensor([int(b) for b in self.options.hbpo_budgets], dtype=torch.long)
+        index = torch.as_tensor(index_in_group, dtype=torch.long).cpu()
+        return budgets[budget_slots(index, G, len(budgets))]
+
+    def _hbpo_constants(self) -> tuple[int, float]:
+        """(L_max, alpha) of the budget reward."""
+        L = self.options.hbpo_max_length or self.max_len
+        alpha = self.options.hbpo_alpha if self.options.hbpo_alpha is not None else 1.0 / L
+        return L, alpha
+
+    @hookimpl
+    def trl_plugins_generation_prompts(self, ctx: PromptContext):
+        o = self.options
+        budgets = self._hbpo_row_budgets(ctx.index_in_group, ctx.num_generations).tolist()
+        for i, b in enumerate(budgets):
+            prompt = with_budget_sentence(ctx.prompts[i], o.hbpo_prompt.format(budget=b))
+            ctx.generation_prompts[i] = ctx.training_prompts[i] = prompt
+            ctx.annotations[i]["hbpo_budget"] = b
+
+    def _hbpo_rewards(self, ctx: RewardContext) -> None:
+        """Write HBPO's budget-aware reward into the correctness column (NaN stays NaN)."""
+        o = self.options
+        device = ctx.rewards_per_func.device
+        lengths = torch.tensor(ctx.gather_object([len(ids) for ids in ctx.local_completion_ids]), device=device)
+        budgets = self._hbpo_row_budgets(ctx.index_in_group, ctx.num_generations).to(device)
+        L, alpha = self._hbpo_constants()
+        reward = budget_rewards(lengths, budgets, self._correct(ctx).to(device), L, o.hbpo_beta, alpha, o.hbpo_reward)
+        K = ctx.rewards_per_func.shape[1]
+        flags = ctx.run.placeholder_columns if len(ctx.run.placeholder_columns) == K else ()
+        col = verifier_column(ctx.reward_func_names, flags, o.correctness_column)
+        rewards = ctx.rewards_per_func.clone()
+        rewards[:, col] = torch.where(torch.isnan(rewards[:, col]), rewards[:, col], reward.to(rewards.dtype))
+        ctx.rewards_per_func = rewards
+        ctx.log_metric("mean_length", lengths.float().mean().item())
+        ctx.log_metric("within_budget_fraction", (lengths <= budgets).float().mean().item())
+        ctx.log_metric("budget_reward", reward.mean().item())
+
+    def _hbpo_advantages(self, ctx: AdvantageContext) -> None:
+        o = self.options
+        G = ctx.num_generations
+        budgets = self._hbpo_row_budgets(ctx.index_in_group, G)
+        slots = budget_slots(torch.as_tensor(ctx.index_in_group).cpu(), G, len(o.hbpo_budgets))
+        L, _ = self._hbpo_constants()
+        adv = hierarchical_advantages(ctx.rewards.cpu(), slots, budgets, G, L, o.hbpo_beta, o.hbpo_intra_weight)
+        ctx.advantages = adv.to(device=ctx.advantages.device, dtype=ctx.advantages.dtype)
+        ctx.log_metric("hbpo_advantage_mean", adv.mean().item())
+
     # ------------------------------------------------------------------------------------------ PEAR
     def _pear(self, ctx: RewardContext) -> None:
         """Fill the plugin's column with PEAR's phase-entropy bonus (one no-grad forward over the local rows)."""
@@ -583,6 +742,10 @@ class LengthShapingPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
         o = self.options
+        if o.mode == "hbpo":
+            if ctx.mode == "train":
+                self._hbpo_advantages(ctx)
+            return
         if o.mode != "decs":
             return
         if self._decs_batch is None or len(self._decs_batch) != ctx.rewards.numel():

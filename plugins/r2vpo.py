@@ -1,4 +1,4 @@
-"""R2VPO — Ratio-Variance Regularized Policy Optimization (arXiv:2601.03320).
+"""R2VPO — Ratio-Variance Regularized Policy Optimization (arXiv:2601.03320; extended version arXiv:2605.26784).
 
 PPO/GRPO keep updates in a trust region by clipping the importance ratio ``r = pi_theta / pi_old``, which zeroes
 the gradient of every token past the clip range, including high-return "eureka" tokens, and makes slightly stale
@@ -6,9 +6,13 @@ samples useless. R2VPO constrains the **variance (second central moment) of the 
 distribution-level relaxation of the trust region, enforced by a primal-dual scheme, that keeps the gradient of
 every token and down-weights stale data rather than discarding it.
 
-What the paper states (abstract and introduction): the unclipped importance-weighted objective, the ratio-variance
-constraint, a primal-dual (Lagrangian) optimisation, and reuse of stale samples. No official code was found, so
-the concrete formulas below are **our reconstruction** (every option is marked so):
+What was checked against what: the abstract and introduction of arXiv:2601.03320 ("... for Efficient LLM
+Fine-tuning") and the abstract of its extended version arXiv:2605.26784 (ICML), the only parts of the paper
+reachable to us; no official code was found (no public repository of the authors). They state: the ratio clip is
+removed (the unclipped importance-weighted objective), the constraint is on the ratio's variance (its second central
+moment), it is enforced with a primal-dual (Lagrangian) formulation, and stale samples are down-weighted and reused
+from a replay buffer. The method section's formulas and hyper-parameters were not reachable, so every concrete
+formula and default below is **our reconstruction**, consistent with those statements (each option is marked so):
 
 1. Per token, replacing TRL's clipped surrogate: ``l = -r A + lambda (r - 1)^2``, with ``r`` TRL's importance ratio
    at its ``importance_sampling_level``. ``(r - 1)^2`` is the ratio's squared deviation from its mean under the old
@@ -76,7 +80,10 @@ class R2vpoPlugin(Plugin):
 
     name = "r2vpo"
     version = "0.1.0"
-    paper = "Ratio-Variance Regularized Policy Optimization for Efficient LLM Fine-tuning (R2VPO), arXiv:2601.03320"
+    paper = (
+        "Ratio-Variance Regularized Policy Optimization for Efficient LLM Fine-tuning (R2VPO), arXiv:2601.03320 "
+        "(extended: arXiv:2605.26784)"
+    )
     summary = "Replaces ratio clipping by a penalty on the ratio's variance, weighted by a dual-ascent multiplier."
     Options = R2vpoOptions
     replaces_surrogate = True
@@ -87,8 +94,9 @@ class R2vpoPlugin(Plugin):
         "clipping"
     )
     reconstructed = (
-        "the per-token form -r A + lambda (r - 1)^2 and the projected dual ascent on lambda (no official code; the "
-        "paper's abstract states the variance constraint and the primal-dual scheme)",
+        "the per-token form -r A + lambda (r - 1)^2, the projected dual ascent on lambda and every default (no "
+        "official code; checked against the abstracts and introduction of arXiv:2601.03320 / 2605.26784, which state "
+        "the unclipped objective, the ratio-variance constraint and the primal-dual scheme, not the formulas)",
         "the paper's replay buffer of earlier rollouts is not implemented",
     )
 

@@ -89,6 +89,31 @@ def test_hooks_chain_in_configured_order(temporary_plugin):
         assert ctx.order == names
 
 
+def test_a_hook_switched_off_by_an_option_is_neither_called_nor_counted(temporary_plugin):
+    class Gated(Plugin):
+        name = "gated_demo"
+        Options = _Opts
+
+        def hook_enabled(self, hook):
+            return hook != "trl_plugins_loss" or self.options.strength > 0
+
+        @hookimpl
+        def trl_plugins_loss(self, ctx):
+            ctx.order.append(self.name)
+
+    temporary_plugin(Gated)
+
+    class Ctx:
+        order: list
+
+    for strength, expected in ((1.0, ["gated_demo"]), (0.0, [])):
+        stack = build_plugins(["gated_demo"], {"gated_demo": {"strength": strength}})
+        ctx = Ctx()
+        ctx.order = []
+        stack.call("trl_plugins_loss", ctx)
+        assert ctx.order == expected and stack.has("trl_plugins_loss") == bool(expected)
+
+
 def test_options_reach_the_instance(temporary_plugin):
     temporary_plugin(FirstPlugin)
     stack = build_plugins(["first_demo"], {"first_demo": {"strength": 2}})

@@ -237,11 +237,12 @@ def _stacks(urls):
             ["rec", "dynamic_sampling"], {"rec": {"variant": "opmd"}},
             {"loss_type": "bnpo", "scale_rewards": "none", "max_refill_rounds": 1}, [],
         ),
-        # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages);
-        # RepExp's bonus comes from one backbone forward of the LoRA policy
+        # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
+        # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
+        # from one backbone forward of the LoRA policy
         "prl+hapo+repexp": (
             ["repexp", "prl", "hapo"],
-            {"prl": {"step_len": 4, "eta": 20.0}, "hapo": {"token_level_advantage": False}},
+            {"prl": {"step_len": 4, "eta": 20.0}, "hapo": {"token_level_advantage": False, "temperature_tau": 0.05}},
             {"loss_type": "dapo"}, [],
         ),
         # ReMax's greedy baseline (a greedy generation on the real model), MRT's meta-prover continuations from

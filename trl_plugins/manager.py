@@ -217,7 +217,7 @@ class PluginStack:
         first = overwriters_first(plugins)
         self._impls: dict[str, list] = {}
         for hook in hookspecs.HOOK_STAGES:
-            impls = getattr(self.pm.hook, hook).get_hookimpls()
+            impls = [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin.hook_enabled(hook)]
             # within a chain, a plugin that recomputes the quantity from scratch runs first (overwriters_first)
             self._impls[hook] = sorted(
                 impls, key=lambda impl: (id(impl.plugin) not in first.get(hook, ()), self._order[id(impl.plugin)])

@@ -99,6 +99,13 @@ class Plugin:
         :attr:`multi_turn` when that is a reason; override to decide from the options."""
         return self.multi_turn if isinstance(self.multi_turn, str) else None
 
+    def hook_enabled(self, hook: str) -> bool:
+        """Whether this instance, with its options, takes part in ``hook`` (default: every hook it implements).
+        Override to switch a hook off for some options, e.g. a sampling hook used by one mode only: a disabled hook is
+        not called and does not count for the trainer's stage paths (a sampling hook otherwise routes the run
+        through the sampling stage and the plugin loss path)."""
+        return True
+
     def required_columns(self) -> list[str]:
         """Dataset columns this plugin reads (checked against the training dataset at construction)."""
         return []

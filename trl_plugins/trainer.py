@@ -16,6 +16,7 @@ Where each stage runs inside TRL 1.16's ``_generate_and_score_completions``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -64,6 +65,7 @@ from .refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices, gather_padded
 from .success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
+from .token_temperature import TemperatureRule, token_temperature_generation
 from .tool_guard import ToolGuard, ToolPolicy
 from .turns import TurnStructure, build_turn_structure, single_turn, turn_ids_tensor, turn_rewards_tensor
 
@@ -242,6 +244,20 @@ class PluginGRPOTrainer(GRPOTrainer):
             self.generation_config.max_new_tokens = limit
         return limit
 
+    def set_token_temperature(self, rule: TemperatureRule | None) -> None:
+        """Sample with a per-token temperature from the next generation on: ``rule(logits)`` maps one decoding step's
+        (B, V) logits to (B,) temperatures, replacing ``temperature`` (top-k / top-p / min-p still apply after it;
+        :mod:`trl_plugins.token_temperature`). Transformers generation only (vLLM samples a request at one
+        temperature: refused); None restores TRL's sampling. The loss keeps the run's temperature. Call it from
+        ``trl_plugins_configure``."""
+        if rule is not None and (self.use_vllm or getattr(self, "use_transformers_continuous_batching", False)):
+            raise PluginConfigError(
+                "A per-token sampling temperature (set_token_temperature) needs TRL's transformers generate; vLLM "
+                "(and transformers' continuous batching) sample every token of a request at one temperature. Set "
+                "use_vllm=False or turn the plugin option off."
+            )
+        self._token_temperature = rule
+
     def _plugin_metric_sink(self, key: str, value: float) -> None:
         mode = "train" if self.model.training else "eval"
         self._metrics[mode][key].append(value)
@@ -264,7 +280,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         # Rows of a group with different prompts: one completion per row (vLLM server mode de-duplicates otherwise)
         if self._per_row_generation:
             num_generations = 1
-        return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        rule = getattr(self, "_token_temperature", None)
+        with token_temperature_generation(self, rule) if rule is not None else contextlib.nullcontext():
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
 
     def _generate(self, prompts: list):
         """The sampling stage (:meth:`_generate_sampling_stage`), then the refill rounds when a plugin rejects groups

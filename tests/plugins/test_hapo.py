@@ -187,8 +187,6 @@ def test_bad_options_and_settings_are_refused():
         build_plugins(["hapo"], {"hapo": {"dual_clip_c": 1.0}})
     with pytest.raises(IncompatiblePluginsError, match="cannot go through vLLM"):
         build_stack("hapo", {"hapo": {"temperature_tau": 0.05}}, use_vllm=True)
-    with pytest.raises(IncompatiblePluginsError, match="not offered"):
-        build_stack("hapo", {"hapo": {"temperature_tau": 0.05}})
     with pytest.raises(IncompatiblePluginsError, match="importance_sampling_level"):
         build_stack("hapo", importance_sampling_level="sequence")
     with pytest.raises(IncompatiblePluginsError, match="compute the advantages from scratch"):
