@@ -54,6 +54,14 @@ STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_sh
 # Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
 # within its sub-groups instead of recomputing them too (two plugins that both recompute one quantity are refused).
 STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"advantage": "recentre"}}}
+# Named variants of one plugin (``plugin:variant`` in --methods): the plugin with these options on top of its settings.
+VARIANTS: dict[str, dict] = {
+    "hint_scaffold:seele": {"schedule": "seele"},
+    "length_shaping:decs": {"mode": "decs"},
+    "length_shaping:pear": {"mode": "pear"},
+    # one compression-expansion cycle over the quick budget's 30 steps (default period: 100 steps)
+    "length_shaping:siri": {"mode": "siri", "siri_period": 30},
+}
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
@@ -79,15 +87,18 @@ def method_settings(method: str, real_model: bool = False) -> tuple[list[str], d
         return [], {}, dict(CONTROLS[method])
     names = method.split("+")
     options, overrides = {}, {}
-    for name in names:
+    for variant in names:
+        name = variant.split(":")[0]
+        if variant != name and variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; allowed: {sorted(VARIANTS)}")
         opts, over = LEARNING_SETTINGS.get(name, bc.PLUGIN_SETTINGS.get(name, ({}, {})))
         if real_model and name in bc.REAL_MODEL_PLUGIN_SETTINGS:
             opts, over = bc.REAL_MODEL_PLUGIN_SETTINGS[name]
-        opts = {**opts, **STACK_OPTIONS.get(method, {}).get(name, {})}
+        opts = {**opts, **VARIANTS.get(variant, {}), **STACK_OPTIONS.get(method, {}).get(name, {})}
         if opts:
             options[name] = dict(opts)
         overrides.update(over)
-    return names, options, overrides
+    return [n.split(":")[0] for n in names], options, overrides
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -128,7 +139,11 @@ def run_one(job: dict) -> dict:
     overrides = {**base_fields, **(bc.SMOKE_OVERRIDES if job.get("untrained") else {}), **job.get("grpo_config", {}),
                  **overrides}
     batch = overrides.get("per_device_train_batch_size", s.per_device_train_batch_size)
-    max_steps = math.ceil(budget / batch)
+    # luffy's demonstration slots are not sampled from the policy (teacher rollouts): its steps cost fewer policy
+    # rollouts, so it takes more steps for the same policy budget (the Budget callback below stops every run there)
+    G = overrides.get("num_generations", s.num_generations)
+    teacher_slots = options.get("luffy", {}).get("num_demonstrations", 1) if "luffy" in plugins else 0
+    max_steps = math.ceil(budget / (batch * (G - teacher_slots) / G))
     out_dir = tempfile.mkdtemp(prefix="bench_learning_")
     trainer = bc.make_trainer(
         "plugin", model, tokenizer, train_set, [accuracy_reward], out_dir, plugins=plugins, plugin_config=options,
@@ -251,6 +266,28 @@ CLAIM_METRICS = {
     "disco": ("plugins/disco/mixed_group_fraction", "groups with both signs"),
 }
 
+# Rows a plugin takes from a teacher or a dataset's demonstration instead of the policy: reported apart from the
+# policy-rollout budget (the metric is the count per generation batch).
+TEACHER_ROLLOUT_METRICS = ("plugins/luffy/teacher_rollouts", "plugins/rl_plus/demonstration_rows",
+                           "plugins/ampo/injected_rows")
+
+
+def _claim_metric(method: str, plugins: list[str]) -> tuple[str | None, str | None]:
+    """The table's per-step quantity of a method: CLAIM_METRICS, else the first plugin's ``Plugin.claim_metric``."""
+    if method in CLAIM_METRICS:
+        return CLAIM_METRICS[method]
+    from trl_plugins.manager import get_plugin_class
+
+    for name in plugins:
+        metric = get_plugin_class(name).claim_metric
+        if metric:
+            return f"plugins/{name}/{metric[0]}", metric[1]
+    return None, None
+
+
+def _teacher_rollouts(per_step: list[dict]) -> float:
+    return sum(r.get(key, 0.0) for r in per_step for key in TEACHER_ROLLOUT_METRICS if r.get(key) == r.get(key))
+
 
 def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]:
     by_method: dict[str, list[dict]] = {}
@@ -262,7 +299,7 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
         best = [max(e["accuracy"] for e in r["evals"]) if r["evals"] else float("nan") for r in runs]
         to_target = [rollouts_to_target(r["evals"], base_acc, target) for r in runs]
         reached = [v for v in to_target if v == v]
-        claim_key, claim_label = CLAIM_METRICS.get(method, (None, None))
+        claim_key, claim_label = _claim_metric(method, runs[0]["plugins"])
         row = {
             "method": method,
             "seeds": sorted(r["seed"] for r in runs),
@@ -280,6 +317,7 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
             "distinct_per_group": _mean_std([_run_mean(r["per_step"], "distinct_per_group") for r in runs]),
             "correct_rollouts_per_step": _mean_std([_run_mean(r["per_step"], "correct_rollouts") for r in runs]),
             "seconds": _mean_std([r["seconds"] for r in runs])[0],
+            "teacher_rollouts": _mean_std([_teacher_rollouts(r["per_step"]) for r in runs]),
         }
         if claim_key:
             row["claim"] = (claim_label, _mean_std([_run_mean(r["per_step"], claim_key) for r in runs]))
@@ -324,6 +362,11 @@ def _real_model_header(result: dict) -> str:
     )
 
 
+def _weights_text(result: dict) -> str:
+    sha = result.get("warm_start_sha256")
+    return f" (weights sha256 {sha})" if sha else ""
+
+
 def markdown(result: dict) -> str:
     rows, base, target = result["summary"], result["base_accuracy"], result["target"]
     grpo = next((r for r in rows if r["method"] == "grpo"), None)
@@ -333,19 +376,23 @@ def markdown(result: dict) -> str:
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
         "rollouts), held-out greedy "
         f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
-        f"before RL: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) {result['base_pass_rate']:.3f}. "
+        f"before RL{_weights_text(result)}: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) "
+        f"{result['base_pass_rate']:.3f}. "
         f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
         f"{info['loadavg_1_5_15']}. {len(result['runs'])} runs; the sum of their wall times is "
         f"{sum(r['seconds'] for r in result['runs']) / 60:.1f} min (each run shared 2 cores with other processes), "
         f"this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes "
         "(runs found in the run cache are not re-run).",
     ]
+    # a column for rows taken from a teacher / demonstrations, when a method of the table has any
+    teacher = any(r.get("teacher_rollouts", (0.0, 0.0))[0] > 0 for r in rows)
     out += [
         "",
-        "| method | steps | final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
+        "| method | steps | " + ("policy + teacher rollouts / run | " if teacher else "")
+        + "final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
         "train reward (last 5 steps) | entropy first 5 → last 5 steps | grad norm | distinct / group | "
         "correct rollouts / step | paper's quantity |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if teacher else ""),
     ]
     for r in rows:
         delta = r["final_acc"][0] - grpo["final_acc"][0] if grpo else float("nan")
@@ -353,7 +400,9 @@ def markdown(result: dict) -> str:
         if "claim" in r:
             claim = f"{r['claim'][0]}: {_fmt(r['claim'][1], 3)}"
         out.append(
-            f"| {r['method']} | {r['steps']:.0f} | {_fmt(r['final_acc'])} | {delta:+.3f} | {_fmt(r['best_acc'])} | "
+            f"| {r['method']} | {r['steps']:.0f} | "
+            + (f"{r['rollouts']:.0f} + {r.get('teacher_rollouts', (0.0, 0.0))[0]:.0f} | " if teacher else "")
+            + f"{_fmt(r['final_acc'])} | {delta:+.3f} | {_fmt(r['best_acc'])} | "
             f"{_fmt(r['rollouts_to_target'], 0)} | {r['reached_target']} | {_fmt(r['train_reward_last5'])} | "
             f"{r['entropy_first5'][0]:.3f} → {r['entropy_last5'][0]:.3f} | {_fmt(r['grad_norm_mean'], 3)} | "
             f"{_fmt(r['distinct_per_group'], 3)} | {_fmt(r['correct_rollouts_per_step'], 1)} | {claim} |"
@@ -641,6 +690,7 @@ def main(argv=None) -> int:
         "learning_rate": grpo_config.get("learning_rate", s.grpo_learning_rate),
         "wall_seconds": time.perf_counter() - start, "loadavg_end": bc.machine_info()["loadavg_1_5_15"],
         "summary": summary, "failed": failed, "runs": records,
+        "warm_start_sha256": None if real or args.tiny else _weights_sha256(bc.demo_model_dir(args.cache_dir)),
     }
     if real:
         r = bc.REAL_MODEL_SETTINGS
@@ -665,6 +715,16 @@ def main(argv=None) -> int:
 
         print(f"wrote {write_docs_section(prefix, md, result['command'])}")
     return 0 if not failed else 1
+
+
+def _weights_sha256(model_dir: Path) -> str | None:
+    """First 16 hex digits of the SHA-256 of the warm-started model's weights file. The warm start is deterministic on
+    one machine but not bit-identical across machines (CPU kernels), so this tells which model a table was measured
+    with."""
+    import hashlib
+
+    path = model_dir / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
 
 def _run_error(path: Path) -> str:

@@ -513,6 +513,9 @@ def parse_args(argv=None):
                    help="result file (default docs/benchmarks/overhead.json; head_stats.json with --head-stats-only)")
     p.add_argument("--write-docs", action="store_true", help="rewrite the overhead section of docs/benchmarks.md")
     p.add_argument("--render-only", action="store_true", help="only render --json into markdown (and the docs)")
+    p.add_argument("--section", default="overhead",
+                   help="docs/benchmarks.md section the trainer table goes to (another name: a second table beside "
+                   "the first, e.g. for plugins added later, measured with its own command)")
     p.add_argument("--append", action="store_true",
                    help="keep the rows already in --json for configurations not measured in this invocation")
     return p.parse_args(argv)
@@ -540,7 +543,7 @@ def main(argv=None) -> int:
 
     if args.render_only:  # re-render the docs sections from an earlier (possibly partial) result file
         result = json.loads(Path(args.json).read_text())
-        for part, section in (("trainer", "overhead"), ("head_stats", "head_stats")):
+        for part, section in (("trainer", args.section), ("head_stats", "head_stats")):
             if result.get(part) and result[part].get("rows"):
                 t = result[part]
                 if part == "trainer" and "steps" not in t:
@@ -615,7 +618,7 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    for part, section in (("trainer", "overhead"), ("head_stats", "head_stats")):
+    for part, section in (("trainer", args.section), ("head_stats", "head_stats")):
         if result.get(part):
             md = markdown(result, part)
             print(md)

@@ -62,3 +62,45 @@ def test_bench_learning_real_model_summarize_only_reuses_the_recorded_base_numbe
     assert result["device_name"] == recorded["device_name"] and result["instruction"] == recorded["instruction"]
     assert result["base_accuracy"] == recorded["base_accuracy"]
     assert "Real-model mode: builtin:smollm2" in proc.stdout and recorded["device_name"] in proc.stdout
+
+
+def _bench_learning_module():
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_learning
+
+    return bench_learning
+
+
+def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
+    bl = _bench_learning_module()
+    plugins, options, _ = bl.method_settings("length_shaping:siri")
+    assert plugins == ["length_shaping"] and options["length_shaping"]["mode"] == "siri"
+    plugins, options, _ = bl.method_settings("hint_scaffold:seele+canon")
+    assert plugins == ["hint_scaffold", "canon"] and options["hint_scaffold"]["schedule"] == "seele"
+    with pytest.raises(ValueError, match="hint_scaffold:nope"):
+        bl.method_settings("hint_scaffold:nope")
+
+
+def test_bench_learning_claim_metric_falls_back_to_the_plugins_own():
+    bl = _bench_learning_module()
+    from trl_plugins.manager import get_plugin_class
+
+    metric, label = get_plugin_class("remax").claim_metric
+    assert bl._claim_metric("remax", ["remax"]) == (f"plugins/remax/{metric}", label)
+    assert bl._claim_metric("scope", ["scope"]) == bl.CLAIM_METRICS["scope"]
+    assert bl._claim_metric("grpo", []) == (None, None)
+
+
+@pytest.mark.slow
+def test_bench_learning_counts_luffys_demonstrations_as_teacher_rollouts(tmp_path):
+    """luffy's demonstration slots are not policy rollouts: its run takes more steps for the same policy budget, and
+    the table gets a policy + teacher rollouts column."""
+    proc = _run([str(SCRIPTS / "bench_learning.py"), "--tiny", "--workers", "1", "--fresh", "--out-dir",
+                 str(tmp_path), "--run-dir", str(tmp_path / "runs"), "--methods", "grpo", "luffy"], timeout=300)
+    result = json.loads((tmp_path / "learning_tiny.json").read_text())
+    runs = {r["method"]: r for r in result["runs"]}
+    assert runs["luffy"]["rollouts"] >= runs["luffy"]["budget"] and runs["grpo"]["rollouts"] >= runs["grpo"]["budget"]
+    assert runs["luffy"]["steps"] > runs["grpo"]["steps"]
+    rows = {r["method"]: r for r in result["summary"]}
+    assert rows["luffy"]["teacher_rollouts"][0] > 0 and rows["grpo"]["teacher_rollouts"][0] == 0
+    assert "policy + teacher rollouts / run" in proc.stdout
