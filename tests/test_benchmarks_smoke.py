@@ -62,3 +62,21 @@ def test_bench_learning_real_model_summarize_only_reuses_the_recorded_base_numbe
     assert result["device_name"] == recorded["device_name"] and result["instruction"] == recorded["instruction"]
     assert result["base_accuracy"] == recorded["base_accuracy"]
     assert "Real-model mode: builtin:smollm2" in proc.stdout and recorded["device_name"] in proc.stdout
+
+
+def test_bench_learning_agentic_tiny(tmp_path):
+    """--task tools --tiny: one step of 8 tool-environment rollouts per method (untrained model), a plugin stack with a
+    named variant included; the runs record the agentic task's numbers (held-out tool use, TRL's tool-call rate)."""
+    _run([str(SCRIPTS / "bench_learning.py"), "--task", "tools", "--tiny", "--workers", "1", "--fresh",
+          "--methods", "grpo", "igpo_a2tgpo+otc_po", "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / "runs")])
+    result = json.loads((tmp_path / "learning_agentic_tiny.json").read_text())
+    assert result["task"] == "tools" and not result["failed"]
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"grpo", "igpo_a2tgpo+otc_po"}
+    assert runs["igpo_a2tgpo+otc_po"]["plugins"] == ["igpo", "otc_po"]
+    assert runs["igpo_a2tgpo+otc_po"]["plugin_config"]["igpo"]["mode"] == "a2tgpo"
+    for run in runs.values():
+        assert run["steps"] == 1 and run["rollouts"] >= run["budget"]
+        assert 0.0 <= run["evals"][-1]["accuracy"] <= 1.0 and 0.0 <= run["evals"][-1]["tool_use"] <= 1.0
+        assert "tools/call_frequency" in run["per_step"][0]
+    assert all("final_tool_use" in row for row in result["summary"])
