@@ -3,9 +3,11 @@ tool environment, vanilla GRPO against the agentic plugins at an equal rollout b
 
 Environment: :class:`trl_plugins.tasks.tools.ToolEnvironment` through TRL's ``environment_factory`` (a search tool
 over the bundled corpus of fictional towns and a calculator); questions of the ``lookup`` (one search) and ``scaled``
-(a search, then the calculator) kinds, the held-out ones about (place, fact) pairs never asked in training
-(:func:`trl_plugins.tasks.tiny_tools.tool_question_split`). Reward: the exact verifier
-:func:`~trl_plugins.tasks.tools.tool_answer_reward` on the last assistant message.
+(a search, then the calculator) kinds. Reward: the exact verifier :func:`~trl_plugins.tasks.tools.tool_answer_reward`
+on the last assistant message. Two evaluation sets, greedy episodes: *seen pairs* (the accuracy the table is about:
+other draws of questions about the (place, fact) pairs of the training split, so the answer numbers are known to the
+model) and *held-out pairs* ((place, fact) pairs never asked in training,
+:func:`trl_plugins.tasks.tiny_tools.tool_question_split`: the answer must be read from the search result).
 
 Model: the benchmark's warm-started tiny demo model (``bench_common.BENCH_SETTINGS``), warm-started a second time on
 tool-use traces (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`, settings :data:`TOOL_WARM_START`, cached
@@ -25,7 +27,7 @@ from typing import Any
 import bench_common as bc
 
 #: The default method list of the agentic mode.
-AGENTIC_METHODS = ["grpo", "igpo", "igpo_a2tgpo", "otc_po", "aspo", "igpo+otc_po", "igpo+aspo"]
+AGENTIC_METHODS = ["grpo", "igpo", "igpo_a2tgpo", "igpo+otc_po", "igpo+aspo"]
 #: Named variants usable as methods and inside stacks: name -> (plugin, options).
 VARIANTS: dict[str, tuple[str, dict]] = {"igpo_a2tgpo": ("igpo", {"mode": "a2tgpo"})}
 #: Plugin options and GRPOConfig overrides that differ on the tool task from ``bench_common.PLUGIN_SETTINGS``.
@@ -39,9 +41,9 @@ TOOL_TASK: dict[str, Any] = {
     "eval_size": 64,
     "num_generations": 8,
     "per_device_train_batch_size": 32,
-    "max_completion_length": 200,
+    "max_completion_length": 360,
     "max_tool_calling_iterations": 3,
-    "learning_rate": 1e-4,
+    "learning_rate": 2e-4,
     "budget": 384,
     "eval_every": 128,
 }
@@ -76,10 +78,12 @@ def load_model(cache_dir=None, untrained: bool = False):
 
 
 def datasets(train_size: int, eval_size: int):
-    """``(train, held-out)`` questions (train seed 0, held-out seed 1)."""
+    """``(train, {"seen": ..., "held_out": ...})``: training questions (seed 0) and the two evaluation sets (seed 1;
+    questions about training pairs, and about held-out pairs)."""
     from trl_plugins.tasks.tiny_tools import make_tool_split
 
-    return make_tool_split(train_size, "train", seed=0), make_tool_split(eval_size, "test", seed=1)
+    return make_tool_split(train_size, "train", seed=0), {"seen": make_tool_split(eval_size, "train", seed=1),
+                                                          "held_out": make_tool_split(eval_size, "test", seed=1)}
 
 
 def grpo_fields(untrained: bool = False) -> dict:
@@ -117,24 +121,28 @@ def completion_text(completion: Any) -> str:
     return "\x1e".join(f"{m.get('role')}:{m.get('content')}:{m.get('tool_calls')}" for m in completion or [])
 
 
-def evaluate(model, tokenizer, eval_set, max_completion_length: int, temperature: float = 0.0,
+def evaluate(model, tokenizer, eval_sets: dict, max_completion_length: int, temperature: float = 0.0,
              num_samples: int = 1) -> dict[str, float]:
-    """``{"accuracy", "tool_use"}``: greedy (or sampled, averaged over ``num_samples`` seeds) held-out episodes."""
+    """``{"accuracy", "tool_use", "held_out_accuracy", "held_out_tool_use"}`` on the seen-pair and held-out-pair
+    sets of :func:`datasets`: greedy episodes (or sampled ones, averaged over ``num_samples`` seeds)."""
     from trl_plugins.tasks.tiny_tools import evaluate_tool_accuracy
 
-    runs = [evaluate_tool_accuracy(model, tokenizer, eval_set, max_completion_length, temperature=temperature,
-                                   seed=seed) for seed in range(num_samples)]
-    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    out = {}
+    for name, prefix in (("seen", ""), ("held_out", "held_out_")):
+        runs = [evaluate_tool_accuracy(model, tokenizer, eval_sets[name], max_completion_length,
+                                       temperature=temperature, seed=seed) for seed in range(num_samples)]
+        out.update({prefix + k: sum(r[k] for r in runs) / len(runs) for k in runs[0]})
+    return out
 
 
 def base_numbers(cache_dir, eval_size: int, untrained: bool, max_completion_length: int) -> dict:
-    """Held-out greedy accuracy and tool use, and sampled (T=1, 2 samples) pass rate, of the model before RL."""
+    """The model before RL: greedy accuracy and tool use on both evaluation sets (:func:`evaluate`), and the sampled
+    (T=1, 2 samples) pass rate and tool use on the seen pairs."""
     model, tokenizer = load_model(cache_dir, untrained)
-    _, eval_set = datasets(8, eval_size)
-    greedy = evaluate(model, tokenizer, eval_set, max_completion_length)
-    sampled = evaluate(model, tokenizer, eval_set, max_completion_length, temperature=1.0, num_samples=2)
-    return {"accuracy": greedy["accuracy"], "tool_use": greedy["tool_use"], "pass_rate": sampled["accuracy"],
-            "sampled_tool_use": sampled["tool_use"]}
+    _, eval_sets = datasets(8, eval_size)
+    greedy = evaluate(model, tokenizer, eval_sets, max_completion_length)
+    sampled = evaluate(model, tokenizer, eval_sets, max_completion_length, temperature=1.0, num_samples=2)
+    return {**greedy, "pass_rate": sampled["accuracy"], "sampled_tool_use": sampled["tool_use"]}
 
 
 def header(result: dict) -> str:
@@ -150,14 +158,18 @@ def header(result: dict) -> str:
     return (
         f"Agentic mode: a multi-turn tool agent on the bundled offline tool environment (`ToolEnvironment` through "
         f"TRL's `environment_factory`: search over the bundled corpus of fictional towns, calculator), `lookup` and "
-        f"`scaled` questions (one or two tool calls), verifier `tool_answer_reward`. Held-out: {result['eval_size']} "
-        f"questions about (place, fact) pairs never asked in training, greedy episodes every {result['eval_every']} "
-        f"rollouts. Model: {model}. GRPO: G={result['num_generations']}, {result['batch']} rollouts per step, lr "
+        f"`scaled` questions (one or two tool calls), verifier `tool_answer_reward`. Greedy episodes every "
+        f"{result['eval_every']} rollouts on two sets of {result['eval_size']} questions: *seen pairs* (new draws of "
+        f"questions about the (place, fact) pairs of the training split: accuracy, target and plots are on this "
+        f"set) and *held-out pairs* (pairs never asked in training: the answer must be read from the search "
+        f"result). Model: {model}. GRPO: G={result['num_generations']}, {result['batch']} rollouts per step, lr "
         f"{result['learning_rate']:g}, at most {result['max_completion_length']} completion tokens (tool results "
         f"included) and {result['max_tool_calling_iterations']} tool turns. Seeds {result['seeds']}, rollout budget "
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps). Before RL: held-out "
-        f"greedy accuracy {result['base_accuracy']:.3f} (tool use {result['base_tool_use']:.2f}), sampled pass rate "
-        f"(T=1) {result['base_pass_rate']:.3f}. Target accuracy: {result['target']:.2f}. Measured {info['time']}, "
+        f"greedy accuracy {result['base_accuracy']:.3f} on seen pairs (tool use {result['base_tool_use']:.2f}), "
+        f"{result['base_held_out_accuracy']:.3f} on held-out pairs (tool use {result['base_held_out_tool_use']:.2f}); "
+        f"sampled (T=1) pass rate on seen pairs {result['base_pass_rate']:.3f} (tool use "
+        f"{result['base_sampled_tool_use']:.2f}). Target accuracy: {result['target']:.2f}. Measured {info['time']}, "
         f"{info['cpu_count']} cores, load average at start {info['loadavg_1_5_15']}. {len(result['runs'])} runs; this "
         f"invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes."
     )

@@ -137,8 +137,8 @@ class ToolWarmStartSettings:
     """The supervised tool-use warm start of :func:`tool_demo_model` (on top of the arithmetic demo model)."""
 
     seed: int = 0
-    steps: int = 300
-    lr: float = 2e-3
+    steps: int = 500
+    lr: float = 3e-3
     batch_size: int = 16
     warmup_steps: int = 20
     train_size: int = 512
