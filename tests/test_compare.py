@@ -58,17 +58,11 @@ def test_policy_rollouts_are_counted_with_the_extra_ones_and_the_budget_stops_tr
 
 def test_the_later_turns_of_a_tool_episode_are_not_counted_as_rollouts(tmp_path):
     """With tools, TRL's tool loop generates again after each tool result; those turns continue a counted rollout."""
-    from trl_plugins.tasks.tools import (
-        ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
-    )
-    from trl_plugins.testing import script_generation, tiny_tokenizer
+    from trl_plugins.testing import make_tool_trainer
 
-    dataset = make_tool_dataset(8, kinds=["scaled"], system_prompt=False)
-    trainer = make_tiny_trainer(tokenizer=enable_tool_calling(tiny_tokenizer()), dataset=dataset,
-                                reward_funcs=[tool_answer_reward], environment_factory=ToolEnvironment, max_steps=1,
-                                per_device_train_batch_size=4, num_generations=4, max_completion_length=300,
+    # the gold-trace backend: every second row answers at once, the others make two calls (scaled questions)
+    trainer = make_tool_trainer(kinds=["scaled"], max_steps=1, per_device_train_batch_size=4, num_generations=4,
                                 output_dir=str(tmp_path))
-    script_generation(trainer, gold_trace_script(dataset, shortcut_every=2))  # half the rows make two calls
     counts = count_policy_rollouts(trainer)
     trainer.train()
     assert trainer.state.log_history[0]["tools/call_frequency"] == 1.0  # two turns after tool results, every other row
