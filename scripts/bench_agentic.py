@@ -148,6 +148,8 @@ def base_numbers(cache_dir, eval_size: int, untrained: bool, max_completion_leng
 def header(result: dict) -> str:
     """First paragraph of the agentic section of ``docs/benchmarks.md``."""
     w, info = result["tool_warm_start"], result["machine"]
+    cpu = sorted(r["cpu_seconds"] for r in result["runs"]) or [0.0]
+    wall = sorted(r["seconds"] for r in result["runs"]) or [0.0]
     shortcut = ", ".join(f"{v:.0%} of {k}" for k, v in w["shortcut_fraction"].items())
     model = (
         "an untrained tiny model (smoke run: plumbing only)" if result["mode"] == "agentic_tiny" else
@@ -165,13 +167,15 @@ def header(result: dict) -> str:
         f"result). Model: {model}. GRPO: G={result['num_generations']}, {result['batch']} rollouts per step, lr "
         f"{result['learning_rate']:g}, at most {result['max_completion_length']} completion tokens (tool results "
         f"included) and {result['max_tool_calling_iterations']} tool turns. Seeds {result['seeds']}, rollout budget "
-        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps). Before RL: held-out "
+        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps). Before RL: "
         f"greedy accuracy {result['base_accuracy']:.3f} on seen pairs (tool use {result['base_tool_use']:.2f}), "
         f"{result['base_held_out_accuracy']:.3f} on held-out pairs (tool use {result['base_held_out_tool_use']:.2f}); "
         f"sampled (T=1) pass rate on seen pairs {result['base_pass_rate']:.3f} (tool use "
         f"{result['base_sampled_tool_use']:.2f}). Target accuracy: {result['target']:.2f}. Measured {info['time']}, "
-        f"{info['cpu_count']} cores, load average at start {info['loadavg_1_5_15']}. {len(result['runs'])} runs; this "
-        f"invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes."
+        f"{info['cpu_count']} cores, load average at start {info['loadavg_1_5_15']}. {len(result['runs'])} runs of "
+        f"{cpu[0]:.0f}-{cpu[-1]:.0f} CPU seconds each ({wall[0] / 60:.1f}-{wall[-1] / 60:.1f} min wall on the shared "
+        f"machine); this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker "
+        "processes (runs found in the run cache are not re-run)."
     )
 
 
