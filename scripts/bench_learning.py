@@ -513,7 +513,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"methods {', '.join(QUICK_METHODS)}; budget 1920")
     p.add_argument("--tiny", action="store_true",
-                   help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps")
+                   help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps (with --task tools: "
+                   "grpo + igpo, 1 step of 8 rollouts)")
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: the warm-started character-level model; smollm2: the real-model mode "
                    f"(builtin:smollm2 with LoRA; methods {', '.join(REAL_METHODS)}; budget 1536)")
