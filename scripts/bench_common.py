@@ -253,11 +253,13 @@ def make_trainer(
     plugin_config: dict | None = None,
     seed: int = 0,
     peft_config=None,
+    trainer_kwargs: dict | None = None,
     **overrides: Any,
 ):
     """``kind="vanilla"``: ``trl.GRPOTrainer`` + ``GRPOConfig``; ``kind="plugin"``: ``PluginGRPOTrainer``.
 
-    The model is used as given (pass a copy, or a path). ``peft_config`` goes to the trainer (LoRA). Console
+    The model is used as given (pass a copy, or a path). ``peft_config`` goes to the trainer (LoRA);
+    ``trainer_kwargs`` are further trainer arguments (TRL's ``tools`` / ``environment_factory``). Console
     printing of logs is switched off.
     """
     import warnings
@@ -274,7 +276,7 @@ def make_trainer(
             args = GRPOConfig(**fields)
             trainer = GRPOTrainer(
                 model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                processing_class=tokenizer, peft_config=peft_config,
+                processing_class=tokenizer, peft_config=peft_config, **(trainer_kwargs or {}),
             )
         elif kind == "plugin":
             args = PluginGRPOConfig(
@@ -282,7 +284,7 @@ def make_trainer(
             )
             trainer = PluginGRPOTrainer(
                 model=model, reward_funcs=list(reward_funcs), args=args, train_dataset=train_dataset,
-                processing_class=tokenizer, peft_config=peft_config,
+                processing_class=tokenizer, peft_config=peft_config, **(trainer_kwargs or {}),
             )
         else:
             raise ValueError(f"kind must be 'vanilla' or 'plugin', got {kind!r}")

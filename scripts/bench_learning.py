@@ -22,6 +22,10 @@ our own per-group statistics (distinct completions per group, correct rollouts p
     python scripts/bench_learning.py --quick --write-docs      # 6 methods x 3 seeds, a few minutes on 2 quiet cores
     python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (~50 min, estimated)
     python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
+    python scripts/bench_learning.py --task tools --write-docs  # agentic: tool agent, GRPO vs igpo & stacks
+
+Agentic mode (``--task tools``): a multi-turn tool agent on the bundled offline tool environment; task, model (a
+tool-use warm start on top of the demo model) and methods are described in ``scripts/bench_agentic.py``.
 
 Runs are cached as JSON under ``--run-dir`` (``--fresh`` discards them), so an interrupted table resumes.
 Outputs: ``docs/benchmarks/learning.json`` and ``learning_*.png`` (``learning_full*`` without ``--quick``) and
@@ -43,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_agentic as ba  # noqa: E402
 import bench_common as bc  # noqa: E402
 
 from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
@@ -80,11 +85,13 @@ LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
 }
 
 
-def method_settings(method: str, real_model: bool = False) -> tuple[list[str], dict, dict]:
+def method_settings(method: str, real_model: bool = False, task: str = "arithmetic") -> tuple[list[str], dict, dict]:
     if method == "grpo":
         return [], {}, {}
     if method in CONTROLS:
         return [], {}, dict(CONTROLS[method])
+    if task == "tools":
+        return _agentic_method_settings(method)
     names = method.split("+")
     options, overrides = {}, {}
     for variant in names:
@@ -101,13 +108,26 @@ def method_settings(method: str, real_model: bool = False) -> tuple[list[str], d
     return [n.split(":")[0] for n in names], options, overrides
 
 
+def _agentic_method_settings(method: str) -> tuple[list[str], dict, dict]:
+    """Plugins, options and GRPOConfig overrides of an agentic-mode method (variants: ``bench_agentic.VARIANTS``)."""
+    plugins, options, overrides = [], {}, {}
+    for name in method.split("+"):
+        plugin, opts, over = ba.plugin_settings(name)
+        plugins.append(plugin)
+        opts = {**opts, **STACK_OPTIONS.get(method, {}).get(plugin, {})}
+        if opts:
+            options[plugin] = opts
+        overrides.update(over)
+    return plugins, options, overrides
+
+
 # ------------------------------------------------------------------------------------------------ one run
 
 
-def _distinct_fraction(completions: list, G: int) -> float:
+def _distinct_fraction(completions: list, G: int, text=None) -> float:
     from trl_plugins.tasks.arithmetic import completion_text
 
-    texts = [completion_text(c) for c in completions]
+    texts = [(text or completion_text)(c) for c in completions]
     groups = [texts[i : i + G] for i in range(0, len(texts) - G + 1, G)]
     return sum(len(set(g)) / G for g in groups) / max(1, len(groups))
 
@@ -124,20 +144,27 @@ def run_one(job: dict) -> dict:
     method, seed, budget = job["method"], job["seed"], job["budget"]
     s = bc.demo_settings()
     real = job.get("model") == "smollm2"
+    agentic = job.get("task") == "tools"
     task = task_settings(real)
-    if real:
+    if agentic:
+        model, tokenizer = ba.load_model(job["cache_dir"], untrained=job.get("untrained", False))
+        base_fields, peft_config = ba.grpo_fields(job.get("untrained", False)), None
+        train_set, eval_set = ba.datasets(ba.TOOL_TASK["train_size"], job["eval_size"])
+        task["max_completion_length"] = base_fields["max_completion_length"]
+    elif real:
         model, tokenizer = bc.load_real_model(job["device"])
         base_fields, peft_config = bc.real_model_grpo_fields(job["device"]), bc.real_model_lora()
     else:
         model, tokenizer = bc.load_model(job["cache_dir"], untrained=job.get("untrained", False))
         base_fields, peft_config = {}, None
-    train_set = make_dataset(task["train_size"], levels=task["levels"], seed=0, split="train",
-                             instruction=job.get("instruction"))
-    eval_set = make_dataset(job["eval_size"], levels=task["levels"], seed=1, split="test",
-                            instruction=job.get("instruction"))
-    plugins, options, overrides = method_settings(method, real_model=real)
-    overrides = {**base_fields, **(bc.SMOKE_OVERRIDES if job.get("untrained") else {}), **job.get("grpo_config", {}),
-                 **overrides}
+    if not agentic:
+        train_set = make_dataset(task["train_size"], levels=task["levels"], seed=0, split="train",
+                                 instruction=job.get("instruction"))
+        eval_set = make_dataset(job["eval_size"], levels=task["levels"], seed=1, split="test",
+                                instruction=job.get("instruction"))
+    plugins, options, overrides = method_settings(method, real_model=real, task=job.get("task", "arithmetic"))
+    smoke = bc.SMOKE_OVERRIDES if job.get("untrained") and not agentic else {}
+    overrides = {**base_fields, **smoke, **job.get("grpo_config", {}), **overrides}
     batch = overrides.get("per_device_train_batch_size", s.per_device_train_batch_size)
     # luffy's demonstration slots are not sampled from the policy (teacher rollouts): its steps cost fewer policy
     # rollouts, so it takes more steps for the same policy budget (the Budget callback below stops every run there)
@@ -146,8 +173,9 @@ def run_one(job: dict) -> dict:
     max_steps = math.ceil(budget / (batch * (G - teacher_slots) / G))
     out_dir = tempfile.mkdtemp(prefix="bench_learning_")
     trainer = bc.make_trainer(
-        "plugin", model, tokenizer, train_set, [accuracy_reward], out_dir, plugins=plugins, plugin_config=options,
-        seed=seed, max_steps=max_steps, peft_config=peft_config, **overrides,
+        "plugin", model, tokenizer, train_set, ba.reward_funcs() if agentic else [accuracy_reward], out_dir,
+        plugins=plugins, plugin_config=options, seed=seed, max_steps=max_steps, peft_config=peft_config,
+        trainer_kwargs=ba.trainer_kwargs() if agentic else None, **overrides,
     )
     G = trainer.num_generations
     counts = count_policy_rollouts(trainer)
@@ -159,8 +187,9 @@ def run_one(job: dict) -> dict:
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
         rewards = original_rewards(inputs, prompts, completions, completion_ids_list)
         if trainer.model.training:
-            pending["distinct_per_group"] = _distinct_fraction(completions, G)
-            acc = torch.tensor(accuracy_reward(completions, [r["answer"] for r in inputs]))
+            pending["distinct_per_group"] = _distinct_fraction(completions, G, ba.completion_text if agentic else None)
+            acc = torch.tensor(ba.correct(completions, inputs) if agentic else
+                               accuracy_reward(completions, [r["answer"] for r in inputs]))
             pending["correct_rollouts"] = float(acc.sum())
             if len(acc) % G == 0:
                 pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
@@ -172,9 +201,13 @@ def run_one(job: dict) -> dict:
 
     def evaluate(step: int) -> None:
         state = torch.get_rng_state()
-        acc = evaluate_accuracy(trainer.model, tokenizer, eval_set, max_new_tokens=task["max_completion_length"])
+        if agentic:  # accuracy and tool use
+            numbers = ba.evaluate(trainer.model, tokenizer, eval_set, task["max_completion_length"])
+        else:
+            numbers = {"accuracy": evaluate_accuracy(trainer.model, tokenizer, eval_set,
+                                                     max_new_tokens=task["max_completion_length"])}
         torch.set_rng_state(state)
-        evals.append({"step": step, "rollouts": counts["rollouts"], "accuracy": acc})
+        evals.append({"step": step, "rollouts": counts["rollouts"], **numbers})
 
     class Budget(TrainerCallback):
         next_eval = eval_every
@@ -205,7 +238,8 @@ def run_one(job: dict) -> dict:
         row.update({k: v for k, v in logs.get(row["step"], {}).items() if k not in row})
     record = {
         "method": method, "seed": seed, "budget": budget, "plugins": plugins, "plugin_config": options,
-        "model": job.get("model", "tiny"),
+        "model": job.get("model", "tiny"), "task": job.get("task", "arithmetic"),
+        "claim_metrics": {p.name: list(p.claim_metric) for p in trainer.plugin_stack if p.claim_metric},
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
         "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
     }
@@ -309,7 +343,8 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
             "best_acc": _mean_std(best),
             "rollouts_to_target": _mean_std(reached) if reached else (float("nan"), float("nan")),
             "reached_target": f"{len(reached)}/{len(runs)}",
-            "train_reward_last5": _mean_std([_tail_mean(r["per_step"], "rewards/accuracy_reward/mean") for r in runs]),
+            "train_reward_last5": _mean_std([_tail_mean(r["per_step"], _REWARD_METRIC[r.get("task", "arithmetic")])
+                                             for r in runs]),
             "entropy_first5": _mean_std([sum(v[:5]) / max(1, len(v[:5])) for v in
                                          ([x["entropy"] for x in r["per_step"] if "entropy" in x] for r in runs)]),
             "entropy_last5": _mean_std([_tail_mean(r["per_step"], "entropy") for r in runs]),
@@ -321,10 +356,23 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
         }
         if claim_key:
             row["claim"] = (claim_label, _mean_std([_run_mean(r["per_step"], claim_key) for r in runs]))
+        if any("tool_use" in e for r in runs for e in r["evals"]):  # agentic mode
+            for key in ("tool_use", "held_out_accuracy", "held_out_tool_use"):
+                row[f"final_{key}"] = _mean_std([r["evals"][-1].get(key, float("nan")) for r in runs])
+            row["tool_calls_per_rollout"] = _mean_std([_run_mean(r["per_step"], "tools/call_frequency") for r in runs])
         rows.append(row)
-    order = {m: i for i, m in enumerate(ALL_METHODS)}
+    order = {m: i for i, m in enumerate([*ALL_METHODS, *ba.AGENTIC_METHODS])}
     rows.sort(key=lambda r: order.get(r["method"], 999))
     return rows
+
+
+# The verifier's per-step mean reward in TRL's logs, per task.
+_REWARD_METRIC = {"arithmetic": "rewards/accuracy_reward/mean", "tools": ba.REWARD_METRIC}
+
+
+# Extra table columns of the agentic mode.
+_AGENTIC_COLUMNS = ("tool use (final) | tool calls / rollout (training) | held-out-pair acc (final) | "
+                    "held-out-pair tool use (final) | ")
 
 
 def _fmt(ms: tuple[float, float], digits: int = 3, scale: float = 1.0) -> str:
@@ -371,7 +419,8 @@ def markdown(result: dict) -> str:
     rows, base, target = result["summary"], result["base_accuracy"], result["target"]
     grpo = next((r for r in rows if r["method"] == "grpo"), None)
     info = result["machine"]
-    out = [_real_model_header(result)] if result.get("model") else [
+    agentic = result.get("task") == "tools"
+    out = [ba.header(result)] if agentic else [_real_model_header(result)] if result.get("model") else [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
         "rollouts), held-out greedy "
@@ -391,8 +440,9 @@ def markdown(result: dict) -> str:
         "| method | steps | " + ("policy + teacher rollouts / run | " if teacher else "")
         + "final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
         "train reward (last 5 steps) | entropy first 5 → last 5 steps | grad norm | distinct / group | "
-        "correct rollouts / step | paper's quantity |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if teacher else ""),
+        "correct rollouts / step | " + (_AGENTIC_COLUMNS if agentic else "") + "paper's quantity |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if teacher else "")
+        + ("---|" * _AGENTIC_COLUMNS.count("|") if agentic else ""),
     ]
     for r in rows:
         delta = r["final_acc"][0] - grpo["final_acc"][0] if grpo else float("nan")
@@ -405,13 +455,18 @@ def markdown(result: dict) -> str:
             + f"{_fmt(r['final_acc'])} | {delta:+.3f} | {_fmt(r['best_acc'])} | "
             f"{_fmt(r['rollouts_to_target'], 0)} | {r['reached_target']} | {_fmt(r['train_reward_last5'])} | "
             f"{r['entropy_first5'][0]:.3f} → {r['entropy_last5'][0]:.3f} | {_fmt(r['grad_norm_mean'], 3)} | "
-            f"{_fmt(r['distinct_per_group'], 3)} | {_fmt(r['correct_rollouts_per_step'], 1)} | {claim} |"
+            f"{_fmt(r['distinct_per_group'], 3)} | {_fmt(r['correct_rollouts_per_step'], 1)} | "
+            + (f"{_fmt(r['final_tool_use'], 2)} | {_fmt(r['tool_calls_per_rollout'], 2)} | "
+               f"{_fmt(r['final_held_out_accuracy'])} | {_fmt(r['final_held_out_tool_use'], 2)} | " if agentic else "")
+            + f"{claim} |"
         )
     out.append("")
     prefix = result.get("section") or ("learning" if result["mode"] == "quick" else f"learning_{result['mode']}")
-    out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` (held-out accuracy against rollouts), "
-               f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png` (mean over seeds; "
-               "shaded: ± one std).")
+    out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` ({'seen-pair' if agentic else 'held-out'} accuracy "
+               "against rollouts), "
+               f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png`"
+               + (f", `docs/benchmarks/{prefix}_tool_calls.png` (tool calls per rollout)" if agentic else "")
+               + " (mean over seeds; shaded: ± one std).")
     if result.get("failed"):
         out.append("")
         out.append("Failed or missing runs: " + "; ".join(
@@ -483,9 +538,13 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
         plt.close(fig)
         paths.append(path)
 
-    curves("accuracy", "held-out greedy accuracy", f"{prefix}_accuracy.png", True)
+    agentic = any(r.get("task") == "tools" for r in records)
+    curves("accuracy", "seen-pair greedy accuracy" if agentic else "held-out greedy accuracy",
+           f"{prefix}_accuracy.png", True)
     curves("entropy", "policy entropy (nats/token, 3-step mean)", f"{prefix}_entropy.png", False)
     curves("grad_norm", "gradient norm (3-step mean)", f"{prefix}_grad_norm.png", False)
+    if any("tools/call_frequency" in x for r in records for x in r["per_step"]):  # agentic mode
+        curves("tools/call_frequency", "tool calls per rollout (3-step mean)", f"{prefix}_tool_calls.png", False)
     return paths
 
 
@@ -496,10 +555,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"methods {', '.join(QUICK_METHODS)}; budget 1920")
     p.add_argument("--tiny", action="store_true",
-                   help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps")
+                   help="smoke mode: untrained tiny model, grpo + hint_scaffold, 1 seed, 2 steps (with --task tools: "
+                   "grpo + igpo, 1 step of 8 rollouts)")
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: the warm-started character-level model; smollm2: the real-model mode "
                    f"(builtin:smollm2 with LoRA; methods {', '.join(REAL_METHODS)}; budget 1536)")
+    p.add_argument("--task", choices=["arithmetic", "tools"], default="arithmetic",
+                   help="arithmetic: the chained-arithmetic task; tools: the agentic mode, a multi-turn tool agent on "
+                   f"the bundled tool environment (tiny model; methods {', '.join(ba.AGENTIC_METHODS)}; budget "
+                   f"{ba.TOOL_TASK['budget']}; see scripts/bench_agentic.py)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="real-model mode: where to train (default: cuda when available)")
     p.add_argument("--pilot-lrs", type=float, nargs="*", default=None,
@@ -597,11 +661,24 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     info = bc.machine_info()
     real = args.model == "smollm2"
+    agentic = args.task == "tools"
+    if agentic and real:
+        print("--task tools runs the tiny model only (the tool-use warm start is the tiny model's); "
+              "drop --model smollm2", file=sys.stderr)
+        return 2
     if real and args.device is None:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.tiny:
+    if agentic and args.tiny:  # one step of 8 rollouts per method
+        methods, budget, eval_every, eval_size, seeds = ["grpo", "igpo"], 8, 8, 4, args.seeds[:1]
+        gain = 0.05
+    elif agentic:
+        t = ba.TOOL_TASK
+        methods, budget, eval_every, eval_size, seeds = ba.AGENTIC_METHODS, t["budget"], t["eval_every"], \
+            t["eval_size"], args.seeds
+        gain = 0.20
+    elif args.tiny:
         methods, budget, eval_every, eval_size, seeds = ["grpo", "hint_scaffold"], 16, 8, 8, args.seeds[:1]
         gain = 0.05
     elif real:
@@ -618,6 +695,8 @@ def main(argv=None) -> int:
     eval_every = args.eval_every or eval_every
     eval_size = args.eval_size or eval_size
     mode = "tiny" if args.tiny else ("smollm2" if real else ("quick" if args.quick else "full"))
+    if agentic:
+        mode = "agentic_tiny" if args.tiny else "agentic"
     grpo_config = json.loads(args.grpo_config)
     if args.lr is not None:
         grpo_config["learning_rate"] = args.lr
@@ -637,7 +716,7 @@ def main(argv=None) -> int:
                 jobs_.append({"method": method, "seed": seed, "budget": budget, "eval_every": eval_every,
                               "eval_size": eval_size, "cache_dir": args.cache_dir, "path": str(path),
                               "grpo_config": config, "untrained": args.tiny, "model": args.model,
-                              "device": args.device, "instruction": args.instruction})
+                              "device": args.device, "instruction": args.instruction, "task": args.task})
         return jobs_, cached
 
     # base model numbers (shared by every run) and the model cache, built once before the workers start
@@ -647,11 +726,17 @@ def main(argv=None) -> int:
         info, args.device = earlier["machine"], earlier.get("device", args.device)
         base_acc, base_pass = earlier["base_accuracy"], earlier["base_pass_rate"]
         instruction_pilot, args.instruction = earlier.get("instruction_pilot"), earlier.get("instruction")
+        base_tool = {k: earlier.get(f"base_{k}") for k in ("tool_use", "sampled_tool_use", "held_out_accuracy",
+                                                           "held_out_tool_use")}
+    elif agentic:
+        base_tool = ba.base_numbers(args.cache_dir, eval_size, args.tiny,
+                                    ba.grpo_fields(args.tiny)["max_completion_length"])
+        base_acc, base_pass, instruction_pilot, args.instruction = base_tool["accuracy"], base_tool["pass_rate"], None, None
     else:
         base_acc, base_pass, instruction_pilot = _base_model_numbers(args, eval_size, real)
     target = args.target if args.target is not None else round(base_acc + gain, 2)
-    print(f"base held-out greedy accuracy {base_acc:.3f}, sampled pass rate {base_pass:.3f}, target {target:.2f}",
-          flush=True)
+    print(f"base {'seen-pair' if agentic else 'held-out'} greedy accuracy {base_acc:.3f}, sampled pass rate "
+          f"{base_pass:.3f}, target {target:.2f}", flush=True)
 
     failed, pilot = [], None
     if real and args.pilot_lrs:
@@ -692,6 +777,12 @@ def main(argv=None) -> int:
         "summary": summary, "failed": failed, "runs": records,
         "warm_start_sha256": None if real or args.tiny else _weights_sha256(bc.demo_model_dir(args.cache_dir)),
     }
+    if agentic:
+        result.update(ba.result_fields(args.tiny), base_tool_use=base_tool["tool_use"],
+                      base_sampled_tool_use=base_tool["sampled_tool_use"],
+                      base_held_out_accuracy=base_tool["held_out_accuracy"],
+                      base_held_out_tool_use=base_tool["held_out_tool_use"],
+                      learning_rate=grpo_config.get("learning_rate", ba.grpo_fields(args.tiny)["learning_rate"]))
     if real:
         r = bc.REAL_MODEL_SETTINGS
         device_name = earlier["device_name"] if earlier else _device_name(args.device)
@@ -703,12 +794,13 @@ def main(argv=None) -> int:
                       instruction=args.instruction, instruction_pilot=instruction_pilot)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2"}[mode]
+    prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2",
+              "agentic": "learning_agentic", "agentic_tiny": "learning_agentic_tiny"}[mode]
     prefix = result["section"] = args.section or prefix
     md = markdown(result)
     print(md)
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
-    if mode != "tiny" and records:
+    if mode not in ("tiny", "agentic_tiny") and records:
         plot(records, methods, out_dir, base_acc, target, prefix=prefix)
     if args.write_docs:
         from bench_overhead import write_docs_section

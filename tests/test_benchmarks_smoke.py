@@ -104,3 +104,21 @@ def test_bench_learning_counts_luffys_demonstrations_as_teacher_rollouts(tmp_pat
     rows = {r["method"]: r for r in result["summary"]}
     assert rows["luffy"]["teacher_rollouts"][0] > 0 and rows["grpo"]["teacher_rollouts"][0] == 0
     assert "policy + teacher rollouts / run" in proc.stdout
+def test_bench_learning_agentic_tiny(tmp_path):
+    """--task tools --tiny: one step of 8 tool-environment rollouts per method (untrained model), a plugin stack with a
+    named variant included; the runs record the agentic task's numbers (held-out tool use, TRL's tool-call rate)."""
+    _run([str(SCRIPTS / "bench_learning.py"), "--task", "tools", "--tiny", "--workers", "1", "--fresh",
+          "--methods", "grpo", "igpo_a2tgpo+otc_po", "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / "runs")])
+    result = json.loads((tmp_path / "learning_agentic_tiny.json").read_text())
+    assert result["task"] == "tools" and not result["failed"]
+    runs = {r["method"]: r for r in result["runs"]}
+    assert set(runs) == {"grpo", "igpo_a2tgpo+otc_po"}
+    assert runs["igpo_a2tgpo+otc_po"]["plugins"] == ["igpo", "otc_po"]
+    assert runs["igpo_a2tgpo+otc_po"]["plugin_config"]["igpo"]["mode"] == "a2tgpo"
+    for run in runs.values():
+        assert run["steps"] == 1 and run["rollouts"] >= run["budget"]
+        final = run["evals"][-1]
+        for key in ("accuracy", "tool_use", "held_out_accuracy", "held_out_tool_use"):
+            assert 0.0 <= final[key] <= 1.0
+        assert "tools/call_frequency" in run["per_step"][0]
+    assert all("final_tool_use" in row for row in result["summary"])

@@ -56,6 +56,19 @@ def test_policy_rollouts_are_counted_with_the_extra_ones_and_the_budget_stops_tr
     assert rows[-1]["rollouts"] == counts["rollouts"] and "reward" in rows[-1]
 
 
+def test_the_later_turns_of_a_tool_episode_are_not_counted_as_rollouts(tmp_path):
+    """With tools, TRL's tool loop generates again after each tool result; those turns continue a counted rollout."""
+    from trl_plugins.testing import make_tool_trainer
+
+    # the gold-trace backend: every second row answers at once, the others make two calls (scaled questions)
+    trainer = make_tool_trainer(kinds=["scaled"], max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                                output_dir=str(tmp_path))
+    counts = count_policy_rollouts(trainer)
+    trainer.train()
+    assert trainer.state.log_history[0]["tools/call_frequency"] == 1.0  # two turns after tool results, every other row
+    assert counts["rollouts"] == 4
+
+
 def test_held_out_score_is_the_reward_of_greedy_completions():
     from trl_plugins.tasks.tiny import evaluate_accuracy
 

@@ -3,7 +3,9 @@
 
 A *policy rollout* is a completion sampled from the policy during training: TRL's own generation round plus every
 completion a plugin asks the generation service for (extra rollouts, refilled groups), counted where they are
-generated, at the backend (``_generate_single_turn``). Reference solutions spliced in by a plugin cost nothing.
+generated, at the backend (``_generate_single_turn``). Reference solutions spliced in by a plugin cost nothing. With
+tools, a rollout is a whole episode: the turns TRL's tool loop generates after a tool result continue a rollout that
+was already counted, so a method that calls more tools does not spend more of the budget.
 :func:`count_policy_rollouts` installs the counter; :class:`EqualBudget` stops training at the first optimizer step
 where the count reaches the budget and evaluates on held-out data every ``eval_every`` rollouts. So a plugin that
 asks for extra completions takes fewer optimizer steps than vanilla GRPO for the same budget.
@@ -26,17 +28,27 @@ def count_policy_rollouts(trainer: Any) -> dict[str, int]:
     """Count the policy rollouts ``trainer`` generates while training; returns the live counter ``{"rollouts": n}``.
 
     Wraps the trainer's generation backend, so TRL's round, the generation service's extra completions and refills
-    are all counted; generations in evaluation mode (``model.training`` False) are not."""
+    are all counted; generations in evaluation mode (``model.training`` False) are not, nor the later turns of a
+    multi-turn episode (generated inside TRL's ``_tool_call_loop``)."""
     counts = {"rollouts": 0}
-    original = trainer._generate_single_turn
+    original, original_tool_loop = trainer._generate_single_turn, trainer._tool_call_loop
+    in_tool_loop = [False]
 
     def counting(*args: Any, **kwargs: Any):
         out = original(*args, **kwargs)
-        if trainer.model.training:
+        if trainer.model.training and not in_tool_loop[0]:
             counts["rollouts"] += len(out[0])
         return out
 
+    def tool_loop(*args: Any, **kwargs: Any):
+        in_tool_loop[0] = True
+        try:
+            return original_tool_loop(*args, **kwargs)
+        finally:
+            in_tool_loop[0] = False
+
     trainer._generate_single_turn = counting
+    trainer._tool_call_loop = tool_loop
     return counts
 
 

@@ -73,6 +73,7 @@ __all__ = [
     "demo_model",
     "evaluate_accuracy",
     "generate_completions",
+    "save_atomically",
     "sft_loss",
     "warm_start",
 ]
@@ -568,14 +569,20 @@ def _build_or_load(
     if verbose:
         print(f"warm start took {time.perf_counter() - start:.1f}s", flush=True)
     if target is not None:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-", dir=target.parent))
-        try:
-            tokenizer.save_pretrained(tmp)
-            model.save_pretrained(tmp)
-            os.replace(tmp, target)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not (target / "config.json").exists():
-                raise
+        save_atomically(model, tokenizer, target)
     return model, tokenizer
+
+
+def save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, target: Path) -> None:
+    """Save ``model`` and ``tokenizer`` into a temporary sibling folder, then rename it to ``target``; a concurrent
+    writer that got there first wins (its folder is kept)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-tiny-", dir=target.parent))
+    try:
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").exists():
+            raise
