@@ -72,8 +72,10 @@ QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaf
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
 ALL_METHODS = ["grpo", *CONTROLS, *bc.PLUGIN_SETTINGS, *STACKS]
 # Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
+# The guidance plugins learn from the bundled task's reference solutions; kepo is left out: its teacher must share the
+# policy's tokenizer, and no stronger SmolLM2 is available offline (the policy's own base model teaches nothing).
 REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "hint_scaffold", "cure",
-                "dynamic_sampling", "replay", "dars",
+                "dynamic_sampling", "replay", "dars", "luffy", "rl_plus", "ampo", "oreal", "rec",
                 "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
 
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
