@@ -425,6 +425,53 @@ def test_prompt_swap_splice_and_retokenisation_on_the_real_bpe_tokenizer(smollm2
         assert end_id not in ids[:-1], "tokens after the end of the assistant turn were counted"
 
 
+class SeeleProbe(Plugin):
+    """Records the first loss micro-batch's rows and hint-token counts (a test probe, after hint_scaffold)."""
+
+    name = "test_seele_probe"
+    seen: dict = {}
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx):
+        if "ids" not in SeeleProbe.seen and "seele_hint_tokens" in ctx.extras:
+            mask = ctx.mask.bool()
+            SeeleProbe.seen.update(
+                ids=[ctx.inputs["completion_ids"][r][mask[r]].tolist() for r in range(mask.size(0))],
+                offpolicy=[ctx.offpolicy_mask[r][mask[r]].tolist() for r in range(mask.size(0))],
+                hint_tokens=ctx.extras["seele_hint_tokens"].long().tolist(),
+            )
+
+
+def test_seele_hint_leads_the_response_on_the_real_bpe_tokenizer(smollm2, tokenizer, tmp_path):
+    """hint_scaffold schedule='seele' (hint at the start of the response): on the real tokenizer each hinted row's
+    completion starts with exactly the hint's tokens -- leading lines of the reference solution and a line break --
+    flagged off-policy, followed by on-policy tokens; the imitation term reaches the loss and the adapters train."""
+    SeeleProbe.seen = {}
+    with temporary_plugin(SeeleProbe):
+        args = tiny_config(str(tmp_path), plugins=["hint_scaffold", "test_seele_probe"],
+                           plugin_config={"hint_scaffold": {"schedule": "seele", "seele_rounds": 2}},
+                           **{**RUN, "num_generations": 4, "per_device_train_batch_size": 8,
+                              "max_completion_length": 24})
+        trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
+                                    peft_config=_lora())
+        before = _adapters(trainer.model)
+        trainer.train()
+    seen = SeeleProbe.seen
+    solutions = [row["solution"] for row in _dataset()]
+    hinted = [r for r, n in enumerate(seen["hint_tokens"]) if n > 0]
+    assert hinted, "no row was hinted (the cold-start rate reveals every line but the last)"
+    for r in hinted:
+        n = seen["hint_tokens"][r]
+        hint = tokenizer.decode(seen["ids"][r][:n])
+        assert hint.endswith("\n") and any(sol.startswith(hint.rstrip("\n")) for sol in solutions), hint
+        assert list(tokenizer(hint, add_special_tokens=False)["input_ids"]) == seen["ids"][r][:n]
+        assert seen["offpolicy"][r] == [True] * n + [False] * (len(seen["ids"][r]) - n)
+    logs = _logs(trainer)
+    assert logs["plugins/hint_scaffold/hint_token_fraction"] > 0
+    after = _adapters(trainer.model)
+    assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
+
+
 # ------------------------------------------------------------------------------------------------------- QLoRA
 
 
