@@ -173,7 +173,7 @@ def test_tiny_run_injects_reference_solutions():
 
 
 def test_stacked_with_dynamic_sampling_guided_groups_are_mixed_and_kept():
-    """ampo + dynamic_sampling (issue 16's stack): on the untrained tiny model every group fails; ampo's guidance
+    """ampo + dynamic_sampling (a stack users will try): on the untrained tiny model every group fails; ampo's guidance
     puts the reference solution into each, so every group is mixed and DAPO's filter (which judges the groups after
     the sampling hooks) rejects none of them: no refill round, no refill rollout."""
     trainer = make_tiny_trainer(plugins=["ampo", "dynamic_sampling"],
