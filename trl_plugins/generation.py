@@ -142,9 +142,8 @@ class GenerationService:
 def greedy_decoding(trainer: Any) -> Iterator[None]:
     """Within the block, the trainer's generation backend decodes greedily; its own settings are restored after.
 
-    vLLM (server or colocate): temperature 0, vLLM's greedy decoding. Transformers: ``do_sample=False`` in both the
-    generation config TRL passes to ``generate`` and the kwargs TRL writes over the model's own generation config
-    (TRL passes both; a sampling flag left in either one would win).
+    vLLM (server or colocate): temperature 0, vLLM's greedy decoding. Transformers: ``do_sample=False``, with the
+    sampling-only settings unset (:func:`transformers_generation_settings`).
     """
     if getattr(trainer, "use_vllm", False):
         vllm = trainer.vllm_generation
@@ -155,18 +154,32 @@ def greedy_decoding(trainer: Any) -> Iterator[None]:
         finally:
             vllm.temperature = saved
         return
+    with transformers_generation_settings(trainer, {"do_sample": False}, unset=SAMPLING_SETTINGS):
+        yield
+
+
+#: Generation settings that only sampling reads.
+SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@contextlib.contextmanager
+def transformers_generation_settings(trainer: Any, settings: dict, unset: tuple[str, ...] = ()) -> Iterator[None]:
+    """Within the block, TRL's transformers generation uses ``settings`` (and leaves the names in ``unset`` unset);
+    the trainer's own settings are restored after.
+
+    TRL passes both ``trainer.generation_config`` to ``generate`` and ``trainer.generation_kwargs`` written over the
+    model's own generation config, so both get the change: a setting left in either one would win.
+    """
     saved_config, saved_kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
     config = copy.deepcopy(saved_config)
-    config.do_sample = False
-    for name in ("temperature", "top_p", "top_k", "min_p"):  # sampling-only settings: unset, as greedy ignores them
+    for name in unset:
         if hasattr(config, name):
             setattr(config, name, None)
+    for name, value in settings.items():
+        setattr(config, name, value)
     trainer.generation_config = config
     if saved_kwargs is not None:
-        trainer.generation_kwargs = {
-            **{k: v for k, v in saved_kwargs.items() if k not in ("temperature", "top_p", "top_k", "min_p")},
-            "do_sample": False,
-        }
+        trainer.generation_kwargs = {**{k: v for k, v in saved_kwargs.items() if k not in unset}, **settings}
     try:
         yield
     finally:

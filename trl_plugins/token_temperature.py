@@ -16,7 +16,6 @@ slightly off-policy tokens without an importance correction (TRL's transformers 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .errors import PluginConfigError
+from .generation import transformers_generation_settings
 
 #: ``rule(logits)``: (B, V) float logits of one decoding step -> (B,) positive temperatures.
 TemperatureRule = Callable[[torch.Tensor], torch.Tensor]
@@ -80,8 +80,8 @@ def processor_for(config: Any, rule: TemperatureRule) -> TokenTemperatureProcess
 def token_temperature_generation(trainer: Any, rule: TemperatureRule) -> Iterator[None]:
     """Within the block, TRL's transformers ``generate`` samples with ``rule``'s per-token temperatures.
 
-    TRL passes both ``trainer.generation_config`` and ``trainer.generation_kwargs`` (written over the model's own
-    generation config); the taken-over settings are neutral in both, and the model's ``generate`` gets the processor
+    The taken-over settings are neutral in TRL's generation config and kwargs
+    (:func:`~trl_plugins.generation.transformers_generation_settings`), and the model's ``generate`` gets the processor
     as ``logits_processor`` (set on the unwrapped model instance for the block, removed after). Greedy decoding
     (``do_sample=False``) is left alone: a per-row temperature does not move an argmax.
     """
@@ -90,23 +90,14 @@ def token_temperature_generation(trainer: Any, rule: TemperatureRule) -> Iterato
         yield
         return
     processor = processor_for(config, rule)
-    saved_config, saved_kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
-    neutral = copy.deepcopy(saved_config)
-    for name, value in TAKEN_OVER.items():
-        setattr(neutral, name, value)
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     had_own = "generate" in vars(model)
     own = vars(model).get("generate")
-    trainer.generation_config = neutral
-    if saved_kwargs is not None:
-        trainer.generation_kwargs = {**saved_kwargs, **TAKEN_OVER}
     model.generate = functools.partial(model.generate, logits_processor=LogitsProcessorList([processor]))
     try:
-        yield
+        with transformers_generation_settings(trainer, TAKEN_OVER):
+            yield
     finally:
-        trainer.generation_config = saved_config
-        if saved_kwargs is not None:
-            trainer.generation_kwargs = saved_kwargs
         if had_own:
             model.generate = own
         else:
