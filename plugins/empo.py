@@ -57,7 +57,7 @@ from trl_plugins.answers import (
     majority_votes,
     semantic_entropy,
 )
-from trl_plugins.success import mark_placeholder
+from trl_plugins.success import placeholder_column
 
 from .rlpr import CORRECTNESS_PICK_ONE
 
@@ -199,12 +199,8 @@ class EmpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
-        def empo(completions, **kwargs):
-            # Placeholder column: the reward needs whole groups and is filled in by the reward transform.
-            return [0.0] * len(completions)
-
-        empo.reward_weight = self.options.reward_weight
-        return [mark_placeholder(empo)]
+        # the reward needs whole groups: the reward transform fills the column in
+        return [placeholder_column("empo", self.options.reward_weight)]
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from trl_plugins import Plugin, RewardContext, hookimpl, option
-from trl_plugins.success import SuccessOptions, mark_placeholder
+from trl_plugins.success import SuccessOptions, placeholder_column
 
 COLUMN = "ikea"
 
@@ -76,12 +76,8 @@ class IkeaPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
-        def ikea(completions, **kwargs):
-            # Placeholder column: r_kb needs the verifier's verdict, filled in by the reward transform.
-            return [0.0] * len(completions)
-
-        ikea.reward_weight = self.options.reward_weight
-        return [mark_placeholder(ikea)]
+        # r_kb needs the verifier's verdict: the reward transform fills the column in
+        return [placeholder_column("ikea", self.options.reward_weight)]
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):

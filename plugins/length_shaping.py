@@ -101,7 +101,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.success import SuccessRule, mark_placeholder, verifier_column
+from trl_plugins.success import SuccessRule, placeholder_column, verifier_column
 
 from ._decs import (
     SPLIT_WORDS,
@@ -487,11 +487,8 @@ class LengthShapingPlugin(Plugin):
         if self.options.mode not in COLUMN_MODES:
             return []
 
-        def length_shaping(completions, **kwargs):
-            # Placeholder column: the bonus needs the whole groups and is filled in by the reward transform.
-            return [0.0] * len(completions)
-
-        return [mark_placeholder(length_shaping)]
+        # the bonus needs whole groups: the reward transform fills the column in
+        return [placeholder_column("length_shaping")]
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

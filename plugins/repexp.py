@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.success import mark_placeholder
+from trl_plugins.success import placeholder_column
 
 COLUMN = "repexp"
 
@@ -108,11 +108,8 @@ class RepExpPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
-        def repexp(completions, **kwargs):
-            # Placeholder column: the bonus needs the whole group and is filled in by the reward transform.
-            return [0.0] * len(completions)
-
-        return [mark_placeholder(repexp)]
+        # the bonus needs whole groups: the reward transform fills the column in
+        return [placeholder_column("repexp")]
 
     def _project(self, features: torch.Tensor) -> torch.Tensor:
         k = self.options.projection_dim

@@ -40,6 +40,20 @@ def mark_placeholder(func: Callable) -> Callable:
     return func
 
 
+def placeholder_column(name: str, weight: float | None = None) -> Callable:
+    """A placeholder reward function named ``name`` (TRL's column name): it returns 0.0 for every completion, and a
+    plugin's reward transform fills the column in once whole groups (or the verifier's verdicts) are known.
+    ``weight``, when given, is its TRL reward weight (``reward_weight``)."""
+
+    def column(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    column.__name__ = column.__qualname__ = name
+    if weight is not None:
+        column.reward_weight = weight
+    return mark_placeholder(column)
+
+
 def is_placeholder(func: Any) -> bool:
     """Whether ``func`` (or the function a reward guard wraps) is a placeholder column."""
     return bool(getattr(func, PLACEHOLDER_ATTR, False))
