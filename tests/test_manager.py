@@ -1,5 +1,6 @@
 """Plugin manager: discovery, enabling by name, suggestions, environment variables, stacking rules."""
 
+import re
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -313,6 +314,23 @@ def test_restrict_autoload_env_var(fake_entry_points, monkeypatch):
     assert "third_party_demo" not in available_plugins()
     monkeypatch.setenv("TRL_PLUGINS_LOAD", "third_party_demo")
     assert "third_party_demo" in available_plugins()
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"TRL_PLUGINS_DISABLE_AUTOLOAD": "1"}, "not loaded because TRL_PLUGINS_DISABLE_AUTOLOAD='1'"),
+    ({"TRL_PLUGINS_LOAD": "third_party_demo"}, "named in TRL_PLUGINS_LOAD='third_party_demo' are loaded"),
+])
+def test_a_failure_of_an_earlier_load_is_not_reported_once_that_plugin_is_skipped(env, expected, fake_entry_points,
+                                                                                    monkeypatch):
+    monkeypatch.delenv("TRL_PLUGINS_DISABLE_AUTOLOAD", raising=False)
+    monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
+    available_plugins()
+    assert "broken_demo" in manager.load_errors()  # loaded once, in this process, and failed
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UnknownPluginError, match=re.escape(expected)):
+        build_plugins(["broken_demo"])
+    assert "broken_demo" not in manager.load_errors()
 
 
 def test_builtins_are_registered_as_entry_points():

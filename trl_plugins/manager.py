@@ -109,6 +109,7 @@ def autoload_disabled() -> bool:
 
 
 def _entry_point_plugins() -> dict[str, type[Plugin]]:
+    _load_errors.clear()  # errors describe this load only: a plugin skipped now must not report an earlier failure
     if autoload_disabled():
         return {}
     only = os.environ.get(LOAD_ENV)
