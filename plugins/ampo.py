@@ -7,6 +7,12 @@ group is trained with LUFFY's shaped off-policy branch. Facts from the official 
 ``ampo/verl/verl/adaptive_mix_src/mix_dapo_trainer.py`` ``mix_off_policy_rollout``,
 ``ampo/verl/verl/workers/reward_manager/prob.py``, ``exp_scripts/train_ampo.sh``):
 
+Checked against ``EnigmaYYYY/AMPO@647e2e4de7f0bdcd2787fa9941d4dbc317facb7e``: ``exp_scripts/train_ampo.sh`` sets 8
+rollouts (``:63``), 4 teacher solutions at most (``:26``), ``pass_num`` 4 with adaptive k (``:27-28``), ``p_div_p_0.1``
+(``:33``), ``best_k`` (``:38``), whole solutions (``:165-166``), ``threshold_0`` / ``mean_exp_log_softmax``
+(``:184-185``), format coefficient 0.1 (``:190``); with adaptive k the trainer uses a fixed 0.5 success threshold and
+``k = min(#solutions, int(G * 0.5) - #successes)`` (``ampo/verl/verl/adaptive_mix_src/mix_dapo_trainer.py:1397-1401``).
+
 1. Teachers: each prompt carries solutions from several teachers (up to 4, ``max_available_targets``) -- here a
    dataset column holding a list of solutions (strings, or dicts with ``content``), or teacher models queried per
    needing group through the teacher components (``teachers="endpoint"`` / ``"hf"``, one solution per model).
@@ -93,7 +99,8 @@ class AmpoOptions(SuccessOptions):
     )
     pass_fraction: float = option(
         0.5, min=0.0, max=1.0, min_exclusive=True,
-        help="pass_num / G (official 4 / 8); the adaptive k fills the group up to this many successes.",
+        help="pass_num / G (official 4 / 8; with use_adaptive_k the official code fixes it at 0.5 whatever pass_num); "
+        "the adaptive k fills the group up to this many successes.",
     )
     selection: Literal["answer_likelihood", "sequence_likelihood", "first"] = option(
         "answer_likelihood", help="Comprehension score: mean policy probability of the answer's tokens after the "

@@ -2,7 +2,13 @@
 
 Entropy control for multi-turn agents trained on sparse outcome rewards, in three parts. Facts from the paper's
 abstract and the official code (github.com/WujiangXu/EPO, ``verl/workers/actor/dp_actor.py``,
-``verl/trainer/ppo/ray_trainer.py``, ``agent_system/multi_turn_rollout/rollout_loop.py``):
+``verl/trainer/ppo/ray_trainer.py``, ``agent_system/multi_turn_rollout/rollout_loop.py``). Defaults are the two EPO
+runs of the official README (``WujiangXu/EPO@5b6fa98e034639b95afbfb24f98d1cb1e5197542``: ``README.md:97`` ScienceWorld,
+``:100`` ALFWorld: token scope, band 0 / 2.0, phase weights on, penalty 0.05 / 0.1) on top of
+``examples/general_running_server.sh:34-36`` (entropy coefficient 0.001, smoothing coefficient 1.0, penalty 0.1);
+the script's own band default is 0.5 / 1.5 (``:31-32``) and the config's 0.8 / 1.2
+(``verl/trainer/config/ppo_trainer.yaml:91-92``). The constant penalty is ``dp_actor.py:344`` / ``:367``, the
+turn-25 gate ``dp_actor.py:772-778``, the phase horizon of 150 epochs ``dp_actor.py:793``.
 
 1. **Entropy regularisation over the multi-turn episode**: an entropy bonus on every model token of every turn,
    aggregated like the policy loss: ``loss += -lambda * (H_t - c * w_k * P_t)`` per token (official
@@ -10,8 +16,8 @@ abstract and the official code (github.com/WujiangXu/EPO, ``verl/workers/actor/d
 2. **Entropy smoothing**: a historical average entropy ``Hbar_u`` per turn index u (official: the mean token entropy
    of the rollouts' u-th turn, measured on the rollout policy each training step, averaged over **all** past steps,
    the current one included). A token whose entropy leaves the band ``[k_l * Hbar_u, k_r * Hbar_u]`` is penalised
-   by ``P_t`` (official out-of-band penalty alpha = 0.1; band 0.5 / 1.5 in the run script, 0.8 / 1.2 in the config
-   defaults; token-level by default, or per sequence).
+   by ``P_t`` (official out-of-band penalty alpha = 0.1; band 0 / 2.0 in the README's runs, 0.5 / 1.5 in the run
+   script's defaults, 0.8 / 1.2 in the config's; token-level by default, or per sequence).
 3. **Phase-based weighting** ``w_k`` of the smoothing penalty over training (official ``enable_smooth_weights``):
    from 1.0 down to 0.8 in the first half of the horizon (``1 - 0.2 (1 - exp(-2 p))``), then down to 0
    (``0.8 exp(-3 p)``), p the progress within each half.
@@ -55,11 +61,15 @@ class EpoOptions(PluginOptions):
     smooth_coef: float = option(
         1.0, min=0.0, help="c, weight of the smoothing penalty inside the entropy term (official entropy_smooth_coeff)."
     )
-    penalty: float = option(0.1, min=0.0, help="alpha, the out-of-band penalty (official out_range_penalty).")
+    penalty: float = option(
+        0.1, min=0.0, help="alpha, the out-of-band penalty (official entropy_smooth_out_range_penalty: 0.1 in the "
+        "README's ALFWorld run and the defaults, 0.05 in its ScienceWorld run).")
     band_low: float = option(
-        0.5, min=0.0, help="k_l: the band's lower edge is k_l times the historical mean (official run script 0.5).")
+        0.0, min=0.0, help="k_l: the band's lower edge is k_l times the historical mean (official README runs 0; run "
+        "script default 0.5, config default 0.8).")
     band_high: float = option(
-        1.5, min=0.0, help="k_r: the band's upper edge is k_r times the historical mean (official run script 1.5).")
+        2.0, min=0.0, help="k_r: the band's upper edge is k_r times the historical mean (official README runs 2.0; run "
+        "script default 1.5, config default 1.2).")
     penalty_form: Literal["hinge", "indicator"] = option(
         "hinge", reconstructed=True,
         help="'hinge': alpha times the distance of the entropy outside the band (its gradient pulls entropy back into "
@@ -76,7 +86,8 @@ class EpoOptions(PluginOptions):
     smooth_from_turn: int = option(
         0, min=0, help="Smooth only turns with index >= this (official: 25, half its max_step default of 50).")
     phase_weighting: bool = option(
-        True, help="Weight the smoothing penalty by the official phase schedule (1.0 -> 0.8 -> 0 over the horizon).")
+        True, help="Weight the smoothing penalty by the official phase schedule (1.0 -> 0.8 -> 0 over the horizon; "
+        "on in the README's runs, off in the run script's and config's defaults).")
     phase_steps: int | None = option(
         None, min=1, help="Horizon of the phase schedule in optimizer steps; None: the run's max_steps (official: "
         "150 epochs).",

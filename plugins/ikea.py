@@ -11,7 +11,9 @@ is ``R = r_ans + r_kb`` with
 * an incorrect answer without search: ``r_kb = 0``.
 
 Constants from the official code: ``r_kb_plus = 0.6``, ``r_kb_minus = 0.05``, ``RT_max = 3`` (0.6, 0.4, 0.2, 0 for
-0, 1, 2, 3+ searches). ``r_ans`` is the run's verifier column (official: exact match); ``r_kb`` is this plugin's own
+0, 1, 2, 3+ searches; ``hzy312/knowledge-r1@79c38e8d4b1df0304fe1765e31fc7f4230637b74``
+``verl/utils/reward_score/qa_em.py:140-149`` counts ``<search>`` tags, ``:182`` adds the exact-match score, ``:185``
+gives 0.05, ``:189`` -1 for a malformed rollout; ``train_grpo_kb.sh:87`` runs at most 3 turns). ``r_ans`` is the run's verifier column (official: exact match); ``r_kb`` is this plugin's own
 reward column ``ikea`` (a placeholder filled at the reward stage), so TRL's weighted sum gives ``R`` and success is
 still decided on the untouched verifier column. Not implemented here: the official code's -1 for a malformed
 rollout (its own tag format; the framework has no format rule) and the paper's knowledge-boundary-aware training

@@ -19,6 +19,12 @@ dataset column, e.g. the bundled tool environment's ``gold_calls``). Facts from 
    tokens are outside the loss). Normalisation: ``(x - mean) / (std + 1e-6)``, unbiased std; a key with a single
    entry keeps ``x`` (mean 0, std 1), as the official code does.
 
+Checked against ``quchangle1/MatchTIR@f614ce1135dcb38819ebae5967318084b3cb016b``: the training script uses the hard
+assignment (``Scripts/run.sh:58``, ``compute_process_KM``) with unmatched calls at 0
+(``Code/verl/utils/reward_score/tool.py:459``), solved greedily on positive similarities (``tool.py:334-349``); the
+soft one regularises at 0.1 (``tool.py:371``); the turn returns discount by 0.9 (``Code/verl/trainer/ppo/core_algos.py:166``),
+the two advantages are averaged (``core_algos.py:236``), with ``std + 1e-6`` (``core_algos.py:115``).
+
 Deliberate choice, flagged: hard assignment is solved exactly (Kuhn-Munkres, as the paper describes it); the official
 code assigns pairs greedily by descending similarity (``hard_solver="greedy"``). Reconstructed (options): argument
 values compared exactly (official) or after normalisation (``value_match``); a last turn that also calls tools keeps

@@ -3,39 +3,54 @@ Learning Mathematical Reasoning").
 
 Under binary outcome rewards, behaviour cloning on the positive samples of best-of-N sampling is enough to learn the
 KL-regularised optimal policy; negative samples then need **reshaped** rewards so that their gradient is consistent
-with the positives'. Facts from the official code (``InternLM/OREAL``: ``train_oreal.py``,
-``oreal/datasets/trajectory.py``, ``oreal/configs/oreal_w*_tokenrm_OREAL-7B-SFT_seqlen16k.py``):
+with the positives'. Defaults follow the released config without the token reward model; the with-token-RM configs
+differ in three settings (filter, token reward model, actor freeze), each an option below.
 
-1. Reward: +1 for a correct rollout, -1 otherwise (the math judger's verdict; here the verifier column, see
-   ``success_column``).
-2. Advantage over the G rollouts of a prompt (16 in the official config), before any filtering: RLOO,
-   ``A_i = r_i - mean_{j != i} r_j`` (``reward_shaping_type="rloo"``), or ``(r - mean) / (std + 1e-8)`` ("grpo").
-3. Filter (``filter_trajectory``): groups that are all correct or all wrong are dropped; of the others one correct
-   and one incorrect rollout are kept, chosen at random (``filter="one_pair"``); ``"all_mixed"`` keeps every rollout
-   of the mixed groups (``only_keep_1_pair=False``), ``"none"`` keeps every rollout.
+Official code facts (``InternLM/OREAL@2859cc092ddfd7c530da183f6a667a94a6b36d37``; ``wo`` =
+``oreal/configs/oreal_wo_tokenrm_OREAL-7B-SFT_seqlen16k.py``, ``w`` = ``oreal/configs/oreal_w_tokenrm_OREAL-7B-SFT_seqlen16k.py``
+(the 32B and DeepSeek-R1-Distill ``w_tokenrm`` configs hold the same values), ``train`` = ``train_oreal.py``):
+
+- rollouts per prompt 16 (``wo:38``, ``w:38``, ``prompt_repeat_k``);
+- reward +1 correct, -1 otherwise (``oreal/judgers/math_judger.py:137``; a missing verdict is -1, ``train:550``);
+- ``reward_shaping_type="rloo"`` in every config (``wo:62``); ``"grpo"`` z-scores with ``std + 1e-8`` (``train:561-565``);
+- filter: ``filter_trajectory=False`` in ``wo:43`` (no filter, every rollout trained: ``train:388-391``), ``True`` in
+  ``w:43`` with ``only_keep_1_pair`` defaulting to True (``oreal/datasets/trajectory.py:120``, ``:137-146``);
+- ``positive_loss_factor=1.0``, ``negative_loss_factor=0.5``, ``pos_mult_adv=True`` (``wo:64-66``);
+  positive / negative token counts split on ``judger_reward > 0`` (``train:619-622``, ``:805-823``);
+- KL: ``kl_coef=0.01`` (``wo:67``), ``kl_type`` unset so ``"unbias"`` (k3) (``train:828-835``), on every row;
+- token reward model: ``token_level_rm=None`` in ``wo:4``, the policy copy in ``w:4``; ``actor_freeze_steps`` 0
+  (``wo:46``) / 10 (``w:46``); its lr 2e-6, weight decay 0.01, grad-norm clip 1 (``wo:49-52``); threshold rescale at
+  0.5 / 0.5 (``wo:55-57``); topk ratios default 0.5 in ``train:792-793`` (a commented-out config line: 0.25).
+
+1. Reward: ``correct_reward`` / ``incorrect_reward`` on the verifier column's verdict (see ``success_column``).
+2. Advantage over the G rollouts of a prompt, before any filtering: RLOO, ``A_i = r_i - mean_{j != i} r_j``
+   (``baseline="rloo"``), or ``(r - mean) / (std + 1e-8)`` ("grpo").
+3. Filter: ``filter="none"`` (default, the ``wo`` config) trains every rollout -- all-correct and all-wrong groups
+   have RLOO advantage 0 but their tokens still count in the normalisers below; ``"one_pair"`` (the ``w`` configs)
+   drops uniform groups and keeps one random correct and one random wrong rollout of each mixed group; ``"all_mixed"``
+   keeps every rollout of the mixed groups (``only_keep_1_pair=False``, in no released config).
 4. Loss (per token, no clip)::
 
        positive rows:  -A * log pi_theta                 summed, / (positive tokens of the batch) * 1.0
        negative rows:  -A * pi_theta / sg(pi_old)        summed, / (negative tokens of the batch) * 0.5
 
-   (``pos_mult_adv=True`` multiplies the behaviour-cloning term by the positive advantage; ``positive_loss_factor``
-   1.0, ``negative_loss_factor`` 0.5). ``normalisation="official"`` reproduces the two token counts on top of
-   TRL's ``loss_type="dapo"`` (which divides the batch's token sum by its token count): each row is scaled by
-   ``tokens / positive tokens`` or ``tokens / negative tokens``. Dropped rows get weight 0.
-5. KL to the reference: k3 with coefficient 0.01 -- TRL's own ``beta=0.01`` (the official ``kl_type="unbias"``);
-   TRL also applies it to the dropped rows, which the official code leaves out of the batch.
+   ``normalisation="official"`` reproduces the two token counts on top of TRL's ``loss_type="dapo"`` (which divides
+   the batch's token sum by its token count): each row is scaled by ``tokens / positive tokens`` or
+   ``tokens / negative tokens``. Dropped rows get weight 0.
+5. KL to the reference: TRL's own k3 term -- set ``beta=0.01`` in the trainer arguments for the official value (TRL's
+   default is 0, no KL); TRL also applies it to rows the filter dropped, which the official code leaves out of the
+   batch.
 
-6. Token-level reward model (``token_rm=true``; the official OREAL-7B / 32B configs use it, the released
-   ``oreal_wo_tokenrm`` config does not): a scalar head scores every completion token, is trained online on the
-   kept rows by the binary cross-entropy of its sequence-mean score against the outcome (1 correct, 0 wrong), and
-   weights the tokens of the loss above: positive rows by ``rescale(p_t)``, negative rows by ``rescale(1 - p_t)``,
-   ``p_t = sigmoid(cumulative mean of the scores up to t)``, ``rescale`` = ``threshold`` (``clamp((p - 0.5) / 0.5,
-   0, 1)``, official) or ``topk``. Here the head is linear over the policy's detached last hidden states, with its
-   own AdamW (official: a full copy of the policy with that head, lr 2e-6) [reconstructed]; its gradients are summed
-   over processes before each optimizer step and its weights and optimizer state are saved in checkpoints. An
-   untrained head gives ``p_t`` near 0.5, i.e. weights near 0 under ``threshold``: the official runs therefore
-   freeze the policy for the first 10 steps while the head learns (``actor_freeze_steps``). Default off: it needs
-   those warm-up steps before the policy learns at all, and the released ``oreal_wo_tokenrm`` config runs without it.
+6. Token-level reward model (``token_rm=true``; the ``w`` configs): a scalar head scores every completion token, is
+   trained online on the kept rows by the binary cross-entropy of its sequence-mean score against the outcome (1
+   correct, 0 wrong), and weights the tokens of the loss above: positive rows by ``rescale(p_t)``, negative rows by
+   ``rescale(1 - p_t)``, ``p_t = sigmoid(cumulative mean of the scores up to t)``, ``rescale`` = ``threshold``
+   (``clamp((p - 0.5) / 0.5, 0, 1)``, official) or ``topk``. Here the head is linear over the policy's detached last
+   hidden states, with its own AdamW (official: a full copy of the policy with that head) [reconstructed]; its
+   gradients are summed over processes before each optimizer step and its weights and optimizer state are saved in
+   checkpoints. An untrained head gives ``p_t`` near 0.5, i.e. weights near 0 under ``threshold``: the ``w`` configs
+   therefore freeze the policy for the first 10 steps while the head learns. To run the ``w`` recipe set
+   ``token_rm=true, filter="one_pair", actor_freeze_steps=10``.
 
 Not here: the official difficulty re-balancing of the prompt set.
 
@@ -80,9 +95,10 @@ class OrealOptions(SuccessOptions):
     baseline: Literal["rloo", "grpo", "trl"] = option(
         "rloo", help="Advantage: leave-one-out mean (official), group z-score, or TRL's own advantages (ablation)."
     )
-    filter: Literal["one_pair", "all_mixed", "none"] = option(
-        "one_pair", help="Rows trained: one random correct + one random wrong per mixed group (official), every row "
-        "of mixed groups, or every row."
+    filter: Literal["none", "one_pair", "all_mixed"] = option(
+        "none", help="Rows trained: every row (official wo_tokenrm config: filter_trajectory=False), one random "
+        "correct + one random wrong per mixed group (official with-token-RM configs: filter_trajectory=True), or every "
+        "row of mixed groups (only_keep_1_pair=False, in no released config)."
     )
     positive_objective: Literal["behaviour_cloning", "policy_gradient"] = option(
         "behaviour_cloning", help="Positive rows: -A log pi (official BC scaled by the advantage) or -A pi/sg(pi_old)."
@@ -97,7 +113,8 @@ class OrealOptions(SuccessOptions):
                        "token reward model's initial head.")
     token_rm: bool = option(
         False, help="Weight the loss's tokens by an online-trained token-level reward model (official OREAL-7B/32B "
-        "configs: on; the released wo_tokenrm config: off). Needs actor_freeze_steps of head training first."
+        "configs: on, with filter='one_pair' and actor_freeze_steps=10; the wo_tokenrm config: off). Needs "
+        "actor_freeze_steps of head training first."
     )
     token_rm_lr: float = option(
         1e-3, min=0.0, min_exclusive=True, reconstructed=True,
@@ -121,14 +138,16 @@ class OrealOptions(SuccessOptions):
         "0.5)."
     )
     correct_topk_ratio: float = option(
-        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a positive row's tokens kept (official 0.5)."
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a positive row's tokens kept (official "
+        "train_oreal.py default 0.5; a commented-out config line: 0.25)."
     )
     incorrect_topk_ratio: float = option(
-        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a negative row's tokens kept (official 0.5)."
+        0.5, min=0.0, max=1.0, help="token_rm, rescale='topk': share of a negative row's tokens kept (official "
+        "train_oreal.py default 0.5; a commented-out config line: 0.25)."
     )
     actor_freeze_steps: int = option(
         0, min=0, help="Optimizer steps at the start during which OREAL's policy loss is zeroed while the token "
-        "reward model trains (official 10 with token_rm)."
+        "reward model trains (official: 0 in the wo_tokenrm config, 10 in the with-token-RM configs)."
     )
 
     def validate(self) -> None:
@@ -239,8 +258,8 @@ class OrealPlugin(Plugin):
     name = "oreal"
     version = "0.1.0"
     paper = "Exploring the Limit of Outcome Reward for Learning Mathematical Reasoning (OREAL), arXiv:2502.06781"
-    summary = ("Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, pair filtering, "
-               "optional token-level reward model.")
+    summary = ("Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, optional pair "
+               "filtering and token-level reward model.")
     Options = OrealOptions
     reconstructed = (
         "token_rm: the token-level reward model is a linear head over the policy's detached hidden states with its own "

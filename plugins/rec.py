@@ -21,6 +21,13 @@ mean as baseline, ``-A log pi_theta`` is a valid update for stale or injected sa
 two-side plus the outer ring ``r <= 1-eps_low'`` (``A >= 0``) / ``r >= 1+eps_high'`` (``A <= 0``); ``none``.
 The epsilons are the run's ``epsilon`` / ``epsilon_high`` (official 0.2 / 0.2, TRL's default).
 
+Checked against ``yanxi-chen/Trinity-RFT@9051d6374db5d4199dbe317d33eb1caa2e42a9fb``: the example runs 8 rollouts,
+``one-side`` clipping at 0.2 / 0.2 without weighting and without std scaling (``examples/rec_gsm8k/gsm8k.yaml:11-20``);
+the ring's outer epsilons are 0.6 / 2.0 (``trinity/algorithm/policy_loss_fn/rec_policy_loss.py:146-147``,
+``examples/rec_gsm8k/README.md:167-168``); AsymRE and OPMD use coefficient 0.1 (``README.md:192-193``, ``:209-210``);
+the loss is the token mean of the micro-batch (``rec_policy_loss.py:132``), ``gspo-one-side`` the mean of row means
+(``:124-130``).
+
 ``variant`` picks a named method from the paper's table; ``custom`` (default) uses ``clip_mode``/``weight``/
 ``regularizer`` as given, whose defaults are the official example (REC-OneSide-NoIS):
 

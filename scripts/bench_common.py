@@ -66,7 +66,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kl_cov": ({"ratio": 0.02}, {}),
     "length_shaping": ({}, {}),
     "llds": ({}, {}),
-    # the official recipe: +-1 rewards, leave-one-out, pair filter, per-sign normalisation on dapo
+    # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
+    # TRL beta 0, official 0.01)
     "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     "otc_po": ({}, {}),

@@ -144,6 +144,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         self.plugin_services: StageServices = self._build_plugin_services()
         self._pbatch: _BatchState | None = None
         self._per_row_generation = False
+        #: Per-token sampling temperature rule (:meth:`set_token_temperature`); None = TRL's own sampling.
+        self._token_temperature: TemperatureRule | None = None
         #: Retries, timeout and result checks of tool calls; a tool failing every attempt stops every process together.
         self._tool_guard = ToolGuard(ToolPolicy.from_args(args))
         self._uses_sampling = any(stack.has(h) for h in SAMPLING_HOOKS)
@@ -280,7 +282,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         # Rows of a group with different prompts: one completion per row (vLLM server mode de-duplicates otherwise)
         if self._per_row_generation:
             num_generations = 1
-        rule = getattr(self, "_token_temperature", None)
+        rule = self._token_temperature
         with token_temperature_generation(self, rule) if rule is not None else contextlib.nullcontext():
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)

@@ -64,6 +64,9 @@ def test_history_is_a_global_mean_and_identical_on_every_process():
     assert run_on_processes(2, work) == [[pytest.approx(2.0)], [pytest.approx(2.0)]]
 
 
+SCRIPT_BAND = {"band_low": 0.5, "band_high": 1.5}  # the official run script's default band
+
+
 def epo_term(options, reference, entropies):
     """The loss EPO adds (its loss minus the surrogate's alone, dapo) on a micro-batch with these (B, T) entropies
     and historical means ``reference`` (per turn index); returns the context and the term (with grad)."""
@@ -75,9 +78,18 @@ def epo_term(options, reference, entropies):
     return ctx, loss_from_context(ctx) - base
 
 
+def test_default_band_is_the_readme_runs_zero_to_twice_the_history():
+    # README runs: k_l = 0, k_r = 2.0 -- 0.1 is inside the band, 2.5 is 0.5 above it (the run script's [0.5, 1.5]
+    # would have flagged both)
+    entropies = torch.tensor([[0.1, 2.5]], requires_grad=True)
+    ctx, term = epo_term({"entropy_coef": 1.0, "phase_weighting": False}, [1.0], entropies)
+    assert float(term.detach()) == pytest.approx(-(0.1 + 2.5 - 0.1 * 0.5) / 2)
+    assert ctx.metrics["plugins/epo/out_of_band_fraction"] == [0.5]
+
+
 def test_the_entropy_term_is_an_entropy_bonus_inside_the_band():
     entropies = torch.tensor([[1.0, 1.2], [0.8, 1.4]], requires_grad=True)
-    ctx, term = epo_term({"entropy_coef": 0.5}, [1.0], entropies)  # band [0.5, 1.5]
+    ctx, term = epo_term({"entropy_coef": 0.5, **SCRIPT_BAND}, [1.0], entropies)  # band [0.5, 1.5]
     assert float(term.detach()) == pytest.approx(-0.5 * entropies.mean().item())
     term.backward()
     assert torch.allclose(entropies.grad, torch.full((2, 2), -0.5 / 4))
@@ -87,7 +99,8 @@ def test_the_entropy_term_is_an_entropy_bonus_inside_the_band():
 def test_out_of_band_entropy_is_pulled_back_toward_the_band():
     # one token far below the band, one far above; hinge penalty alpha * distance, weight c * w_k = 1
     entropies = torch.tensor([[0.1, 3.0]], requires_grad=True)
-    ctx, term = epo_term({"entropy_coef": 1.0, "penalty": 0.5, "phase_weighting": False}, [1.0], entropies)
+    ctx, term = epo_term({"entropy_coef": 1.0, "penalty": 0.5, "phase_weighting": False, **SCRIPT_BAND}, [1.0],
+                         entropies)
     penalties = [0.5 * (0.5 - 0.1), 0.5 * (3.0 - 1.5)]
     assert float(term.detach()) == pytest.approx(-(0.1 + 3.0 - sum(penalties)) / 2)
     term.backward()
@@ -98,7 +111,8 @@ def test_out_of_band_entropy_is_pulled_back_toward_the_band():
 
 def test_indicator_penalty_is_the_official_constant_without_gradient():
     entropies = torch.tensor([[0.1, 1.0]], requires_grad=True)
-    options = {"entropy_coef": 1.0, "penalty": 0.5, "phase_weighting": False, "penalty_form": "indicator"}
+    options = {"entropy_coef": 1.0, "penalty": 0.5, "phase_weighting": False, "penalty_form": "indicator",
+               **SCRIPT_BAND}
     _, term = epo_term(options, [1.0], entropies)
     assert float(term.detach()) == pytest.approx(-(0.1 + 1.0 - 0.5) / 2)
     term.backward()
@@ -117,7 +131,7 @@ def test_penalty_uses_each_tokens_turn_and_skips_early_turns_and_tool_results():
 
 
 def test_loss_reads_the_turns_of_the_micro_batch():
-    stack = build_stack("epo", {"epo": {"entropy_coef": 1.0, "phase_weighting": False}}, max_steps=10)
+    stack = build_stack("epo", {"epo": {"entropy_coef": 1.0, "phase_weighting": False, **SCRIPT_BAND}}, max_steps=10)
     epo(stack).reference = [1.0, 10.0]  # turn 1's band is [5, 15]
     ctx = make_loss_context(shape=(1, 4), entropies=torch.tensor([[1.0, 1.0, 1.0, 1.0]]), loss_type="dapo",
                             mask=torch.tensor([[1.0, 1.0, 0.0, 1.0]]))

@@ -91,6 +91,17 @@ def test_tiny_model_samples_from_raw_logits_over_the_rules_temperature():
         raw = model(torch.tensor([prompt_ids[0]])).logits[0, -1]
     torch.testing.assert_close(seen[0][0], raw.float())  # raw logits: TRL's temperature 0.5 was not applied first
     assert trainer.generation_config.temperature == 0.5 and "generate" not in vars(model)  # restored after
+    calls = len(seen)
+    trainer.set_token_temperature(None)  # TRL's own sampling again: the rule is no longer consulted
+    trainer._generate_single_turn(prompt_ids, None, {}, 1)
+    assert len(seen) == calls
+
+
+def test_a_trainer_without_a_rule_samples_with_trls_temperature():
+    trainer = make_tiny_trainer(plugins=[], max_completion_length=3)
+    assert trainer._token_temperature is None  # initialised by the constructor, off
+    out, _ = trainer._generate_single_turn(trainer.generation_service.tokenize(["1+1="]), None, {}, 1)
+    assert len(out) == 1 and 0 < len(out[0]) <= 3
 
 
 def test_sampled_tokens_follow_softmax_of_the_logits_over_hapos_temperature():

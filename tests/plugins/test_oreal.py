@@ -1,7 +1,8 @@
 """oreal: OREAL (from the official code, without its token-level reward model).
 
-Rewards and leave-one-out advantages by hand, the pair filter (one correct + one wrong per mixed group, uniform
-groups dropped), the official normalisation (positive / negative token sums each over their own count) checked as a
+Rewards and leave-one-out advantages by hand, the default of the official wo_tokenrm config (every row trained,
+uniform groups at advantage 0), the pair filter of the with-token-RM configs (one correct + one wrong per mixed group,
+uniform groups dropped), the official normalisation (positive / negative token sums each over their own count) checked as a
 full dapo micro-batch loss, the behaviour-cloning gradient on positives and the unclipped ratio on negatives, the
 verifier column deciding success, construction refusals, the neutral setting and a tiny-model run."""
 
@@ -96,16 +97,31 @@ def test_advantage_hook_uses_the_verifier_column_and_attaches_extras():
                                  completion_lengths=[2, 3, 4, 5])
     run_hook("oreal", "trl_plugins_transform_advantages", ctx, loss_type="dapo")
     assert ctx.extras[POSITIVE_KEY].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # default filter 'none' (wo_tokenrm config): every row kept, scaled by its sign's token count (14 tokens: 2 / 12)
+    assert torch.allclose(ctx.extras[SCALE_KEY], torch.tensor([14 / 2, 14 / 12 * 0.5, 14 / 12 * 0.5, 14 / 12 * 0.5]))
+    assert torch.allclose(ctx.advantages, torch.tensor([2.0, -2 / 3, -2 / 3, -2 / 3]))  # RLOO of +1 among three -1
+    assert ctx.metrics["plugins/oreal/mixed_group_fraction"] == [1.0]
+    assert ctx.metrics["plugins/oreal/kept_fraction"] == [1.0]
+
+
+def test_one_pair_filter_keeps_a_pair_and_zeroes_the_rest():
+    per_func = torch.tensor([[1.0], [0.0], [0.0], [0.0]])
+    ctx = make_advantage_context(per_func.sum(-1), rewards_per_func=per_func, num_generations=4,
+                                 completion_lengths=[2, 3, 4, 5])
+    run_hook("oreal", "trl_plugins_transform_advantages", ctx, options={"filter": "one_pair"}, loss_type="dapo")
     kept = ctx.extras[SCALE_KEY] > 0
     assert kept.sum() == 2 and bool(kept[0])
-    assert ctx.advantages[0] == pytest.approx(2.0)  # RLOO of +1 among three -1
+    assert ctx.advantages[0] == pytest.approx(2.0)
     assert (ctx.advantages[~kept] == 0).all()
-    assert ctx.metrics["plugins/oreal/mixed_group_fraction"] == [1.0]
 
 
 def test_uniform_groups_train_nothing():
+    # default (no filter): an all-correct group is kept but its leave-one-out advantage is 0, so its loss is 0
     ctx = make_advantage_context(torch.ones(4), num_generations=4)
     run_hook("oreal", "trl_plugins_transform_advantages", ctx, loss_type="dapo")
+    assert (ctx.advantages == 0).all() and (ctx.extras[SCALE_KEY] > 0).all()
+    ctx = make_advantage_context(torch.ones(4), num_generations=4)
+    run_hook("oreal", "trl_plugins_transform_advantages", ctx, options={"filter": "one_pair"}, loss_type="dapo")
     assert (ctx.extras[SCALE_KEY] == 0).all() and (ctx.advantages == 0).all()
 
 
