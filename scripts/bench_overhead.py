@@ -543,8 +543,10 @@ def markdown(result: dict, part: str) -> str:
             lines.append("Configurations that failed: " + "; ".join(f"{k}: {v}" for k, v in result["errors"].items()))
         if result.get("previous_commands"):
             lines.append("")
-            lines.append("Rows kept from earlier runs of this script (`--append`): "
-                         + "; ".join(f"`{c}`" for c in result["previous_commands"] if c))
+            machines = result.get("previous_machine") or [None] * len(result["previous_commands"])
+            lines.append("Rows kept from earlier runs of this script (`--append`), listed first: " + "; ".join(
+                f"`{c}`" + (f" (measured {m['time']}, load average at start {m['loadavg_1_5_15']})" if m else "")
+                for c, m in zip(result["previous_commands"], machines) if c))
         lines.append("")
     if part == "head_stats" and result.get("head_stats"):
         h = result["head_stats"]
@@ -710,10 +712,10 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t0:.0f}s, "
                   f"load {bc.machine_info()['loadavg_1_5_15'][0]})", flush=True)
             row["loadavg_after"] = bc.machine_info()["loadavg_1_5_15"]
-            partial = {**result, "trainer": {**meta, "rows": rows + list(previous.values()), "partial": True}}
+            partial = {**result, "trainer": {**meta, "rows": list(previous.values()) + rows, "partial": True}}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(partial, indent=1, default=str))
-        rows += list(previous.values())  # configurations measured before and not asked for now
+        rows = list(previous.values()) + rows  # configurations measured before and not asked for now come first
         result["trainer"] = {**meta, "rows": rows}
     if not args.skip_head_stats:
         result["head_stats"] = bench_head_stats(args.head_vocab, args.head_dim, args.head_tokens, args.head_chunks,
