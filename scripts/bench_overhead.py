@@ -498,6 +498,10 @@ def markdown(result: dict, part: str) -> str:
         if t.get("task") == "tools":
             model = ("an untrained tiny model (smoke run)" if t.get("untrained") else
                      "the tiny model warm-started on arithmetic and then on tool-use traces")
+            w = t.get("tool_warm_start")
+            if w and not t.get("untrained"):
+                model += (f" ({w['steps']} supervised steps of {w['batch_size']} traces, shortcut fractions "
+                          f"{w['shortcut_fraction']})")
             setting = (f"multi-turn tool task of `scripts/bench_agentic.py` ({model}; bundled `ToolEnvironment` through TRL's `environment_factory`, "
                        "verifier `tool_answer_reward`; both trainers of a pair get the same environment and reward), "
                        f"G={t['num_generations']}, {t['batch']} rollouts per step, max {t['max_completion_length']} "
@@ -676,8 +680,10 @@ def main(argv=None) -> int:
             "batch": fields.get("per_device_train_batch_size", s.per_device_train_batch_size),
             "max_completion_length": fields.get("max_completion_length", s.max_completion_length),
         }
-        if tools:
-            meta["max_tool_calling_iterations"] = fields["max_tool_calling_iterations"]
+        if tools:  # the agentic benchmark's own record of its settings (tool warm start included)
+            import bench_agentic as ba
+
+            meta.update(ba.result_fields(args.tiny))
         rows = []
         errors: dict[str, str] = {}
         previous = {}
