@@ -28,7 +28,10 @@ Tool-agent mode (``--task tools``): the same A/B method on the agentic benchmark
 ``environment_factory``, the verifier ``tool_answer_reward``, its GRPO sizes and training questions, which carry the
 ``gold_calls`` and ``entities`` columns that funrl, matchtir and e_grpo read), for the agent plugins
 (:data:`AGENT_CONFIGS`; options from ``bench_agentic.plugin_settings``, i.e. ``bench_common.PLUGIN_SETTINGS`` or the
-plugin's defaults, and its named variants such as ``igpo_a2tgpo``). On the arithmetic task a configuration may name a
+plugin's defaults, and its named variants such as ``igpo_a2tgpo``). Its rows also record TRL's tool calls per rollout
+(``tools/call_frequency``, a table column) and completion tokens per rollout in the counted steps
+(``completions/mean_length``, in the JSON): a plugin that changes the update changes the later steps' rollouts, and
+so their cost. On the arithmetic task a configuration may name a
 mode of a plugin as ``plugin:variant`` (:data:`VARIANTS`, e.g. ``length_shaping:hbpo``).
 
 Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
@@ -262,6 +265,8 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
     trl_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
     # TRL's tool-loop metric (tool calls per rollout), logged when the trainer has tools
     calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+    # completion tokens per rollout (TRL's metric): a plugin that changes the update changes the later steps' rollouts
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history[1:] if "completions/mean_length" in h]
     return {
         "step_s": bc.median(timer.times[1:]),
         "step_cpu_s": bc.median(timer.cpu_times[1:]),
@@ -269,6 +274,7 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
         "peak_rss_growth_mib": None if peak is None or rss0 is None else max(0.0, peak - rss0),
         "extra_rollouts_per_step": extra / max(1, steps),
         "tool_calls_per_rollout": bc.median(calls) if calls else None,
+        "completion_tokens_counted_steps": bc.median(lengths) if lengths else None,
     }
 
 
@@ -347,6 +353,10 @@ def bench_config(name: str, noop_names, setup: dict, repeats: int, steps: int, s
         "extra_rollouts_per_step": bc.median([b["extra_rollouts_per_step"] for b in blocks["plugin"]]),
         "tool_calls_per_rollout_vanilla": _median_or_none([b.get("tool_calls_per_rollout") for b in blocks["vanilla"]]),
         "tool_calls_per_rollout_plugin": _median_or_none([b.get("tool_calls_per_rollout") for b in blocks["plugin"]]),
+        "completion_tokens_vanilla": _median_or_none([b.get("completion_tokens_counted_steps")
+                                                      for b in blocks["vanilla"]]),
+        "completion_tokens_plugin": _median_or_none([b.get("completion_tokens_counted_steps")
+                                                     for b in blocks["plugin"]]),
         "peak_tensor_mib_vanilla": memory["vanilla"]["peak_mib"],
         "peak_tensor_mib_plugin": memory["plugin"]["peak_mib"],
         "blocks": blocks,
@@ -715,6 +725,8 @@ def main(argv=None) -> int:
                   f"+{row['peak_rss_growth_mib_plugin']:.1f} MiB  tensors {row['peak_tensor_mib_vanilla']:.1f} / "
                   f"{row['peak_tensor_mib_plugin']:.1f} MiB  tool calls/rollout "
                   f"{_fmt(row['tool_calls_per_rollout_vanilla'])} / {_fmt(row['tool_calls_per_rollout_plugin'])}  "
+                  f"completion tokens (counted steps) {_fmt(row['completion_tokens_vanilla'])} / "
+                  f"{_fmt(row['completion_tokens_plugin'])}  "
                   f"({time.perf_counter() - t0:.0f}s, "
                   f"load {bc.machine_info()['loadavg_1_5_15'][0]})", flush=True)
             row["loadavg_after"] = bc.machine_info()["loadavg_1_5_15"]
