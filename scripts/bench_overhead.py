@@ -23,6 +23,17 @@ The ratio of a configuration is the median over block pairs of ``median step CPU
 (extra rollouts, other prompts), so their ratio is the method's cost, not only the framework's; the extra
 completions each plugin requested per step (``trainer.generation_service.total``) are reported beside it.
 
+Tool-agent mode (``--task tools``): the same A/B method on the agentic benchmark's multi-turn tool task
+(``scripts/bench_agentic.py``: the tool-warm-started tiny model, the bundled ``ToolEnvironment`` through TRL's
+``environment_factory``, the verifier ``tool_answer_reward``, its GRPO sizes and training questions, which carry the
+``gold_calls`` and ``entities`` columns that funrl, matchtir and e_grpo read), for the agent plugins
+(:data:`AGENT_CONFIGS`; options from ``bench_agentic.plugin_settings``, i.e. ``bench_common.PLUGIN_SETTINGS`` or the
+plugin's defaults, and its named variants such as ``igpo_a2tgpo``). Its rows also record TRL's tool calls per rollout
+(``tools/call_frequency``, a table column) and completion tokens per rollout in the counted steps
+(``completions/mean_length``, in the JSON): a plugin that changes the update changes the later steps' rollouts, and
+so their cost. On the arithmetic task a configuration may name a
+mode of a plugin as ``plugin:variant`` (:data:`VARIANTS`, e.g. ``length_shaping:hbpo``).
+
 Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
 1024 valid completion tokens computes Lp-Reg's min-p proxy log-probs and SIREN's nucleus entropy (no grad, and
 with grad + backward) at chunk sizes 1024, 256 and 64; we measure the peak of live tensor bytes (profiler, as
@@ -34,6 +45,7 @@ implementation needs (586 MiB), and run that full-logits computation for referen
     python scripts/bench_overhead.py --configs none noop8 lp_reg --repeats 12
     python scripts/bench_overhead.py --profile noop8 # cProfile of the plugin path (top entries)
     python scripts/bench_overhead.py --head-stats-only
+    python scripts/bench_overhead.py --task tools --skip-head-stats   # the agent plugins on the tool task
 
 Results go to ``docs/benchmarks/overhead.json`` (``head_stats.json`` with ``--head-stats-only``) and
 (``--write-docs``) the overhead / head-stats sections of ``docs/benchmarks.md``.
@@ -59,6 +71,19 @@ import bench_common as bc  # noqa: E402
 
 QUICK_PLUGINS = ["canon", "lp_reg", "hint_scaffold", "fbos_rl", "scope"]
 NUM_NOOP = 8
+TASKS = ("arithmetic", "tools")
+#: Default configurations of ``--task tools``: the multi-turn tool-agent plugins (``igpo_a2tgpo``: IGPO's A2TGPO mode,
+#: a named variant of ``bench_agentic.VARIANTS``).
+AGENT_CONFIGS = ["igpo", "igpo_a2tgpo", "otc_po", "aspo", "salt", "epo", "matchtir", "e_grpo", "ikea", "funrl"]
+#: Named modes of one plugin on the arithmetic task (``plugin:variant`` in ``--configs``): the plugin with these
+#: options on top of its ``bench_common.PLUGIN_SETTINGS``.
+VARIANTS: dict[str, dict] = {
+    "length_shaping:decs": {"mode": "decs"},
+    "length_shaping:pear": {"mode": "pear"},
+    "length_shaping:siri": {"mode": "siri"},
+    # the paper's budgets (512-2560 tokens) exceed the 40-token completions: four sub-groups of 2 rollouts instead
+    "length_shaping:hbpo": {"mode": "hbpo", "hbpo_budgets": [10, 20, 30, 40]},
+}
 
 
 # ------------------------------------------------------------------------------------------------ no-op plugins
@@ -132,14 +157,60 @@ def register_noop_plugins(n: int = NUM_NOOP) -> list[str]:
 # ------------------------------------------------------------------------------------------------ trainer part
 
 
-def config_plugins(name: str, noop_names: list[str]) -> tuple[list[str], dict, dict]:
-    """(plugins, plugin_config, GRPOConfig overrides) of a benchmark configuration."""
+def config_plugins(name: str, noop_names: list[str], task: str = "arithmetic") -> tuple[list[str], dict, dict]:
+    """(plugins, plugin_config, GRPOConfig overrides) of a benchmark configuration: ``none``, ``noop8``, a plugin, a
+    variant (arithmetic: ``plugin:variant`` of :data:`VARIANTS`; tools: ``bench_agentic.VARIANTS``) or a stack
+    ``a+b``."""
     if name == "none":
         return [], {}, {}
     if name == "noop8":
         return list(noop_names), {}, {}
-    options, overrides = bc.stack_settings(name.split("+"))
-    return name.split("+"), options, overrides
+    if task == "tools":
+        import bench_agentic as ba
+
+        plugins, options, overrides = [], {}, {}
+        for part in name.split("+"):
+            plugin, opts, over = ba.plugin_settings(part)
+            plugins.append(plugin)
+            if opts:
+                options[plugin] = dict(opts)
+            overrides.update(over)
+        return plugins, options, overrides
+    parts = name.split("+")
+    for part in parts:
+        if ":" in part and part not in VARIANTS:
+            raise ValueError(f"unknown variant {part!r}; allowed: {sorted(VARIANTS)}")
+    plugins = [part.split(":")[0] for part in parts]
+    options, overrides = bc.stack_settings(plugins)
+    for part, plugin in zip(parts, plugins):
+        if part in VARIANTS:
+            options[plugin] = {**options.get(plugin, {}), **VARIANTS[part]}
+    return plugins, options, overrides
+
+
+def task_setup(task: str, cache_dir=None, untrained: bool = False) -> dict:
+    """Model, tokenizer, training set, reward functions, trainer arguments and GRPOConfig fields of ``task``.
+
+    ``arithmetic``: the warm-started demo model on the chained-arithmetic problems (:func:`bench_common.load_model`).
+    ``tools``: the agentic benchmark's set-up, built by ``scripts/bench_agentic.py`` (tool-warm-started model, training
+    questions, ``environment_factory``, verifier, GRPO sizes).
+    """
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    if task == "tools":
+        import bench_agentic as ba
+
+        model, tokenizer = ba.load_model(cache_dir, untrained=untrained)
+        train, _ = ba.datasets(ba.TOOL_TASK["train_size"], 1)
+        return {"model": model, "tokenizer": tokenizer, "dataset": train, "reward_funcs": ba.reward_funcs(),
+                "trainer_kwargs": ba.trainer_kwargs(), "fields": ba.grpo_fields(untrained)}
+    from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
+
+    model, tokenizer = bc.load_model(cache_dir, untrained=untrained)
+    s = bc.demo_settings()
+    fields = dict(bc.SMOKE_OVERRIDES) if untrained else {}
+    return {"model": model, "tokenizer": tokenizer, "dataset": make_dataset(256, levels=s.levels, seed=0, split="train"),
+            "reward_funcs": [accuracy_reward], "trainer_kwargs": None, "fields": fields}
 
 
 class _StepTimer:
@@ -192,29 +263,40 @@ def run_block(trainer, timer, init_state: dict, steps: int, seed: int) -> dict:
     peak = bc.peak_rss_mib()
     extra = (service.total - extra0) if service is not None else 0
     trl_times = [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
+    # TRL's tool-loop metric (tool calls per rollout), logged when the trainer has tools
+    calls = [h["tools/call_frequency"] for h in trainer.state.log_history if "tools/call_frequency" in h]
+    # completion tokens per rollout (TRL's metric): a plugin that changes the update changes the later steps' rollouts
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history[1:] if "completions/mean_length" in h]
     return {
         "step_s": bc.median(timer.times[1:]),
         "step_cpu_s": bc.median(timer.cpu_times[1:]),
         "trl_step_s": bc.median(trl_times[1:]),
         "peak_rss_growth_mib": None if peak is None or rss0 is None else max(0.0, peak - rss0),
         "extra_rollouts_per_step": extra / max(1, steps),
+        "tool_calls_per_rollout": bc.median(calls) if calls else None,
+        "completion_tokens_counted_steps": bc.median(lengths) if lengths else None,
     }
 
 
-def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int, steps: int, seed: int,
-                 base_overrides: dict | None = None) -> dict:
-    from trl_plugins.tasks.arithmetic import accuracy_reward
+def _median_or_none(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return bc.median(values) if values else None
 
-    plugins, options, overrides = config_plugins(name, noop_names)
-    overrides = {**(base_overrides or {}), **overrides}
+
+def bench_config(name: str, noop_names, setup: dict, repeats: int, steps: int, seed: int,
+                 task: str = "arithmetic") -> dict:
+    """One configuration's A/B blocks on ``setup`` (:func:`task_setup`); the row of the table."""
+    model, tokenizer, dataset = setup["model"], setup["tokenizer"], setup["dataset"]
+    plugins, options, overrides = config_plugins(name, noop_names, task)
+    overrides = {**setup["fields"], **overrides}
     out_dir = tempfile.mkdtemp(prefix="bench_overhead_")
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainers, timers = {}, {}
 
     def build(kind):
         trainers[kind] = bc.make_trainer(
-            kind, copy.deepcopy(model), tokenizer, dataset, [accuracy_reward], out_dir,
-            plugins=plugins, plugin_config=options, seed=seed, **overrides,
+            kind, copy.deepcopy(model), tokenizer, dataset, setup["reward_funcs"], out_dir,
+            plugins=plugins, plugin_config=options, seed=seed, trainer_kwargs=setup["trainer_kwargs"], **overrides,
         )
         timers[kind] = _StepTimer.make()
         trainers[kind].add_callback(timers[kind])
@@ -269,27 +351,35 @@ def bench_config(name: str, noop_names, model, tokenizer, dataset, repeats: int,
         "peak_rss_growth_mib_vanilla": bc.median(mem_a),
         "peak_rss_growth_mib_plugin": bc.median(mem_b),
         "extra_rollouts_per_step": bc.median([b["extra_rollouts_per_step"] for b in blocks["plugin"]]),
+        "tool_calls_per_rollout_vanilla": _median_or_none([b.get("tool_calls_per_rollout") for b in blocks["vanilla"]]),
+        "tool_calls_per_rollout_plugin": _median_or_none([b.get("tool_calls_per_rollout") for b in blocks["plugin"]]),
+        "completion_tokens_vanilla": _median_or_none([b.get("completion_tokens_counted_steps")
+                                                      for b in blocks["vanilla"]]),
+        "completion_tokens_plugin": _median_or_none([b.get("completion_tokens_counted_steps")
+                                                     for b in blocks["plugin"]]),
         "peak_tensor_mib_vanilla": memory["vanilla"]["peak_mib"],
         "peak_tensor_mib_plugin": memory["plugin"]["peak_mib"],
         "blocks": blocks,
     }
 
 
-def profile_config(name: str, noop_names, model, tokenizer, dataset, steps: int, seed: int, top: int) -> str:
+def profile_config(name: str, noop_names, setup: dict, steps: int, seed: int, top: int,
+                   task: str = "arithmetic") -> str:
     """cProfile of plugin-trainer blocks; top entries by cumulative time inside trl_plugins and the plugins."""
     import cProfile
     import io
     import pstats
 
-    from trl_plugins.tasks.arithmetic import accuracy_reward
-
-    plugins, options, overrides = config_plugins(name, noop_names)
+    model, tokenizer, dataset = setup["model"], setup["tokenizer"], setup["dataset"]
+    plugins, options, overrides = config_plugins(name, noop_names, task)
+    overrides = {**setup["fields"], **overrides}
     out_dir = tempfile.mkdtemp(prefix="bench_profile_")
     init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     report = []
     for kind in ("vanilla", "plugin"):
-        trainer = bc.make_trainer(kind, copy.deepcopy(model), tokenizer, dataset, [accuracy_reward], out_dir,
-                                  plugins=plugins, plugin_config=options, seed=seed, **overrides)
+        trainer = bc.make_trainer(kind, copy.deepcopy(model), tokenizer, dataset, setup["reward_funcs"], out_dir,
+                                  plugins=plugins, plugin_config=options, seed=seed,
+                                  trainer_kwargs=setup["trainer_kwargs"], **overrides)
         timer = _StepTimer.make()
         trainer.add_callback(timer)
         run_block(trainer, timer, init_state, 1, seed)  # warm-up
@@ -415,10 +505,23 @@ def markdown(result: dict, part: str) -> str:
     lines.append("")
     if part == "trainer" and result.get("trainer"):
         t = result["trainer"]
+        if t.get("task") == "tools":
+            model = ("an untrained tiny model (smoke run)" if t.get("untrained") else
+                     "the tiny model warm-started on arithmetic and then on tool-use traces")
+            w = t.get("tool_warm_start")
+            if w and not t.get("untrained"):
+                model += (f" ({w['steps']} supervised steps of {w['batch_size']} traces, shortcut fractions "
+                          f"{w['shortcut_fraction']})")
+            setting = (f"multi-turn tool task of `scripts/bench_agentic.py` ({model}; bundled `ToolEnvironment` through TRL's `environment_factory`, "
+                       "verifier `tool_answer_reward`; both trainers of a pair get the same environment and reward), "
+                       f"G={t['num_generations']}, {t['batch']} rollouts per step, max {t['max_completion_length']} "
+                       f"completion tokens (tool results included), at most {t['max_tool_calling_iterations']} tool turns; "
+                       "tool calls / rollout = TRL's `tools/call_frequency`, median over blocks")
+        else:
+            setting = (f"tiny warm-started model, G={t['num_generations']}, {t['batch']} completions per step, max "
+                       f"{t['max_completion_length']} completion tokens")
         lines.append(f"Trainer overhead: interleaved block pairs (A B B A ...; count per row), "
-                     f"{t['steps']} steps per block (first step of each block not counted), tiny warm-started model, "
-                     f"G={t['num_generations']}, {t['batch']} completions per step, max {t['max_completion_length']} "
-                     "completion tokens. Step time = CPU time of the process for one optimizer step (one torch "
+                     f"{t['steps']} steps per block (first step of each block not counted), {setting}. Step time = CPU time of the process for one optimizer step (one torch "
                      "thread, so "
                      "this is the work done; on a shared machine it is far less noisy than wall time, which is given "
                      "too); ratio = median over block pairs of (plugin / vanilla) median step CPU time, with its "
@@ -428,12 +531,12 @@ def markdown(result: dict, part: str) -> str:
                      "growth of the process's peak resident set during a block (median over blocks; noisier: "
                      "allocator caching and page granularity).")
         lines.append("")
+        tools = t.get("task") == "tools"
         lines.append("| configuration | pairs | vanilla step CPU (s) | plugin step CPU (s) | ratio (CPU) | IQR | "
                      "wall-time ratio | TRL step_time ratio (wall) | "
-                     "extra rollouts / step | peak tensor MiB vanilla / plugin | "
-                     "peak RSS growth MiB vanilla / plugin | "
-                     "load after |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "extra rollouts / step | " + ("tool calls / rollout vanilla / plugin | " if tools else "")
+                     + "peak tensor MiB vanilla / plugin | peak RSS growth MiB vanilla / plugin | load after |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tools else ""))
         for row in t["rows"]:
             name = {"none": "no plugins", "noop8": f"{NUM_NOOP} no-op plugins (every hook)"}.get(row["config"],
                                                                                               row["config"])
@@ -442,7 +545,10 @@ def markdown(result: dict, part: str) -> str:
                 f"| {name} | {row['repeats']} | {row['step_cpu_s_vanilla']:.3f} | {row['step_cpu_s_plugin']:.3f} | "
                 f"**{row['ratio']:.3f}** | {row['ratio_q25']:.3f}-{row['ratio_q75']:.3f} | {row['wall_ratio']:.3f} | "
                 f"{row['trl_step_time_ratio']:.3f} | "
-                f"{row['extra_rollouts_per_step']:.1f} | {row['peak_tensor_mib_vanilla']:.1f} / "
+                f"{row['extra_rollouts_per_step']:.1f} | "
+                + (f"{_fmt(row.get('tool_calls_per_rollout_vanilla'))} / "
+                   f"{_fmt(row.get('tool_calls_per_rollout_plugin'))} | " if tools else "")
+                + f"{row['peak_tensor_mib_vanilla']:.1f} / "
                 f"{row['peak_tensor_mib_plugin']:.1f} | {row['peak_rss_growth_mib_vanilla']:.1f} / "
                 f"{row['peak_rss_growth_mib_plugin']:.1f} | {load[0] if load else '-'} |"
             )
@@ -451,8 +557,10 @@ def markdown(result: dict, part: str) -> str:
             lines.append("Configurations that failed: " + "; ".join(f"{k}: {v}" for k, v in result["errors"].items()))
         if result.get("previous_commands"):
             lines.append("")
-            lines.append("Rows kept from earlier runs of this script (`--append`): "
-                         + "; ".join(f"`{c}`" for c in result["previous_commands"] if c))
+            machines = result.get("previous_machine") or [None] * len(result["previous_commands"])
+            lines.append("Rows kept from earlier runs of this script (`--append`), listed first: " + "; ".join(
+                f"`{c}`" + (f" (measured {m['time']}, load average at start {m['loadavg_1_5_15']})" if m else "")
+                for c, m in zip(result["previous_commands"], machines) if c))
         lines.append("")
     if part == "head_stats" and result.get("head_stats"):
         h = result["head_stats"]
@@ -475,6 +583,10 @@ def markdown(result: dict, part: str) -> str:
     return "\n".join(lines)
 
 
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def write_docs_section(section: str, body: str, command: str) -> Path:
     path = bc.ROOT / "docs" / "benchmarks.md"
     begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
@@ -491,6 +603,10 @@ def write_docs_section(section: str, body: str, command: str) -> Path:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"none, noop8 and {', '.join(QUICK_PLUGINS)}; 4 repeats")
+    p.add_argument("--task", choices=TASKS, default="arithmetic",
+                   help="arithmetic: the tiny demo model on the arithmetic task; tools: the agentic benchmark's "
+                   f"multi-turn tool task (scripts/bench_agentic.py), default configurations none and "
+                   f"{', '.join(AGENT_CONFIGS)}")
     p.add_argument("--tiny", action="store_true",
                    help="smoke mode: untrained model, none + noop8, 1 repeat, 2 steps, small head")
     p.add_argument("--configs", nargs="*", default=None,
@@ -529,9 +645,12 @@ def main(argv=None) -> int:
     if args.json is None:
         name = "head_stats.json" if args.head_stats_only else "overhead.json"
         args.json = str(bc.ROOT / "docs" / "benchmarks" / name)
+    tools = args.task == "tools"
     if args.tiny:
-        configs, repeats, base_repeats, steps = ["none", "noop8"], 1, 1, 2
+        configs, repeats, base_repeats, steps = ["none", "igpo_a2tgpo"] if tools else ["none", "noop8"], 1, 1, 2
         args.head_vocab, args.head_tokens, args.head_chunks = 20_000, 128, [64]
+    elif tools:
+        configs, repeats, base_repeats, steps = ["none", *AGENT_CONFIGS], 8, 16, args.steps
     elif args.quick:
         configs, repeats, base_repeats, steps = ["none", "noop8", *QUICK_PLUGINS], 4, 8, args.steps
     else:
@@ -556,16 +675,25 @@ def main(argv=None) -> int:
                     print(f"wrote {write_docs_section(section, md, result['command'])}")
         return 0
     if not args.head_stats_only or args.profile:
-        from trl_plugins.tasks.arithmetic import make_dataset
-
         noop_names = register_noop_plugins()
-        model, tokenizer = bc.load_model(args.cache_dir, untrained=args.tiny)
+        setup = task_setup(args.task, args.cache_dir, untrained=args.tiny)
         s = bc.demo_settings()
-        dataset = make_dataset(256, levels=s.levels, seed=0, split="train")
         if args.profile:
-            print(profile_config(args.profile, noop_names, model, tokenizer, dataset, max(2, args.steps), args.seed,
-                                 top=40))
+            print(profile_config(args.profile, noop_names, setup, max(2, args.steps), args.seed, top=40,
+                                 task=args.task))
             return 0
+        fields = setup["fields"]
+        meta = {  # the settings of the table, recorded with every (partial) result
+            "repeats": repeats, "baseline_repeats": base_repeats, "steps": steps, "task": args.task,
+            "untrained": bool(args.tiny),
+            "num_generations": fields.get("num_generations", s.num_generations),
+            "batch": fields.get("per_device_train_batch_size", s.per_device_train_batch_size),
+            "max_completion_length": fields.get("max_completion_length", s.max_completion_length),
+        }
+        if tools:  # the agentic benchmark's own record of its settings (tool warm start included)
+            import bench_agentic as ba
+
+            meta.update(ba.result_fields(args.tiny))
         rows = []
         errors: dict[str, str] = {}
         previous = {}
@@ -579,8 +707,7 @@ def main(argv=None) -> int:
             reps = base_repeats if name in ("none", "noop8") else repeats
             t0 = time.perf_counter()
             try:
-                row = bench_config(name, noop_names, model, tokenizer, dataset, reps, steps, args.seed,
-                                   base_overrides=bc.SMOKE_OVERRIDES if args.tiny else None)
+                row = bench_config(name, noop_names, setup, reps, steps, args.seed, task=args.task)
             except Exception as exc:  # noqa: BLE001 -- reported in the table, the other configurations go on
                 import traceback
 
@@ -596,21 +723,18 @@ def main(argv=None) -> int:
                   f"trl step_time ratio {row['trl_step_time_ratio']:.3f}  extra/step "
                   f"{row['extra_rollouts_per_step']:.1f}  peak RSS +{row['peak_rss_growth_mib_vanilla']:.1f} / "
                   f"+{row['peak_rss_growth_mib_plugin']:.1f} MiB  tensors {row['peak_tensor_mib_vanilla']:.1f} / "
-                  f"{row['peak_tensor_mib_plugin']:.1f} MiB  ({time.perf_counter() - t0:.0f}s, "
+                  f"{row['peak_tensor_mib_plugin']:.1f} MiB  tool calls/rollout "
+                  f"{_fmt(row['tool_calls_per_rollout_vanilla'])} / {_fmt(row['tool_calls_per_rollout_plugin'])}  "
+                  f"completion tokens (counted steps) {_fmt(row['completion_tokens_vanilla'])} / "
+                  f"{_fmt(row['completion_tokens_plugin'])}  "
+                  f"({time.perf_counter() - t0:.0f}s, "
                   f"load {bc.machine_info()['loadavg_1_5_15'][0]})", flush=True)
             row["loadavg_after"] = bc.machine_info()["loadavg_1_5_15"]
-            partial = {**result, "trainer": {"rows": rows + list(previous.values()), "partial": True}}
+            partial = {**result, "trainer": {**meta, "rows": list(previous.values()) + rows, "partial": True}}
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(partial, indent=1, default=str))
-        rows += list(previous.values())  # configurations measured before and not asked for now
-        result["trainer"] = {
-            "rows": rows, "repeats": repeats, "baseline_repeats": base_repeats, "steps": steps,
-            "num_generations": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("num_generations", s.num_generations),
-            "batch": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("per_device_train_batch_size",
-                                                                  s.per_device_train_batch_size),
-            "max_completion_length": (bc.SMOKE_OVERRIDES if args.tiny else {}).get("max_completion_length",
-                                                                                  s.max_completion_length),
-        }
+        rows = list(previous.values()) + rows  # configurations measured before and not asked for now come first
+        result["trainer"] = {**meta, "rows": rows}
     if not args.skip_head_stats:
         result["head_stats"] = bench_head_stats(args.head_vocab, args.head_dim, args.head_tokens, args.head_chunks,
                                                 args.seed)

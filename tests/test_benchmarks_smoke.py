@@ -34,6 +34,57 @@ def test_bench_overhead_tiny(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_overhead_tools_tiny(tmp_path):
+    """--task tools --tiny: vanilla GRPOTrainer and PluginGRPOTrainer + IGPO's A2TGPO mode on the bundled tool
+    environment (untrained model, short blocks); the rows record TRL's tool-loop metric, so the environment was used."""
+    out = tmp_path / "overhead_agentic.json"
+    proc = _run([str(SCRIPTS / "bench_overhead.py"), "--task", "tools", "--tiny", "--skip-head-stats", "--json",
+                 str(out)], timeout=300)
+    result = json.loads(out.read_text())
+    trainer = result["trainer"]
+    assert trainer["task"] == "tools" and trainer["max_tool_calling_iterations"] >= 1
+    rows = {r["config"]: r for r in trainer["rows"]}
+    assert set(rows) == {"none", "igpo_a2tgpo"} and not result.get("errors")
+    assert rows["igpo_a2tgpo"]["plugins"] == ["igpo"]
+    assert rows["igpo_a2tgpo"]["plugin_config"] == {"igpo": {"mode": "a2tgpo"}}
+    for row in rows.values():
+        assert row["ratio"] > 0 and row["step_cpu_s_vanilla"] > 0 and row["peak_tensor_mib_plugin"] > 0
+        assert row["tool_calls_per_rollout_vanilla"] is not None and row["tool_calls_per_rollout_plugin"] is not None
+    assert "tool calls / rollout vanilla / plugin" in proc.stdout
+
+
+def _bench_overhead_module():
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_overhead
+
+    return bench_overhead
+
+
+def test_bench_overhead_configurations_cover_every_builtin_plugin():
+    """Each built-in plugin has an overhead configuration: the arithmetic task's (bench_common.PLUGIN_SETTINGS) or the
+    tool task's (bench_overhead.AGENT_CONFIGS)."""
+    bo = _bench_overhead_module()
+    from trl_plugins import available_plugins
+
+    builtins = {n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)"}
+    covered = set(bo.bc.PLUGIN_SETTINGS) | {bo.config_plugins(c, [], "tools")[0][0] for c in bo.AGENT_CONFIGS}
+    assert builtins - covered == set()
+
+
+def test_bench_overhead_variants_set_the_plugin_options_and_unknown_ones_are_refused():
+    bo = _bench_overhead_module()
+    plugins, options, _ = bo.config_plugins("length_shaping:hbpo", [])
+    assert plugins == ["length_shaping"] and options["length_shaping"]["mode"] == "hbpo"
+    plugins, options, overrides = bo.config_plugins("length_shaping:decs+rover", [])
+    assert plugins == ["length_shaping", "rover"] and options["length_shaping"] == {"mode": "decs"}
+    assert overrides == bo.bc.PLUGIN_SETTINGS["rover"][1]
+    plugins, options, _ = bo.config_plugins("igpo_a2tgpo+otc_po", [], "tools")
+    assert plugins == ["igpo", "otc_po"] and options["igpo"]["mode"] == "a2tgpo"
+    with pytest.raises(ValueError, match="length_shaping:nope"):
+        bo.config_plugins("length_shaping:nope", [])
+
+
+@pytest.mark.slow
 def test_bench_learning_tiny(tmp_path):
     _run([str(SCRIPTS / "bench_learning.py"), "--tiny", "--workers", "1", "--fresh", "--out-dir", str(tmp_path),
           "--run-dir", str(tmp_path / "runs")])
