@@ -12,7 +12,11 @@ model) and *held-out pairs* ((place, fact) pairs never asked in training,
 Model: the benchmark's warm-started tiny demo model (``bench_common.BENCH_SETTINGS``), warm-started a second time on
 tool-use traces (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`, settings :data:`TOOL_WARM_START`, cached
 next to the demo model): without it the tiny model never writes a tool call. Part of its traces answer at once
-without tools and wrongly (30 % of ``lookup``, 70 % of ``scaled`` traces), so before RL it often skips the tools.
+without tools and wrongly (:data:`SHORTCUT_FRACTION`), so before RL it often skips the tools.
+Its correct traces vary in tool use (:data:`VARIATION`: a repeated search, a sentence before the first call), so that
+the tool-use methods (``otc_po``: fewer calls; ``aspo``: an earlier first call) see correct rollouts that differ in
+what they reward; :data:`ACTION_METRICS` puts in the table whether and how often they acted. Cached runs carry the
+warm start's key in their file names (:func:`model_key`), so a changed warm start re-runs every method.
 
 Methods are plugin names, stacks ``a+b`` and the named variants of :data:`VARIANTS` (``igpo_a2tgpo``: IGPO's A2TGPO
 mode); a plugin's options are :data:`AGENTIC_SETTINGS`, else ``bench_common.PLUGIN_SETTINGS``, else its defaults,
@@ -33,6 +37,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {"igpo_a2tgpo": ("igpo", {"mode": "a2tgp
 #: Plugin options and GRPOConfig overrides that differ on the tool task from ``bench_common.PLUGIN_SETTINGS``.
 AGENTIC_SETTINGS: dict[str, tuple[dict, dict]] = {}
 
+#: Per plugin, the logged per-step metrics that show whether it acted, each ``(key, label, neutral value)``: the table
+#: reports their run mean and the fraction of steps where they differ from the neutral value (the plugin acted).
+ACTION_METRICS: dict[str, list[tuple[str, str, float]]] = {
+    "otc_po": [("plugins/otc_po/r_tool_mean", "otc_po tool factor r_tool on correct rollouts", 1.0)],
+    "aspo": [("plugins/aspo/shaped_fraction", "aspo rows shaped", 0.0)],
+}
+
 #: The verifier's per-step mean reward in TRL's logs.
 REWARD_METRIC = "rewards/tool_answer_reward/mean"
 #: Task and GRPO sizes of the agentic mode (CPU, one thread per run).
@@ -49,12 +60,56 @@ TOOL_TASK: dict[str, Any] = {
 }
 
 
+#: Variation among the warm start's correct traces (:class:`~trl_plugins.tasks.tiny_tools.ToolWarmStartSettings`), so
+#: that correct rollouts of one group differ in tool use and the tool-use methods have something to act on:
+#: ``otc_po`` needs correct rollouts with different numbers of calls (a repeated search on ``lookup``; on ``scaled``
+#: the extra search would not fit the completion budget), ``aspo`` correct rollouts whose first call starts at
+#: different positions (a short sentence before the first call).
+VARIATION: dict[str, dict[str, float]] = {
+    "redundant_search_fraction": {"lookup": 0.3},
+    "preamble_fraction": {"lookup": 0.2, "scaled": 0.3},
+}
+#: Per question kind, the warm start's traces that answer at once without tools, wrongly (the habit RL can fix). With
+#: a variation of 30 % repeated searches and 30 % preambles on ``lookup``, 30 % shortcuts there (as without variation)
+#: left too few correct rollouts for the tool-use methods to act on (a 3-seed run: greedy seen-pair accuracy 0.031
+#: before RL, 0.4-0.7 correct rollouts per 32-rollout step, never more than 4; otc_po acted on no step, aspo on 3 %):
+#: 20 % shortcuts and 20 % preambles on ``lookup`` here.
+SHORTCUT_FRACTION: dict[str, float] = {"lookup": 0.2, "scaled": 0.7}
+
+
 def warm_start_settings():
     """The tool-use warm start of the benchmark's model (:class:`ToolWarmStartSettings` defaults, pinned here)."""
     from trl_plugins.tasks.tiny_tools import ToolWarmStartSettings
 
     return ToolWarmStartSettings(seed=0, steps=500, lr=3e-3, batch_size=16, warmup_steps=20, train_size=512,
-                                 shortcut_fraction={"lookup": 0.3, "scaled": 0.7})
+                                 shortcut_fraction=dict(SHORTCUT_FRACTION),
+                                 redundant_search_fraction=dict(VARIATION["redundant_search_fraction"]),
+                                 preamble_fraction=dict(VARIATION["preamble_fraction"]))
+
+
+def model_key() -> str:
+    """Cache key of the tool-warm-started model (demo settings and :func:`warm_start_settings`); it names the folder
+    of :func:`load_model` and is part of every cached run's file name, so a changed warm start re-runs every method."""
+    return warm_start_settings().cache_key(bc.demo_settings().cache_key())
+
+
+def model_dir(cache_dir=None):
+    """The folder of the tool-warm-started model (exists once :func:`load_model` built it)."""
+    from pathlib import Path
+
+    return Path(cache_dir or bc.DEFAULT_CACHE) / f"tiny-tools-{model_key()}"
+
+
+def action_numbers(per_step: list[dict], plugins: list[str]) -> list[tuple[str, float, float]]:
+    """``[(label, run mean, fraction of steps where it acted)]`` of the :data:`ACTION_METRICS` of ``plugins``."""
+    out = []
+    for plugin in plugins:
+        for key, label, neutral in ACTION_METRICS.get(plugin, []):
+            values = [r[key] for r in per_step if key in r and r[key] == r[key]]
+            if values:
+                acted = sum(abs(v - neutral) > 1e-9 for v in values) / len(values)
+                out.append((label, sum(values) / len(values), acted))
+    return out
 
 
 def plugin_settings(name: str) -> tuple[str, dict, dict]:
@@ -145,6 +200,22 @@ def base_numbers(cache_dir, eval_size: int, untrained: bool, max_completion_leng
     return {**greedy, "pass_rate": sampled["accuracy"], "sampled_tool_use": sampled["tool_use"]}
 
 
+def _sha(sha: str | None) -> str:
+    return f" (weights sha256 {sha})" if sha else ""
+
+
+def _variation_text(w: dict) -> str:
+    """The warm start's variation among correct traces, in words (empty without any)."""
+    parts = []
+    if w.get("redundant_search_fraction"):
+        parts.append(", ".join(f"{v:.0%} of {k}" for k, v in w["redundant_search_fraction"].items())
+                     + " correct traces repeat their search once (one call more than needed)")
+    if w.get("preamble_fraction"):
+        parts.append(", ".join(f"{v:.0%} of {k}" for k, v in w["preamble_fraction"].items())
+                     + " correct traces write a short sentence before the first call (a later first call)")
+    return "; " + "; ".join(parts) + ", so that correct rollouts differ in tool use" if parts else ""
+
+
 def header(result: dict) -> str:
     """First paragraph of the agentic section of ``docs/benchmarks.md``."""
     w, info = result["tool_warm_start"], result["machine"]
@@ -153,9 +224,10 @@ def header(result: dict) -> str:
     shortcut = ", ".join(f"{v:.0%} of {k}" for k, v in w["shortcut_fraction"].items())
     model = (
         "an untrained tiny model (smoke run: plumbing only)" if result["mode"] == "agentic_tiny" else
-        f"the benchmark's warm-started tiny demo model, warm-started again on tool-use traces ({w['steps']} supervised "
-        f"steps of {w['batch_size']} traces; {shortcut} traces answer at once without tools and wrongly, so that RL "
-        "has a tool habit to learn; without this warm start the tiny model never writes a tool call)"
+        f"the benchmark's warm-started tiny demo model{_sha(result.get('warm_start_sha256'))}, warm-started again on "
+        f"tool-use traces{_sha(result.get('tool_warm_start_sha256'))} ({w['steps']} supervised steps of "
+        f"{w['batch_size']} traces; {shortcut} traces answer at once without tools and wrongly, so that RL has a tool "
+        f"habit to learn{_variation_text(w)}; without this warm start the tiny model never writes a tool call)"
     )
     return (
         f"Agentic mode: a multi-turn tool agent on the bundled offline tool environment (`ToolEnvironment` through "

@@ -362,6 +362,9 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
             for key in ("tool_use", "held_out_accuracy", "held_out_tool_use"):
                 row[f"final_{key}"] = _mean_std([r["evals"][-1].get(key, float("nan")) for r in runs])
             row["tool_calls_per_rollout"] = _mean_std([_run_mean(r["per_step"], "tools/call_frequency") for r in runs])
+            actions = [ba.action_numbers(r["per_step"], r["plugins"]) for r in runs]
+            row["actions"] = [(label, _mean_std([a[i][1] for a in actions]), _mean_std([a[i][2] for a in actions]))
+                              for i, (label, _, _) in enumerate(actions[0])] if all(actions) else []
         rows.append(row)
     order = {m: i for i, m in enumerate([*ALL_METHODS, *ba.AGENTIC_METHODS])}
     rows.sort(key=lambda r: order.get(r["method"], 999))
@@ -451,6 +454,9 @@ def markdown(result: dict) -> str:
         claim = "-"
         if "claim" in r:
             claim = f"{r['claim'][0]}: {_fmt(r['claim'][1], 3)}"
+        for label, value, acted in r.get("actions", []):  # agentic mode: did the tool-use plugins act?
+            claim = ("" if claim == "-" else claim + "; ") + (
+                f"{label}: {_fmt(value, 3)} (steps acted {_fmt(acted, 2)})")
         out.append(
             f"| {r['method']} | {r['steps']:.0f} | "
             + (f"{r['rollouts']:.0f} + {r.get('teacher_rollouts', (0.0, 0.0))[0]:.0f} | " if teacher else "")
@@ -705,13 +711,16 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir or bc.ROOT / "runs" / "bench_learning" / mode)
     run_dir.mkdir(parents=True, exist_ok=True)
 
+    # the agentic model's warm start is part of a cached run's name: a changed warm start re-runs every method
+    model_tag = f"__w{ba.model_key()}" if agentic and not args.tiny else ""
+
     def make_jobs(methods_: list[str], seeds_: list[int], config: dict) -> tuple[list[dict], list[dict]]:
         tag = "" if not config else "__" + "_".join(f"{k}={v}" for k, v in sorted(config.items()))
         tag += f"__{args.instruction}" if args.instruction else ""
         jobs_, cached = [], []
         for method in methods_:
             for seed in seeds_:
-                path = run_dir / f"{method}__s{seed}__b{budget}__e{eval_every}__n{eval_size}{tag}.json"
+                path = run_dir / f"{method}__s{seed}__b{budget}__e{eval_every}__n{eval_size}{tag}{model_tag}.json"
                 if path.exists() and not args.fresh:
                     cached.append(json.loads(path.read_text()))
                     continue
@@ -781,6 +790,7 @@ def main(argv=None) -> int:
     }
     if agentic:
         result.update(ba.result_fields(args.tiny), base_tool_use=base_tool["tool_use"],
+                      tool_warm_start_sha256=None if args.tiny else _weights_sha256(ba.model_dir(args.cache_dir)),
                       base_sampled_tool_use=base_tool["sampled_tool_use"],
                       base_held_out_accuracy=base_tool["held_out_accuracy"],
                       base_held_out_tool_use=base_tool["held_out_tool_use"],

@@ -1,6 +1,7 @@
 """Smoke test of the benchmark scripts: each one's tiniest mode (``--tiny``: an untrained tiny model, a few
 small steps) runs end to end and writes a well-formed result file. The numbers themselves are not checked."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -140,6 +141,27 @@ def test_bench_learning_claim_metric_falls_back_to_the_plugins_own():
     assert bl._claim_metric("remax", ["remax"]) == (f"plugins/remax/{metric}", label)
     assert bl._claim_metric("scope", ["scope"]) == bl.CLAIM_METRICS["scope"]
     assert bl._claim_metric("grpo", []) == (None, None)
+
+
+def test_bench_agentic_reports_whether_the_tool_use_plugins_acted_and_keys_runs_by_the_warm_start(monkeypatch):
+    _bench_learning_module()
+    import bench_agentic as ba
+
+    per_step = [{"plugins/otc_po/r_tool_mean": 1.0, "plugins/aspo/shaped_fraction": 0.0},
+                {"plugins/otc_po/r_tool_mean": 0.9, "plugins/aspo/shaped_fraction": 0.25},
+                {"plugins/otc_po/r_tool_mean": 0.8}, {}]
+    (label, mean, acted), = ba.action_numbers(per_step, ["igpo", "otc_po"])
+    assert "otc_po" in label and mean == pytest.approx(0.9) and acted == pytest.approx(2 / 3)
+    (_, mean, acted), = ba.action_numbers(per_step, ["aspo"])
+    assert mean == pytest.approx(0.125) and acted == pytest.approx(0.5)
+    assert ba.action_numbers(per_step, ["igpo"]) == []
+    # the warm start's variation is in the model key (the run cache's file names) and in the table's header
+    settings = ba.warm_start_settings()
+    assert settings.redundant_search_fraction == ba.VARIATION["redundant_search_fraction"]
+    key = ba.model_key()
+    monkeypatch.setitem(ba.VARIATION, "preamble_fraction", {})
+    assert ba.model_key() != key and ba.model_dir().name == f"tiny-tools-{ba.model_key()}"
+    assert "repeat their search once" in ba._variation_text(dataclasses.asdict(settings))
 
 
 @pytest.mark.slow

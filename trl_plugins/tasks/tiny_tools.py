@@ -8,7 +8,14 @@ GRPO (the assistant turn, ``<|end|>``, the tool result as a ``<tool_response>`` 
 * gold traces: ``<tool_call>{"name": "search", ...}</tool_call>``, the real tool result, (for ``scaled`` questions)
   ``<tool_call>{"name": "calculator", ...}</tool_call>``, its result, then ``Answer: N``;
 * shortcut traces (a fraction per question kind, :attr:`ToolWarmStartSettings.shortcut_fraction`): ``Answer: N``
-  at once, without tools, with a wrong number -- a model that answers "from memory". The verifier rejects them.
+  at once, without tools, with a wrong number -- a model that answers "from memory". The verifier rejects them;
+* optional variation among the gold traces, so that correct episodes differ in tool use (off by default): a fraction
+  repeats the first search once before going on (:attr:`ToolWarmStartSettings.redundant_search_fraction`: a correct
+  answer with one call more than needed), and a fraction writes a short sentence from :data:`PREAMBLES` before the
+  first call (:attr:`ToolWarmStartSettings.preamble_fraction`: a correct answer whose first call starts later).
+  A trace takes at most one of the two. These are the behaviours tool-efficiency and tool-timing methods act on
+  (``otc_po``: calls per correct answer; ``aspo``: the position of the first call); the variation is drawn from a
+  random stream of its own, so the batches and shortcut draws are those of the same settings without it.
 
 As with the arithmetic demo's format habit, whether the model calls a tool is decided at the first token of its
 answer, so GRPO with the exact verifier can move it to the tools within a few dozen steps; where the shortcut
@@ -42,6 +49,7 @@ from .tool_corpus import FACTS, PLACES
 from .tools import ToolEnvironment, enable_tool_calling, make_tool_dataset, tool_answer_reward
 
 __all__ = [
+    "PREAMBLES",
     "TOOL_TASK_KINDS",
     "ToolWarmStartSettings",
     "evaluate_tool_accuracy",
@@ -54,6 +62,8 @@ __all__ = [
 ]
 
 TOOL_TASK_KINDS: tuple[str, ...] = ("lookup", "scaled")
+#: Sentences a gold trace may write before its first tool call (:attr:`ToolWarmStartSettings.preamble_fraction`).
+PREAMBLES: tuple[str, ...] = ("Search first.", "Let me search.", "I will look it up.")
 _PLACE_INDEX = {p.name: i for i, p in enumerate(PLACES)}
 _FACT_ORDER = sorted(FACTS, key=lambda f: -len(FACTS[f]))  # "elevation in metres" before shorter labels
 
@@ -82,9 +92,14 @@ def make_tool_split(n: int, split: str, seed: int = 0, kinds: Sequence[str] = TO
     return pool.select(keep)
 
 
-def trace_messages(row: dict[str, Any], shortcut: bool, rng: random.Random) -> list[dict]:
+def trace_messages(row: dict[str, Any], shortcut: bool, rng: random.Random, redundant_search: bool = False,
+                   preamble: str = "") -> list[dict]:
     """The assistant and tool messages of one training trace for ``row``: its gold trace, executed with the real
-    tools, ending in ``Answer: N``; or (``shortcut``) one ``Answer: M`` with a wrong ``M`` of the same length."""
+    tools, ending in ``Answer: N``; or (``shortcut``) one ``Answer: M`` with a wrong ``M`` of the same length.
+
+    Gold traces only: ``redundant_search`` repeats the first call (the search) once, same query and same result,
+    before the rest of the trace (one call more than needed, still correct); ``preamble`` is written as the text of
+    the first assistant turn, before its tool call."""
     answer = int(row["answer"])
     if shortcut:
         digits = len(str(answer))
@@ -95,9 +110,12 @@ def trace_messages(row: dict[str, Any], shortcut: bool, rng: random.Random) -> l
     env = ToolEnvironment()
     env.reset(**row)
     messages: list[dict] = []
-    for call in json.loads(row["gold_calls"]):
+    calls = json.loads(row["gold_calls"])
+    if redundant_search:
+        calls = [calls[0], *calls]
+    for i, call in enumerate(calls):
         result = getattr(env, call["name"])(**call["arguments"])
-        messages.append({"role": "assistant", "content": "",
+        messages.append({"role": "assistant", "content": preamble if i == 0 else "",
                          "tool_calls": [{"type": "function", "function": call}]})
         messages.append({"role": "tool", "name": call["name"], "content": result})
     messages.append({"role": "assistant", "content": f"Answer: {answer}"})
@@ -144,22 +162,57 @@ class ToolWarmStartSettings:
     train_size: int = 512
     #: per question kind, the fraction of traces that answer at once without tools (wrong); see the module docstring
     shortcut_fraction: dict[str, float] = dataclasses.field(default_factory=lambda: {"lookup": 0.3, "scaled": 0.7})
+    #: per question kind, the fraction of gold traces that repeat their first search once before going on (correct
+    #: answers with a needless extra call); none by default. A ``scaled`` trace with an extra search is longer than the
+    #: benchmark's 360-token completion budget, so the benchmark sets it for ``lookup`` only
+    redundant_search_fraction: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: per question kind, the fraction of gold traces that write one of :data:`PREAMBLES` before their first call
+    #: (correct answers whose first call starts later); none by default. A trace takes at most one variation (both
+    #: together overflow the 360-token budget on some ``lookup`` questions), so the two fractions sum to at most 1
+    preamble_fraction: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for field in ("shortcut_fraction", "redundant_search_fraction", "preamble_fraction"):
+            for kind, frac in getattr(self, field).items():
+                if kind not in TOOL_TASK_KINDS or not 0.0 <= frac <= 1.0:
+                    raise ValueError(f"{field}: kinds {list(TOOL_TASK_KINDS)} with fractions in [0, 1]; "
+                                     f"got {kind!r}: {frac!r}")
+        for kind in TOOL_TASK_KINDS:
+            both = self.redundant_search_fraction.get(kind, 0.0) + self.preamble_fraction.get(kind, 0.0)
+            if both > 1.0:
+                raise ValueError(f"redundant_search_fraction + preamble_fraction must be at most 1 per kind (a trace "
+                                 f"takes at most one variation); {kind!r} has {both!r}")
 
     def cache_key(self, base_key: str) -> str:
-        blob = json.dumps({"v": 1, "base": base_key, **dataclasses.asdict(self)}, sort_keys=True)
+        """Key of the warm-started model. Variation fields that are empty are left out, so a model built before they
+        existed keeps its key (their neutral value trains exactly the same model)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items()
+                  if v or k not in ("redundant_search_fraction", "preamble_fraction")}
+        blob = json.dumps({"v": 1, "base": base_key, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _training_trace(row: dict[str, Any], settings: ToolWarmStartSettings, rng: random.Random,
+                    variation_rng: random.Random) -> list[dict]:
+    """One warm-start trace for ``row``: shortcut or gold from ``rng`` (as without variation), then the gold trace's
+    variation from ``variation_rng``: a redundant search, a preamble, or neither (never both)."""
+    kind = row["kind"]
+    shortcut = rng.random() < settings.shortcut_fraction.get(kind, 0.0)
+    if shortcut:
+        return trace_messages(row, True, rng)
+    u, redundant = variation_rng.random(), settings.redundant_search_fraction.get(kind, 0.0)
+    preamble = redundant <= u < redundant + settings.preamble_fraction.get(kind, 0.0)
+    return trace_messages(row, False, rng, redundant_search=u < redundant,
+                          preamble=variation_rng.choice(PREAMBLES) if preamble else "")
 
 
 def warm_start_tools(model: Any, tokenizer: Any, settings: ToolWarmStartSettings, log_every: int = 0) -> Any:
     """Supervised fine-tuning on tool-use traces of training questions, in place (``tokenizer`` must have the tool
     template). AdamW, linear warm-up then cosine decay to 10 % of ``lr``; the loss covers the assistant turns only.
     Deterministic given ``settings.seed``; returns ``model`` in eval mode."""
-    for kind, frac in settings.shortcut_fraction.items():
-        if kind not in TOOL_TASK_KINDS or not 0.0 <= frac <= 1.0:
-            raise ValueError(f"shortcut_fraction: kinds {list(TOOL_TASK_KINDS)} with fractions in [0, 1]; "
-                             f"got {kind!r}: {frac!r}")
     rows = list(make_tool_split(settings.train_size, "train", seed=settings.seed))
     rng = random.Random(settings.seed)
+    variation_rng = random.Random(f"{settings.seed}:variation")  # its own stream: batches and shortcuts unchanged
     torch.manual_seed(settings.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -170,10 +223,7 @@ def warm_start_tools(model: Any, tokenizer: Any, settings: ToolWarmStartSettings
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * scale
         batch = rng.sample(rows, settings.batch_size)
-        conversations = [
-            row["prompt"] + trace_messages(row, rng.random() < settings.shortcut_fraction.get(row["kind"], 0.0), rng)
-            for row in batch
-        ]
+        conversations = [row["prompt"] + _training_trace(row, settings, rng, variation_rng) for row in batch]
         ids, mask, labels = _sft_batch(tokenizer, conversations)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
