@@ -156,12 +156,16 @@ def test_bench_agentic_reports_whether_the_tool_use_plugins_acted_and_keys_runs_
     assert mean == pytest.approx(0.125) and acted == pytest.approx(0.5)
     assert ba.action_numbers(per_step, ["igpo"]) == []
     # the warm start's variation is in the model key (the run cache's file names) and in the table's header
-    settings = ba.warm_start_settings()
-    assert settings.redundant_search_fraction == ba.VARIATION["redundant_search_fraction"]
+    plain = ba.warm_start_settings()
+    assert plain.redundant_search_fraction == {} and plain.preamble_fraction == {}  # the benchmark's model: none
+    assert ba._variation_text(dataclasses.asdict(plain)) == ""
     key = ba.model_key()
-    monkeypatch.setitem(ba.VARIATION, "preamble_fraction", {})
+    for field in ("redundant_search_fraction", "preamble_fraction"):
+        monkeypatch.setitem(ba.VARIATION, field, ba.TRIED_VARIATION[field])
+    varied = ba.warm_start_settings()
+    assert varied.redundant_search_fraction == {"lookup": 0.3}
     assert ba.model_key() != key and ba.model_dir().name == f"tiny-tools-{ba.model_key()}"
-    assert "repeat their search once" in ba._variation_text(dataclasses.asdict(settings))
+    assert "repeat their search once" in ba._variation_text(dataclasses.asdict(varied))
 
 
 @pytest.mark.slow
