@@ -206,6 +206,12 @@ def demo_settings():
     return dataclasses.replace(DemoSettings(), **{k: v for k, v in BENCH_SETTINGS.items() if k in names})
 
 
+#: The plugins of PLUGIN_SETTINGS that act on multi-turn tool rollouts only (see the comment there): on the
+#: arithmetic task they equal vanilla GRPO, so the learning benchmark's arithmetic modes leave them out (they are in
+#: its ``--task tools`` mode and in the overhead benchmark).
+TOOL_ONLY_PLUGINS = ("aspo", "igpo", "otc_po", "salt")
+
+
 def demo_model_dir(cache_dir: str | Path | None = None) -> Path:
     """Where :func:`load_demo_model` caches the warm-started tiny model (kepo's local teacher in the benchmarks: the
     only model they have; the folder exists once the demo model was built)."""

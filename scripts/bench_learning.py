@@ -70,7 +70,7 @@ VARIANTS: dict[str, dict] = {
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
-ALL_METHODS = ["grpo", *CONTROLS, *bc.PLUGIN_SETTINGS, *STACKS]
+ALL_METHODS = ["grpo", *CONTROLS, *(p for p in bc.PLUGIN_SETTINGS if p not in bc.TOOL_ONLY_PLUGINS), *STACKS]
 # Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
 # The guidance plugins learn from the bundled task's reference solutions; kepo is left out: its teacher must share the
 # policy's tokenizer, and no stronger SmolLM2 is available offline (the policy's own base model teaches nothing).
@@ -366,7 +366,7 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
             row["actions"] = [(label, _mean_std([a[i][1] for a in actions]), _mean_std([a[i][2] for a in actions]))
                               for i, (label, _, _) in enumerate(actions[0])] if all(actions) else []
         rows.append(row)
-    order = {m: i for i, m in enumerate([*ALL_METHODS, *ba.AGENTIC_METHODS])}
+    order = {m: i for i, m in enumerate(dict.fromkeys([*ALL_METHODS, *ba.AGENTIC_METHODS]))}  # first place wins
     rows.sort(key=lambda r: order.get(r["method"], 999))
     return rows
 

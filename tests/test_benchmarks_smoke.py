@@ -123,6 +123,22 @@ def _bench_learning_module():
     return bench_learning
 
 
+def test_bench_learning_tables_list_grpo_first_and_leave_tool_only_plugins_out_of_arithmetic_modes():
+    """GRPO, the baseline, is also the agentic methods' first entry: it keeps the first place in every table; the
+    plugins that act on tool rollouts only are not run on the arithmetic task."""
+    bl = _bench_learning_module()
+
+    def record(method):
+        return {"method": method, "seed": 0, "steps": 2, "rollouts": 128, "seconds": 1.0,
+                "plugins": [] if method == "grpo" else method.split("+"), "per_step": [{"reward": 0.1}],
+                "evals": [{"rollouts": 0, "accuracy": 0.2}, {"rollouts": 128, "accuracy": 0.3}]}
+
+    rows = bl.summarize([record("scope"), record("igpo"), record("grpo")], base_acc=0.2, target=0.25)
+    assert [r["method"] for r in rows] == ["grpo", "scope", "igpo"]
+    assert not set(bl.bc.TOOL_ONLY_PLUGINS) & set(bl.ALL_METHODS)
+    assert set(bl.bc.PLUGIN_SETTINGS) - set(bl.bc.TOOL_ONLY_PLUGINS) <= set(bl.ALL_METHODS)
+
+
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
     bl = _bench_learning_module()
     plugins, options, _ = bl.method_settings("length_shaping:siri")
