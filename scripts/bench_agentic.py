@@ -10,7 +10,7 @@ model) and *held-out pairs* ((place, fact) pairs never asked in training,
 :func:`trl_plugins.tasks.tiny_tools.tool_question_split`: the answer must be read from the search result).
 
 Model: the benchmark's warm-started tiny demo model (``bench_common.BENCH_SETTINGS``), warm-started a second time on
-tool-use traces (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`, settings :data:`TOOL_WARM_START`, cached
+tool-use traces (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`, settings :func:`warm_start_settings`, cached
 next to the demo model): without it the tiny model never writes a tool call. Part of its traces answer at once
 without tools and wrongly (:data:`SHORTCUT_FRACTION`), so before RL it often skips the tools.
 Its correct traces can vary in tool use (:data:`VARIATION`: a repeated search, a sentence before the first call), so
