@@ -13,6 +13,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
+from trl_plugins.checkpoints import load_plugin_state, save_plugin_state
 from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.testing import (
     assert_runs_equal,
@@ -162,7 +163,7 @@ def test_domain_weights_update_every_interval():
     assert plugin.domain_weights["hard"] > plugin.domain_weights["easy"]
 
 
-def test_resumed_loop_draws_what_the_unbroken_loop_drew():
+def test_resumed_loop_draws_what_the_unbroken_loop_drew(tmp_path):
     unbroken = _plugin(8, seed=3, variance_mix=0.7)
     drawn = simulate(unbroken, 0, 12, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
 
@@ -170,22 +171,13 @@ def test_resumed_loop_draws_what_the_unbroken_loop_drew():
     simulate(first, 0, 6, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
     state = first.trl_plugins_state_dict()  # what a checkpoint after 6 batches holds
     resumed = _plugin(8, seed=3, variance_mix=0.7)
-    resumed.trl_plugins_load_state_dict(torch.load(_roundtrip(state), weights_only=False))
+    resumed.trl_plugins_load_state_dict(load_plugin_state(save_plugin_state(state, str(tmp_path))))
     for c in range(6):  # the Trainer skips the consumed batches: the sampler draws (and drops) them again
         resumed.draw_chunk(c, 2)
     again = simulate(resumed, 6, 12, bs=2, G=4, success_of=lambda idx, k: (idx % 4) / 4)
     assert all(again[c] == drawn[c] for c in range(6, 13))
     for key in ("accuracy", "draws", "streak", "pruned"):
         torch.testing.assert_close(getattr(resumed, key), getattr(unbroken, key), equal_nan=True)
-
-
-def _roundtrip(state):
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def test_lagging_feedback_warns():

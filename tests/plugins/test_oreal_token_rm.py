@@ -12,6 +12,7 @@ import torch
 
 from trl_plugins import PluginConfigError
 from trl_plugins.head_stats import HeadStats
+from trl_plugins.checkpoints import load_plugin_state, save_plugin_state
 from trl_plugins.testing import build_stack, loss_from_context, make_loss_context, make_tiny_trainer, record_run
 from trl_plugins_builtin._oreal_token_rm import (
     TokenRewardHead,
@@ -148,7 +149,7 @@ def test_actor_freeze_steps_zero_the_policy_loss_but_train_the_head():
     assert loss_from_context(ctx).item() != 0.0
 
 
-def test_checkpoint_resume_restores_head_and_optimiser():
+def test_checkpoint_resume_restores_head_and_optimiser(tmp_path):
     hidden, positive = _toy()
 
     def run(stack, steps, start=1):
@@ -161,7 +162,7 @@ def test_checkpoint_resume_restores_head_and_optimiser():
     first = build_stack("oreal", {"oreal": TOKEN_RM}, loss_type="dapo")
     run(first, 2)
     (state,) = [s for _, s in first.call("trl_plugins_state_dict")]
-    state = torch.load(_roundtrip(state), weights_only=False)  # as the checkpoint stores it
+    state = load_plugin_state(save_plugin_state(state, str(tmp_path)))  # as the checkpoint stores it
     resumed = build_stack("oreal", {"oreal": TOKEN_RM}, loss_type="dapo")
     resumed.plugins[0].trl_plugins_load_state_dict(state)  # before the head is built, as on resume
     assert resumed.plugins[0].optimizer_steps == 2
@@ -171,14 +172,6 @@ def test_checkpoint_resume_restores_head_and_optimiser():
     fresh = build_stack("oreal", {"oreal": TOKEN_RM}, loss_type="dapo")
     run(fresh, 2)  # without the state, two steps from the start differ from the resumed run
     assert not torch.allclose(fresh.plugins[0].token_rm.weight, b.weight)
-
-
-def _roundtrip(state):
-    import io
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def test_head_gradients_are_summed_over_processes():
