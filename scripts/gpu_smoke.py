@@ -63,20 +63,35 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     # the teacher is the policy's own base model, loaded by path (it shares the tokenizer by construction)
     "kepo": {"teacher_model": "<policy model>", "success_column": "digit_fraction_reward", "success_threshold": 0.0},
     "luffy": {},
+    # the tasks' one reference solution per problem stands in for the teachers' solutions
+    "ampo": {"solutions_column": "solution"},
 }
 #: Placeholder in SMOKE_CONFIG for the path of the model under test.
 POLICY_MODEL = "<policy model>"
 #: Run settings a plugin requires (refused at construction otherwise).
 SMOKE_ARGS: dict[str, dict[str, Any]] = {
     "disco": {"loss_type": "grpo"},
+    "oreal": {"loss_type": "dapo"},  # its official normalisation sits on top of the dapo loss
 }
-#: Recommended stacks (one plugin per stage where possible), trained with full fine-tuning in bf16.
+#: Recommended stacks (one plugin per stage where possible).
 STACKS: dict[str, list[str]] = {
     "hint_scaffold+canon+lp_reg": ["hint_scaffold", "canon", "lp_reg"],
     "scope+lp_reg": ["scope", "lp_reg"],
     "ruscarl+kl_cov": ["ruscarl", "kl_cov"],
     "adaptive_sampler+length_shaping+clip_cov": ["adaptive_sampler", "length_shaping", "clip_cov"],
+    # the tool-agent stacks of tests/test_smollm2_e2e.py (on the tool task, below)
+    "igpo+otc_po+e_grpo+funrl+aspo": ["igpo", "otc_po", "e_grpo", "funrl", "aspo"],
+    "salt+epo": ["salt", "epo"],
+    "ikea+matchtir": ["ikea", "matchtir"],
 }
+#: Plugins that act on multi-turn tool rollouts (or read the tool task's ``gold_calls`` / ``entities`` columns):
+#: they, and every stack holding one, run on the bundled tool task (``trl_plugins.tasks.tools``: TRL's tool loop
+#: through ``environment_factory=ToolEnvironment``), with each question's gold trace scripted as the completion
+#: (``trl_plugins.testing.script_generation``) so that the tool turns exist on an untrained policy; the loss,
+#: advantage and reward stages then run on the GPU in the run's precision as in any run.
+TOOL_PLUGINS = frozenset({"igpo", "otc_po", "aspo", "salt", "epo", "matchtir", "e_grpo", "ikea", "funrl"})
+#: Plugin options of the tool-task runs (the stacks' options of tests/test_smollm2_e2e.py).
+TOOL_SMOKE_CONFIG: dict[str, dict[str, Any]] = {"igpo": {"mode": "a2tgpo"}, "epo": {"entropy_coef": 0.01}}
 
 
 def environment(device: str) -> dict:
@@ -144,6 +159,11 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
     if vllm and importlib.util.find_spec("vllm") is None:
         record.update(status="not run", error="vllm not installed")
         return record
+    tools = bool(TOOL_PLUGINS & set(plugins))
+    record["task"] = "tools" if tools else "arithmetic"
+    if tools and model_kind != "smollm2":
+        record.update(status="not run", error="tool plugins run on builtin:smollm2 (its ChatML tool template)")
+        return record
     start = time.monotonic()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -155,11 +175,15 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
         for p in plugins:
             overrides.update(SMOKE_ARGS.get(p, {}))
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        options = {**SMOKE_CONFIG, **TOOL_SMOKE_CONFIG} if tools else SMOKE_CONFIG
+        if tools:
+            overrides.update(loss_type="grpo")
         args = tiny_config(
             output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
-            plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in SMOKE_CONFIG[p].items()}
-                           for p in plugins if p in SMOKE_CONFIG},
-            max_steps=steps, per_device_train_batch_size=8, num_generations=4, max_completion_length=32,
+            plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in options[p].items()}
+                           for p in plugins if p in options},
+            max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+            max_completion_length=128 if tools else 32,
             learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
             log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
             **overrides,
@@ -174,12 +198,26 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
             )
         if lora:
             kwargs["peft_config"] = _lora_config()
-        dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
-                   else tiny_dataset(64, levels=(1, 2)))
-        trainer = PluginGRPOTrainer(
-            model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
-            train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(model_path), **kwargs,
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if tools:
+            from trl_plugins.tasks.tools import (
+                ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
+            )
+            from trl_plugins.testing import script_generation
+
+            dataset = make_tool_dataset(64, kinds=("lookup",))
+            trainer = PluginGRPOTrainer(
+                model=str(model_path), reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
+                processing_class=enable_tool_calling(tokenizer), environment_factory=ToolEnvironment, **kwargs,
+            )
+            script_generation(trainer, gold_trace_script(dataset))
+        else:
+            dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
+                       else tiny_dataset(64, levels=(1, 2)))
+            trainer = PluginGRPOTrainer(
+                model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
+                train_dataset=dataset, processing_class=tokenizer, **kwargs,
+            )
         if quant == "4bit":
             import bitsandbytes as bnb
 
@@ -203,6 +241,7 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
             trainable_parameters=sum(v.numel() for v in before.values()),
             plugin_metrics={k: v for k, v in logs.items() if k.startswith("plugins/")},
             reward=logs.get("reward"),
+            tool_calls_per_rollout=logs.get("tools/call_frequency"),
         )
         if not record["losses_finite"] or record["steps"] != steps:
             record["status"] = "bad"
@@ -238,6 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                         "offline model, fetched and converted once).")
     parser.add_argument("--only", default=None, help="Comma-separated plugins (default: every built-in).")
     parser.add_argument("--no-stacks", action="store_true", help="Skip the recommended-stack runs.")
+    parser.add_argument("--stacks", default=None,
+                        help="Comma-separated recommended stacks to run (names of STACKS, or 'all'); default: all "
+                        "without --only, else those made only of the --only plugins.")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="Stop starting runs after this many minutes; the runs not started are recorded as "
+                        "'not run' (the report is also rewritten after every run, so a killed invocation leaves "
+                        "its finished runs).")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="Only join these JSON reports into --out and --matrix (no runs).")
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -263,9 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(selected) - set(builtins))
     if unknown:
         parser.error(f"unknown built-in plugins: {unknown}; built-ins: {builtins}")
-    stacks = {} if args.no_stacks else {
-        name: stack for name, stack in STACKS.items() if args.only is None or set(stack) <= set(selected)
-    }
+    if args.stacks is not None:
+        names = list(STACKS) if args.stacks.strip() == "all" else [n.strip() for n in args.stacks.split(",")
+                                                                      if n.strip()]
+        unknown = sorted(set(names) - set(STACKS))
+        if unknown:
+            parser.error(f"unknown stacks: {unknown}; allowed: {sorted(STACKS)} or 'all'")
+        stacks = {name: STACKS[name] for name in names}
+    else:
+        stacks = {name: stack for name, stack in STACKS.items() if args.only is None or set(stack) <= set(selected)}
+    if args.no_stacks:
+        stacks = {}
 
     result: dict[str, Any] = {"environment": environment(args.device), "settings": vars(args), "runs": []}
     with tempfile.TemporaryDirectory(prefix="trl_plugins_gpu_smoke_") as tmp:
@@ -279,12 +333,19 @@ def main(argv: list[str] | None = None) -> int:
         common = dict(model_path=model_path, model_kind=args.model, out_dir=root / "runs", steps=args.steps,
                       device=args.device)
         prefix = "" if args.model == "tiny" else f"{args.model} "
+        deadline = None if args.max_minutes is None else time.monotonic() + 60 * args.max_minutes
         for setting in settings:
             subjects = [(p, [p]) for p in selected] + list(stacks.items())
             for subject, plugins in subjects:
-                record = run_one(f"{prefix}{setting}/{subject}", plugins, setting=setting, **common)
+                name = f"{prefix}{setting}/{subject}"
+                if deadline is not None and time.monotonic() > deadline:
+                    record = {"name": name, "plugins": plugins, "setting": setting, "model": args.model,
+                              "status": "not run", "error": f"--max-minutes {args.max_minutes} reached"}
+                else:
+                    record = run_one(name, plugins, setting=setting, **common)
                 result["runs"].append(record)
                 print(f"{record['name']:<48} {record['status']:<8} {record.get('seconds', 0):>7.1f}s", flush=True)
+                Path(args.out).write_text(json.dumps(result, indent=2, default=str))  # partial report
     return write_report(result, args.out, args.matrix)
 
 

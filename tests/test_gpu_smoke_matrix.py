@@ -66,3 +66,67 @@ def test_write_report_exit_status(tmp_path):
     bad = dict(base, runs=[{"name": "lora/canon", "status": "error", "error": "RuntimeError: boom"}])
     assert script.write_report(bad, str(tmp_path / "b.json"), str(tmp_path / "b.md")) == 1
     assert "failed: RuntimeError: boom" in (tmp_path / "b.md").read_text()
+
+
+def test_stacks_option_and_time_guard(tmp_path, capsys):
+    """--stacks picks recommended stacks by name (unknown ones refused with the allowed names); --max-minutes 0 starts
+    no run and records each as 'not run' with the reason; the tool plugins and tool stacks are in the lists."""
+    import pytest
+
+    script = _script()
+    assert {"igpo+otc_po+e_grpo+funrl+aspo", "salt+epo", "ikea+matchtir"} <= set(script.STACKS)
+    assert all(script.TOOL_PLUGINS & set(script.STACKS[s]) for s in ("salt+epo", "ikea+matchtir"))
+    with pytest.raises(SystemExit):
+        script.main(["--device", "cpu", "--settings", "fp32", "--only", "canon", "--stacks", "nope"])
+    assert "unknown stacks: ['nope']" in capsys.readouterr().err
+    out, matrix = tmp_path / "r.json", tmp_path / "m.md"
+    code = script.main(["--device", "cpu", "--settings", "fp32", "--only", "canon", "--stacks", "salt+epo",
+                        "--max-minutes", "0", "--hidden-size", "32", "--num-layers", "1",
+                        "--out", str(out), "--matrix", str(matrix)])
+    assert code == 0
+    import json
+
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["name"] for r in runs] == ["fp32/canon", "fp32/salt+epo"]
+    assert all(r["status"] == "not run" and "--max-minutes 0.0 reached" in r["error"] for r in runs)
+
+
+def test_tool_plugins_are_not_run_on_the_tiny_model(tmp_path):
+    script = _script()
+    record = script.run_one("fp32/salt", ["salt"], setting="fp32", model_path=tmp_path, model_kind="tiny",
+                            out_dir=tmp_path, steps=1, device="cpu")
+    assert record["status"] == "not run" and record["task"] == "tools"
+    assert "builtin:smollm2" in record["error"]
+
+
+def _overhead():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("gpu_overhead", ROOT / "scripts/gpu_overhead.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_overhead_table_and_argument_checks(capsys):
+    import pytest
+
+    script = _overhead()
+    assert script.DEFAULT_CONFIGS[0] == "none" and "salt+epo" not in script.DEFAULT_CONFIGS
+    row = {"config": "none", "step_s_vanilla": 1.0, "step_s_plugin": 1.1, "ratio": 1.1, "ratio_min": 1.05,
+           "ratio_max": 1.2, "peak_growth_mib_vanilla": 500.0, "peak_growth_mib_plugin": 510.0,
+           "extra_rollouts_per_step": 0.0}
+    result = {"environment": {"gpu": "H100", "torch": "2", "transformers": "5", "trl": "1.16"},
+              "settings": {"model": "smollm2", "setting": "lora", "repeats": 2, "steps": 3},
+              "rows": [row], "errors": {"scope+lp_reg": "RuntimeError: boom"}, "not_run": ["ruscarl+kl_cov"]}
+    lines = script.markdown(result).splitlines()
+    assert "| `none` | 1.000 | 1.100 | 1.10 (1.05-1.20) | 500 / 510 | 0.0 |" in lines
+    assert any(line.startswith("| `scope+lp_reg` | failed: RuntimeError: boom") for line in lines)
+    assert any(line.startswith("| `ruscarl+kl_cov` | not run") for line in lines)
+    for bad, message in ((["--configs", "nope"], "unknown configurations ['nope']"),
+                         (["--configs", "salt+epo"], "tool-agent stacks are not measured here"),
+                         (["--steps", "1"], "--steps >= 2")):
+        with pytest.raises(SystemExit):
+            script.main(["--device", "cpu", *bad])
+        assert message in capsys.readouterr().err
