@@ -366,24 +366,30 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
 
 
 def gpu_record_lines() -> list[str]:
-    """The newest GPU run committed under ``docs/gpu/`` (its matrix and a link to its JSON report)."""
-    records = sorted((docs_dir() / "gpu").glob("[0-9]*.md"))
+    """Every GPU run committed under ``docs/gpu/``, newest first (its matrix and a link to its JSON report), and the
+    built-in plugins that no run has covered yet."""
+    records = sorted((docs_dir() / "gpu").glob("[0-9]*.md"), reverse=True)
     if not records:
         return ["Not yet run on a GPU."]
-    newest = records[-1]
-    text = newest.read_text(encoding="utf-8")
-    missing = sorted(name for name in builtin_plugins() if f"| `{name}` |" not in text)
-    not_run = ([] if not missing else [
-        "", "Built-in plugins added since that run, not yet run on a GPU: "
-        + ", ".join(f"`{name}`" for name in missing) + "."])
+    lines: list[str] = []
+    covered = ""
+    for i, record in enumerate(records):
+        text = record.read_text(encoding="utf-8")
+        covered += text
+        label = "The latest run" if i == 0 else "An earlier run"
+        lines += [
+            f"{label} ([`gpu/{record.name}`](gpu/{record.name}), JSON report "
+            f"[`gpu/{record.stem}.json`](gpu/{record.stem}.json) with every run's losses, plugin metrics, seconds and "
+            "peak GPU memory):",
+            "",
+            *text.rstrip().splitlines(),
+            "",
+        ]
+    missing = sorted(name for name in builtin_plugins() if f"| `{name}` |" not in covered)
+    if missing:
+        lines += ["Built-in plugins not yet run on a GPU: " + ", ".join(f"`{name}`" for name in missing) + ".", ""]
     return [
-        f"The latest run ([`gpu/{newest.name}`](gpu/{newest.name}), JSON report "
-        f"[`gpu/{newest.stem}.json`](gpu/{newest.stem}.json) with every run's losses, plugin metrics, seconds and "
-        "peak GPU memory):",
-        "",
-        *text.rstrip().splitlines(),
-        *not_run,
-        "",
+        *lines,
         "vLLM was not run: the GPU machines available to this project have no network and the `vllm` wheel (with "
         "its pinned torch) is too large to carry onto them, so the vLLM column says *not run* rather than *ok*. "
         "On a machine with vLLM, `python scripts/gpu_smoke.py --settings vllm` fills it in.",
