@@ -237,8 +237,8 @@ def run_chat(job: dict) -> dict:
     extra = {}
     if job.get("base_pass_rate"):  # the untrained model's sampled pass rate, measured once (by the probe run)
         with trainer.model.disable_adapter():
-            extra["base_pass_rate"] = evaluate(trainer.model, tokenizer, eval_rows, max_new, temperature=1.0,
-                                               num_samples=4)
+            extra["base_pass_rate"] = evaluate(trainer.model, tokenizer, eval_rows, max_new,
+                                               temperature=overrides["temperature"], num_samples=4)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     logs = {h["step"]: {k: v for k, v in h.items() if isinstance(v, (int, float))}
             for h in trainer.state.log_history if "step" in h and "loss" in h}
@@ -344,10 +344,26 @@ def main(args, command: str) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
 
+    base_path = run_dir / f"base__c{config_hash(task, args.device, 'grpo', grpo_config)}__w{weights[:12]}.json"
+    for earlier in args.cache_from or []:  # finished runs of earlier result JSONs (another machine) into the cache
+        n, data = 0, json.loads(Path(earlier).read_text())
+        same = (data["weights_sha256"], data["task_settings"], data["device"], data["grpo_config"]) == (
+            weights, task, args.device, grpo_config)
+        if same and data["base_pass_rate"] == data["base_pass_rate"]:  # its untrained-model numbers (not NaN)
+            base_path.write_text(json.dumps({k: data[k] for k in ("base_accuracy", "base_pass_rate")}))
+        for r in data["runs"]:
+            if not r.get("truncated") and r.get("weights_sha256") == weights:
+                path = run_dir / f"{r['method']}__s{r['seed']}__c{r['config_hash']}__w{weights[:12]}.json"
+                path.write_text(json.dumps(r, default=float))
+                n += 1
+        print(f"{n} finished runs of {earlier} put into the run cache", flush=True)
+
     jobs, records = [], []
-    for method in methods:
-        chash = config_hash(task, args.device, method, grpo_config)
-        for seed in seeds:
+    # seed-major: every method's first seed runs before any second seed, so a run cut by --max-minutes still has
+    # every method
+    for seed in seeds:
+        for method in methods:
+            chash = config_hash(task, args.device, method, grpo_config)
             path = run_dir / f"{method}__s{seed}__c{chash}__w{weights[:12]}.json"
             if path.exists() and not args.fresh:
                 records.append(json.loads(path.read_text()))
@@ -356,7 +372,6 @@ def main(args, command: str) -> int:
                          "eval_size": eval_size, "device": args.device, "task": task, "grpo_config": grpo_config,
                          "model_path": model_path, "path": str(path), "deadline": deadline,
                          "config_hash": chash, "weights_sha256": weights})
-    base_path = run_dir / f"base__c{config_hash(task, args.device, 'grpo', grpo_config)}__w{weights[:12]}.json"
     base = json.loads(base_path.read_text()) if base_path.exists() and not args.fresh else None
     print(f"chat mode on {args.device}: {len(methods)} methods x {len(seeds)} seeds, budget {budget}; "
           f"{len(records)} cached runs, {len(jobs)} to run", flush=True)
@@ -398,7 +413,9 @@ def main(args, command: str) -> int:
                 "base_accuracy": next((r["evals"][0]["accuracy"] for r in records if r["evals"]), float("nan"))}
 
     # per-run peaks, so a reader can check the choice: worst run's peak x workers against what was available
-    run_peaks = [r["memory"].get("peak_mib") or r["memory"].get("max_memory_reserved_mib")
+    # (CUDA: a run's peak reservation plus the probe's context overhead)
+    context = (memory.get("probe") or {}).get("context_mib", 0.0)
+    run_peaks = [r["memory"].get("peak_mib") or r["memory"]["max_memory_reserved_mib"] + context
                  for r in records if r.get("memory")]
     memory["max_run_peak_mib"] = max(run_peaks) if run_peaks else None
     target = args.target if args.target is not None else round(base["base_accuracy"] + 0.15, 2)
@@ -441,7 +458,8 @@ def header(result: dict) -> str:
         f"{result['num_generations']}, at most {result['max_completion_length']} completion tokens, learning rate "
         f"{result['learning_rate']:g}), held-out greedy accuracy on {result['eval_size']} test problems every "
         f"{result['eval_every']} rollouts. Before RL: held-out greedy accuracy {result['base_accuracy']:.3f}, sampled "
-        f"pass rate (T=1, 4 samples per problem) {result['base_pass_rate']:.3f}. Target accuracy: "
+        f"pass rate (T={result['task_settings']['temperature']:g}, GRPO's sampling temperature; 4 samples per problem) "
+        f"{result['base_pass_rate']:.3f}. Target accuracy: "
         f"{result['target']:.2f}. {len(result['runs'])} runs; this invocation took "
         f"{result['wall_seconds'] / 60:.1f} min.{mem_text}{cut_text}"
     )

@@ -622,6 +622,9 @@ def parse_args(argv=None):
     p.add_argument("--model-path", default=None,
                    help="--task chat: a model folder instead of builtin:smollm2 (tests: a tiny model of the same "
                    "tokenizer)")
+    p.add_argument("--cache-from", nargs="*", default=None, metavar="JSON",
+                   help="--task chat: put the finished runs of these earlier result JSONs (same weights) into the run "
+                   "cache first, so that a session resumes what another machine ran")
     p.add_argument("--from-json", default=None, metavar="JSON",
                    help="--task chat: write the table, plots and docs section from this result JSON (run nothing)")
     p.add_argument("--cache-dir", default=None, help="warm-started model cache (default runs/bench_cache)")

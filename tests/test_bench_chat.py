@@ -76,6 +76,15 @@ def test_chat_mode_runs_end_to_end_and_resumes_from_its_run_cache(tiny_smollm2, 
     assert json.loads((out / "learning_smollm2_chat_tiny.json").read_text())["base_pass_rate"] == \
         result["base_pass_rate"]
 
+    # another session (an empty run cache) resumes from the first one's result JSON
+    other = [a if a != str(tmp_path / "runs") else str(tmp_path / "runs2") for a in args]
+    other = [a if a != str(out) else str(tmp_path / "out2") for a in other]
+    third = _run([*other, "--cache-from", str(out / "learning_smollm2_chat_tiny.json")])
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "2 finished runs of" in third.stdout and "2 cached runs, 0 to run" in third.stdout
+    resumed = json.loads((tmp_path / "out2" / "learning_smollm2_chat_tiny.json").read_text())
+    assert resumed["base_pass_rate"] == result["base_pass_rate"] and len(resumed["runs"]) == 2
+
 
 @pytest.mark.slow
 def test_chat_mode_past_its_deadline_writes_what_it_has(tiny_smollm2, tmp_path):
