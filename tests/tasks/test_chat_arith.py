@@ -69,3 +69,13 @@ def test_reward_reads_the_problem_column_and_without_it_only_the_answer_may_appe
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_chat_dataset(**{"n": 4, **kwargs})
+
+
+def test_hint_prefixes_of_the_reference_reply_never_show_the_answer():
+    """hint_scaffold's default hints (25/50/75 % of the solution by characters) stop before the answer."""
+    from trl_plugins_builtin.hint_scaffold import hint_text
+
+    for row in make_chat_dataset(300, seed=0, max_operand=40):
+        for fraction in (0.25, 0.5, 0.75):
+            hint = hint_text(row["solution"], fraction, "chars")
+            assert row["solution"].startswith(hint) and hint.partition("=")[2].strip() == ""
