@@ -23,6 +23,10 @@ our own per-group statistics (distinct completions per group, correct rollouts p
     python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (~50 min, estimated)
     python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
     python scripts/bench_learning.py --task tools --write-docs  # agentic: tool agent, GRPO vs igpo & stacks
+    python scripts/bench_learning.py --task chat --device cuda --max-minutes 3 --out-dir OUT  # builtin:smollm2, chat task
+
+Chat mode (``--task chat``): builtin:smollm2 with LoRA on the bundled chat-arithmetic task, which the untrained model
+already half-solves; the mode (run cache, workers from measured memory, deadline) is ``scripts/bench_chat.py``.
 
 Agentic mode (``--task tools``): a multi-turn tool agent on the bundled offline tool environment; task, model (a
 tool-use warm start on top of the demo model) and methods are described in ``scripts/bench_agentic.py``.
