@@ -56,6 +56,9 @@ CHAT_PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
               {"scale_rewards": "none", "loss_type": "dr_grpo"}),
 }
 REWARD_METRIC = "rewards/chat_accuracy_reward/mean"
+# How long past --max-minutes the runs still training may take to finish their step, evaluate and write their record
+# before they are abandoned.
+GRACE_SECONDS = 30
 
 
 def settings(tiny: bool) -> dict:
@@ -276,7 +279,7 @@ def _worker(job: dict) -> tuple[dict, dict | None, str | None]:
 
 
 def _run_pool(jobs: list[dict], workers: int, deadline: float | None) -> tuple[list[dict], list[tuple]]:
-    """Run ``jobs``, each in its own spawned process, ``workers`` at a time; stop waiting a minute after ``deadline``
+    """Run ``jobs``, each in its own spawned process, ``workers`` at a time; stop waiting GRACE_SECONDS after ``deadline``
     (the pool is then terminated). Returns (records, failures)."""
     records, failed = [], []
     if deadline is not None and time.time() >= deadline:
@@ -288,7 +291,7 @@ def _run_pool(jobs: list[dict], workers: int, deadline: float | None) -> tuple[l
     try:
         it = pool.imap_unordered(_worker, jobs)
         for _ in jobs:
-            timeout = None if deadline is None else max(1.0, deadline + 60 - time.time())
+            timeout = None if deadline is None else max(1.0, deadline + GRACE_SECONDS - time.time())
             try:
                 job, rec, err = it.next(timeout=timeout)
             except (mp.TimeoutError, queue.Empty, StopIteration):
