@@ -23,6 +23,10 @@ our own per-group statistics (distinct completions per group, correct rollouts p
     python scripts/bench_learning.py --write-docs              # every plugin + 4 stacks, 3 seeds (~50 min, estimated)
     python scripts/bench_learning.py --methods grpo fbos_rl scope+lp_reg --seeds 0 1 2 --budget 1920
     python scripts/bench_learning.py --task tools --write-docs  # agentic: tool agent, GRPO vs igpo & stacks
+    python scripts/bench_learning.py --task chat --device cuda --max-minutes 3 --out-dir OUT  # builtin:smollm2, chat task
+
+Chat mode (``--task chat``): builtin:smollm2 with LoRA on the bundled chat-arithmetic task, which the untrained model
+already half-solves; the mode (run cache, workers from measured memory, deadline) is ``scripts/bench_chat.py``.
 
 Agentic mode (``--task tools``): a multi-turn tool agent on the bundled offline tool environment; task, model (a
 tool-use warm start on top of the demo model) and methods are described in ``scripts/bench_agentic.py``.
@@ -74,6 +78,9 @@ ALL_METHODS = ["grpo", *CONTROLS, *(p for p in bc.PLUGIN_SETTINGS if p not in bc
 # Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
 # The guidance plugins learn from the bundled task's reference solutions; kepo is left out: its teacher must share the
 # policy's tokenizer, and no stronger SmolLM2 is available offline (the policy's own base model teaches nothing).
+# The chat mode (--task chat, scripts/bench_chat.py): the methods that can act on a 135M model's one-line replies.
+CHAT_METHODS = ["grpo", "dynamic_sampling", "dars", "lp_reg", "clip_cov", "kl_cov", "hint_scaffold", "scope", "luffy",
+                "rec", "remax"]
 REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "hint_scaffold", "cure",
                 "dynamic_sampling", "replay", "dars", "luffy", "rl_plus", "ampo", "oreal", "rec",
                 "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
@@ -134,6 +141,27 @@ def _distinct_fraction(completions: list, G: int, text=None) -> float:
     return sum(len(set(g)) / G for g in groups) / max(1, len(groups))
 
 
+def record_rewards(trainer, pending: dict, G: int, correct, text=None) -> None:
+    """Wrap ``trainer``'s reward computation: per training generation batch, ``pending`` gets the distinct completions
+    per group, the correct rollouts (``correct(completions, rows) -> list[float]``) and the fraction of groups with a
+    success."""
+    import torch
+
+    original_rewards = trainer._calculate_rewards
+
+    def recording_rewards(inputs, prompts, completions, completion_ids_list):
+        rewards = original_rewards(inputs, prompts, completions, completion_ids_list)
+        if trainer.model.training:
+            pending["distinct_per_group"] = _distinct_fraction(completions, G, text)
+            acc = torch.tensor(correct(completions, inputs))
+            pending["correct_rollouts"] = float(acc.sum())
+            if len(acc) % G == 0:
+                pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
+        return rewards
+
+    trainer._calculate_rewards = recording_rewards
+
+
 def run_one(job: dict) -> dict:
     """Train one (method, seed) to the rollout budget; return its record (also written to job['path'])."""
     import torch
@@ -184,20 +212,9 @@ def run_one(job: dict) -> dict:
     per_step: list[dict] = []
     pending: dict = {}
 
-    original_rewards = trainer._calculate_rewards
-
-    def recording_rewards(inputs, prompts, completions, completion_ids_list):
-        rewards = original_rewards(inputs, prompts, completions, completion_ids_list)
-        if trainer.model.training:
-            pending["distinct_per_group"] = _distinct_fraction(completions, G, ba.completion_text if agentic else None)
-            acc = torch.tensor(ba.correct(completions, inputs) if agentic else
-                               accuracy_reward(completions, [r["answer"] for r in inputs]))
-            pending["correct_rollouts"] = float(acc.sum())
-            if len(acc) % G == 0:
-                pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
-        return rewards
-
-    trainer._calculate_rewards = recording_rewards
+    record_rewards(trainer, pending, G, ba.correct if agentic else
+                   lambda completions, rows: accuracy_reward(completions, [r["answer"] for r in rows]),
+                   ba.completion_text if agentic else None)
     evals: list[dict] = []
     eval_every = job["eval_every"]
 
@@ -372,7 +389,8 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
 
 
 # The verifier's per-step mean reward in TRL's logs, per task.
-_REWARD_METRIC = {"arithmetic": "rewards/accuracy_reward/mean", "tools": ba.REWARD_METRIC}
+_REWARD_METRIC = {"arithmetic": "rewards/accuracy_reward/mean", "tools": ba.REWARD_METRIC,
+                  "chat": "rewards/chat_accuracy_reward/mean"}
 
 
 # Extra table columns of the agentic mode.
@@ -425,7 +443,8 @@ def markdown(result: dict) -> str:
     grpo = next((r for r in rows if r["method"] == "grpo"), None)
     info = result["machine"]
     agentic = result.get("task") == "tools"
-    out = [ba.header(result)] if agentic else [_real_model_header(result)] if result.get("model") else [
+    out = [result["header"]] if result.get("header") else [ba.header(result)] if agentic else [
+        _real_model_header(result)] if result.get("model") else [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
         "rollouts), held-out greedy "
@@ -568,10 +587,12 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny",
                    help="tiny: the warm-started character-level model; smollm2: the real-model mode "
                    f"(builtin:smollm2 with LoRA; methods {', '.join(REAL_METHODS)}; budget 1536)")
-    p.add_argument("--task", choices=["arithmetic", "tools"], default="arithmetic",
+    p.add_argument("--task", choices=["arithmetic", "tools", "chat"], default="arithmetic",
                    help="arithmetic: the chained-arithmetic task; tools: the agentic mode, a multi-turn tool agent on "
                    f"the bundled tool environment (tiny model; methods {', '.join(ba.AGENTIC_METHODS)}; budget "
-                   f"{ba.TOOL_TASK['budget']}; see scripts/bench_agentic.py)")
+                   f"{ba.TOOL_TASK['budget']}; see scripts/bench_agentic.py); chat: the real-model mode with signal, "
+                   "builtin:smollm2 + LoRA on the bundled chat-arithmetic task (implies --model smollm2; methods "
+                   f"{', '.join(CHAT_METHODS)}; see scripts/bench_chat.py)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="real-model mode: where to train (default: cuda when available)")
     p.add_argument("--pilot-lrs", type=float, nargs="*", default=None,
@@ -596,7 +617,20 @@ def parse_args(argv=None):
                    help="target held-out accuracy (default: base + 0.12; quick: base + 0.08; smollm2: base + 0.15)")
     p.add_argument("--lr", type=float, default=None, help="GRPO learning rate (default: DemoSettings, 1e-4)")
     p.add_argument("--grpo-config", default="{}", help="extra GRPOConfig fields for every method, as JSON")
-    p.add_argument("--workers", type=int, default=2, help="parallel worker processes (one torch thread each)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="parallel worker processes, one torch thread each (default 2; --task chat: chosen from the "
+                   "peak memory of a first run alone)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="--task chat: stop every run at this wall time (runs still training are evaluated and recorded "
+                   "as truncated, runs not started are left out) and write the results")
+    p.add_argument("--model-path", default=None,
+                   help="--task chat: a model folder instead of builtin:smollm2 (tests: a tiny model of the same "
+                   "tokenizer)")
+    p.add_argument("--cache-from", nargs="*", default=None, metavar="JSON",
+                   help="--task chat: put the finished runs of these earlier result JSONs (same weights) into the run "
+                   "cache first, so that a session resumes what another machine ran")
+    p.add_argument("--from-json", default=None, metavar="JSON",
+                   help="--task chat: write the table, plots and docs section from this result JSON (run nothing)")
     p.add_argument("--cache-dir", default=None, help="warm-started model cache (default runs/bench_cache)")
     p.add_argument("--run-dir", default=None, help="per-run JSON cache (default runs/bench_learning/<mode>)")
     p.add_argument("--fresh", action="store_true", help="ignore cached runs")
@@ -666,6 +700,12 @@ def _base_model_numbers(args, eval_size: int, real: bool) -> tuple[float, float,
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/bench_learning.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    if args.task == "chat":
+        import bench_chat
+
+        args.workers_override = args.workers
+        return bench_chat.main(args, command)
+    args.workers = 2 if args.workers is None else args.workers
     start = time.perf_counter()
     info = bc.machine_info()
     real = args.model == "smollm2"

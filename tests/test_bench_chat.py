@@ -1,0 +1,128 @@
+"""The learning benchmark's chat mode (``scripts/bench_learning.py --task chat``, scripts/bench_chat.py) end to end
+on a model of SmolLM2's tokenizer and architecture family shrunk to one tiny layer (the real model's size is the
+only thing mocked): a probe run alone, the worker count chosen from its measured peak memory, the run cache, the
+deadline guard, and the JSON / table / plots it writes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm2(tmp_path_factory):
+    """A 1-layer Llama with builtin:smollm2's tokenizer and chat template, saved to a folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from trl_plugins.models import smollm2_path
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny_smollm2")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _run(args, timeout=600):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_learning.py"), "--task", "chat", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def _bench_chat():
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_chat
+
+    return bench_chat
+
+
+@pytest.mark.slow
+def test_chat_mode_runs_end_to_end_and_resumes_from_its_run_cache(tiny_smollm2, tmp_path):
+    args = ["--tiny", "--device", "cpu", "--model-path", str(tiny_smollm2), "--out-dir", str(tmp_path / "out"),
+            "--run-dir", str(tmp_path / "runs")]
+    proc = _run(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    result = json.loads((out / "learning_smollm2_chat_tiny.json").read_text())
+    assert {r["method"] for r in result["summary"]} == {"grpo", "scope"} and not result["failed"]
+    for run in result["runs"]:
+        assert run["rollouts"] >= run["budget"] == 8 and not run["truncated"]
+        assert run["evals"][0]["rollouts"] == 0 and 0.0 <= run["evals"][-1]["accuracy"] <= 1.0
+        assert run["memory"]["kind"] == "cpu" and run["memory"]["peak_mib"] > 0
+        assert any("rewards/chat_accuracy_reward/mean" in s for s in run["per_step"])
+    assert result["runs"][0]["plugins"] in ([], ["scope"])
+    mem = result["memory"]
+    assert mem["probe"]["peak_mib"] > 0 and mem["available_mib"] > 0 and mem["workers"] == 1  # one run was left
+    assert 0.0 <= result["base_pass_rate"] <= 1.0
+    table = (out / "learning_smollm2_chat_tiny.md").read_text()
+    assert "| grpo |" in table and "| scope |" in table and "Chat mode:" in table and "Command:" in table
+    assert (out / "learning_smollm2_chat_tiny_accuracy.png").stat().st_size > 0
+    cached = sorted(p.name for p in (tmp_path / "runs").glob("*.json"))
+    assert len(cached) == 3 and any(n.startswith("base__") for n in cached)  # two runs and the base numbers
+
+    again = _run(args)  # every run is cached now: nothing is trained
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "2 cached runs, 0 to run" in again.stdout and "probe run" not in again.stdout
+    assert json.loads((out / "learning_smollm2_chat_tiny.json").read_text())["base_pass_rate"] == \
+        result["base_pass_rate"]
+
+    # another session (an empty run cache) resumes from the first one's result JSON
+    other = [a if a != str(tmp_path / "runs") else str(tmp_path / "runs2") for a in args]
+    other = [a if a != str(out) else str(tmp_path / "out2") for a in other]
+    third = _run([*other, "--cache-from", str(out / "learning_smollm2_chat_tiny.json")])
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    assert "2 finished runs of" in third.stdout and "2 cached runs, 0 to run" in third.stdout
+    resumed = json.loads((tmp_path / "out2" / "learning_smollm2_chat_tiny.json").read_text())
+    assert resumed["base_pass_rate"] == result["base_pass_rate"] and len(resumed["runs"]) == 2
+
+
+@pytest.mark.slow
+def test_chat_mode_past_its_deadline_writes_what_it_has(tiny_smollm2, tmp_path):
+    proc = _run(["--tiny", "--device", "cpu", "--model-path", str(tiny_smollm2), "--out-dir", str(tmp_path),
+                 "--run-dir", str(tmp_path / "runs"), "--max-minutes", "0"])
+    assert proc.returncode == 1  # nothing finished: reported as failed, but the outputs are written
+    result = json.loads((tmp_path / "learning_smollm2_chat_tiny.json").read_text())
+    assert not result["runs"] and {m for m, _, _ in result["failed"]} == {"grpo", "scope"}
+    assert all("--max-minutes reached" in why for _, _, why in result["failed"])
+    assert (tmp_path / "learning_smollm2_chat_tiny.md").exists()
+
+
+def test_worker_count_follows_the_measured_peak_and_is_capped_by_cores_and_runs_left():
+    bc = _bench_chat()
+    assert bc.choose_workers(10_000, 1_000, cores=16, jobs_left=32) == 8
+    assert bc.choose_workers(80_000, 2_000, cores=16, jobs_left=32) == 16
+    assert bc.choose_workers(80_000, 2_000, cores=16, jobs_left=3) == 3
+    assert bc.choose_workers(500, 2_000, cores=16, jobs_left=3) == 1
+    with pytest.raises(ValueError, match="positive"):
+        bc.choose_workers(500, 0, cores=2, jobs_left=3)
+
+
+def test_run_cache_key_changes_with_the_method_settings_the_task_and_the_device():
+    bc = _bench_chat()
+    task = bc.settings(tiny=False)
+    key = bc.config_hash(task, "cuda", "grpo", {})
+    assert key == bc.config_hash(dict(task), "cuda", "grpo", {})
+    assert len({key, bc.config_hash(task, "cpu", "grpo", {}), bc.config_hash(task, "cuda", "scope", {}),
+                bc.config_hash({**task, "budget": 640}, "cuda", "grpo", {}),
+                bc.config_hash(task, "cuda", "grpo", {"learning_rate": 3e-4})}) == 5
+
+
+def test_guidance_methods_get_the_columns_they_read():
+    bc = _bench_chat()
+    row = next(iter(bc.datasets(bc.settings(tiny=True), 4)[0]))
+    for method in ("hint_scaffold", "scope", "luffy"):
+        plugins, options, _ = bc.method_settings(method)
+        opts = options.get(method, {})
+        for key in ("solution_column", "demonstration_column", "problem_column"):
+            assert opts.get(key, "solution" if key != "problem_column" else "problem") in row
+    assert bc.method_settings("scope")[1]["scope"]["min_prefix_steps"] == 0
