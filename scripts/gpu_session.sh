@@ -29,9 +29,13 @@ mkdir -p "$OUT" "$RES" /tmp/gpu_wheels
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 t0=$(date +%s)
 say() { echo "[gpu_session +$(( $(date +%s) - t0 ))s] $*" | tee -a "$RES/session.log"; }
+snapshot() {  # after each phase: what finished comes back even when the call is cut off later
+    (cd /tmp && tar czf "$OUT/gpu_results.tar.gz.tmp" gpu_results && mv "$OUT/gpu_results.tar.gz.tmp" \
+        "$OUT/gpu_results.tar.gz")
+}
 finish() {
     say "done"
-    (cd /tmp && tar czf "$OUT/gpu_results.tar.gz" gpu_results)
+    snapshot
     { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc; free -g; cat "$RES/session.log";
       for f in "$RES"/*.md; do echo "== $f"; cat "$f"; done; } > "$OUT/summary.txt" 2>&1
 }
@@ -87,6 +91,7 @@ fi
 for s in $SETTINGS; do smoke tiny $s & pids+=($!); done
 wait "${pids[@]}"
 [ $smol = 1 ] && ! grep -q "smollm2-135m-instruct" "$RES/smollm2_convert.log" && smol=0 && say "conversion failed"
+snapshot
 
 if [ $smol = 1 ]; then
     say "phase 2: overhead on builtin:smollm2 ($OVERHEAD_SETTING), alone on the GPU"
@@ -95,6 +100,7 @@ if [ $smol = 1 ]; then
         --out "$RES/overhead_smollm2.json" --markdown "$RES/overhead_smollm2.md" \
         > "$RES/overhead.log" 2>&1
     say "gpu_overhead exit $?"
+    snapshot
 
     say "phase 3: smollm2 smoke || real-model learning"
     pids=()
