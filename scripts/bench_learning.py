@@ -54,6 +54,7 @@ from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  
 from trl_plugins.equal_budget import mean_std as _mean_std  # noqa: E402
 from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
 from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
+from trl_plugins.trl_seam import replace_trl_method  # noqa: E402
 
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
 # Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
@@ -184,8 +185,6 @@ def run_one(job: dict) -> dict:
     per_step: list[dict] = []
     pending: dict = {}
 
-    original_rewards = trainer._calculate_rewards
-
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
         rewards = original_rewards(inputs, prompts, completions, completion_ids_list)
         if trainer.model.training:
@@ -197,7 +196,7 @@ def run_one(job: dict) -> dict:
                 pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
         return rewards
 
-    trainer._calculate_rewards = recording_rewards
+    original_rewards = replace_trl_method(trainer, "calculate_rewards", recording_rewards)
     evals: list[dict] = []
     eval_every = job["eval_every"]
 
