@@ -9,8 +9,9 @@ Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS`
 ``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
 
 Equal rollouts: every run has the same budget of policy rollouts (completions sampled from the policy: TRL's own
-generation round plus every completion a plugin asks the generation service for, counted at the backend,
-``_generate_single_turn``); a run stops at the first optimizer step where its cumulative rollouts reach the budget.
+generation round plus every completion a plugin asks the generation service for, counted by the generation service
+where they are sampled, ``trl_plugins.equal_budget.count_policy_rollouts``); a run stops at the first optimizer step
+where its cumulative rollouts reach the budget.
 Vanilla GRPO spends 64 rollouts per step; a plugin that asks for extra completions takes fewer optimizer steps.
 Reference solutions spliced in by a plugin (SCOPE's reference_suffix, DaGRPO's anchors) cost no rollouts.
 
