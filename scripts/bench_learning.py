@@ -9,8 +9,9 @@ Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS`
 ``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
 
 Equal rollouts: every run has the same budget of policy rollouts (completions sampled from the policy: TRL's own
-generation round plus every completion a plugin asks the generation service for, counted at the backend,
-``_generate_single_turn``); a run stops at the first optimizer step where its cumulative rollouts reach the budget.
+generation round plus every completion a plugin asks the generation service for, counted by the generation service
+where they are sampled, ``trl_plugins.equal_budget.count_policy_rollouts``); a run stops at the first optimizer step
+where its cumulative rollouts reach the budget.
 Vanilla GRPO spends 64 rollouts per step; a plugin that asks for extra completions takes fewer optimizer steps.
 Reference solutions spliced in by a plugin (SCOPE's reference_suffix, DaGRPO's anchors) cost no rollouts.
 
@@ -58,6 +59,7 @@ from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  
 from trl_plugins.equal_budget import mean_std as _mean_std  # noqa: E402
 from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
 from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
+from trl_plugins.trl_seam import replace_trl_method  # noqa: E402
 
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
 # Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
@@ -147,8 +149,6 @@ def record_rewards(trainer, pending: dict, G: int, correct, text=None) -> None:
     success."""
     import torch
 
-    original_rewards = trainer._calculate_rewards
-
     def recording_rewards(inputs, prompts, completions, completion_ids_list):
         rewards = original_rewards(inputs, prompts, completions, completion_ids_list)
         if trainer.model.training:
@@ -159,7 +159,7 @@ def record_rewards(trainer, pending: dict, G: int, correct, text=None) -> None:
                 pending["groups_with_success"] = float((acc.view(-1, G).amax(1) > 0).float().mean())
         return rewards
 
-    trainer._calculate_rewards = recording_rewards
+    original_rewards = replace_trl_method(trainer, "calculate_rewards", recording_rewards)
 
 
 def run_one(job: dict) -> dict:

@@ -651,7 +651,7 @@ def test_generation_service_raises_a_held_scoring_error_on_every_process_before_
     monkeypatch.setattr(trainer, "_generate_single_turn", _echo_backend(calls))
     _other_process_requests(monkeypatch, trainer, 1, other_failed=not failed_here)
     service.begin_batch([1])
-    held = trainer._held_reward_errors
+    held = trainer.held_reward_errors
     if failed_here:
         held.holding = True
         assert held.hold(ZeroDivisionError("reward divided by zero"))

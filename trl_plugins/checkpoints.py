@@ -1,6 +1,6 @@
 """Plugin state in checkpoints: atomic writes, readable errors for damaged files, resuming from complete checkpoints.
 
-Order of a save (``PluginGRPOTrainer._save_checkpoint``): the plugin state first, written to a temporary file and
+Order of a save (``PluginGRPOTrainer.save_checkpoint``): the plugin state first, written to a temporary file and
 renamed into place (a reader sees the whole file or none); then transformers writes the model, optimizer, scheduler,
 RNG state and, last, ``trainer_state.json``. A checkpoint folder is therefore **complete** exactly when its
 ``trainer_state.json`` exists and parses: a run killed at any point of a save leaves a folder without it (or with a

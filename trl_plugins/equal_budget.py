@@ -3,10 +3,11 @@
 
 A *policy rollout* is a completion sampled from the policy during training: TRL's own generation round plus every
 completion a plugin asks the generation service for (extra rollouts, refilled groups), counted where they are
-generated, at the backend (``_generate_single_turn``). Reference solutions spliced in by a plugin cost nothing. With
-tools, a rollout is a whole episode: the turns TRL's tool loop generates after a tool result continue a rollout that
-was already counted, so a method that calls more tools does not spend more of the budget.
-:func:`count_policy_rollouts` installs the counter; :class:`EqualBudget` stops training at the first optimizer step
+generated: the trainer's generation service counts them (``GenerationService.policy_rollouts``: its own requests and
+the rows of TRL's rounds). Reference solutions spliced in by a plugin cost nothing. With tools, a rollout is a whole
+episode: the turns TRL's tool loop generates after a tool result continue a rollout that was already counted, so a
+method that calls more tools does not spend more of the budget.
+:func:`count_policy_rollouts` reads the counter; :class:`EqualBudget` stops training at the first optimizer step
 where the count reaches the budget and evaluates on held-out data every ``eval_every`` rollouts. So a plugin that
 asks for extra completions takes fewer optimizer steps than vanilla GRPO for the same budget.
 
@@ -18,38 +19,48 @@ function (the verifier), averaged. The summary statistics (:func:`mean_std`, :fu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
 
-def count_policy_rollouts(trainer: Any) -> dict[str, int]:
-    """Count the policy rollouts ``trainer`` generates while training; returns the live counter ``{"rollouts": n}``.
+class RolloutCount(Mapping):
+    """The live, read-only counter ``{"rollouts": n}``: policy rollouts a trainer generated while training since the
+    counter was made (:func:`count_policy_rollouts`)."""
 
-    Wraps the trainer's generation backend, so TRL's round, the generation service's extra completions and refills
-    are all counted; generations in evaluation mode (``model.training`` False) are not, nor the later turns of a
-    multi-turn episode (generated inside TRL's ``_tool_call_loop``)."""
-    counts = {"rollouts": 0}
-    original, original_tool_loop = trainer._generate_single_turn, trainer._tool_call_loop
-    in_tool_loop = [False]
+    def __init__(self, service: Any):
+        self._service, self._start = service, service.policy_rollouts
 
-    def counting(*args: Any, **kwargs: Any):
-        out = original(*args, **kwargs)
-        if trainer.model.training and not in_tool_loop[0]:
-            counts["rollouts"] += len(out[0])
-        return out
+    def __getitem__(self, key: str) -> int:
+        if key != "rollouts":
+            raise KeyError(key)
+        return self._service.policy_rollouts - self._start
 
-    def tool_loop(*args: Any, **kwargs: Any):
-        in_tool_loop[0] = True
-        try:
-            return original_tool_loop(*args, **kwargs)
-        finally:
-            in_tool_loop[0] = False
+    def __iter__(self) -> Iterator[str]:
+        return iter(("rollouts",))
 
-    trainer._generate_single_turn = counting
-    trainer._tool_call_loop = tool_loop
-    return counts
+    def __len__(self) -> int:
+        return 1
+
+    def __repr__(self) -> str:
+        return f"RolloutCount(rollouts={self['rollouts']})"
+
+
+def count_policy_rollouts(trainer: Any) -> RolloutCount:
+    """The policy rollouts ``trainer`` (a :class:`~trl_plugins.PluginGRPOTrainer`) generates while training from now
+    on, as the live counter ``{"rollouts": n}``.
+
+    The trainer's generation service counts them where they are sampled: TRL's rounds, the service's extra
+    completions and refills; not generations in evaluation mode (``model.training`` False), nor the later turns of a
+    multi-turn episode (TRL's tool loop continues a rollout already counted). Nothing on the trainer is replaced."""
+    service = getattr(trainer, "generation_service", None)
+    if service is None:
+        raise TypeError(
+            f"count_policy_rollouts needs a trl_plugins.PluginGRPOTrainer (its generation service counts the "
+            f"rollouts); got {type(trainer).__name__}."
+        )
+    return RolloutCount(service)
 
 
 class EqualBudget(TrainerCallback):
@@ -57,7 +68,7 @@ class EqualBudget(TrainerCallback):
     every ``eval_every`` rollouts and at the end; record one row per optimizer step in ``per_step``
     (``{"step", "rollouts"}``, filled with the logged metrics by :func:`merge_logs`)."""
 
-    def __init__(self, counts: dict[str, int], budget: int, eval_every: int,
+    def __init__(self, counts: Mapping[str, int], budget: int, eval_every: int,
                  evaluate: Callable[[int, int], None] | None = None):
         if budget <= 0 or eval_every <= 0:
             raise ValueError(f"budget and eval_every must be positive; got {budget} and {eval_every}.")

@@ -22,9 +22,10 @@ SCORING_FAILED = "reward functions (sampling-stage scoring)"
 class GenerationService:
     """Extra completions within a training step, through the trainer's generation backend.
 
-    * **Same backend as TRL.** Requests go through ``GRPOTrainer._generate_single_turn`` with one completion
-      per prompt: HF ``generate`` (with TRL's generation config and model unwrapping) or vLLM (server or
-      colocate; weights already synced for this step).
+    * **Same backend as TRL.** Requests go through TRL's generation backend (the trainer's
+      :meth:`~trl_plugins.trl_seam.TrlSeamTrainer.sample_completions`) with one completion per prompt: HF
+      ``generate`` (with TRL's generation config and model unwrapping) or vLLM (server or colocate; weights
+      already synced for this step).
     * **Collective-safe.** Every process first all-gathers its request count; all pad to the largest count
       with dummy prompts, so every process issues the same number of calls with the same number of prompts
       (vLLM server mode slices results by process, ZeRO-3/FSDP gather parameters). Dummy results are dropped.
@@ -34,6 +35,11 @@ class GenerationService:
       in checkpoints);
       ``PluginGRPOConfig.plugin_generation_budget`` caps them per batch and process. The decision to refuse is
       taken on the gathered counts, so every process raises together rather than deadlocking.
+    * **Policy rollouts.** ``policy_rollouts`` counts the completions sampled from the policy on this process while
+      training: this service's requests (dummy padding rows included: the backend samples them too) and TRL's own
+      generation rounds, which the trainer reports with :meth:`count_rollouts`. The later turns of a tool episode
+      continue a rollout already counted. Equal-budget runs read it
+      (:func:`trl_plugins.equal_budget.count_policy_rollouts`).
     """
 
     def __init__(self, trainer: Any):
@@ -41,6 +47,7 @@ class GenerationService:
         self.budget = getattr(trainer.args, "plugin_generation_budget", None)
         self.used_this_batch = 0
         self.total = 0
+        self.policy_rollouts = 0
         self._dummy_ids: list[int] | None = None
 
     def begin_batch(self, dummy_prompt_ids: list[int]) -> None:
@@ -53,11 +60,16 @@ class GenerationService:
         """Completions still allowed in this generation batch on this process (inf when unlimited)."""
         return math.inf if self.budget is None else self.budget - self.used_this_batch
 
+    def count_rollouts(self, n: int) -> None:
+        """Count ``n`` completions just sampled from the policy (not counted in evaluation mode)."""
+        if self.trainer.model.training:
+            self.policy_rollouts += int(n)
+
     def tokenize(self, prompts: list) -> list[list[int]]:
         """Prompt token ids exactly as TRL builds them for generation (chat template with generation prompt)."""
         if not prompts:
             return []
-        prompt_ids, _, _ = self.trainer._tokenize_prompts(prompts)
+        prompt_ids, _, _ = self.trainer.tokenize_prompts(prompts)
         return [list(ids) for ids in prompt_ids]
 
     def generate(
@@ -103,10 +115,11 @@ class GenerationService:
         if max_n == 0:
             return []
         full = [p + q for p, q in zip(ids, prefixes)]
-        dummy = full[0] if full else (self._dummy_ids or [self.trainer._tokenizer.eos_token_id])
+        dummy = full[0] if full else (self._dummy_ids or [self.trainer.text_tokenizer.eos_token_id])
         padded = full + [dummy] * (max_n - n_local)
         with greedy_decoding(self.trainer) if greedy else contextlib.nullcontext():
-            completion_ids, logprobs = self.trainer._generate_single_turn(padded, None, {}, num_generations=1)
+            completion_ids, logprobs = self.trainer.sample_completions(padded, num_generations=1)
+        self.count_rollouts(len(completion_ids))
         self.used_this_batch += n_local
         self.total += int(counts.sum().item())  # all processes: the same on every process, so rank 0 saves it
         limit = self.trainer.max_completion_length
@@ -128,7 +141,7 @@ class GenerationService:
         collective and is raised here on every process, before anything is generated.
         """
         acc = self.trainer.accelerator
-        held = getattr(self.trainer, "_held_reward_errors", None) or HeldRewardErrors()  # (a bare stand-in trainer)
+        held = getattr(self.trainer, "held_reward_errors", None) or HeldRewardErrors()  # (a bare stand-in trainer)
         return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
 
     def state_dict(self) -> dict:

@@ -4,8 +4,9 @@ Used instead of TRL's method only when a stack has loss hooks or sampling hooks 
 tokens); with no plugins the trainer calls TRL's own method. With no loss contribution and no off-policy
 tokens this function reproduces TRL's loss and gradients bit for bit, for every loss type (checked by
 ``tests/test_reduction.py`` and ``tests/test_loss_stage.py``). The formulas live in :mod:`trl_plugins.loss_rules`;
-this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's metrics. Order of operations
-(TRL's, with our additions marked +):
+this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's metrics, reaching TRL's private
+state only through the public accessors of :mod:`trl_plugins.trl_seam` (``per_token_logps_and_entropies``,
+``micro_step``, ``entropy_bonus``, ``record_metric``). Order of operations (TRL's, with our additions marked +):
 
 1. per-token log-probs and entropies through TRL's fused LM head (+ hidden states captured for head stats);
 2. TRL's entropy mask (``top_entropy_quantile``);
@@ -98,7 +99,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
 
         capture_ctx = capture_hidden_states(model)
     with capture_ctx as capture:
-        per_token_logps, entropies, aux_loss = t._get_per_token_logps_and_entropies(
+        per_token_logps, entropies, aux_loss = t.per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
@@ -150,7 +151,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         epsilon_high=t.epsilon_high,
         beta=t.beta,
         num_items_in_batch=inputs["num_items_in_batch"],
-        iteration=(t._step // args.steps_per_generation) % t.num_iterations,
+        iteration=(t.micro_step // args.steps_per_generation) % t.num_iterations,
         mode=mode,
         gradient_accumulation_steps=t.current_gradient_accumulation_steps if mode == "train" else 1,
         services=t.plugin_services if capture is None else dataclasses.replace(
@@ -225,47 +226,16 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     )
     loss = rules.add_scalar_terms(loss, ctx.scalar_terms)
 
-    if t._entropy_bonus_enabled:
-        loss = _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode)
+    if t.entropy_bonus_enabled:
+        loss = t.entropy_bonus(loss, policy_loss, entropies, mask, entropy_mask, mode)
     if t.aux_loss_enabled:
         normalizer = t.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss + t.router_aux_loss_coef * aux_loss / normalizer
-        t._metrics[mode]["aux_loss"].append(t.accelerator.gather_for_metrics(aux_loss).mean().item())
+        t.record_metric(mode, "aux_loss", t.accelerator.gather_for_metrics(aux_loss).mean().item())
 
     _log_trl_metrics(t, mode, mask, entropies, surrogate, advantages, per_token_kl, per_row_advantages, ctx.clip_scale)
     if has_offpolicy or stack.has("trl_plugins_after_generation"):
-        t._metrics[mode]["plugins/framework/offpolicy_token_fraction"].append(
-            _global_masked_mean(t, offpolicy.float(), mask)
-        )
-    return loss
-
-
-def _entropy_bonus(t, loss, policy_loss, entropies, mask, entropy_mask, mode):
-    """TRL's entropy bonus (static or adaptive coefficient), unchanged."""
-    args = t.args
-    effective_mask = mask if entropy_mask is None else mask * entropy_mask
-    accumulation_factor = t.current_gradient_accumulation_steps if mode == "train" else 1.0
-    entropy_loss = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
-    if t.use_adaptive_entropy:
-        apply_coef = t.entropy_coef if t._last_world_entropy <= args.entropy_target else 0.0
-    else:
-        apply_coef = t.entropy_coef
-    loss = loss - apply_coef * entropy_loss
-    t._metrics[mode]["policy_loss"].append(t.accelerator.gather(policy_loss).nanmean().item())
-    if t.use_adaptive_entropy and mode == "train":
-        stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
-        t._entropy_window_stats = stats if t._entropy_window_stats is None else t._entropy_window_stats + stats
-        if t.accelerator.sync_gradients:
-            window_stats = t.accelerator.reduce(t._entropy_window_stats, reduction="sum")
-            world_entropy = (window_stats[0] / window_stats[1].clamp(min=1.0)).item()
-            if world_entropy <= args.entropy_target:
-                t.entropy_coef = min(t.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
-            else:
-                t.entropy_coef = max(t.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
-            t._last_world_entropy = world_entropy
-            t._entropy_window_stats = None
-    if mode == "train" and t.accelerator.sync_gradients:
-        t._metrics[mode]["entropy_coef"].append(t.entropy_coef)
+        t.record_metric(mode, "plugins/framework/offpolicy_token_fraction", _global_masked_mean(t, offpolicy.float(), mask))
     return loss
 
 
@@ -302,28 +272,28 @@ def _log_trl_metrics(
         return (x * mask).sum(-1) / mask.sum(-1)
 
     if per_token_kl is not None:
-        t._metrics[mode]["kl"].append(_global_masked_mean(t, per_token_kl, mask))
-    t._metrics[mode]["entropy"].append(_global_masked_mean(t, entropies, mask))
+        t.record_metric(mode, "kl", _global_masked_mean(t, per_token_kl, mask))
+    t.record_metric(mode, "entropy", _global_masked_mean(t, entropies, mask))
     if t.loss_type in rules.CLIPPED_LOSS_TYPES:
         low_bound, high_bound = rules.clip_bounds(rules.LossSettings.from_trainer(t), clip_scale)
         is_low_clipped = (coef_1 < low_bound) & (advantages < 0)
         is_high_clipped = (coef_1 > high_bound) & (advantages > 0)
         is_region_clipped = is_low_clipped | is_high_clipped
         low, high = at_trl_level(is_low_clipped.float()), at_trl_level(is_high_clipped.float())
-        t._metrics[mode]["clip_ratio/low_mean"].append(_global_masked_mean(t, low, mask))
-        t._metrics[mode]["clip_ratio/high_mean"].append(_global_masked_mean(t, high, mask))
+        t.record_metric(mode, "clip_ratio/low_mean", _global_masked_mean(t, low, mask))
+        t.record_metric(mode, "clip_ratio/high_mean", _global_masked_mean(t, high, mask))
         region = at_trl_level(is_region_clipped.float())
-        t._metrics[mode]["clip_ratio/region_mean"].append(_global_masked_mean(t, region, mask))
+        t.record_metric(mode, "clip_ratio/region_mean", _global_masked_mean(t, region, mask))
         gathered_low_clip = t.accelerator.gather(masked_seq_mean(low))
-        t._metrics[mode]["clip_ratio/low_min"].append(nanmin(gathered_low_clip).item())
+        t.record_metric(mode, "clip_ratio/low_min", nanmin(gathered_low_clip).item())
         gathered_high_clip = t.accelerator.gather(masked_seq_mean(high))
-        t._metrics[mode]["clip_ratio/high_max"].append(nanmax(gathered_high_clip).item())
+        t.record_metric(mode, "clip_ratio/high_max", nanmax(gathered_high_clip).item())
     elif t.loss_type == "cispo":
         is_cispo_clipped = at_trl_level(((coef_1 > t.epsilon_high) & (advantages > 0)).float())
-        t._metrics[mode]["cispo_clip_ratio"].append(_global_masked_mean(t, is_cispo_clipped, mask))
+        t.record_metric(mode, "cispo_clip_ratio", _global_masked_mean(t, is_cispo_clipped, mask))
     elif t.loss_type == "vespo":  # phi is per sequence in TRL whenever the advantages are per row
         phi = rules.per_sequence(surrogate.vespo_weights, mask) if per_row_advantages else surrogate.vespo_weights
-        t._metrics[mode]["vespo/phi_seq_mean"].append(_global_masked_mean(t, phi, mask))
+        t.record_metric(mode, "vespo/phi_seq_mean", _global_masked_mean(t, phi, mask))
 
 
 def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, mask: torch.Tensor):

@@ -1,7 +1,8 @@
 """The reference policy for plugins that need its log-probs (``Plugin.needs_reference_model``), trainer side.
 
-Like :mod:`trl_plugins.loss` and :mod:`trl_plugins.generation`, this module belongs to the trainer and touches TRL
-internals; plugins reach it only through :meth:`trl_plugins.AdvantageContext.reference_logprobs`.
+This module belongs to the trainer; it reaches TRL through the public names of :mod:`trl_plugins.trl_seam`
+(``per_token_logps_and_entropies``), and plugins reach it only through
+:meth:`trl_plugins.AdvantageContext.reference_logprobs`.
 
 Where the reference log-probs come from, in TRL's own order:
 
@@ -78,7 +79,7 @@ def reference_logprobs(trainer: Any, output: dict, cache: dict) -> torch.Tensor:
     batch_size = trainer.args.per_device_train_batch_size
 
     def forward(model):
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        logps, _, _ = trainer.per_token_logps_and_entropies(
             model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
         )
         return logps
@@ -92,8 +93,8 @@ def reference_logprobs(trainer: Any, output: dict, cache: dict) -> torch.Tensor:
             unwrapped = trainer.accelerator.unwrap_model(trainer.model)
             with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                 logps = forward(trainer.model)
-        elif getattr(trainer, "_reference_copy", None) is not None:
-            logps = forward(trainer._reference_copy)
+        elif getattr(trainer, "reference_copy", None) is not None:
+            logps = forward(trainer.reference_copy)
         else:
             raise PluginError(
                 "reference_logprobs(): no reference policy is available (declare needs_reference_model = True on the "

@@ -141,9 +141,9 @@ class RefillStage:
         logprobs = None if logprobs is None else list(logprobs)
         acc, G, B = tr.accelerator, tr.num_generations, len(prompts)
         start = acc.process_index * B
-        if not tr._uses_sampling:  # else the sampling stage began the service's batch (its count goes on)
+        if not tr.uses_sampling_stage:  # else the sampling stage began the service's batch (its count goes on)
             tr.generation_service.begin_batch(prompt_ids[0])
-        rewards = tr._gathered_rewards_or_raise_together(state.inputs, prompts, completions, completion_ids)
+        rewards = tr.gathered_rewards(state.inputs, prompts, completions, completion_ids)
         N = rewards.size(0)
         S = N // G
         keys = torch.arange(S)
@@ -179,11 +179,11 @@ class RefillStage:
             generated_rows = tr.generation_service.generate(prompt_ids=ids)
             for i, p_ids, completion in zip(local, ids, generated_rows):
                 prompt_ids[i], completion_ids[i] = p_ids, list(completion.completion_ids)
-                completions[i] = tr._decode_completion(completion_ids[i], prompts[i])
+                completions[i] = tr.decode_completion(completion_ids[i], prompts[i])
                 if logprobs is not None:
                     logprobs[i] = list(completion.logprobs or [float("nan")] * len(completion_ids[i]))
                 self._reset_row_provenance(state, i, len(completion_ids[i]), rounds + 1)
-            self._forget_stale_extras(local, B)
+            self._forget_stale_extras(state, local, B)
             rewards = self._rescore(state, prompts, completions, completion_ids, rewards, local, start)
             fresh = torch.zeros(S, dtype=torch.bool)
             fresh[rejected] = True
@@ -263,16 +263,14 @@ class RefillStage:
         if state.annotations is not None:
             state.annotations[i] = {"refill_round": round_}
 
-    def _forget_stale_extras(self, local: list[int], B: int) -> None:
+    def _forget_stale_extras(self, state: Any, local: list[int], B: int) -> None:
         """Completion-table columns logged for the rows now replaced (reward functions' ``log_extra``, the sampling
         stage's annotations) describe rollouts that left the batch: they become None / the refill annotation."""
-        tr = self.trainer
-        state = tr._pbatch
-        for column, values in tr._pending_extra_logs.items():
+        for column, values in self.trainer.pending_completion_extras.items():
             if len(values) < B:
                 continue
             for i in local:
-                if column == "plugin_annotations" and state is not None and state.annotations is not None:
+                if column == "plugin_annotations" and state.annotations is not None:
                     values[len(values) - B + i] = f"refill_round={state.annotations[i]['refill_round']}"
                 else:
                     values[len(values) - B + i] = None
@@ -284,9 +282,9 @@ class RefillStage:
         tr = self.trainer
         acc = tr.accelerator
         B = len(prompts)
-        held = tr._held_reward_errors
+        held = tr.held_reward_errors
         with held.holding_while(acc.num_processes > 1):
-            scored = tr._score_locally(
+            scored = tr.score_locally(
                 [state.inputs[i] for i in local], [prompts[i] for i in local], [completions[i] for i in local],
                 completion_ids=[completion_ids[i] for i in local],
             )
@@ -300,15 +298,12 @@ class RefillStage:
         return acc.gather(block)
 
     def _log(self, rounds: int, rejected: int, refill_rows: int, zeroed: int, unplaced: int) -> None:
-        metrics = self.trainer._metrics["train"]
         kept = getattr(self, "_kept_at_limit", 0)
         self._kept_at_limit = 0
-        metrics["plugins/framework/refill_rounds"].append(float(rounds))
-        metrics["plugins/framework/rejected_groups"].append(float(rejected))
-        metrics["plugins/framework/refill_rollouts"].append(float(refill_rows))
-        metrics["plugins/framework/kept_at_limit"].append(float(kept))
-        metrics["plugins/framework/zero_advantage_groups"].append(float(zeroed))
-        metrics["plugins/framework/unplaced_replacements"].append(float(unplaced))
+        values = {"refill_rounds": rounds, "rejected_groups": rejected, "refill_rollouts": refill_rows,
+                  "kept_at_limit": kept, "zero_advantage_groups": zeroed, "unplaced_replacements": unplaced}
+        for name, value in values.items():
+            self.trainer.record_metric("train", f"plugins/framework/{name}", float(value))
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

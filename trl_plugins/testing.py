@@ -204,8 +204,11 @@ def script_generation(trainer, script: Callable[[str, int], str]) -> None:
     ``prompt_text`` is the rendered prompt (special tokens kept; with tools it holds the earlier turns and tool
     results), ``row`` the index of the request in the backend call. The completion is tokenised and closed with EOS.
     TRL's whole pipeline around the backend (tool loop, masks, rewards, loss) runs unchanged, so tests can drive tool
-    calls with a model too small to make them.
+    calls with a model too small to make them. Works on any ``GRPOTrainer``
+    (:func:`trl_plugins.trl_seam.replace_trl_method`).
     """
+    from .trl_seam import replace_trl_method
+
     tokenizer = trainer.processing_class
 
     def generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -215,7 +218,7 @@ def script_generation(trainer, script: Callable[[str, int], str]) -> None:
             completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
         return completions, None
 
-    trainer._generate_single_turn = generate_single_turn
+    replace_trl_method(trainer, "generate_single_turn", generate_single_turn)
 
 
 @dataclass
@@ -236,12 +239,12 @@ def record_run(trainer, steps: int | None = None) -> RunRecord:
     per-micro-step losses, per-optimizer-step gradients and the final parameters."""
     from transformers import TrainerCallback
 
+    from .trl_seam import replace_trl_method
+
     record = RunRecord()
     if steps is not None:
         trainer.args.max_steps = steps
-    original_gen = trainer._generate_and_score_completions
     original_loss = trainer.compute_loss
-    original_rewards = trainer._calculate_rewards
 
     def gen(inputs):
         out = original_gen(inputs)
@@ -268,16 +271,16 @@ def record_run(trainer, steps: int | None = None) -> RunRecord:
         def on_log(self, args, state, control, logs=None, **kwargs):
             record.logs.append(dict(logs or {}))
 
-    trainer._generate_and_score_completions = gen
+    original_gen = replace_trl_method(trainer, "generate_and_score_completions", gen)
+    original_rewards = replace_trl_method(trainer, "calculate_rewards", rewards)
     trainer.compute_loss = loss
-    trainer._calculate_rewards = rewards
     trainer.add_callback(GradRecorder())
     try:
         trainer.train()
     finally:
-        trainer._generate_and_score_completions = original_gen
+        replace_trl_method(trainer, "generate_and_score_completions", original_gen)
+        replace_trl_method(trainer, "calculate_rewards", original_rewards)
         trainer.compute_loss = original_loss
-        trainer._calculate_rewards = original_rewards
     record.params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
     return record
 

@@ -1,16 +1,22 @@
 """``PluginGRPOTrainer``: TRL's ``GRPOTrainer`` with the plugin stages wired in.
 
-This module (with :mod:`trl_plugins.loss` and :mod:`trl_plugins.generation`) is the only place that touches
-TRL internals. With no plugins enabled every overridden method defers to TRL's own, so the trainer is
+The trainer names no private member of TRL: it subclasses :class:`~trl_plugins.trl_seam.TrlSeamTrainer`, the one
+module that does (``tests/test_trl_seam.py`` checks it), and overrides the seam's public override points, reaching
+TRL's own code with ``super()``. With no plugins enabled every override defers to TRL's method, so the trainer is
 identical to ``trl.GRPOTrainer`` (``tests/test_reduction.py``).
 
-Where each stage runs inside TRL 1.16's ``_generate_and_score_completions``:
+Where each stage runs inside TRL 1.16's ``_generate_and_score_completions`` (override point in brackets):
 
-* sampling: ``_generate`` (per-row generation prompts, then after-generation edits with the generation
-  service, then the refill rounds of :mod:`trl_plugins.refill`), before TRL pads, computes old/ref log-probs and scores;
-* reward: ``_calculate_rewards`` (after TRL gathers the reward matrix, before it computes advantages);
-* advantage: after TRL's method returns (global advantages recomputed from the gathered batch, sliced back);
-* loss: ``_compute_loss`` (:func:`trl_plugins.loss.compute_loss_with_plugins`).
+* sampling: ``_generate`` [``generate_rollouts``] (per-row generation prompts, then after-generation edits with the
+  generation service, then the refill rounds of :mod:`trl_plugins.refill`), before TRL pads, computes old/ref
+  log-probs and scores;
+* reward: ``_calculate_rewards`` [``calculate_rewards``] (after TRL gathers the reward matrix, before it computes
+  advantages);
+* advantage: after TRL's method returns [``generate_and_score_completions``] (global advantages recomputed from the
+  gathered batch, sliced back);
+* loss: ``_compute_loss`` [``compute_grpo_loss``] (:func:`trl_plugins.loss.compute_loss_with_plugins`).
+
+The no-grad policy forwards that stage contexts offer plugins live in :mod:`trl_plugins.policy_probe`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from accelerate.utils import gather_object
 from torch import nn
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig
 from trl.data_utils import apply_chat_template, is_conversational
 
 from .checkpoints import (
@@ -47,7 +53,6 @@ from .contexts import (
     OFFPOLICY_KEY,
     TURN_IDS_KEY,
     AdvantageContext,
-    PolicyStats,
     PromptContext,
     RewardContext,
     RolloutContext,
@@ -61,12 +66,14 @@ from .loss import check_loss_type, _global_masked_mean, compute_loss_with_plugin
 from .reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
 from .manager import PluginStack, build_plugins
 from .models import resolve_model_name
+from .policy_probe import PolicyProbe
 from .refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from .rewards_guard import check_reward_columns, guard_reward_funcs
 from .services import RunInfo, StageServices, gather_padded
 from .success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
 from .token_temperature import TemperatureRule, token_temperature_generation
 from .tool_guard import ToolGuard, ToolPolicy
+from .trl_seam import TrlSeamTrainer
 from .turns import TurnStructure, build_turn_structure, single_turn, turn_ids_tensor, turn_rewards_tensor
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
@@ -96,7 +103,7 @@ class _StepEndCallback(TrainerCallback):
         self.trainer.plugin_stack.call("trl_plugins_on_step_end", trainer=self.trainer, step=state.global_step)
 
 
-class PluginGRPOTrainer(GRPOTrainer):
+class PluginGRPOTrainer(TrlSeamTrainer):
     """[`~trl.GRPOTrainer`] whose sampling, reward, advantage and loss stages run the enabled plugins.
 
     Takes exactly GRPOTrainer's arguments. ``args`` should be a :class:`~trl_plugins.PluginGRPOConfig`; a
@@ -132,13 +139,16 @@ class PluginGRPOTrainer(GRPOTrainer):
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
             # NaN / inf rewards: an error naming function, row, value; held until every process reached the gather
-            self._held_reward_errors = HeldRewardErrors()
-            reward_funcs = guard_reward_funcs(reward_funcs, self._held_reward_errors)
+            #: Reward-function errors held until every process reached the next collective (then raised together).
+            self.held_reward_errors = HeldRewardErrors()
+            reward_funcs = guard_reward_funcs(reward_funcs, self.held_reward_errors)
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
         self.plugin_stack: PluginStack = stack
         self.generation_service = GenerationService(self)
+        #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.policy_probe`).
+        self.policy_probe = PolicyProbe(self)
         #: What stage contexts (and plugin code running outside one, e.g. a plugin's reward function reading it in
         #: ``trl_plugins_configure``) may ask of the run: tokenizer, collectives, no-grad policy forwards, metrics.
         self.plugin_services: StageServices = self._build_plugin_services()
@@ -148,17 +158,18 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._token_temperature: TemperatureRule | None = None
         #: Retries, timeout and result checks of tool calls; a tool failing every attempt stops every process together.
         self._tool_guard = ToolGuard(ToolPolicy.from_args(args))
-        self._uses_sampling = any(stack.has(h) for h in SAMPLING_HOOKS)
-        self._uses_plugin_loss = self._uses_sampling or any(stack.has(h) for h in LOSS_HOOKS)
+        #: Whether a plugin runs at the sampling stage (prompt or after-generation hooks).
+        self.uses_sampling_stage = any(stack.has(h) for h in SAMPLING_HOOKS)
+        self._uses_plugin_loss = self.uses_sampling_stage or any(stack.has(h) for h in LOSS_HOOKS)
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
         stack.check_loss_type(self.loss_type)
         #: The refill stage (plugins rejecting whole groups: ``trl_plugins_reject_groups``), else None.
         self.refill_stage: RefillStage | None = RefillStage(self) if stack.has(REJECT_HOOK) else None
         #: Frozen copy of the initial policy for plugins needing the reference (full fine-tuning with beta=0 only).
-        self._reference_copy = None
+        self.reference_copy = None
         if needs_reference_copy(self, list(stack)):
-            self._reference_copy = frozen_reference_copy(self, list(stack))
+            self.reference_copy = frozen_reference_copy(self, list(stack))
         if stack:
             self.add_callback(_StepEndCallback(self))
             stack.call("trl_plugins_configure", trainer=self, args=args)
@@ -210,13 +221,13 @@ class PluginGRPOTrainer(GRPOTrainer):
             metric_sink=self._plugin_metric_sink,
             tokenizer=getattr(processing_class, "tokenizer", processing_class),
             tokenize_prompts=self.generation_service.tokenize,
-            decode=self._decode_completion,
-            score=self._score_locally,
+            decode=self.decode_completion,
+            score=self.score_locally,
             gather=lambda tensor: self.accelerator.gather(tensor),  # late-bound: the accelerator may be wrapped
             gather_object=gather_object,
-            policy_entropies=self._rollout_entropies,
-            policy_features=self._rollout_features,
-            policy_logprobs=self._policy_logprobs,
+            policy_entropies=self.policy_probe.entropies,
+            policy_features=self.policy_probe.features,
+            policy_logprobs=self.policy_probe.logprobs,
             masked_mean=functools.partial(_global_masked_mean, self),
         )
 
@@ -261,33 +272,39 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._token_temperature = rule
 
     def _plugin_metric_sink(self, key: str, value: float) -> None:
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode][key].append(value)
+        self.record_metric("train" if self.model.training else "eval", key, value)
 
     # ------------------------------------------------------------------------------------------ batch
-    def _generate_and_score_completions(self, inputs):
+    def generate_and_score_completions(self, inputs):
         if not self.plugin_stack:
-            return super()._generate_and_score_completions(inputs)
+            return super().generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         self._pbatch = _BatchState(inputs=inputs, mode=mode)
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = super().generate_and_score_completions(inputs)
             output = self._finish_batch(output)
         finally:
             self._pbatch = None
             self._per_row_generation = False
         return output
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Rows of a group with different prompts: one completion per row (vLLM server mode de-duplicates otherwise)
         if self._per_row_generation:
             num_generations = 1
         rule = self._token_temperature
         with token_temperature_generation(self, rule) if rule is not None else contextlib.nullcontext():
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return super().generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                has_tool_images)
 
-    def _generate(self, prompts: list):
+    def _trl_generation_round(self, prompts: list) -> tuple:
+        """TRL's own generation of ``prompts`` (its tool loop included): TRL's 8-tuple of local rows. Its rows are
+        counted as policy rollouts by the generation service (:meth:`GenerationService.count_rollouts`)."""
+        generated = super().generate_rollouts(prompts)
+        self.generation_service.count_rollouts(len(generated[1]))
+        return generated
+
+    def generate_rollouts(self, prompts: list):
         """The sampling stage (:meth:`_generate_sampling_stage`), then the refill rounds when a plugin rejects groups
         (:mod:`trl_plugins.refill`; edits TRL's ``inputs`` and ``prompts`` lists in place for replaced rows)."""
         generated = self._generate_sampling_stage(prompts)
@@ -297,7 +314,8 @@ class PluginGRPOTrainer(GRPOTrainer):
         return generated
 
     def _generate_sampling_stage(self, prompts: list):
-        """TRL's ``_generate`` with the sampling stage: prompt hooks, generation, after-generation hooks.
+        """TRL's generation (``generate_rollouts``) with the sampling stage: prompt hooks, generation, after-generation
+        hooks.
 
         Steps: :meth:`_run_prompt_hooks` (per-row generation/training prompts, deferred rows),
         :meth:`_sample_first_round` (TRL's generation on the same path on every process),
@@ -305,10 +323,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         (row edits, in-step generation), :meth:`_finish_sampling` (provenance, NaN sampling log-probs, TRL's tuple).
         """
         state = self._pbatch
-        if state is None or state.mode != "train" or not self._uses_sampling:
-            if state is not None and self._uses_sampling:  # eval rows: blank annotations keep the table aligned
-                self._log_completion_extra("plugin_annotations", [""] * len(prompts))
-            generated = super()._generate(prompts)
+        if state is None or state.mode != "train" or not self.uses_sampling_stage:
+            if state is not None and self.uses_sampling_stage:  # eval rows: blank annotations keep the table aligned
+                self.log_completion_extra("plugin_annotations", [""] * len(prompts))
+            generated = self._trl_generation_round(prompts)
             if state is not None and self.tools:
                 state.turns = self._turn_structures(generated[1], generated[2], generated[3])
             return generated
@@ -354,7 +372,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         self._per_row_generation = bool((codes != 0).any().item())
         if bool(((codes & 2) != 0).any().item()):
             return self._generate_first_round(pctx.generation_prompts, pctx.deferred)
-        return super()._generate(pctx.generation_prompts)
+        return self._trl_generation_round(pctx.generation_prompts)
 
     def _rollout_context(self, state: _BatchState, pctx: PromptContext, generated: tuple) -> RolloutContext:
         """The generated rows as a :class:`RolloutContext`; rows whose training prompt differs from their generation
@@ -393,7 +411,7 @@ class PluginGRPOTrainer(GRPOTrainer):
     def _turn_structures(self, completion_ids: list, tool_mask: list | None, completions: list) -> list[TurnStructure]:
         """The :class:`~trl_plugins.turns.TurnStructure` of each local completion (tool rollouts), with the per-call
         rewards of the row's environment when it keeps a ``turn_rewards`` list."""
-        tokenizer = self._tokenizer
+        tokenizer = self.text_tokenizer
         fields = (getattr(tokenizer, "response_template", None) or {}).get("fields", {})
         marker = fields.get("tool_calls", {}).get("open") or "<tool_call>"
         environments = self.environments or []
@@ -408,24 +426,19 @@ class PluginGRPOTrainer(GRPOTrainer):
             ))
         return turns
 
-    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+    def tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """TRL's tool loop with every tool call guarded (:mod:`trl_plugins.tool_guard`): the model's bad calls go back
         to it as TRL does; a tool that raises, hangs or returns garbage is retried and, failing every attempt, stops
         every process together with an error naming the tool and the row."""
         B = len(prompts)
         start = self.accelerator.process_index * B
-        originals = self._sync_tool_dicts, self._async_tool_dicts
-        self._sync_tool_dicts = [dict(d) for d in originals[0]]
-        self._async_tool_dicts = [dict(d) for d in originals[1]]
         guard = self._tool_guard
         guard.begin_batch()
-        guard.wrap_row_dicts(self._sync_tool_dicts, self._async_tool_dicts, list(range(start, start + B)))
-        try:
-            result = super()._tool_call_loop(
+        with self.copied_tool_dicts() as (sync_dicts, async_dicts):
+            guard.wrap_row_dicts(sync_dicts, async_dicts, list(range(start, start + B)))
+            result = super().tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
-        finally:
-            self._sync_tool_dicts, self._async_tool_dicts = originals
         error = guard.take() if guard.policy.failure == "raise" else None
         if self.accelerator.num_processes > 1:  # one gathered flag: every process raises together
             raise_together(self.accelerator.gather, self.accelerator.device, "tool calls", error)
@@ -441,7 +454,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         deferred at the prompt stage and left unfilled is an error.
         """
         self.generation_service.begin_batch(rctx.prompt_ids[0])
-        held = self._held_reward_errors
+        held = self.held_reward_errors
         with held.holding_while(self.accelerator.num_processes > 1):
             self.plugin_stack.call("trl_plugins_after_generation", rctx)
         # every process runs this gather once per batch, like TRL's gathered metrics
@@ -469,8 +482,8 @@ class PluginGRPOTrainer(GRPOTrainer):
             for i, lps in enumerate(rctx.sampling_logprobs):
                 rctx.sampling_logprobs[i] = masked_sampling_logprobs(lps, rctx.offpolicy[i], rctx.prompt_swapped[i])
         state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, rctx.annotations
-        self._log_completion_extra("plugin_annotations", [_format_annotation(a) for a in rctx.annotations])
-        self._metrics["train"]["plugins/framework/extra_rollouts"].append(extra_rollouts)
+        self.log_completion_extra("plugin_annotations", [_format_annotation(a) for a in rctx.annotations])
+        self.record_metric("train", "plugins/framework/extra_rollouts", extra_rollouts)
         return (
             rctx.prompt_ids,
             rctx.completion_ids,
@@ -482,80 +495,8 @@ class PluginGRPOTrainer(GRPOTrainer):
             tool_images,
         )
 
-    def _policy_forward(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], entropy: bool):
-        """No-grad forward of the current policy over prompt+completion rows in TRL's layout (prompts left-padded,
-        completions right-padded; an empty prompt or completion stands as one EOS token).
-
-        Returns (R, C) per-token entropies (``entropy``) or log-probs of the completion positions, C the longest
-        completion; chunks of ``per_device_train_batch_size`` rows.
-        """
-        eos_id = self.eos_token_ids[0]
-        pad_id = self._tokenizer.pad_token_id
-        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
-        input_ids, attention_mask, c_len = prompt_completion_batch(
-            [p for p, _ in rows], [c for _, c in rows], eos_id if pad_id is None else pad_id, self.accelerator.device
-        )
-        with torch.no_grad():
-            logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, c_len,
-                batch_size=self.args.per_device_train_batch_size, compute_entropy=entropy,
-            )
-        return entropies if entropy else logps
-
-    def _rollout_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        """No-grad per-token entropies of the current policy over completions (``RolloutContext.policy_entropies``).
-
-        Collective-safe: every process runs the same number of forward chunks (requests padded with dummy rows to the
-        largest count across processes), as ZeRO-3/FSDP forwards require. Returns one (len(completion),) tensor each.
-        """
-        acc = self.accelerator
-        n_local = len(completion_ids)
-        counts = self._held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
-        max_n = int(counts.max().item())
-        if max_n == 0:
-            return []
-        dummy = [self.eos_token_ids[0]]
-        entropies = self._policy_forward(
-            list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), True
-        )
-        return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
-
-    def _rollout_features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
-        """(R, d) no-grad mean of the backbone's last hidden state over each completion's tokens
-        (``RewardContext.policy_features``). Runs the backbone only (no LM head, no logits), in chunks of
-        ``per_device_train_batch_size`` rows; collective-safe like :meth:`_rollout_entropies`."""
-        from .head_stats import backbone_of
-
-        acc = self.accelerator
-        n_local = len(completion_ids)
-        counts = self._held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
-        max_n = int(counts.max().item())
-        eos_id = self.eos_token_ids[0]
-        pad_id = self._tokenizer.pad_token_id
-        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
-        rows += [([eos_id], [eos_id])] * (max_n - n_local)
-        backbone, step, means = backbone_of(self.model), self.args.per_device_train_batch_size, []
-        for start in range(0, len(rows), step):
-            chunk = rows[start:start + step]
-            input_ids, attention_mask, c_len = prompt_completion_batch(
-                [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id, acc.device
-            )
-            with torch.no_grad():
-                hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            mask = attention_mask[:, -c_len:].unsqueeze(-1).float()
-            means.append((hidden[:, -c_len:].float() * mask).sum(1) / mask.sum(1).clamp(min=1.0))
-        return torch.cat(means)[:n_local] if means else torch.zeros(0, 0, device=acc.device)
-
-    def _policy_logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
-        process only. Returns one (len(completion),) tensor each."""
-        if not completion_ids:
-            return []
-        logps = self._policy_forward(prompt_ids, completion_ids, False)
-        return [logps[j, : len(c)].detach() for j, c in enumerate(completion_ids)]
-
-    def _get_train_sampler(self, dataset=None):
-        sampler = super()._get_train_sampler(dataset)
+    def get_train_sampler(self, dataset=None):
+        sampler = super().get_train_sampler(dataset)
         stack = getattr(self, "plugin_stack", None)
         if stack is None or not stack.has("trl_plugins_train_sampler"):
             return sampler
@@ -567,7 +508,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         return sampler
 
     def _generate_first_round(self, prompts: list, deferred: list[bool]):
-        """TRL's ``_generate`` on the rows that are not deferred; deferred rows get an empty completion.
+        """TRL's generation on the rows that are not deferred; deferred rows get an empty completion.
 
         Collective-safe: every process generates the same number of rows (padded with copies of one of its prompts,
         whose results are dropped), as vLLM server mode and ZeRO-3/FSDP require. TRL's length metrics of this round
@@ -586,7 +527,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             raise PluginError("Every row of the generation batch was deferred (PromptContext.defer); nothing to sample.")
         sub = [prompts[i] for i in keep]
         sub += [sub[0] if sub else prompts[0]] * (width - len(keep))
-        (p_ids, c_ids, _tool_mask, comps, lps, extra_fields, images, tool_images) = super()._generate(sub)
+        (p_ids, c_ids, _tool_mask, comps, lps, extra_fields, images, tool_images) = self._trl_generation_round(sub)
         if images is not None or extra_fields:
             raise PluginConfigError("Deferred generation rows (PromptContext.defer) support text-only prompts.")
         prompt_ids, completion_ids, completions = [None] * B, [None] * B, [None] * B
@@ -598,18 +539,20 @@ class PluginGRPOTrainer(GRPOTrainer):
         rest = [i for i in range(B) if deferred[i]]
         for i, ids in zip(rest, self.generation_service.tokenize([prompts[i] for i in rest])):
             prompt_ids[i], completion_ids[i] = ids, []
-            completions[i] = self._decode_completion([], prompts[i])
+            completions[i] = self.decode_completion([], prompts[i])
             if logprobs is not None:
                 logprobs[i] = []
         return prompt_ids, completion_ids, None, completions, logprobs, {}, None, tool_images
 
-    def _decode_completion(self, completion_ids: list[int], prompt: Any) -> Any:
+    def decode_completion(self, completion_ids: list[int], prompt: Any) -> Any:
+        """``completion_ids`` decoded in the format TRL gives reward functions for ``prompt`` (a string, or one
+        assistant message for a conversational prompt)."""
         text = self.processing_class.batch_decode([completion_ids], skip_special_tokens=True)[0]
         if is_conversational({"prompt": prompt}):
             return [{"role": "assistant", "content": text}]
         return text
 
-    def _score_locally(
+    def score_locally(
         self, rows: list[dict], prompts: list, completions: list, completion_ids: list[list[int]] | None = None
     ) -> RewardColumns:
         """Every reward function's value for candidate completions on this process only (no gather, no logging):
@@ -656,12 +599,12 @@ class PluginGRPOTrainer(GRPOTrainer):
         return RewardColumns(torch.stack(columns, dim=1), list(self.reward_func_names), self.reward_weights.to(device),
                              placeholders)
 
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+    def calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         state = self._pbatch
         if state is not None and state.refill is not None:  # the refill stage scored the final batch already
             rewards_per_func = state.refill.rewards_per_func
         else:
-            rewards_per_func = self._gathered_rewards_or_raise_together(inputs, prompts, completions, completion_ids_list)
+            rewards_per_func = self.gathered_rewards(inputs, prompts, completions, completion_ids_list)
         if state is None:
             return rewards_per_func
         if self.plugin_stack.has("trl_plugins_transform_rewards"):
@@ -690,7 +633,7 @@ class PluginGRPOTrainer(GRPOTrainer):
         state.rewards_per_func = rewards_per_func
         return rewards_per_func
 
-    def _gathered_rewards_or_raise_together(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+    def gathered_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
         """TRL's (N, K) reward matrix; a reward function failing on one process stops every process together.
 
         With several processes the guards hold their errors (placeholder zeros) until TRL's gather has completed
@@ -698,10 +641,10 @@ class PluginGRPOTrainer(GRPOTrainer):
         ``PluginError`` naming it -- instead of waiting in the gather until the collective's timeout.
         """
         if self.accelerator.num_processes == 1:
-            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        held = self._held_reward_errors
+            return super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        held = self.held_reward_errors
         with held.holding_while(True):
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            rewards_per_func = super().calculate_rewards(inputs, prompts, completions, completion_ids_list)
         held.gather_with_flag(self.accelerator.gather, [], self.accelerator.device, "reward functions")
         return rewards_per_func
 
@@ -771,7 +714,7 @@ class PluginGRPOTrainer(GRPOTrainer):
             prompt_keys=None if state.refill is None else state.refill.prompt_keys,
             services=dataclasses.replace(
                 self.plugin_services,
-                policy_stats=functools.partial(self._policy_stats, output),
+                policy_stats=functools.partial(self.policy_probe.stats, output, state.policy_stats),
                 completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
                 reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
             ),
@@ -785,72 +728,18 @@ class PluginGRPOTrainer(GRPOTrainer):
         if advantages.dim() == 2:
             advantages = advantages[:, : output["completion_ids"].size(1)]
         output["advantages"] = advantages
-        if len(self._logs["advantages"]) >= N and ctx.advantages.dim() == 1:  # completions table shows the final ones
-            for j, value in enumerate(ctx.advantages.tolist()):
-                self._logs["advantages"][len(self._logs["advantages"]) - N + j] = value
+        if ctx.advantages.dim() == 1:  # the completions table shows the final advantages
+            self.replace_logged_advantages(ctx.advantages.tolist())
         for name, tensor in ctx.extras.items():
             output[EXTRA_PREFIX + name] = tensor[ctx.process_slice]
         for name, tensor in ctx.local_extras.items():
             output[EXTRA_PREFIX + name] = tensor
         return output
 
-    def _policy_stats(self, output: dict, head_stats: bool) -> PolicyStats:
-        """One no-grad forward over the local generation batch (cached per batch)."""
-        cache = self._pbatch.policy_stats
-        key = "with_head" if head_stats else "plain"
-        if key in cache:
-            return cache[key]
-        if "with_head" in cache:
-            return cache["with_head"]
-        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        logits_to_keep = output["completion_ids"].size(1)
-        mask = output["completion_mask"] * output.get("tool_mask", 1)
-        batch_size = self.args.per_device_train_batch_size
-        stats_obj = None
-        with torch.no_grad():
-            if head_stats:
-                from .head_stats import HeadStats, capture_hidden_states, lm_head_of
-
-                hidden_parts = []
-                logps_parts, ent_parts = [], []
-                for start in range(0, prompt_completion_ids.size(0), batch_size):
-                    sl = slice(start, start + batch_size)
-                    with capture_hidden_states(self.model) as cap:
-                        lp, ent, _ = self._get_per_token_logps_and_entropies(
-                            self.model, prompt_completion_ids[sl], attention_mask[sl], logits_to_keep,
-                            compute_entropy=True,
-                        )
-                    hidden_parts.append(cap.hidden[:, -(logits_to_keep + 1):])
-                    logps_parts.append(lp)
-                    ent_parts.append(ent)
-                logps, entropies = torch.cat(logps_parts), torch.cat(ent_parts)
-                weight, bias, logit_scale, softcap = lm_head_of(self.model)
-                stats_obj = HeadStats(
-                    torch.cat(hidden_parts), logits_to_keep, mask, weight, bias, logit_scale=logit_scale,
-                    softcap=softcap, temperature=self.temperature, chunk_size=self.args.head_stats_chunk_size,
-                )
-            else:
-                logps, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model, prompt_completion_ids, attention_mask, logits_to_keep,
-                    batch_size=batch_size, compute_entropy=True,
-                )
-        mean_entropy = (entropies * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        result = PolicyStats(
-            per_token_logps=logps,
-            entropies=entropies,
-            mask=mask,
-            completion_ids=output["completion_ids"],
-            mean_entropy=self.accelerator.gather(mean_entropy),
-            head_stats=stats_obj,
-        )
-        cache[key] = result
-        return result
-
     # ------------------------------------------------------------------------------------------ loss
-    def _compute_loss(self, model, inputs):
+    def compute_grpo_loss(self, model, inputs):
         if not self._uses_plugin_loss:
-            return super()._compute_loss(model, inputs)
+            return super().compute_grpo_loss(model, inputs)
         return compute_loss_with_plugins(self, model, inputs)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -888,18 +777,16 @@ class PluginGRPOTrainer(GRPOTrainer):
                 stacklevel=2,
             )
 
-    def _save_checkpoint(self, model, trial):
+    def save_checkpoint(self, model, trial):
         # Plugin state first, written atomically; transformers writes trainer_state.json last, which marks the folder
         # complete (trl_plugins/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
         # skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
         if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            folder = self.checkpoint_folder(trial)
             mark_incomplete(folder)
             if self.plugin_stack:
                 save_plugin_state(self.plugin_state_dict(), folder)
-        super()._save_checkpoint(model, trial)
+        super().save_checkpoint(model, trial)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint of ``output_dir``
@@ -917,8 +804,8 @@ class PluginGRPOTrainer(GRPOTrainer):
                 )
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
 
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+    def load_optimizer_and_scheduler(self, checkpoint):
+        super().load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.plugin_stack:
             path = os.path.join(checkpoint, PLUGIN_STATE_FILE)
             if os.path.exists(path):
@@ -930,25 +817,6 @@ class PluginGRPOTrainer(GRPOTrainer):
                     f"interrupted while saving): the state of plugins {names} starts fresh instead of being restored.",
                     stacklevel=2,
                 )
-
-
-def prompt_completion_batch(
-    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, device: Any = None
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """TRL's prompt/completion layout of R rows: prompts left-padded to the longest prompt P, completions
-    right-padded to the longest completion C (at least 1).
-
-    Returns input_ids (R, P + C), attention_mask (R, P + C) and C (the ``logits_to_keep`` of the forward).
-    """
-    p_len = max(len(p) for p in prompt_ids)
-    c_len = max(1, max(len(c) for c in completion_ids))
-    input_ids = torch.full((len(prompt_ids), p_len + c_len), pad_id, dtype=torch.long, device=device)
-    attention_mask = torch.zeros_like(input_ids)
-    for j, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[j, p_len - len(p) : p_len] = torch.tensor(p, dtype=torch.long, device=device)
-        input_ids[j, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long, device=device)
-        attention_mask[j, p_len - len(p) : p_len + len(c)] = 1
-    return input_ids, attention_mask, c_len
 
 
 async def _await(awaitable):

@@ -154,9 +154,9 @@ def test_full_fine_tuning_keeps_a_frozen_initial_policy(tmp_path):
     trainer = _trainer(tmp_path, "c", plugins=["prl"], plugin_config={"prl": {"eta": 0.5, "step_len": 4}},
                        learning_rate=1e-2)
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    assert trainer._reference_copy is not None and trainer.ref_model is None
+    assert trainer.reference_copy is not None and trainer.ref_model is None
     run = record_run(trainer)
-    ref_params = dict(trainer._reference_copy.named_parameters())
+    ref_params = dict(trainer.reference_copy.named_parameters())
     assert all(torch.equal(initial[n], ref_params[n]) for n in initial)  # the reference never trains
     assert any(not torch.equal(initial[n], p) for n, p in run.params.items())  # the policy does
     assert all(not p.requires_grad for p in ref_params.values())
@@ -191,7 +191,7 @@ def test_peft_reference_is_the_initial_model_with_the_adapter_off(tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = _trainer(tmp_path, "d", plugins=["prl"], plugin_config={"prl": {"eta": 0.5}}, peft_config=lora,
                        learning_rate=5e-2)
-    assert trainer._reference_copy is None  # no copy: the adapter is switched off instead
+    assert trainer.reference_copy is None  # no copy: the adapter is switched off instead
     batch = _batch(trainer)
     initial = _policy_logps(trainer, batch)  # LoRA B = 0: the policy is the base model
     run = record_run(trainer)

@@ -107,7 +107,7 @@ def test_neutral_is_vanilla_and_a_run_uses_the_backbone_forward(tmp_path):
         torch.testing.assert_close(vanilla.params[key], neutral.params[key], rtol=0, atol=0)
     trainer = make_tiny_trainer(reward_funcs=[digit_fraction_reward], plugins=["repexp"],
                                 plugin_config={"repexp": {"projection_dim": 8}}, output_dir=str(tmp_path / "a"), **RUN)
-    features = trainer._rollout_features([[5, 6], [5]], [[7, 8, 9], [7]])
+    features = trainer.policy_probe.features([[5, 6], [5]], [[7, 8, 9], [7]])
     assert features.shape == (2, trainer.model.config.hidden_size)
     acting = record_run(trainer)
     assert all(float(r[:, 1].min()) > 0 for r in acting.rewards)  # every response has some novelty

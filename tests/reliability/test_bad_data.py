@@ -177,7 +177,7 @@ def test_reward_failure_on_one_process_stops_every_process_after_the_gather(loca
     else:
         torch.testing.assert_close(trainer._calculate_rewards(rows, prompts, completions, ids), expected)
     assert accelerator.sent == [[int(local_fails)]]  # the flag went out: the other process is not left waiting
-    assert not trainer._held_reward_errors.holding
+    assert not trainer.held_reward_errors.holding
 
 
 def test_trainer_keeps_reward_names_and_plugin_weights(tmp_path):

@@ -186,8 +186,10 @@ def _stub_trainer(rank, collective, budget, calls):
     acc = SimpleNamespace(gather=lambda t: collective.gather(rank, t.view(1, -1)).view(-1), device=torch.device("cpu"),
                           process_index=rank)
     return SimpleNamespace(args=SimpleNamespace(plugin_generation_budget=budget), accelerator=acc,
-                           _generate_single_turn=single_turn, processing_class=tok, max_completion_length=8,
-                           _tokenizer=tok)
+                           sample_completions=lambda prompt_ids, num_generations=1: single_turn(
+                               prompt_ids, None, {}, num_generations),
+                           processing_class=tok, max_completion_length=8, text_tokenizer=tok,
+                           model=SimpleNamespace(training=True))
 
 
 @FAST

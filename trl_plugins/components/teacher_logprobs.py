@@ -87,10 +87,10 @@ def hf_completion_logprobs(
 ) -> list[torch.Tensor]:
     """No-grad log pi_teacher(completion_ids[i][t] | prompt, completion[:t]) for every row (raw logits, temperature 1).
 
-    Rows are batched in TRL's layout (:func:`~trl_plugins.trainer.prompt_completion_batch`). Returns one
+    Rows are batched in TRL's layout (:func:`~trl_plugins.policy_probe.prompt_completion_batch`). Returns one
     (len(completion_ids[i]),) float32 CPU tensor per row (an empty completion gives an empty tensor).
     """
-    from ..trainer import prompt_completion_batch
+    from ..policy_probe import prompt_completion_batch
 
     out: list[torch.Tensor] = []
     device = next(model.parameters()).device
