@@ -460,11 +460,13 @@ def main(args, command: str) -> int:
 def header(result: dict) -> str:
     t, mem = result["task_settings"], result.get("memory") or {}
     probe = mem.get("probe") or {}
-    mem_text = (f" Workers: the probe run alone peaked at {probe.get('peak_mib')} MiB "
-                f"({'CUDA reserved + context' if probe.get('kind') == 'cuda' else 'RSS'}), "
-                f"{mem.get('available_mib')} MiB available, {mem.get('cores')} cores -> {result['workers']} workers "
-                f"(floor(available x 0.8 / peak), capped by cores); the largest peak of any run was "
-                f"{mem.get('max_run_peak_mib')} MiB." if probe else "")
+    kind = "CUDA reserved + context" if probe.get("kind") == "cuda" else "RSS"
+    mem_text = "" if not probe else (
+        f" Workers: the probe run alone peaked at {probe.get('peak_mib')} MiB ({kind}), "
+        f"{mem.get('available_mib')} MiB available, {mem.get('cores')} cores -> {result['workers']} workers "
+        f"(floor(available x 0.8 / peak), capped by cores and runs left); the largest peak of any run was "
+        f"{mem.get('max_run_peak_mib')} MiB." if mem.get("available_mib") is not None else
+        f" Peak memory of the one run: {probe.get('peak_mib')} MiB ({kind}).")
     cut = result.get("truncated_runs") or []
     cut_text = (" Cut short by --max-minutes (fewer rollouts than the budget: not comparable): "
                 + ", ".join(f"{m} seed {s} ({n} steps)" for m, s, n in cut) + "." if cut else "")
