@@ -42,11 +42,14 @@ import bench_learning as bl  # noqa: E402
 # up to 20 at T=0.7: 14.8 % of 128. At T=1 with neither top-k nor top-p the 135M model often rambles off the question.
 CHAT_TASK: dict = {
     "ops": ["+", "-"], "max_operand": 20, "max_multiplicand": 12, "train_size": 1024,
-    "num_generations": 8, "per_device_train_batch_size": 64, "max_completion_length": 16, "temperature": 0.7,
-    "learning_rate": 2e-4, "budget": 1280, "eval_every": 320, "eval_size": 128,
+    "num_generations": 8, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 4,
+    "max_completion_length": 16, "temperature": 0.7, "learning_rate": 2e-4, "budget": 1280, "eval_every": 320,
+    "eval_size": 128,
 }
+# The loss runs in micro-batches of 16 (4 accumulation steps, one generation of 64 rollouts per optimizer step): with
+# SmolLM2's 49k vocabulary, one micro-batch of 64 took about 14 GB on a CPU (the worker was killed for memory).
 # --tiny: the plumbing only (one step of 8 rollouts, 8 held-out problems).
-CHAT_TINY: dict = {"train_size": 32, "num_generations": 4, "per_device_train_batch_size": 8,
+CHAT_TINY: dict = {"train_size": 32, "num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
                    "max_completion_length": 8, "budget": 8, "eval_every": 8, "eval_size": 8}
 # Settings that differ from bench_learning's (bench_common.PLUGIN_SETTINGS / LEARNING_SETTINGS) on this task.
 CHAT_PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
@@ -78,8 +81,14 @@ def method_settings(method: str) -> tuple[list[str], dict, dict]:
 
 def grpo_fields(task: dict, device: str) -> dict:
     return dict(num_generations=task["num_generations"], per_device_train_batch_size=task["per_device_train_batch_size"],
+                gradient_accumulation_steps=task["gradient_accumulation_steps"],
                 max_completion_length=task["max_completion_length"], temperature=task["temperature"],
                 learning_rate=task["learning_rate"], use_cpu=device == "cpu", bf16=device == "cuda")
+
+
+def rollouts_per_step(fields: dict) -> int:
+    """Rollouts of one optimizer step: the micro-batch times the accumulation steps (one process)."""
+    return fields["per_device_train_batch_size"] * fields.get("gradient_accumulation_steps", 1)
 
 
 def config_hash(task: dict, device: str, method: str, grpo_config: dict) -> str:
@@ -194,7 +203,8 @@ def run_chat(job: dict) -> dict:
     eval_rows = list(eval_set)
     plugins, options, overrides = method_settings(job["method"])
     overrides = {**grpo_fields(task, device), **job.get("grpo_config", {}), **overrides}
-    batch, G = overrides["per_device_train_batch_size"], overrides["num_generations"]
+    # rollouts per optimizer step: one generation batch (steps_per_generation defaults to the accumulation steps)
+    batch, G = rollouts_per_step(overrides), overrides["num_generations"]
     teacher_slots = options.get("luffy", {}).get("num_demonstrations", 1) if "luffy" in plugins else 0
     max_steps = math.ceil(budget / (batch * (G - teacher_slots) / G))
     out_dir = tempfile.mkdtemp(prefix="bench_chat_")
@@ -435,7 +445,7 @@ def main(args, command: str) -> int:
         "model": "builtin:smollm2 (SmolLM2-135M-Instruct) + LoRA", "model_path": model_path,
         "weights_sha256": weights, "lora": bc.REAL_MODEL_SETTINGS["lora"], "task_settings": task,
         "seeds": seeds, "methods": methods, "budget": budget, "eval_every": eval_every, "eval_size": eval_size,
-        "batch": task["per_device_train_batch_size"], "num_generations": task["num_generations"],
+        "batch": rollouts_per_step({**task, **grpo_config}), "num_generations": task["num_generations"],
         "max_completion_length": task["max_completion_length"], "grpo_config": grpo_config,
         "learning_rate": grpo_config.get("learning_rate", task["learning_rate"]), "target": target,
         "base_accuracy": base["base_accuracy"], "base_pass_rate": base["base_pass_rate"], "memory": memory,
@@ -450,11 +460,13 @@ def main(args, command: str) -> int:
 def header(result: dict) -> str:
     t, mem = result["task_settings"], result.get("memory") or {}
     probe = mem.get("probe") or {}
-    mem_text = (f" Workers: the probe run alone peaked at {probe.get('peak_mib')} MiB "
-                f"({'CUDA reserved + context' if probe.get('kind') == 'cuda' else 'RSS'}), "
-                f"{mem.get('available_mib')} MiB available, {mem.get('cores')} cores -> {result['workers']} workers "
-                f"(floor(available x 0.8 / peak), capped by cores); the largest peak of any run was "
-                f"{mem.get('max_run_peak_mib')} MiB." if probe else "")
+    kind = "CUDA reserved + context" if probe.get("kind") == "cuda" else "RSS"
+    mem_text = "" if not probe else (
+        f" Workers: the probe run alone peaked at {probe.get('peak_mib')} MiB ({kind}), "
+        f"{mem.get('available_mib')} MiB available, {mem.get('cores')} cores -> {result['workers']} workers "
+        f"(floor(available x 0.8 / peak), capped by cores and runs left); the largest peak of any run was "
+        f"{mem.get('max_run_peak_mib')} MiB." if mem.get("available_mib") is not None else
+        f" Peak memory of the one run: {probe.get('peak_mib')} MiB ({kind}).")
     cut = result.get("truncated_runs") or []
     cut_text = (" Cut short by --max-minutes (fewer rollouts than the budget: not comparable): "
                 + ", ".join(f"{m} seed {s} ({n} steps)" for m, s, n in cut) + "." if cut else "")
