@@ -75,6 +75,15 @@ def is_unfinished(ids: list[int], cap: int, eos: set[int]) -> bool:
     return len(ids) >= cap and (not ids or ids[-1] not in eos)
 
 
+def lengths_and_unfinished(ctx: RewardContext, plugin: str, cap: int, eos: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) long completion lengths and (N,) bool "cut off at ``cap`` unfinished" of the global batch (one gather)."""
+    local = [(len(ids), is_unfinished(ids, cap, eos)) for ids in local_completion_ids(ctx, plugin)]
+    gathered = ctx.gather_object(local)
+    device = ctx.rewards_per_func.device
+    return (torch.tensor([n for n, _ in gathered], dtype=torch.long, device=device),
+            torch.tensor([u for _, u in gathered], dtype=torch.bool, device=device))
+
+
 def group_accuracy(correct: torch.Tensor, group_size: int) -> torch.Tensor:
     """(N,) bool -> (N/G,) fraction correct per group."""
     return correct.float().view(-1, group_size).mean(dim=1)

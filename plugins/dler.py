@@ -32,8 +32,7 @@ from ._length import (
     correct_rows,
     eos_ids,
     group_accuracy,
-    is_unfinished,
-    local_completion_ids,
+    lengths_and_unfinished,
     truncation_mask,
     zero_rows,
 )
@@ -95,12 +94,8 @@ class DlerPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         o, G = self.options, ctx.num_generations
-        local = [(len(ids), is_unfinished(ids, self.max_len, self.eos_ids))
-                 for ids in local_completion_ids(ctx, self.name)]
-        gathered = ctx.gather_object(local)
-        device = ctx.rewards_per_func.device
-        lengths = torch.tensor([n for n, _ in gathered], dtype=torch.long, device=device)
-        unfinished = torch.tensor([u for _, u in gathered], dtype=torch.bool, device=device)
+        lengths, unfinished = lengths_and_unfinished(ctx, self.name, self.max_len, self.eos_ids)
+        device = lengths.device
         ctx.log_metric("mean_length", lengths.float().mean().item())
         cap = o.cap or self.max_len
         if o.difficulty_aware:

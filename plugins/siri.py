@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
 
-from ._length import MULTI_TURN_REASON, eos_ids, is_unfinished, local_completion_ids, truncation_mask, zero_rows
+from ._length import MULTI_TURN_REASON, eos_ids, lengths_and_unfinished, truncation_mask, zero_rows
 
 
 @dataclass
@@ -91,11 +91,7 @@ class SiriPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         cap = self.cap(ctx.step) if ctx.mode == "train" else self.max_len
-        local = [(len(ids), is_unfinished(ids, cap, self.eos_ids)) for ids in local_completion_ids(ctx, self.name)]
-        gathered = ctx.gather_object(local)
-        device = ctx.rewards_per_func.device
-        lengths = torch.tensor([n for n, _ in gathered], dtype=torch.long, device=device)
-        unfinished = torch.tensor([u for _, u in gathered], dtype=torch.bool, device=device)
+        lengths, unfinished = lengths_and_unfinished(ctx, self.name, cap, self.eos_ids)
         zero = truncation_mask(lengths, torch.full_like(lengths, cap), unfinished)
         ctx.rewards_per_func = zero_rows(ctx.rewards_per_func, zero)
         ctx.log_metric("cap", float(cap))
