@@ -162,9 +162,8 @@ class Plugin:
     @classmethod
     def deprecated(cls) -> bool:
         """Every value of the :attr:`moved_by` option moved to another plugin: the name is only an old spelling."""
-        if not cls.moved:
-            return False
-        return set(option_choices(cls.Options, cls.moved_by) or ()) <= set(cls.moved)
+        choices = option_choices(cls.Options, cls.moved_by) if cls.moved else None
+        return bool(choices) and set(choices) <= set(cls.moved)
 
     @classmethod
     def supported_loss_types(cls) -> tuple[str, ...] | None:
