@@ -14,6 +14,7 @@ from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.services import RunInfo
 from trl_plugins.testing import (
     StubGenerationService,
+    assert_reduces_to_vanilla,
     build_stack,
     char_encode,
     loss_from_context,
@@ -126,6 +127,12 @@ def test_seele_option_checks():
         build_plugins(["seele"], {"seele": {"template": "{question} only"}})
     with pytest.raises(PluginConfigError, match="'target_accuracy' of plugin 'seele' got 0"):
         build_plugins(["seele"], {"seele": {"target_accuracy": 0.0}})
+
+
+def test_warmup_steps_are_plain_grpo():
+    """Every problem is hinted once SEELE runs, so its only neutral setting is the warm-up: plain GRPO before it."""
+    runs = assert_reduces_to_vanilla("seele", {"warmup_steps": 5}, loss_types=("dapo",), steps=1)
+    assert not any("plugins/seele/mean_hint_rate" in log for log in runs["dapo"].logs)
 
 
 def test_seele_tiny_run_trains_every_group_with_fitted_hints():
