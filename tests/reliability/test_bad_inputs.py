@@ -264,7 +264,7 @@ CASES = [
     Case("state-a-list", "resume", [1, 2, 3], "holds list [1, 2, 3], not the dict of plugin states"),
     Case("state-a-tensor", "resume", torch.zeros(2), "holds Tensor"),
     Case("state-int-keys", "resume", {1: {}}, "not the dict of plugin states"),
-    Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "length_shaping": {"x": 1}},
+    Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "laser": {"x": 1}},
          "warn:holds state for plugins ['canon'], which this run does not enable"),
 ]
 
