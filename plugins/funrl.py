@@ -25,7 +25,7 @@ token, so tool-result and padding tokens (advantage 0) get no bonus.
 Reconstructed (options, flagged): multiple calls compared as a multiset (``order="unordered"``; the paper's
 parallel-call categories are order-free), values compared after normalisation (numbers by value, strings stripped),
 and where the chain of thought ends: the tokens before the ``cot_marker`` text (``</think>``, the paper's Qwen3 think
-tags), the whole completion when it has no marker (the rule of ``length_shaping``'s PEAR mode). Not implemented here:
+tags), the whole completion when it has no marker (the rule of the ``pear`` plugin). Not implemented here:
 the data-filtering pipeline. The neutral setting is ``reward_weight = 0`` and ``entropy_weight = 0`` (the column adds
 nothing to TRL's sum and the advantages are TRL's, with no extra forward).
 """
@@ -41,7 +41,7 @@ import torch
 from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.tool_calls import call_key, parse_gold_calls
 
-from ._pear import phase_boundary
+from ._phases import phase_boundary
 
 
 @dataclass

@@ -40,60 +40,26 @@ GHPO, by a sentence saying it is the beginning of the answer. Scaf-GRPO's first 
 ``warmup_steps`` (default 0, GHPO) reproduces that. Extra rollouts count in the rollout budget and are logged
 (``plugins/hint_scaffold/extra_rollouts``, summed over processes), as are the all-fail and rescued group fractions.
 
-SEELE (arXiv:2509.06923, ``schedule="seele"``): instead of reacting to failures, **every** problem is sampled with a
-hint -- a prefix of its reference solution -- whose length is chosen per problem so that the rollout accuracy sits
-at the learning-efficiency sweet spot ``target_accuracy`` (0.5: the paper bounds the loss descent by ``a (1 - a)``).
-The G rollouts of a prompt are split into ``seele_rounds`` rounds (paper: m = 4 rounds of n = 8): round 1 uses the
-problem's hinting rate from its previous visit (first visit: the pessimistic cold start ``(S - 1) / S`` of its S
-solution steps); after each round the (hinting rate, round accuracy) pairs seen so far -- accuracies averaged per
-distinct rate -- are fitted by the three-parameter logistic item-response model ``f(p) = b + (1 - b) / (1 + exp(-k
-(p + mu)))`` (least squares), and the next round uses ``p = f^-1(target_accuracy)`` (0 when the floor ``b`` already
-reaches the target, 1 when the curve never does). The hint is the first ``round(p S)`` solution steps (lines, or
-characters with ``seele_unit="chars"``); the last fit's rate is remembered for the problem's next visit. The rounds
-after the first are deferred rows filled through the generation service (one collective call per round), so a step
-costs exactly G rollouts; all G rows form one group for the advantage, each trained under its own hinted prompt.
-Where the hint goes (``seele_hint_in``): the paper writes it at the **start of the response** and trains its tokens
-by imitation, ``L = L_RL(generated tokens) + gamma * L_NLL(hint tokens)`` with ``gamma = seele_imitation_coef =
-0.001`` (``"response"``, the default). The hint tokens (the hint's lines plus a line break, tokenized apart
-[reconstructed]) then lead the completion, flagged off-policy (NaN sampling log-probs), under the original prompt;
-at the loss stage they leave the surrogate (``seele_hint_surrogate=false`` [reconstructed]) and get the per-token
-term ``-gamma log pi``, aggregated like the surrogate (``loss_type``) [reconstructed]; the generated tokens after
-them are trained as usual. Rounds after the first are sampled as continuations of the hint (the generation service's
-completion prefix); the first round is TRL's own generation, which cannot start a response with a prefix, so it is
-sampled with the hint in the prompt (``template``) and trained with the hint as the response's start, its generated
-tokens treated as prompt-swapped (NaN sampling log-probs) [reconstructed]. ``seele_hint_in="prompt"`` keeps the
-hint in the training prompt (this project's earlier reading: no imitation term, no hint tokens in the completion).
-The fit is our least-squares solver (the paper: LMFIT's TRF), with ``k`` bounded by 50 and ``b`` in [0, 1]
-[reconstructed]; the remembered rates are kept per process, keyed by the question text, and saved in checkpoints.
-Metric (response placement): ``hint_token_fraction`` (the loss tokens that are hint tokens).
+SEELE (arXiv:2509.06923), which hints every problem with a fitted hint length instead of reacting to failures, is
+its own plugin, ``seele``. The spelling ``schedule="seele"`` of this plugin is deprecated: for one release it builds
+``seele`` (under this plugin's name), with a warning naming the option mapping (:attr:`HintScaffoldPlugin.moved`).
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import (
-    AdvantageContext,
-    LossContext,
-    Plugin,
-    PluginConfigError,
-    PromptContext,
-    RolloutContext,
-    hookimpl,
-    option,
-)
+from trl_plugins import Moved, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.collectives import run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.success import SuccessOptions
 
-HINT_TOKENS_KEY = "seele_hint_tokens"  # per-row count of leading hint tokens (annotation and loss extra)
-DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"
+from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key
 
 
 @dataclass
@@ -160,39 +126,11 @@ class HintScaffoldOptions(SuccessOptions):
     replace_index: int = option(0, min=0, help="Slot replaced in 'one' mode (index within the group).")
     warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first (Scaf-GRPO uses 50).")
     schedule: Literal["on_failure", "seele"] = option(
-        "on_failure", help="'on_failure': hint all-fail groups after generation (GHPO, Scaf-GRPO); 'seele': every "
-        "problem gets a solution-prefix hint whose length is fitted per problem to reach target_accuracy (SEELE)."
-    )
-    seele_rounds: int = option(
-        4, min=2, help="schedule='seele': rollout rounds per step (paper: 4); num_generations must be a multiple."
-    )
-    target_accuracy: float = option(
-        0.5, min=0.0, max=1.0, min_exclusive=True, help="schedule='seele': the accuracy the hint length aims at "
-        "(paper: 0.5)."
-    )
-    seele_unit: Literal["lines", "chars"] = option(
-        "lines", reconstructed=True, help="schedule='seele': unit of the hinting rate (paper: solution steps; a step "
-        "is one line here)."
-    )
-    seele_hint_in: Literal["response", "prompt"] = option(
-        "response", help="schedule='seele': the hint starts the response, trained by imitation (paper), or joins the "
-        "prompt (no imitation term)."
-    )
-    seele_imitation_coef: float = option(
-        0.001, min=0.0, help="schedule='seele', seele_hint_in='response': gamma of the imitation term -gamma log pi on "
-        "the hint tokens (paper: 0.001; 0 = none)."
-    )
-    seele_hint_surrogate: bool = option(
-        False, reconstructed=True, help="schedule='seele', seele_hint_in='response': also train the hint tokens with "
-        "the RL surrogate (the shaped off-policy branch) instead of the imitation term alone."
+        "on_failure", help="'on_failure': hint all-fail groups after generation (GHPO, Scaf-GRPO). 'seele' is "
+        "deprecated: it builds the plugin seele (use plugins: [seele])."
     )
 
     def validate(self) -> None:
-        if self.schedule == "seele" and self.hints != "solution_prefix":
-            raise PluginConfigError(
-                f"Option 'schedule' of plugin 'hint_scaffold' got 'seele' with hints={self.hints!r}; SEELE's hints are "
-                "solution prefixes (hints='solution_prefix')."
-            )
         if not self.hint_fractions or any(not (0.0 < f <= 1.0) for f in self.hint_fractions):
             raise PluginConfigError(
                 f"Option 'hint_fractions' of plugin 'hint_scaffold' got {self.hint_fractions!r}; allowed: a non-empty "
@@ -289,97 +227,6 @@ def parse_tiers(text: str, tiers: list[str]) -> dict:
     return out
 
 
-def hinted_prompt(prompt: Any, hint: str, template: str) -> Any:
-    """The prompt with ``hint`` joined to its last user message (conversational) or to the text."""
-    if isinstance(prompt, str):
-        return template.format(question=prompt, hint=hint)
-    messages = copy.deepcopy(prompt)
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            message["content"] = template.format(question=message["content"], hint=hint)
-            return messages
-    raise PluginConfigError("hint_scaffold: the prompt has no user message to attach the hint to.")
-
-
-# ============================================================================================= SEELE
-#: Upper bound of the 3PL discrimination k in the fit [reconstructed: the paper's fitted curves reach k = 50.00].
-SEELE_K_MAX = 50.0
-
-
-def three_pl(p: torch.Tensor, k: float, mu: float, b: float) -> torch.Tensor:
-    """SEELE's item-response model of accuracy against hinting rate: ``b + (1 - b) / (1 + exp(-k (p + mu)))``."""
-    return b + (1 - b) * torch.sigmoid(k * (p + mu))
-
-
-def fit_three_pl(rates: list[float], accuracies: list[float], iterations: int = 200) -> tuple[float, float, float]:
-    """Least-squares fit of :func:`three_pl` to (hinting rate, accuracy) pairs; accuracies are averaged per distinct
-    rate first (the paper's Eq. 13). ``k`` in (0, 50), ``b`` in (0, 1), ``mu`` free; deterministic (L-BFGS from
-    ``k = 10, mu = -0.5, b = 0.02``). Returns ``(k, mu, b)``."""
-    by_rate: dict[float, list[float]] = {}
-    for p, a in zip(rates, accuracies):
-        by_rate.setdefault(round(float(p), 9), []).append(float(a))
-    p = torch.tensor(list(by_rate), dtype=torch.float64)
-    a = torch.tensor([sum(v) / len(v) for v in by_rate.values()], dtype=torch.float64)
-    u = torch.tensor(math.log(10.0 / (SEELE_K_MAX - 10.0)), dtype=torch.float64, requires_grad=True)
-    mu = torch.tensor(-0.5, dtype=torch.float64, requires_grad=True)
-    v = torch.tensor(math.log(0.02 / 0.98), dtype=torch.float64, requires_grad=True)
-    optimizer = torch.optim.LBFGS([u, mu, v], max_iter=iterations, line_search_fn="strong_wolfe")
-
-    def closure():
-        optimizer.zero_grad()
-        loss = ((three_pl(p, SEELE_K_MAX * torch.sigmoid(u), mu, torch.sigmoid(v)) - a) ** 2).sum()
-        loss.backward()
-        return loss
-
-    optimizer.step(closure)
-    with torch.no_grad():
-        return float(SEELE_K_MAX * torch.sigmoid(u)), float(mu), float(torch.sigmoid(v))
-
-
-def rate_for_accuracy(target: float, k: float, mu: float, b: float) -> float:
-    """``f^-1(target)`` of :func:`three_pl`, clipped to [0, 1]: 0 when the floor ``b`` reaches the target."""
-    if target <= b:
-        return 0.0
-    ratio = (1 - b) / (target - b) - 1
-    if ratio <= 0:
-        return 1.0
-    return min(1.0, max(0.0, -mu - math.log(ratio) / k))
-
-
-def solution_units(solution: str, unit: str) -> int:
-    """Length of a solution in hinting units: non-empty lines (steps) or characters."""
-    return len([line for line in solution.splitlines() if line.strip()]) if unit == "lines" else len(solution)
-
-
-def seele_hint(solution: str, rate: float, unit: str) -> str:
-    """The first ``round(rate * S)`` units of ``solution`` (S = :func:`solution_units`); empty for a zero rate."""
-    if unit == "lines":
-        lines = [line for line in solution.splitlines() if line.strip()]
-        return "\n".join(lines[: round(rate * len(lines))])
-    return solution[: round(rate * len(solution))]
-
-
-def cold_start_rate(solution: str, unit: str) -> float:
-    """The paper's pessimistic first rate ``(S - 1) / S``: every step but the last is revealed."""
-    n = solution_units(solution, unit)
-    return (n - 1) / n if n > 0 else 0.0
-
-
-def hint_token_mask(hint_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) 1.0 on each row's first ``hint_tokens[b]`` completion tokens that are loss tokens, else 0.
-
-    Args:
-        hint_tokens: (B,) leading hint tokens per row. mask: (B, T) loss mask.
-    """
-    positions = torch.arange(mask.size(1), device=mask.device).unsqueeze(0)
-    return (positions < hint_tokens.to(mask.device).unsqueeze(-1)).to(mask.dtype) * mask
-
-
-def imitation_term(per_token_logps: torch.Tensor, hint_mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """(B, T) SEELE's imitation term ``-coef * log pi`` on the hint tokens (0 elsewhere)."""
-    return -coef * per_token_logps * hint_mask.to(per_token_logps.dtype)
-
-
 class HintScaffoldPlugin(Plugin):
     """Re-generate all-fail groups from growing reference-solution hints (sampling stage)."""
 
@@ -393,12 +240,9 @@ class HintScaffoldPlugin(Plugin):
     paper = (
         "GHPO: Adaptive Guidance for Stable and Efficient LLM Reinforcement Learning, arXiv:2507.10628; "
         "Scaf-GRPO: Scaffolded Group Relative Policy Optimization for Enhancing LLM Reasoning, "
-        "arXiv:2510.19807; "
-        "SEELE: Staying in the Sweet Spot: Responsive Reasoning Evolution via Capability-Adaptive Hint Scaffolding, "
-        "arXiv:2509.06923"
+        "arXiv:2510.19807"
     )
-    summary = ("All-fail groups re-generated with growing hints (GHPO, Scaf-GRPO tiers), or per-problem fitted hint "
-               "lengths (SEELE).")
+    summary = "All-fail groups re-generated with growing hints (GHPO solution prefixes, Scaf-GRPO tiers)."
     Options = HintScaffoldOptions
     claim_metric = ("rescued_group_fraction", "all-fail groups rescued by hints")
     replaces = ("the completions of all-fail groups (hinted re-generations)",)
@@ -407,14 +251,18 @@ class HintScaffoldPlugin(Plugin):
             "hints='tiered': levels are cumulative (earlier tiers in full, then the first k parts of the current "
             "tier), and the tiered_template wording"
         ),
-        "schedule='seele': the 3PL fit's solver and bounds, per-process memory of the rates; with the hint in the "
-        "response: its tokenization (lines plus a line break), the first round sampled with the hint in the prompt, "
-        "the imitation term aggregated like the surrogate and the hint tokens left out of the surrogate",
     )
+    # deprecated spelling (one release): schedule='seele' is the plugin seele
+    moved_by = "schedule"
+    moved = {"seele": Moved("seele", renamed={
+        "success_column": "success_column", "success_threshold": "success_threshold",
+        "solution_column": "solution_column", "template": "template", "warmup_steps": "warmup_steps",
+        "seele_rounds": "rounds", "target_accuracy": "target_accuracy", "seele_unit": "unit",
+        "seele_hint_in": "hint_in", "seele_imitation_coef": "imitation_coef", "seele_hint_surrogate": "hint_surrogate",
+    })}
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.seele_rates: dict[str, float] = {}
         self.teacher = None
         self.teacher_tiers: dict[str, dict] = {}  # question -> tiers asked of the teacher (once per problem)
 
@@ -431,11 +279,6 @@ class HintScaffoldPlugin(Plugin):
             self.teacher = shared_teacher(o.teacher, model=o.teacher_model, base_url=o.teacher_base_url,
                                           api_key_env=o.teacher_api_key_env, max_tokens=o.teacher_max_tokens,
                                           timeout=o.teacher_timeout, max_retries=o.teacher_max_retries)
-        if o.schedule == "seele" and G % o.seele_rounds:
-            raise PluginConfigError(
-                f"Option 'seele_rounds' of plugin 'hint_scaffold' got {o.seele_rounds}; num_generations={G} must be a "
-                f"multiple of it (each round samples num_generations / seele_rounds rollouts per problem)."
-            )
         if o.replace == "one" and o.replace_index >= G:
             raise PluginConfigError(
                 f"Option 'replace_index' of plugin 'hint_scaffold' got {o.replace_index}; allowed: a slot of the "
@@ -444,39 +287,17 @@ class HintScaffoldPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_state_dict(self):
-        return {"seele_rates": dict(self.seele_rates), "teacher_tiers": dict(self.teacher_tiers)}
+        return {"teacher_tiers": dict(self.teacher_tiers)}
 
     @hookimpl
     def trl_plugins_load_state_dict(self, state):
         state = state or {}
-        self.seele_rates = {str(k): float(v) for k, v in state.get("seele_rates", {}).items()}
         self.teacher_tiers = {str(k): dict(v) for k, v in state.get("teacher_tiers", {}).items()}
-
-    @hookimpl
-    def trl_plugins_generation_prompts(self, ctx: PromptContext):
-        o = self.options
-        if o.schedule != "seele" or ctx.step < o.warmup_steps:
-            return
-        per_round = ctx.num_generations // o.seele_rounds
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] >= per_round:
-                ctx.defer(i)
-                continue
-            solution = self._seele_solution(ctx, i)
-            rate = self.seele_rates.get(_question_key(ctx.prompts[i]), cold_start_rate(solution, o.seele_unit))
-            prompt = self._seele_prompt(ctx.prompts[i], solution, rate)
-            ctx.generation_prompts[i] = prompt
-            if o.seele_hint_in == "prompt":
-                ctx.training_prompts[i] = prompt
-            ctx.annotations[i].update(hint_rate=rate, seele_round=0)
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
         if ctx.step < o.warmup_steps:
-            return
-        if o.schedule == "seele":
-            self._seele_rounds(ctx)
             return
         G = ctx.num_generations
         rule = o.success_rule
@@ -523,114 +344,6 @@ class HintScaffoldPlugin(Plugin):
         ctx.log_metric("rescued_group_fraction", len(rescued) / success.size(0))
         ctx.log_metric("extra_rollouts", extra)
 
-    # ------------------------------------------------------------------------------------------ SEELE
-    def _seele_rounds(self, ctx: RolloutContext) -> None:
-        """Rounds 2..m: fit each problem's accuracy-hint curve on the rounds so far, sample the next round's rows
-        from the predicted rate (one collective generation call per round), remember the final fit's rate."""
-        o, G, B = self.options, ctx.num_generations, len(ctx)
-        per_round = G // o.seele_rounds
-        rounds = [ctx.index_in_group[i] // per_round for i in range(B)]
-        state = torch.full((B, 2), float("nan"))  # (success, hinting rate) of each local row, NaN until sampled
-        first = [i for i in range(B) if rounds[i] == 0]
-        if o.seele_hint_in == "response":  # sampled with the hint in the prompt: trained with it leading the response
-            for i in first:
-                hint = self._hint_ids(ctx, i, float(ctx.annotations[i]["hint_rate"]))
-                if hint:
-                    self._set_hinted_row(ctx, i, hint, hint + list(ctx.completion_ids[i]), None, prompt_swapped=True)
-        if first:
-            state[first, 0] = ctx.success(first, rule=o.success_rule).float().cpu()
-            state[first, 1] = torch.tensor([float(ctx.annotations[i]["hint_rate"]) for i in first])
-        rates: list[float] = []
-        for r in range(1, o.seele_rounds + 1):
-            seen = ctx.gather(state.to(ctx.device)).cpu().view(-1, G, 2)  # (groups, G, 2)
-            rates = []
-            for g in range(seen.size(0)):
-                hist = seen[g, : r * per_round].view(r, per_round, 2)
-                rates.append(rate_for_accuracy(o.target_accuracy, *fit_three_pl(
-                    hist[:, 0, 1].tolist(), hist[:, :, 0].mean(-1).tolist())))
-            if r == o.seele_rounds:
-                break
-            rows = [i for i in range(B) if rounds[i] == r]
-            if o.seele_hint_in == "response":
-                hints = [self._hint_ids(ctx, i, rates[ctx.group_ids[i]]) for i in rows]
-                completions = ctx.service.generate(prompts=[ctx.prompts[i] for i in rows], prefix_ids=hints)
-                for i, hint, completion in zip(rows, hints, completions):
-                    self._set_hinted_row(ctx, i, hint, completion.completion_ids, completion.logprobs,
-                                         prompt_swapped=False)
-            else:
-                prompts = [self._seele_prompt(ctx.prompts[i], self._seele_solution(ctx, i), rates[ctx.group_ids[i]])
-                           for i in rows]
-                completions = ctx.service.generate(prompts=prompts)  # every process calls, maybe with none
-                for i, prompt, completion in zip(rows, prompts, completions):
-                    ctx.replace_row(i, completion.completion_ids, logprobs=completion.logprobs, training_prompt=prompt,
-                                    prompt_swapped=False)
-            for i in rows:
-                ctx.annotations[i].update(hint_rate=rates[ctx.group_ids[i]], seele_round=r)
-            if rows:
-                state[rows, 0] = ctx.success(rows, rule=o.success_rule).float().cpu()
-                state[rows, 1] = torch.tensor([rates[ctx.group_ids[i]] for i in rows])
-            ctx.log_metric(f"round_{r}_accuracy", float(seen[:, (r - 1) * per_round: r * per_round, 0].mean()))
-        final = ctx.gather(state.to(ctx.device)).cpu().view(-1, G, 2)
-        ctx.log_metric(f"round_{o.seele_rounds}_accuracy", float(final[:, -per_round:, 0].mean()))
-        ctx.log_metric("mean_hint_rate", float(final[:, :, 1].mean()))
-        ctx.log_metric("extra_rollouts", 0.0)
-        for i in range(B):  # the rate for the problem's next visit
-            self.seele_rates[_question_key(ctx.prompts[i])] = rates[ctx.group_ids[i]]
-
-    def _hint_ids(self, ctx: RolloutContext, i: int, rate: float) -> list[int]:
-        """Token ids of row ``i``'s hint at ``rate`` as the start of a response (its lines and a line break); []
-        for an empty hint."""
-        hint = seele_hint(self._seele_solution(ctx, i), rate, self.options.seele_unit)
-        return list(ctx.tokenizer(hint + "\n", add_special_tokens=False)["input_ids"]) if hint else []
-
-    @staticmethod
-    def _set_hinted_row(ctx: RolloutContext, i: int, hint: list[int], ids: list[int], logprobs, *,
-                        prompt_swapped: bool) -> None:
-        """Row ``i`` := ``ids`` (the hint's tokens first, flagged off-policy) under the original prompt."""
-        limit = ctx.run.max_completion_length
-        ids = list(ids)[:limit] if limit else list(ids)
-        n_hint = min(len(hint), len(ids))
-        lps = None if logprobs is None else list(logprobs)[: len(ids)]
-        ctx.replace_row(i, ids, offpolicy=[True] * n_hint + [False] * (len(ids) - n_hint), logprobs=lps,
-                        training_prompt=ctx.prompts[i], prompt_swapped=prompt_swapped)
-        ctx.annotations[i][HINT_TOKENS_KEY] = n_hint
-
-    # ------------------------------------------------------------------------------------------ SEELE imitation
-    @hookimpl
-    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
-        o = self.options
-        if o.schedule != "seele" or o.seele_hint_in != "response":
-            return
-        counts = [float(a.get(HINT_TOKENS_KEY, 0)) for a in ctx.annotations]
-        if any(counts):
-            ctx.extras[HINT_TOKENS_KEY] = torch.tensor(counts, device=ctx.advantages.device)
-
-    @hookimpl
-    def trl_plugins_loss(self, ctx: LossContext):
-        o = self.options
-        counts = ctx.extras.get(HINT_TOKENS_KEY)
-        if counts is None:
-            return
-        hint = hint_token_mask(counts, ctx.mask)  # (B, T)
-        if not o.seele_hint_surrogate:
-            ctx.scale_tokens(1.0 - hint)
-        if o.seele_imitation_coef > 0:
-            ctx.add_token_loss(imitation_term(ctx.per_token_logps, hint, o.seele_imitation_coef))
-        ctx.log_metric("hint_token_fraction", float(hint.sum() / ctx.mask.sum().clamp(min=1)))
-
-    def _seele_solution(self, ctx, i: int) -> str:
-        solution = ctx.rows[i].get(self.options.solution_column)
-        if not isinstance(solution, str) or not solution.strip():
-            raise PluginConfigError(
-                f"hint_scaffold: row {ctx.global_index[i]} has no reference solution in column "
-                f"{self.options.solution_column!r} (got {solution!r}); schedule='seele' hints every problem."
-            )
-        return solution
-
-    def _seele_prompt(self, prompt: Any, solution: str, rate: float) -> Any:
-        hint = seele_hint(solution, rate, self.options.seele_unit)
-        return hinted_prompt(prompt, hint, self.options.template) if hint else prompt
-
     def _group_level_counts(self, ctx: RolloutContext, levels: list[list], num_groups: int) -> list[int]:
         """Number of hint levels of every group (global; 0 for groups that are not hinted). Solution prefixes give
         every group the same count; tiered hints are gathered (one collective)."""
@@ -650,7 +363,7 @@ class HintScaffoldPlugin(Plugin):
     def _tiers(self, ctx: RolloutContext, i: int) -> Any:
         """Row ``i``'s tiered hints: its hints column, or what the teacher wrote for its question."""
         if self.options.tiers_from == "teacher":
-            return self.teacher_tiers.get(_question_key(ctx.prompts[i]), {})
+            return self.teacher_tiers.get(question_key(ctx.prompts[i]), {})
         return ctx.rows[i].get(self.options.hints_column)
 
     def _ask_teacher(self, ctx: RolloutContext, failing: set[int]) -> None:
@@ -659,7 +372,7 @@ class HintScaffoldPlugin(Plugin):
         o = self.options
         todo: dict[str, int] = {}
         for i in range(len(ctx)):
-            key = _question_key(ctx.prompts[i])
+            key = question_key(ctx.prompts[i])
             if ctx.group_ids[i] in failing and key not in self.teacher_tiers:
                 todo.setdefault(key, i)
 
@@ -724,7 +437,3 @@ class HintScaffoldPlugin(Plugin):
             )
         ctx.annotations[i]["hint_level"] = level
 
-
-def _question_key(prompt: Any) -> str:
-    """The key of a problem in SEELE's memory of hinting rates: its prompt text."""
-    return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)

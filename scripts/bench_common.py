@@ -48,13 +48,17 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # refill plugins: the refill rollouts count in the rollout budget (max_refill_rounds: the PluginGRPOConfig default)
     "dars": ({"n_max": 16}, {}),
     "dcpo": ({}, {}),
+    "decs": ({}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
+    "dler": ({}, {}),
     "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
     "epo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
     "hapo": ({}, {}),
+    # the paper's budgets (512-2560 tokens) exceed the 40-token completions: four sub-groups of 2 rollouts instead
+    "hbpo": ({"budgets": [10, 20, 30, 40]}, {}),
     # the default lexicon targets natural-language reasoning; the arithmetic completions say "Answer"
     "hicra": ({"phrases": ["answer"]}, {}),
     "hint_scaffold": ({}, {}),
@@ -64,7 +68,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # for all-fail groups are what a tiny model writes); gated on the accuracy column
     "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
-    "length_shaping": ({}, {}),
+    "laser": ({}, {}),
     "llds": ({}, {}),
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
@@ -74,6 +78,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
     # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch
     "luffy": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
+    "pear": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
@@ -96,7 +101,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "salt": ({}, {}),
     "scope": ({"mode": "reference_suffix", "prm": "programmatic"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "seed_grpo": ({}, {}),
+    "seele": ({}, {}),
     "siren": ({}, {}),
+    "siri": ({}, {}),
     "steer": ({}, {}),
 }
 

@@ -61,17 +61,14 @@ from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
 from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
 from trl_plugins.trl_seam import replace_trl_method  # noqa: E402
 
-STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "length_shaping+canon"]
+STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "laser+canon"]
 # Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
 # within its sub-groups instead of recomputing them too (two plugins that both recompute one quantity are refused).
 STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"advantage": "recentre"}}}
 # Named variants of one plugin (``plugin:variant`` in --methods): the plugin with these options on top of its settings.
 VARIANTS: dict[str, dict] = {
-    "hint_scaffold:seele": {"schedule": "seele"},
-    "length_shaping:decs": {"mode": "decs"},
-    "length_shaping:pear": {"mode": "pear"},
-    # one compression-expansion cycle over the quick budget's 30 steps (default period: 100 steps)
-    "length_shaping:siri": {"mode": "siri", "siri_period": 30},
+    "laser:laser_de": {"variant": "laser_de"},
+    "dler:difficulty": {"difficulty_aware": True},
 }
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
@@ -93,6 +90,8 @@ LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kl_cov": ({}, {}),
     "lp_reg": ({}, {}),
     "gtpo": ({}, {"loss_type": "grpo"}),
+    # one compression-expansion cycle over the quick budget's 30 steps (default period: 100 steps)
+    "siri": ({"period": 30}, {}),
 }
 
 
@@ -314,7 +313,7 @@ CLAIM_METRICS = {
     "llds": ("plugins/llds/regularised_token_fraction", "tokens regularised"),
     "steer": ("plugins/steer/reweighted_token_fraction", "tokens reweighted"),
     "adaptive_sampler": ("plugins/adaptive_sampler/pruned_fraction", "prompts pruned"),
-    "length_shaping": ("plugins/length_shaping/bonus", "length bonus"),
+    "laser": ("plugins/laser/bonus", "length bonus"),
     "posterior_grpo": ("plugins/posterior_grpo/paid_fraction", "rollouts paid a process reward"),
     "disco": ("plugins/disco/mixed_group_fraction", "groups with both signs"),
 }

@@ -32,7 +32,7 @@ plugin's defaults, and its named variants such as ``igpo_a2tgpo``). Its rows als
 (``tools/call_frequency``, a table column) and completion tokens per rollout in the counted steps
 (``completions/mean_length``, in the JSON): a plugin that changes the update changes the later steps' rollouts, and
 so their cost. On the arithmetic task a configuration may name a
-mode of a plugin as ``plugin:variant`` (:data:`VARIANTS`, e.g. ``length_shaping:hbpo``).
+variant of a plugin as ``plugin:variant`` (:data:`VARIANTS`, e.g. ``laser:laser_de``).
 
 Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
 1024 valid completion tokens computes Lp-Reg's min-p proxy log-probs and SIREN's nucleus entropy (no grad, and
@@ -75,14 +75,11 @@ TASKS = ("arithmetic", "tools")
 #: Default configurations of ``--task tools``: the multi-turn tool-agent plugins (``igpo_a2tgpo``: IGPO's A2TGPO mode,
 #: a named variant of ``bench_agentic.VARIANTS``).
 AGENT_CONFIGS = ["igpo", "igpo_a2tgpo", "otc_po", "aspo", "salt", "epo", "matchtir", "e_grpo", "ikea", "funrl"]
-#: Named modes of one plugin on the arithmetic task (``plugin:variant`` in ``--configs``): the plugin with these
+#: Named variants of one plugin on the arithmetic task (``plugin:variant`` in ``--configs``): the plugin with these
 #: options on top of its ``bench_common.PLUGIN_SETTINGS``.
 VARIANTS: dict[str, dict] = {
-    "length_shaping:decs": {"mode": "decs"},
-    "length_shaping:pear": {"mode": "pear"},
-    "length_shaping:siri": {"mode": "siri"},
-    # the paper's budgets (512-2560 tokens) exceed the 40-token completions: four sub-groups of 2 rollouts instead
-    "length_shaping:hbpo": {"mode": "hbpo", "hbpo_budgets": [10, 20, 30, 40]},
+    "laser:laser_de": {"variant": "laser_de"},
+    "dler:difficulty": {"difficulty_aware": True},
 }
 
 

@@ -67,22 +67,23 @@ def test_bench_overhead_configurations_cover_every_builtin_plugin():
     bo = _bench_overhead_module()
     from trl_plugins import available_plugins
 
-    builtins = {n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)"}
+    builtins = {n for n, cls in available_plugins().items()
+                if cls.distribution() == "trl-plugins (built-in)" and not cls.deprecated()}  # not the old spellings
     covered = set(bo.bc.PLUGIN_SETTINGS) | {bo.config_plugins(c, [], "tools")[0][0] for c in bo.AGENT_CONFIGS}
     assert builtins - covered == set()
 
 
 def test_bench_overhead_variants_set_the_plugin_options_and_unknown_ones_are_refused():
     bo = _bench_overhead_module()
-    plugins, options, _ = bo.config_plugins("length_shaping:hbpo", [])
-    assert plugins == ["length_shaping"] and options["length_shaping"]["mode"] == "hbpo"
-    plugins, options, overrides = bo.config_plugins("length_shaping:decs+rover", [])
-    assert plugins == ["length_shaping", "rover"] and options["length_shaping"] == {"mode": "decs"}
+    plugins, options, _ = bo.config_plugins("laser:laser_de", [])
+    assert plugins == ["laser"] and options["laser"]["variant"] == "laser_de"
+    plugins, options, overrides = bo.config_plugins("dler:difficulty+rover", [])
+    assert plugins == ["dler", "rover"] and options["dler"] == {"difficulty_aware": True}
     assert overrides == bo.bc.PLUGIN_SETTINGS["rover"][1]
     plugins, options, _ = bo.config_plugins("igpo_a2tgpo+otc_po", [], "tools")
     assert plugins == ["igpo", "otc_po"] and options["igpo"]["mode"] == "a2tgpo"
-    with pytest.raises(ValueError, match="length_shaping:nope"):
-        bo.config_plugins("length_shaping:nope", [])
+    with pytest.raises(ValueError, match="laser:nope"):
+        bo.config_plugins("laser:nope", [])
 
 
 @pytest.mark.slow
@@ -141,12 +142,12 @@ def test_bench_learning_tables_list_grpo_first_and_leave_tool_only_plugins_out_o
 
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
     bl = _bench_learning_module()
-    plugins, options, _ = bl.method_settings("length_shaping:siri")
-    assert plugins == ["length_shaping"] and options["length_shaping"]["mode"] == "siri"
-    plugins, options, _ = bl.method_settings("hint_scaffold:seele+canon")
-    assert plugins == ["hint_scaffold", "canon"] and options["hint_scaffold"]["schedule"] == "seele"
-    with pytest.raises(ValueError, match="hint_scaffold:nope"):
-        bl.method_settings("hint_scaffold:nope")
+    plugins, options, _ = bl.method_settings("siri")
+    assert plugins == ["siri"] and options["siri"]["period"] == 30  # the learning benchmark's shorter cycle
+    plugins, options, _ = bl.method_settings("laser:laser_de+canon")
+    assert plugins == ["laser", "canon"] and options["laser"]["variant"] == "laser_de"
+    with pytest.raises(ValueError, match="laser:nope"):
+        bl.method_settings("laser:nope")
 
 
 def test_bench_learning_claim_metric_falls_back_to_the_plugins_own():

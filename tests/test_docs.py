@@ -155,6 +155,19 @@ def test_compatibility_page_lists_every_builtin_and_every_pick_one_pair(plugins)
     assert "(docs/compatibility.md)" in (REPO / "README.md").read_text()
 
 
+def test_hook_conflicts_and_deprecated_spellings_are_rendered(plugins):
+    pages = render_all(plugins)
+    reason = plugins["hbpo"].conflicts_with_hooks["trl_plugins_reject_groups"]
+    assert f"| `hbpo` + any plugin with `trl_plugins_reject_groups` (`dars`, `dynamic_sampling`) | {reason} |" in \
+        pages["compatibility.md"]
+    assert "Cannot be stacked with any plugin implementing `trl_plugins_reject_groups`" in pages["plugins/hbpo.md"]
+    legacy = pages["plugins/length_shaping.md"]
+    assert "## Deprecated spellings" in legacy and "Every value of `mode` moved" in legacy
+    assert "- `mode: hbpo` builds [`hbpo`](hbpo.md); renamed options: `hbpo_budgets` -> `budgets`" in legacy
+    assert "These values of `schedule` moved" in pages["plugins/hint_scaffold.md"]
+    assert "## Deprecated spellings" not in pages["plugins/laser.md"]
+
+
 # Documents that are not in the repository (the project's design notes and method specs are not shipped).
 UNSHIPPED = re.compile(
     r"catalog(ue)? section|catalog [A-Z]{3}-\d|specs/|methods_\w+\.md|DESIGN\.md|test_loss_equivalence|[Ii]nvariant \d"

@@ -3,6 +3,7 @@
 import re
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Literal
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch
 import trl_plugins.manager as manager
 from trl_plugins import (
     IncompatiblePluginsError,
+    Moved,
     Plugin,
     PluginConfigError,
     PluginGRPOConfig,
@@ -48,7 +50,8 @@ def test_builtins_are_available_with_stages_and_papers():
     plugins = available_plugins()
     assert {"lp_reg", "hint_scaffold", "canon"} <= set(plugins)
     assert plugins["lp_reg"].stages() == ["advantage", "loss"]
-    assert plugins["hint_scaffold"].stages() == ["sampling", "advantage", "loss"]  # SEELE imitation term
+    assert plugins["hint_scaffold"].stages() == ["sampling"]
+    assert plugins["seele"].stages() == ["sampling", "advantage", "loss"]  # SEELE's imitation term
     assert plugins["canon"].stages() == ["advantage"]
     for name in ("lp_reg", "hint_scaffold", "canon"):
         assert "arXiv:" in plugins[name].paper
@@ -403,3 +406,63 @@ def test_disable_autoload_refuses_other_values(fake_entry_points, monkeypatch):
     with pytest.raises(UnknownPluginError, match=r"Unknown plugin 'third_party_demo'.*not loaded because "
                                                  r"TRL_PLUGINS_DISABLE_AUTOLOAD='1'; unset it"):
         build_plugins(["third_party_demo"])
+
+
+# ------------------------------------------------------------------------------------------ declarative stacking rules
+class _RefusesRefill(Plugin):
+    name = "refuses_refill_demo"
+    conflicts_with_hooks = {"trl_plugins_reject_groups": "it samples rows a refill would regenerate without its edits"}
+
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx):
+        return None
+
+
+def test_conflicts_with_hooks_refuses_every_plugin_implementing_the_hook(temporary_plugin):
+    temporary_plugin(_RefusesRefill)
+    for refill in ("dynamic_sampling", "dars"):
+        with pytest.raises(IncompatiblePluginsError, match=f"'refuses_refill_demo' and '{refill}' cannot be stacked: "
+                                                           "it samples rows a refill"):
+            build_plugins([refill, "refuses_refill_demo"])
+    build_plugins(["refuses_refill_demo", "canon"])  # no refill hook: stacks
+
+
+def test_bad_declarations_are_refused_at_registration():
+    typo = type("HookTypo", (Plugin,), {"name": "hook_typo_demo",
+                                         "conflicts_with_hooks": {"trl_plugins_reject_group": "x"}})
+    with pytest.raises(PluginConfigError, match="'trl_plugins_reject_group', which is no hook.*reject_groups"):
+        manager.register_plugin(typo)
+    moved = type("MovedTypo", (Plugin,), {"name": "moved_typo_demo", "moved_by": "mode",
+                                          "moved": {"x": Moved("canon")}})
+    with pytest.raises(PluginConfigError, match="moved_by='mode', which is not one of its options"):
+        manager.register_plugin(moved)
+
+
+@dataclass
+class _OldOptions(PluginOptions):
+    kind: Literal["plain", "scaled"] = option("plain", help="scaled moved to the plugin canon.")
+    old_lam: float = option(0.5, help="Only for kind=plain.")
+
+
+class _OldSpelling(Plugin):
+    name = "old_spelling_demo"
+    Options = _OldOptions
+    moved_by = "kind"
+    moved = {"scaled": Moved("canon", {"lam": 0.25}, {"canon_b": "b"})}
+
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx):
+        return None
+
+
+def test_a_moved_spelling_builds_the_new_plugin_under_the_old_name(temporary_plugin):
+    temporary_plugin(_OldSpelling)
+    assert build_plugins(["old_spelling_demo"]).plugins[0].__class__ is _OldSpelling  # kind=plain did not move
+    with pytest.warns(DeprecationWarning, match=r"'old_spelling_demo' with kind='scaled' is deprecated.*plugin "
+                                                r"'canon'.*canon_b -> b.*Ignored.*: old_lam"):
+        plugin = build_plugins(["old_spelling_demo"], {"old_spelling_demo": {"kind": "scaled", "canon_b": 0.1,
+                                                                             "old_lam": 1.0}}).plugins[0]
+    assert plugin.name == "old_spelling_demo" and type(plugin).name == "canon"
+    assert plugin.options.lam == 0.25 and plugin.options.b == 0.1
+    with pytest.raises(PluginConfigError, match="Unknown option 'canon_bb' for plugin 'old_spelling_demo'.*'canon_b'"):
+        build_plugins(["old_spelling_demo"], {"old_spelling_demo": {"kind": "scaled", "canon_bb": 0.1}})

@@ -151,11 +151,20 @@ def _stacks(urls):
     return {
         # the README's YAML stack (hint_scaffold + canon), the demo's (hint_scaffold + lp_reg), the
         # (hint_scaffold + cure + lp_reg), and the recommended hint_scaffold + canon + lp_reg
-        "hint_scaffold+cure+canon+lp_reg+length_shaping": (
-            ["hint_scaffold", "cure", "canon", "lp_reg", "length_shaping"],
+        "hint_scaffold+cure+canon+lp_reg+laser": (
+            ["hint_scaffold", "cure", "canon", "lp_reg", "laser"],
             {"hint_scaffold": {"success_threshold": 0.9}, "lp_reg": {"kappa": 0.45, "rho": 0.5},
              "cure": {"branches_per_response": 1}},  # G=2: one original and one branch per group
             {"loss_type": "dr_grpo"}, [],
+        ),
+        # SEELE's hinted rounds (the hint leading the response, its imitation term) with DECS's per-position
+        # advantages (the rule chunk judge on the BPE tokens)
+        "seele+decs": (["seele", "decs"], {"seele": {"rounds": 2}}, {"loss_type": "dapo"}, []),
+        # the length family on one stack: HBPO's budget sub-groups (one row each at G=2) and hierarchical advantages,
+        # PEAR's entropy bonus column, DLER's and SIRI's truncation penalties
+        "hbpo+pear+dler+siri": (
+            ["hbpo", "pear", "dler", "siri"], {"hbpo": {"budgets": [8, 16]}, "siri": {"period": 2}},
+            {"loss_type": "dapo"}, [],
         ),
         # the recommended scope stack, with PRM and teacher endpoints; DisCO trains only on groups that hold a
         # correct rollout, which the 135M policy rarely writes but scope's teacher-corrected rollouts are
@@ -265,7 +274,8 @@ STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in TOOL_STACKS]
 
 
 def test_the_stacks_cover_every_builtin_plugin():
-    builtins = {n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)"}
+    builtins = {n for n, cls in available_plugins().items()
+                if cls.distribution() == "trl-plugins (built-in)" and not cls.deprecated()}  # not the old spellings
     covered = [p for plugins, *_ in _stacks(_ANY_URL).values() for p in plugins]
     assert sorted(covered) == sorted(builtins), "each built-in must run on the real model exactly once"
 
@@ -426,7 +436,7 @@ def test_prompt_swap_splice_and_retokenisation_on_the_real_bpe_tokenizer(smollm2
 
 
 class SeeleProbe(Plugin):
-    """Records the first loss micro-batch's rows and hint-token counts (a test probe, after hint_scaffold)."""
+    """Records the first loss micro-batch's rows and hint-token counts (a test probe, after seele)."""
 
     name = "test_seele_probe"
     seen: dict = {}
@@ -443,13 +453,13 @@ class SeeleProbe(Plugin):
 
 
 def test_seele_hint_leads_the_response_on_the_real_bpe_tokenizer(smollm2, tokenizer, tmp_path):
-    """hint_scaffold schedule='seele' (hint at the start of the response): on the real tokenizer each hinted row's
+    """seele (hint at the start of the response): on the real tokenizer each hinted row's
     completion starts with exactly the hint's tokens -- leading lines of the reference solution and a line break --
     flagged off-policy, followed by on-policy tokens; the imitation term reaches the loss and the adapters train."""
     SeeleProbe.seen = {}
     with temporary_plugin(SeeleProbe):
-        args = tiny_config(str(tmp_path), plugins=["hint_scaffold", "test_seele_probe"],
-                           plugin_config={"hint_scaffold": {"schedule": "seele", "seele_rounds": 2}},
+        args = tiny_config(str(tmp_path), plugins=["seele", "test_seele_probe"],
+                           plugin_config={"seele": {"rounds": 2}},
                            **{**RUN, "num_generations": 4, "per_device_train_batch_size": 8,
                               "max_completion_length": 24})
         trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
@@ -467,7 +477,7 @@ def test_seele_hint_leads_the_response_on_the_real_bpe_tokenizer(smollm2, tokeni
         assert list(tokenizer(hint, add_special_tokens=False)["input_ids"]) == seen["ids"][r][:n]
         assert seen["offpolicy"][r] == [True] * n + [False] * (len(seen["ids"][r]) - n)
     logs = _logs(trainer)
-    assert logs["plugins/hint_scaffold/hint_token_fraction"] > 0
+    assert logs["plugins/seele/hint_token_fraction"] > 0
     after = _adapters(trainer.model)
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
 

@@ -21,7 +21,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .manager import available_plugins, build_plugins, register_plugin, unregister_plugin
 from .options import PluginOptions, option
-from .plugin import Plugin
+from .plugin import Moved, Plugin
 from .services import RunInfo, StageServices
 from .tool_guard import ToolError, ToolInputError
 from .turns import TurnStructure
@@ -47,6 +47,7 @@ __all__ = [
     "IncompatiblePluginsError",
     "LossContext",
     "ModelNotFoundError",
+    "Moved",
     "Plugin",
     "PluginConfigError",
     "PluginError",

@@ -37,8 +37,12 @@ def describe_plugin(name: str) -> str:
     lines.append(f"Paper:   {cls.paper or '-'}")
     lines.append(f"Stages:  {', '.join(cls.stages()) or '-'}")
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
-    from .docs import stacking_notes
+    from .docs import moved_lines, stacking_notes
 
+    if cls.moved:
+        lines.append(f"Deprecated spellings (kept for one release; built under the name {cls.name}):")
+        for line in moved_lines(cls, link=str, code=str):
+            lines += textwrap.wrap(line, 100, initial_indent="  - ", subsequent_indent="    ")
     head_note = "Uses chunked LM-head statistics (at most chunk_size x V logits at a time, gradient path included)."
     notes = [head_note] if cls.needs_head_stats else []
     notes += stacking_notes(cls, code=str)

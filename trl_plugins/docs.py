@@ -155,8 +155,23 @@ def stacking_notes(cls: type, code=lambda s: f"`{s}`") -> list[str]:
     for other, reason in cls.conflicts().items():
         by_reason.setdefault(reason, []).append(code(other))
     notes += [f"Cannot be stacked with {', '.join(others)}: {reason}." for reason, others in by_reason.items()]
+    notes += [f"Cannot be stacked with any plugin implementing {code(hook)}: {reason}."
+              for hook, reason in cls.conflicts_with_hooks.items()]
     notes.append(multi_turn_text(cls))
     return notes
+
+
+def moved_lines(cls: type, link=lambda name: f"`{name}`", code=lambda s: f"`{s}`") -> list[str]:
+    """The deprecated spellings of a plugin (``Plugin.moved``), one line each: the value, the plugin it builds, its
+    preset options and the renamed options (``link`` formats a plugin name, ``code`` a value)."""
+    lines = []
+    for value, moved in cls.moved.items():
+        preset = ", ".join(f"{code(f'{k}: {v}')}" for k, v in moved.options.items())
+        renamed = ", ".join(f"{code(old)} -> {code(new)}" for old, new in moved.renamed.items() if old != new)
+        lines.append(f"{code(f'{cls.moved_by}: {value}')} builds {link(moved.plugin)}"
+                     + (f" with {preset}" if preset else "") + (f"; renamed options: {renamed}" if renamed else "")
+                     + ".")
+    return lines
 
 
 def multi_turn_text(cls: type) -> str:
@@ -190,6 +205,7 @@ def plugin_page(cls: type, builtin: bool = True) -> str:
         "",
         f"`trl-plugins show {cls.name}` prints this reference in a terminal.",
         "",
+        *_moved_section(cls, builtin),
         "## Enable",
         "",
         "With every option at its default (set only the ones you change):",
@@ -239,6 +255,19 @@ def plugin_page(cls: type, builtin: bool = True) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _moved_section(cls: type, builtin: bool) -> list[str]:
+    """The "Deprecated spellings" section of a plugin page (empty without :attr:`Plugin.moved`)."""
+    if not cls.moved:
+        return []
+    link = (lambda name: f"[`{name}`]({name}.md)") if builtin else (lambda name: f"`{name}`")
+    whole = "Every value of" if cls.deprecated() else "These values of"
+    return ["## Deprecated spellings", "",
+            f"{whole} `{cls.moved_by}` moved to a plugin of its own; kept for one release, such a spelling builds that "
+            f"plugin under the name `{cls.name}` (metrics, reward columns and checkpoint state keep their keys) and "
+            "warns (DeprecationWarning and the log) with the option mapping. Options of other values are dropped.", "",
+            *[f"- {line}" for line in moved_lines(cls, link)], ""]
+
+
 def index_page(plugins: Mapping[str, type]) -> str:
     """The catalogue: one row per plugin (name, stages, summary, paper)."""
     lines = [
@@ -246,7 +275,8 @@ def index_page(plugins: Mapping[str, type]) -> str:
         "",
         "# Plugin catalogue",
         "",
-        f"{len(plugins)} built-in plugins, one per paper. Enable them by name (`plugins: [...]` in a "
+        f"{sum(not cls.deprecated() for cls in plugins.values())} built-in plugins, one per paper (plus the deprecated "
+        "spellings marked so below, kept for one release). Enable them by name (`plugins: [...]` in a "
         "`PluginGRPOConfig` or a YAML config) and stack them; `trl-plugins list` shows these and every installed "
         "third-party plugin. Writing your own: [../writing-a-plugin.md](../writing-a-plugin.md).",
         "",
@@ -296,7 +326,8 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         "",
         "# Compatibility",
         "",
-        "Generated from the plugins' metadata (`conflicts_with`, `replaces`, `overwrites`, `replaces_surrogate`, "
+        "Generated from the plugins' metadata (`conflicts_with`, `conflicts_with_hooks`, `replaces`, `overwrites`, "
+        "`replaces_surrogate`, "
         "`loss_types`; "
         "see [writing-a-plugin.md](writing-a-plugin.md)). The trainer enforces every rule below when it is built, "
         "with the reason in the error. `trl-plugins show NAME` prints the same for one plugin, third-party ones "
@@ -310,6 +341,10 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
     for names, reason in _conflict_groups(plugins):
         refused = f"`{names[0]}` + `{names[1]}`" if len(names) == 2 else "any two of " + ", ".join(f"`{n}`" for n in names)
         lines.append(f"| {refused} | {_cell(reason)} |")
+    for name, cls in plugins.items():  # conflicts_with_hooks: every plugin implementing the hook
+        for hook, reason in cls.conflicts_with_hooks.items():
+            others = ", ".join(f"`{n}`" for n, c in plugins.items() if n != name and hook in c.hook_names())
+            lines.append(f"| `{name}` + any plugin with `{hook}` ({others or 'none built in'}) | {_cell(reason)} |")
     if len(replacers) > 1:
         lines += ["", "At most one plugin per stack may replace the base surrogate, since a token's loss can have only "
                   "one replacement: " + ", ".join(f"`{n}`" for n in replacers) + " (and any plugin whose options make "

@@ -15,7 +15,10 @@ Environment variables (read at discovery time, like pytest's ``PYTEST_DISABLE_PL
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
+import logging
 import os
 import pkgutil
 import warnings
@@ -27,8 +30,11 @@ import pluggy
 
 from . import hookspecs
 from .errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginError, suggest
+from .options import option_default
 from .plugin import OVERWRITABLE, Plugin, hook_method_problems
 from .plugin_settings import merge_plugin_settings
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "trl_plugins"
 BUILTIN_PACKAGE = "trl_plugins_builtin"
@@ -68,6 +74,17 @@ def _validate_class(cls: Any, source: str) -> None:
         raise PluginConfigError(
             f"{source}: plugin {cls.name!r} declares overwrites={tuple(cls.overwrites)!r}; {unknown[0]!r} is not a "
             f"chained quantity.{suggest(unknown[0], OVERWRITABLE)} Allowed: {', '.join(OVERWRITABLE)}."
+        )
+    hooks = [h for h in cls.conflicts_with_hooks if h not in hookspecs.HOOK_STAGES]
+    if hooks:
+        raise PluginConfigError(
+            f"{source}: plugin {cls.name!r} declares conflicts_with_hooks with {hooks[0]!r}, which is no hook."
+            f"{suggest(hooks[0], hookspecs.HOOK_STAGES)}"
+        )
+    if cls.moved and cls.moved_by not in {f.name for f in dataclasses.fields(cls.Options)}:
+        raise PluginConfigError(
+            f"{source}: plugin {cls.name!r} declares moved spellings of moved_by={cls.moved_by!r}, which is not one "
+            "of its options."
         )
 
 
@@ -303,23 +320,90 @@ def build_plugins(names: Iterable[str], plugin_config: Mapping[str, Mapping[str,
                 f"plugin_config has options for {key!r}, which is not in plugins={names!r}.{hint} "
                 "Enable it in `plugins` or remove its options."
             )
-    instances = []
-    for cls in classes:
-        options = cls.Options.from_dict(plugin_config.get(cls.name), plugin=cls.name)
-        instances.append(cls(options))
+    instances = [_instantiate(cls, plugin_config.get(cls.name), names) for cls in classes]
     check_compatibility(instances)
     return PluginStack(instances)
 
 
+def _instantiate(cls: type[Plugin], values: Mapping[str, Any] | None, names: list[str]) -> Plugin:
+    """One plugin instance with validated options; a deprecated spelling (:attr:`Plugin.moved`) builds the plugin it
+    moved to, under the old name, and warns."""
+    moved = moved_spelling(cls, values)
+    if moved is None:
+        return cls(cls.Options.from_dict(values, plugin=cls.name))
+    target, options, message = moved
+    if target.name in names:
+        raise IncompatiblePluginsError(
+            f"{message} Plugins {cls.name!r} and {target.name!r} are then the same plugin twice; enable only "
+            f"{target.name!r}."
+        )
+    warnings.warn(message, DeprecationWarning, stacklevel=3)
+    logger.warning(message)
+    try:
+        parsed = target.Options.from_dict(options, plugin=target.name)
+    except PluginConfigError as exc:
+        raise PluginConfigError(f"{exc} ({message})") from None
+    plugin = target(parsed)
+    plugin.name = cls.name  # metrics, reward columns and checkpoint state keep the old keys for this release
+    return plugin
+
+
+def moved_spelling(cls: type[Plugin], values: Mapping[str, Any] | None) -> tuple[type[Plugin], dict, str] | None:
+    """``(new plugin class, its options, deprecation message)`` when ``values`` (a user option mapping of ``cls``)
+    spell a mode that moved to a plugin of its own (:attr:`Plugin.moved`); None otherwise.
+
+    The old options are renamed by the :class:`~trl_plugins.plugin.Moved` entry; old options that the spelling never
+    used are dropped (and named in the message); an option the old plugin never had is refused, as before.
+    """
+    if not cls.moved:
+        return None
+    values = dict(values or {})
+    value = values.get(cls.moved_by, option_default(cls.Options, cls.moved_by))
+    try:
+        moved = cls.moved.get(value)
+    except TypeError:  # an unhashable value: refused by the options check
+        moved = None
+    if moved is None:
+        if cls.deprecated():  # a value that is no choice: the option check names the allowed ones
+            cls.Options.from_dict({cls.moved_by: value}, plugin=cls.name)
+        return None
+    known = {f.name for f in dataclasses.fields(cls.Options)} | {k for m in cls.moved.values() for k in m.renamed}
+    for key in values:
+        if key not in known:
+            raise PluginConfigError(
+                f"Unknown option {key!r} for plugin {cls.name!r}.{suggest(key, known)} Allowed options: "
+                f"{', '.join(sorted(known))}."
+            )
+    options = dict(moved.options)
+    options.update({moved.renamed[key]: v for key, v in values.items() if key in moved.renamed})
+    dropped = [key for key in values if key not in moved.renamed and key != cls.moved_by]
+    target = get_plugin_class(moved.plugin)
+    renamed = ", ".join(f"{old} -> {new}" for old, new in moved.renamed.items() if old != new)
+    message = (
+        f"Plugin {cls.name!r} with {cls.moved_by}={value!r} is deprecated and will be removed in the next release: it "
+        f"is now the plugin {target.name!r}. Write plugins: [{target.name}] and plugin_config: "
+        f"{json.dumps({target.name: options}, default=str)}. Options renamed: {renamed or '(none)'}; the others keep "
+        "their names."
+        + (f" Ignored (no effect with {cls.moved_by}={value!r}): {', '.join(dropped)}." if dropped else "")
+        + f" Until then it runs {target.name!r} under the name {cls.name!r} (metrics, reward columns and checkpoint "
+        "state keep their keys)."
+    )
+    return target, options, message
+
+
 def check_compatibility(plugins: list[Plugin]) -> None:
-    """Refuse "pick one" pairs and more than one surrogate-replacing plugin; the error states the reason."""
+    """Refuse "pick one" pairs (by name and by hook) and more than one surrogate-replacing plugin; the error states
+    the reason."""
     names = {p.name for p in plugins}
     for p in plugins:
-        for other, reason in p.conflicts().items():
-            if other in names:
-                raise IncompatiblePluginsError(
-                    f"Plugins {p.name!r} and {other!r} cannot be stacked: {reason}. Enable only one of them."
-                )
+        refused = {other: reason for other, reason in p.conflicts().items() if other in names}
+        for hook, reason in p.conflicts_with_hooks.items():
+            refused.update({q.name: reason for q in plugins
+                            if q is not p and hook in q.hook_names() and q.hook_enabled(hook)})
+        for other, reason in refused.items():
+            raise IncompatiblePluginsError(
+                f"Plugins {p.name!r} and {other!r} cannot be stacked: {reason}. Enable only one of them."
+            )
     replacing = [p for p in plugins if p.replaces_surrogate]
     if len(replacing) > 1:
         what = "; ".join(f"{p.name!r} replaces {', '.join(p.replaces) or 'the base surrogate'}" for p in replacing)

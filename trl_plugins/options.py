@@ -140,6 +140,17 @@ class PluginOptions:
         return dataclasses.asdict(self)
 
 
+def option_choices(options_cls: type[PluginOptions], name: str) -> tuple | None:
+    """The allowed values of option ``name`` of an options class (its ``choices`` or ``Literal``); None: not a choice."""
+    info = next((i for i in options_cls.describe() if i.name == name), None)
+    return None if info is None else info.choices
+
+
+def option_default(options_cls: type[PluginOptions], name: str) -> Any:
+    """The default value of option ``name`` of an options class."""
+    return next(i.default for i in options_cls.describe() if i.name == name)
+
+
 def _literal_choices(tp: Any) -> tuple | None:
     if get_origin(tp) is Literal:
         return get_args(tp)

@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .hookspecs import HOOK_STAGES, STAGE_ORDER
-from .options import PluginOptions
+from .options import PluginOptions, option_choices
 
 #: Chained stage quantities a plugin may recompute from scratch (``Plugin.overwrites``) -> the hook that chains them.
 OVERWRITABLE: dict[str, str] = {
     "advantages": "trl_plugins_transform_advantages",
     "rewards": "trl_plugins_transform_rewards",
 }
+
+
+@dataclass(frozen=True)
+class Moved:
+    """Where a deprecated spelling of a plugin now lives (kept for one release; see :attr:`Plugin.moved`).
+
+    Attributes:
+        plugin: the name of the plugin that now implements the spelling.
+        options: that plugin's options the old spelling implied (e.g. ``{"variant": "laser_de"}`` for a mode).
+        renamed: ``{old option: new option}`` for every option of the old spelling that the new plugin takes (those
+            that keep their name are listed too); the old plugin's other options did nothing with this spelling and
+            are dropped (the deprecation warning names them).
+    """
+
+    plugin: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+    renamed: Mapping[str, str] = field(default_factory=dict)
 
 
 class Plugin:
@@ -43,6 +61,10 @@ class Plugin:
             ``{name: reason}``, or a tuple of names sharing ``conflict_reason``. The reason is the error message's:
             say what both do and why stacking them is wrong, in a self-contained sentence.
         conflict_reason: the reason for every name of a tuple ``conflicts_with``.
+        conflicts_with_hooks: hooks whose implementers this plugin refuses to be stacked with, whatever their name:
+            ``{hook name: reason}`` (e.g. ``{"trl_plugins_reject_groups": "..."}`` refuses every refill plugin).
+            Checked with :attr:`conflicts_with` when the stack is built; the other plugin's hook counts when it is
+            enabled (:meth:`hook_enabled`).
         loss_types: the ``loss_type`` values the plugin is defined for (checked when the trainer is built); empty:
             every loss type the run accepts (see :meth:`supported_loss_types`).
         loss_types_reason: why other loss types are refused, shown in the error.
@@ -55,6 +77,11 @@ class Plugin:
         multi_turn: whether the plugin works with multi-turn tool rollouts (TRL ``tools`` /
             ``environment_factory``): True, or the reason it does not (a self-contained sentence; the plugin is then
             refused at construction with it); None (the default): not stated -- allowed, with a warning.
+        moved_by, moved: deprecated spellings that became plugins of their own (one release of grace): the values of
+            the option ``moved_by`` that moved, each with its :class:`Moved`. With such a value the stack builds the
+            new plugin instead, under this plugin's name (so metrics, reward columns and checkpoint state keep their
+            keys), with the options renamed, and warns (``DeprecationWarning`` and the log) naming the new plugin and
+            the option mapping. A plugin all of whose ``moved_by`` values moved is deprecated as a whole.
     """
 
     name: ClassVar[str] = ""
@@ -69,11 +96,14 @@ class Plugin:
     overwrites: ClassVar[tuple[str, ...]] = ()
     conflicts_with: ClassVar[tuple[str, ...] | Mapping[str, str]] = ()
     conflict_reason: ClassVar[str] = ""
+    conflicts_with_hooks: ClassVar[Mapping[str, str]] = {}
     loss_types: ClassVar[tuple[str, ...]] = ()
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
     claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
     multi_turn: ClassVar[bool | str | None] = None
+    moved_by: ClassVar[str] = ""
+    moved: ClassVar[Mapping[Any, Moved]] = {}
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()
@@ -94,6 +124,7 @@ class Plugin:
         default :attr:`overwrites`. Override when an option decides it (e.g. a baseline that reads the incoming
         advantages or not)."""
         return tuple(self.overwrites)
+
     def multi_turn_refusal(self) -> str | None:
         """Why this plugin, with its options, cannot run on multi-turn tool rollouts (None: it can). Defaults to
         :attr:`multi_turn` when that is a reason; override to decide from the options."""
@@ -127,6 +158,12 @@ class Plugin:
         if isinstance(cls.conflicts_with, Mapping):
             return dict(cls.conflicts_with)
         return {name: cls.conflict_reason or "they act on the same quantity" for name in cls.conflicts_with}
+
+    @classmethod
+    def deprecated(cls) -> bool:
+        """Every value of the :attr:`moved_by` option moved to another plugin: the name is only an old spelling."""
+        choices = option_choices(cls.Options, cls.moved_by) if cls.moved else None
+        return bool(choices) and set(choices) <= set(cls.moved)
 
     @classmethod
     def supported_loss_types(cls) -> tuple[str, ...] | None:

@@ -19,7 +19,8 @@ from trl_plugins.testing import (
     record_run,
     tiny_dataset,
 )
-from trl_plugins_builtin.hint_scaffold import DEFAULT_TEMPLATE, hint_text, hinted_prompt
+from trl_plugins_builtin._hints import DEFAULT_TEMPLATE, hinted_prompt
+from trl_plugins_builtin.hint_scaffold import hint_text
 
 SOLUTION = "ABCDEFGH"  # 25 % -> "AB", 50 % -> "ABCD", 75 % -> "ABCDEF"
 SAMPLING_LP = -0.5

@@ -5,7 +5,7 @@ the generation of the step after ``global_step == BLOCK_AT`` scores its completi
 sleeps: the test then kills it with SIGKILL, in the middle of a training step, after checkpoint ``BLOCK_AT``.
 
 The stack holds every kind of resumable state: ``adaptive_sampler`` (per-prompt history, pending outcomes; it replaces
-the training sampler), ``length_shaping`` (history of lengths), ``clip_cov`` (a random generator) and ``hint_scaffold``
+the training sampler), ``laser`` (LASER-D's history of lengths and targets), ``clip_cov`` (a random generator) and ``hint_scaffold``
 (no state of its own, but its extra rollouts move the framework's generation-service counter).
 """
 
@@ -17,7 +17,7 @@ import time
 
 MAX_STEPS = 4
 BLOCK_ENV = "TRL_PLUGINS_TEST_BLOCK_AT"
-PLUGINS = ["adaptive_sampler", "hint_scaffold", "length_shaping", "clip_cov"]
+PLUGINS = ["adaptive_sampler", "hint_scaffold", "laser", "clip_cov"]
 PLUGIN_CONFIG = {
     "adaptive_sampler": {"success_threshold": 0.2, "variance_mix": 0.5, "prune_solved": False},
     "hint_scaffold": {"success_threshold": 0.9, "replace": "one", "hint_fractions": [0.5]},

@@ -264,7 +264,7 @@ CASES = [
     Case("state-a-list", "resume", [1, 2, 3], "holds list [1, 2, 3], not the dict of plugin states"),
     Case("state-a-tensor", "resume", torch.zeros(2), "holds Tensor"),
     Case("state-int-keys", "resume", {1: {}}, "not the dict of plugin states"),
-    Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "length_shaping": {"x": 1}},
+    Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "laser": {"x": 1}},
          "warn:holds state for plugins ['canon'], which this run does not enable"),
 ]
 
@@ -409,7 +409,7 @@ def run_env(case, monkeypatch):
 
 @pytest.fixture(scope="module")
 def resume_trainer(tmp_path_factory):
-    return make_tiny_trainer(plugins=["length_shaping"], reward_funcs=[digit_fraction_reward], log_level="error",
+    return make_tiny_trainer(plugins=["laser"], reward_funcs=[digit_fraction_reward], log_level="error",
                              output_dir=str(tmp_path_factory.mktemp("resume")))
 
 
@@ -421,7 +421,7 @@ def run_resume(case, tmp_path, trainer):
         path.write_bytes(case.input)
     elif case.input == "truncated":
         buffer = io.BytesIO()
-        torch.save({"__framework__": {}, "length_shaping": {"history": list(range(500))}}, buffer)
+        torch.save({"__framework__": {}, "laser": {"history": list(range(500))}}, buffer)
         path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
     else:
         torch.save(case.input, path)

@@ -34,7 +34,7 @@ class Killed(BaseException):
 
 def _trainer(out, max_steps=1):
     return make_tiny_trainer(
-        plugins=["length_shaping"], reward_funcs=[digit_fraction_reward], output_dir=str(out), max_steps=max_steps,
+        plugins=["laser"], reward_funcs=[digit_fraction_reward], output_dir=str(out), max_steps=max_steps,
         save_strategy="steps", save_steps=1, log_level="error", max_completion_length=8,
     )
 
@@ -106,7 +106,7 @@ def test_a_save_stopped_at_any_point_leaves_the_last_complete_checkpoint_found(p
         assert any("Skipping incomplete checkpoint folder" in str(w.message) and "checkpoint-2" in str(w.message)
                    for w in caught)
     else:
-        assert load_plugin_state(str(out / "checkpoint-2" / PLUGIN_STATE_FILE))["length_shaping"] is not None
+        assert load_plugin_state(str(out / "checkpoint-2" / PLUGIN_STATE_FILE))["laser"] is not None
 
 
 @pytest.mark.parametrize("point", ["after-plugin-state-before-model", "while-writing-trainer-state"])
@@ -122,7 +122,7 @@ def test_resume_true_after_a_killed_save_continues_from_the_complete_checkpoint(
                                          r"checkpoint-1"):
         resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 2
-    assert loaded and loaded[0]["length_shaping"] == saved["length_shaping"]
+    assert loaded and loaded[0]["laser"] == saved["laser"]
     assert checkpoints.is_complete_checkpoint(str(out / "checkpoint-2"))  # the step was saved again, completely
     assert not list(out.glob("**/*.tmp"))
 

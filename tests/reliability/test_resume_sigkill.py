@@ -2,7 +2,7 @@
 with every plugin's state restored, and continues exactly as the unbroken run (final parameters, plugin state).
 
 The killed run is a separate Python process (``resume_worker.py``); the unbroken and the resumed runs train in this
-process. The stack (adaptive_sampler, hint_scaffold, length_shaping, clip_cov) carries sampler history, length history,
+process. The stack (adaptive_sampler, hint_scaffold, laser, clip_cov) carries sampler history, length history,
 a random generator and the generation-service counter. ``test_e2e.py`` covers resume in-process with a test plugin;
 this adds the crash, a fresh process and the built-in plugins' state.
 """
@@ -109,8 +109,8 @@ def test_sigkill_mid_step_then_resume_equals_the_unbroken_run(tmp_path, one_thre
     final = f"checkpoint-{worker.MAX_STEPS}"
     unbroken_state = torch.load(tmp_path / "unbroken" / final / PLUGIN_STATE_FILE, weights_only=False)
     resumed_state = torch.load(tmp_path / "resumed" / final / PLUGIN_STATE_FILE, weights_only=False)
-    # hint_scaffold saves its per-problem SEELE hint rates (empty in the default schedule)
-    assert set(resumed_state) == {"__framework__", "adaptive_sampler", "length_shaping", "clip_cov", "hint_scaffold"}
+    # hint_scaffold saves the teacher tiers it asked for (none with solution-prefix hints)
+    assert set(resumed_state) == {"__framework__", "adaptive_sampler", "laser", "clip_cov", "hint_scaffold"}
     _assert_same(unbroken_state, resumed_state, "final plugin state")
     _assert_same(unbroken.plugin_state_dict(), resumed.plugin_state_dict(), "live plugin state")
     assert resumed_state["__framework__"]["generation_service"]["total"] == worker.MAX_STEPS  # 1 hint request/step
@@ -124,7 +124,7 @@ def test_sigkill_mid_step_then_resume_equals_the_unbroken_run(tmp_path, one_thre
 @pytest.mark.slow
 def test_resume_from_a_checkpoint_without_plugin_state_warns(tmp_path, one_thread):
     worker = _worker()
-    plugins = ["length_shaping", "clip_cov"]  # (adaptive_sampler refuses to resume without its draw history)
+    plugins = ["laser", "clip_cov"]  # (adaptive_sampler refuses to resume without its draw history)
     first = worker.build_trainer(str(tmp_path / "a"), max_steps=1, plugins=plugins)
     first.train()
     checkpoint = tmp_path / "a" / "checkpoint-1"
@@ -132,5 +132,5 @@ def test_resume_from_a_checkpoint_without_plugin_state_warns(tmp_path, one_threa
     shutil.copytree(checkpoint, bare)
     os.remove(bare / PLUGIN_STATE_FILE)  # e.g. a checkpoint of a run without plugins
     resumed = worker.build_trainer(str(tmp_path / "b"), max_steps=2, plugins=plugins)
-    with pytest.warns(UserWarning, match=rf"has no {PLUGIN_STATE_FILE}.*'length_shaping', 'clip_cov'.*starts fresh"):
+    with pytest.warns(UserWarning, match=rf"has no {PLUGIN_STATE_FILE}.*'laser', 'clip_cov'.*starts fresh"):
         resumed.train(resume_from_checkpoint=str(bare))

@@ -1,4 +1,4 @@
-"""hint_scaffold, schedule='seele' (SEELE, arXiv:2509.06923): the three-parameter logistic fit and its inverse,
+"""seele (SEELE, arXiv:2509.06923): the three-parameter logistic fit and its inverse,
 solution-step hints and the pessimistic cold start, the first round hinted with deferred later rounds, the second
 round sampled from each problem's fitted rate (one collective call, trained under the hinted prompt), the remembered
 rates, option checks and a tiny-model run; with the hint at the start of the response (the paper's placement): the hint
@@ -14,6 +14,7 @@ from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.services import RunInfo
 from trl_plugins.testing import (
     StubGenerationService,
+    assert_reduces_to_vanilla,
     build_stack,
     char_encode,
     loss_from_context,
@@ -25,7 +26,7 @@ from trl_plugins.testing import (
     record_run,
     stub_rows,
 )
-from trl_plugins_builtin.hint_scaffold import (
+from trl_plugins_builtin.seele import (
     HINT_TOKENS_KEY,
     cold_start_rate,
     fit_three_pl,
@@ -51,8 +52,8 @@ def _score(rows, prompts, completions):
 
 
 STEPS = "s1\ns2\ns3\ns4"  # four solution steps
-SEELE = {"schedule": "seele", "seele_rounds": 2, "seele_hint_in": "prompt"}
-SEELE_RESPONSE = {"schedule": "seele", "seele_rounds": 2}  # the paper's placement: the hint starts the response
+SEELE = {"rounds": 2, "hint_in": "prompt"}
+SEELE_RESPONSE = {"rounds": 2}  # the paper's placement: the hint starts the response
 
 
 def test_three_pl_fit_recovers_the_curve_and_inverts_it():
@@ -80,8 +81,8 @@ def _seele_rows():
 
 
 def test_seele_first_round_is_hinted_and_later_rounds_deferred():
-    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE})
-    stack.plugins[0].seele_rates[_text(_seele_rows()[4]["prompt"])] = 0.25  # remembered rate of group 1
+    stack = build_stack("seele", {"seele": SEELE})
+    stack.plugins[0].rates[_text(_seele_rows()[4]["prompt"])] = 0.25  # remembered rate of group 1
     ctx = make_prompt_context(_seele_rows(), num_generations=4)
     stack.call("trl_plugins_generation_prompts", ctx)
     assert ctx.deferred == [False, False, True, True] * 2
@@ -99,7 +100,7 @@ def test_seele_second_round_uses_the_fitted_rate_and_trains_under_it():
     ctx = make_rollout_context([["OK", "OK", "", ""], ["no", "no", "", ""]], rows=rows, deferred=[2, 3, 6, 7],
                                scorer=_score, service=service,
                                annotations=[{"hint_rate": 0.75} for _ in range(8)], run=RunInfo(max_completion_length=16))
-    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE})
+    stack = build_stack("seele", {"seele": SEELE})
     stack.call("trl_plugins_after_generation", ctx)
     assert len(service.calls) == 1 and len(service.calls[0]) == 4  # one collective call: the deferred rows
     k, mu, b = fit_three_pl([0.75], [1.0])
@@ -111,28 +112,38 @@ def test_seele_second_round_uses_the_fitted_rate_and_trains_under_it():
         assert ctx.training_prompts[i] != ctx.prompts[i] or seele_hint(STEPS, rate0, "lines") == ""
     assert _hint_of(_text(ctx.training_prompts[6])) == seele_hint(STEPS, rate1, "lines")
     assert all(i in ctx.changed for i in (2, 3, 6, 7)) and not any(ctx.prompt_swapped)
-    stored = stack.plugins[0].seele_rates
+    stored = stack.plugins[0].rates
     assert set(stored) == {_text(rows[0]["prompt"]), _text(rows[4]["prompt"])}
-    assert ctx.metrics["plugins/hint_scaffold/round_1_accuracy"] == [0.5]
-    assert stack.plugins[0].trl_plugins_state_dict()["seele_rates"] == stored
+    assert ctx.metrics["plugins/seele/round_1_accuracy"] == [0.5]
+    assert stack.plugins[0].trl_plugins_state_dict()["rates"] == stored
 
 
 def test_seele_option_checks():
-    with pytest.raises(PluginConfigError, match="multiple"):
-        build_stack("hint_scaffold", {"hint_scaffold": {"schedule": "seele", "seele_rounds": 3}}, num_generations=4)
-    with pytest.raises(PluginConfigError, match="solution_prefix"):
-        build_plugins(["hint_scaffold"], {"hint_scaffold": {"schedule": "seele", "hints": "tiered"}})
+    with pytest.raises(PluginConfigError, match="'rounds' of plugin 'seele' got 3; num_generations=4 must be a multiple"):
+        build_stack("seele", {"seele": {"rounds": 3}}, num_generations=4)
+    with pytest.raises(PluginConfigError, match="'rounds' of plugin 'seele' got 1"):
+        build_plugins(["seele"], {"seele": {"rounds": 1}})
+    with pytest.raises(PluginConfigError, match="'template' of plugin 'seele'"):
+        build_plugins(["seele"], {"seele": {"template": "{question} only"}})
+    with pytest.raises(PluginConfigError, match="'target_accuracy' of plugin 'seele' got 0"):
+        build_plugins(["seele"], {"seele": {"target_accuracy": 0.0}})
+
+
+def test_warmup_steps_are_plain_grpo():
+    """Every problem is hinted once SEELE runs, so its only neutral setting is the warm-up: plain GRPO before it."""
+    runs = assert_reduces_to_vanilla("seele", {"warmup_steps": 5}, loss_types=("dapo",), steps=1)
+    assert not any("plugins/seele/mean_hint_rate" in log for log in runs["dapo"].logs)
 
 
 def test_seele_tiny_run_trains_every_group_with_fitted_hints():
-    trainer = make_tiny_trainer(plugins=["hint_scaffold"], plugin_config={"hint_scaffold": SEELE_RESPONSE},
+    trainer = make_tiny_trainer(plugins=["seele"], plugin_config={"seele": SEELE_RESPONSE},
                                 max_steps=1, max_completion_length=16)
     run = record_run(trainer)
     logs = {k: v for log in run.logs for k, v in log.items()}
-    assert 0.0 <= logs["plugins/hint_scaffold/mean_hint_rate"] <= 1.0
-    assert "plugins/hint_scaffold/round_1_accuracy" in logs
-    assert logs["plugins/hint_scaffold/hint_token_fraction"] > 0  # hint tokens reached the loss
-    assert trainer.plugin_stack.plugins[0].seele_rates  # remembered for the next visit
+    assert 0.0 <= logs["plugins/seele/mean_hint_rate"] <= 1.0
+    assert "plugins/seele/round_1_accuracy" in logs
+    assert logs["plugins/seele/hint_token_fraction"] > 0  # hint tokens reached the loss
+    assert trainer.plugin_stack.plugins[0].rates  # remembered for the next visit
 
 
 # ------------------------------------------------------------------------------------------ hint in the response
@@ -152,7 +163,7 @@ def test_loss_trains_hint_tokens_by_imitation_and_the_rest_by_the_surrogate():
     ctx = make_loss_context(lp, mask=mask, advantages=torch.tensor([1.0, -1.0]), loss_type="dapo",
                             extras={HINT_TOKENS_KEY: counts})
     base = ctx.per_token_loss.detach().clone()
-    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE}, loss_type="dapo")
+    stack = build_stack("seele", {"seele": SEELE_RESPONSE}, loss_type="dapo")
     stack.call("trl_plugins_loss", ctx)
     loss = loss_from_context(ctx)
     hint = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
@@ -161,12 +172,11 @@ def test_loss_trains_hint_tokens_by_imitation_and_the_rest_by_the_surrogate():
     (grad,) = torch.autograd.grad(loss, lp)
     assert torch.allclose(grad[0, :2], torch.full((2,), -0.001 / 7))  # d(-gamma log pi) / d log pi, dapo over 7
     assert torch.allclose(grad[0, 2:], torch.full((2,), -1.0 / 7))  # ratio surrogate, A = +1, first pass
-    assert ctx.metrics["plugins/hint_scaffold/hint_token_fraction"] == [pytest.approx(3 / 7)]
-    # seele_hint_surrogate keeps the surrogate on the hint tokens too; coefficient 0 drops the term
+    assert ctx.metrics["plugins/seele/hint_token_fraction"] == [pytest.approx(3 / 7)]
+    # hint_surrogate keeps the surrogate on the hint tokens too; coefficient 0 drops the term
     ctx2 = make_loss_context(lp, mask=mask, advantages=torch.tensor([1.0, -1.0]), loss_type="dapo",
                              extras={HINT_TOKENS_KEY: counts})
-    build_stack("hint_scaffold", {"hint_scaffold": {**SEELE_RESPONSE, "seele_hint_surrogate": True,
-                                                     "seele_imitation_coef": 0.0}}, loss_type="dapo").call(
+    build_stack("seele", {"seele": {**SEELE_RESPONSE, "hint_surrogate": True, "imitation_coef": 0.0}}, loss_type="dapo").call(
         "trl_plugins_loss", ctx2)
     assert torch.allclose(loss_from_context(ctx2), (base * mask).sum() / mask.sum())
 
@@ -174,11 +184,11 @@ def test_loss_trains_hint_tokens_by_imitation_and_the_rest_by_the_surrogate():
 def test_hint_token_counts_ride_from_annotations_to_the_loss():
     ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=4,
                                  annotations=[{HINT_TOKENS_KEY: 3}, {}, {HINT_TOKENS_KEY: 1}, {}])
-    build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE}).call("trl_plugins_transform_advantages", ctx)
+    build_stack("seele", {"seele": SEELE_RESPONSE}).call("trl_plugins_transform_advantages", ctx)
     assert ctx.extras[HINT_TOKENS_KEY].tolist() == [3.0, 0.0, 1.0, 0.0]
     ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=4,
                                  annotations=[{HINT_TOKENS_KEY: 3}, {}, {}, {}])
-    build_stack("hint_scaffold", {"hint_scaffold": SEELE}).call("trl_plugins_transform_advantages", ctx)
+    build_stack("seele", {"seele": SEELE}).call("trl_plugins_transform_advantages", ctx)
     assert HINT_TOKENS_KEY not in ctx.extras  # hint in the prompt: nothing to imitate
 
 
@@ -193,7 +203,7 @@ def test_response_placement_puts_the_hint_first_and_continues_it():
     ctx = make_rollout_context(sampled, rows=rows, deferred=[2, 3, 6, 7], scorer=_ok_anywhere, service=service,
                                annotations=[{"hint_rate": 0.75} for _ in range(8)],
                                run=RunInfo(max_completion_length=32))
-    stack = build_stack("hint_scaffold", {"hint_scaffold": SEELE_RESPONSE})
+    stack = build_stack("seele", {"seele": SEELE_RESPONSE})
     stack.call("trl_plugins_after_generation", ctx)
     first_hint = char_encode("s1\ns2\ns3\n")  # cold start 3 of 4 steps, and a line break
     for i, text in ((0, "gen a"), (4, "no")):

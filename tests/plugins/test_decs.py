@@ -1,4 +1,4 @@
-"""length_shaping mode DECS: chunks cut before reflection words; the NRP ends at the first chunk holding the answer;
+"""decs (DECS): chunks cut before reflection words; the NRP ends at the first chunk holding the answer;
 only the redundant tokens of correct completions lose reward (more in longer completions); per-position group
 advantages leave tokens every row shares at 0 and push the redundant tail down; the curriculum keeps groups with
 reward variance and int(kappa n / (1 - kappa)) all-correct ones; kappa follows the NRP ratio and survives a resume;
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.testing import (
     CharTokenizer,
     make_advantage_context,
@@ -18,7 +18,7 @@ from trl_plugins.testing import (
     record_run,
     stub_policy_stats,
 )
-from trl_plugins_builtin._decs import (
+from trl_plugins_builtin.decs import (
     chunk_starts,
     contains_answer,
     curriculum_keep,
@@ -92,8 +92,8 @@ def test_curriculum_keeps_varied_groups_and_kappa_many_easy_ones():
 # ------------------------------------------------------------------------------------------ through the hooks
 def _plugin(**options):
     # character tokens: the first token of " Wait" would be the space, so only the words without a leading space
-    options = {"mode": "decs", "decs_split_words": ["Wait", "But"], **options}
-    plugin = build_plugins(["length_shaping"], {"length_shaping": options}).plugins[0]
+    options = {"split_words": ["Wait", "But"], **options}
+    plugin = build_plugins(["decs"], {"decs": options}).plugins[0]
     plugin.max_len = 20
     return plugin
 
@@ -108,7 +108,7 @@ def _run(plugin, verdict=(1.0, 1.0, 0.0, 1.0)):
             {"prompt": "q", "answer": "9"}, {"prompt": "q", "answer": "9"}]
     rctx = make_reward_context(torch.tensor(verdict), num_generations=2, rows=rows,
                                completions=COMPLETIONS, local_completion_ids=ids)
-    rctx.set_active_plugin("length_shaping")
+    rctx.set_active_plugin("decs")
     before = rctx.rewards_per_func.clone()
     plugin.trl_plugins_transform_rewards(rctx)
     assert torch.equal(rctx.rewards_per_func, before)  # DECS leaves the rewards alone
@@ -116,13 +116,13 @@ def _run(plugin, verdict=(1.0, 1.0, 0.0, 1.0)):
     mask = torch.tensor([[1.0] * len(i) + [0.0] * (T - len(i)) for i in ids])
     actx = make_advantage_context(torch.tensor(verdict), num_generations=2,
                                   policy_stats=stub_policy_stats(4, T, mask=mask))
-    actx.set_active_plugin("length_shaping")
+    actx.set_active_plugin("decs")
     plugin.trl_plugins_transform_advantages(actx)
     return actx, mask
 
 
 def test_hooks_build_token_advantages_from_the_answer_column():
-    plugin = _plugin(decs_curriculum=False)
+    plugin = _plugin(curriculum=False)
     actx, mask = _run(plugin)
     adv = actx.advantages
     assert adv.shape == mask.shape
@@ -132,15 +132,15 @@ def test_hooks_build_token_advantages_from_the_answer_column():
     assert torch.all(adv[0, 5:12] > 0) and torch.all(adv[1, 5:12] < 0)
     # group 1: "x=3" wrong, "y=9" correct without a tail: ordinary positive / negative advantages
     assert torch.all(adv[3][mask[3] > 0] > 0) and torch.all(adv[2][mask[2] > 0] < 0)
-    assert actx.metrics["plugins/length_shaping/redundant_fraction"] == [0.5]
-    assert actx.metrics["plugins/length_shaping/nrp_ratio"] == [pytest.approx((0.5 + 0.5 + 1.0) / 3)]
+    assert actx.metrics["plugins/decs/redundant_fraction"] == [0.5]
+    assert actx.metrics["plugins/decs/nrp_ratio"] == [pytest.approx((0.5 + 0.5 + 1.0) / 3)]
 
 
 def test_curriculum_drops_easy_groups_and_kappa_follows_the_nrp_ratio():
-    plugin = _plugin(decs_kappa_lr=0.5)
+    plugin = _plugin(kappa_lr=0.5)
     actx, _ = _run(plugin)
     assert torch.all(actx.advantages[:2] == 0)  # kappa = 0: the all-correct group is dropped
-    assert actx.metrics["plugins/length_shaping/kept_group_fraction"] == [0.5]
+    assert actx.metrics["plugins/decs/kept_group_fraction"] == [0.5]
     ratio = (0.5 + 0.5 + 1.0) / 3
     assert plugin.kappa == pytest.approx(0.5 * (ratio - 0.5)) and plugin.last_nrp_ratio == pytest.approx(ratio)
     fresh = _plugin()
@@ -152,18 +152,26 @@ def test_curriculum_drops_easy_groups_and_kappa_follows_the_nrp_ratio():
 def test_decs_needs_the_answer_column():
     plugin = _plugin()
     assert plugin.required_columns() == ["answer"]
-    assert build_plugins(["length_shaping"]).plugins[0].required_columns() == []
-    with pytest.raises(PluginConfigError, match="decs_beta"):
-        build_plugins(["length_shaping"], {"length_shaping": {"mode": "decs", "decs_beta": -1.0}})
+    assert _plugin(answer_column="reference").required_columns() == ["reference"]
+    with pytest.raises(PluginConfigError, match="'beta' of plugin 'decs' got -1.0"):
+        build_plugins(["decs"], {"decs": {"beta": -1.0}})
+    with pytest.raises(PluginConfigError, match="'split_words' of plugin 'decs' got 'Wait'"):
+        build_plugins(["decs"], {"decs": {"split_words": "Wait"}})
+
+
+def test_advantages_without_the_reward_stage_are_refused():
+    actx = make_advantage_context(torch.tensor([1.0, 0.0]), num_generations=2)
+    with pytest.raises(PluginError, match="did not record this batch's chunks"):
+        _plugin().trl_plugins_transform_advantages(actx)
 
 
 def test_end_to_end_decs_trains(tmp_path):
     from trl_plugins.tasks.arithmetic import accuracy_reward
 
     trainer = make_tiny_trainer(reward_funcs=[accuracy_reward], max_steps=2, output_dir=str(tmp_path / "d"),
-                                plugins=["length_shaping"], plugin_config={"length_shaping": {"mode": "decs"}})
+                                plugins=["decs"])
     run = record_run(trainer)
     logs = [log for log in run.logs if "loss" in log]
-    assert logs and all("plugins/length_shaping/kappa" in log for log in logs)
+    assert logs and all("plugins/decs/kappa" in log for log in logs)
     assert all(a.dim() == 2 for a in run.advantages)
     assert all(math.isfinite(log["loss"]) for log in logs)

@@ -1,4 +1,4 @@
-"""length_shaping mode HBPO: equal budget sub-groups with per-row budget sentences (generation and training prompt),
+"""hbpo (HBPO): equal budget sub-groups with per-row budget sentences (generation and training prompt),
 the budget-aware reward (official min(f1, f2) and the paper's piecewise rule) written into the correctness column, the
 hierarchical advantage (inter-group normalisation + weighted intra-sub-group term) by hand, the refusals, and a tiny
 training run whose rows are sampled under their budget prompts."""
@@ -18,9 +18,9 @@ from trl_plugins.testing import (
     make_tiny_trainer,
     stub_rows,
 )
-from trl_plugins_builtin._hbpo import budget_rewards, hierarchical_advantages
+from trl_plugins_builtin.hbpo import budget_rewards, hierarchical_advantages
 
-HBPO = {"mode": "hbpo", "hbpo_budgets": [2, 8]}
+HBPO = {"budgets": [2, 8]}
 
 
 def _f1(n, b, L=16, beta=4.0, alpha=1 / 16):
@@ -64,13 +64,13 @@ def test_hierarchical_advantage_by_hand():
 
 # ------------------------------------------------------------------------------------------ hooks
 def _plugin(**options):
-    plugin = build_plugins(["length_shaping"], {"length_shaping": {**HBPO, **options}}).plugins[0]
+    plugin = build_plugins(["hbpo"], {"hbpo": {**HBPO, **options}}).plugins[0]
     plugin.max_len = 16
     return plugin
 
 
 def _call(plugin, hook, ctx):
-    ctx.set_active_plugin("length_shaping")
+    ctx.set_active_plugin("hbpo")
     getattr(plugin, f"trl_plugins_{hook}")(ctx=ctx)
     return ctx
 
@@ -86,17 +86,17 @@ def test_rows_get_their_sub_groups_budget_sentence_for_generation_and_training()
     assert [a["hbpo_budget"] for a in ctx.annotations] == [2, 2, 8, 8] * 2
     assert ctx.prompts[0] == [{"role": "user", "content": "Q0"}]  # the original prompt is untouched
     text = make_prompt_context(stub_rows(1, 2, conversational=False), num_generations=2)
-    _call(_plugin(hbpo_prompt="within {budget}"), "generation_prompts", text)
+    _call(_plugin(prompt="within {budget}"), "generation_prompts", text)
     assert text.generation_prompts == ["Q0 within 2", "Q0 within 8"]
 
 
 def test_reward_replaces_the_correctness_column_in_training_only():
-    plugin = _plugin(hbpo_reward="paper_piecewise")
+    plugin = _plugin(reward="paper_piecewise")
     ids = [[7], [7] * 5, [7] * 10, [7] * 3]
     rewards = [[1.0, 0.5], [1.0, 0.5], [0.0, 0.5], [1.0, float("nan")]]
     ctx = make_reward_context(rewards, num_generations=4, reward_func_names=["acc", "fmt"], completions=["c"] * 4,
                               local_completion_ids=ids)
-    ctx.set_active_plugin("length_shaping")
+    ctx.set_active_plugin("hbpo")
     plugin.trl_plugins_transform_rewards(ctx)
     out = ctx.rewards_per_func
     torch.testing.assert_close(out[:, 0], torch.tensor([_f2(2), _f1(5, 2), 0.0, _f2(8)]))
@@ -121,30 +121,31 @@ def test_advantages_are_hierarchical_in_training_and_trls_in_eval():
     torch.testing.assert_close(ev.advantages, before)
 
 
-def test_only_hbpo_enables_the_sampling_hook():
-    hbpo = build_plugins(["length_shaping"], {"length_shaping": HBPO})
-    laser = build_plugins(["length_shaping"])
-    assert hbpo.has("trl_plugins_generation_prompts") and not laser.has("trl_plugins_generation_prompts")
-    assert hbpo.plugins[0].overwritten() == ("advantages",) and laser.plugins[0].overwritten() == ()
+def test_stacking_rules_are_declared_on_the_class():
+    stack = build_plugins(["hbpo"], {"hbpo": HBPO})
+    assert stack.has("trl_plugins_generation_prompts") and stack.plugins[0].overwritten() == ("advantages",)
+    from trl_plugins_builtin.hbpo import HbpoPlugin
+
+    assert set(HbpoPlugin.conflicts_with_hooks) == {"trl_plugins_reject_groups"}
 
 
 def test_refusals():
-    with pytest.raises(PluginConfigError, match="hbpo_prompt"):
-        build_plugins(["length_shaping"], {"length_shaping": {**HBPO, "hbpo_prompt": "no placeholder"}})
-    with pytest.raises(PluginConfigError, match="hbpo_budgets"):
-        build_plugins(["length_shaping"], {"length_shaping": {**HBPO, "hbpo_budgets": []}})
+    with pytest.raises(PluginConfigError, match="'prompt' of plugin 'hbpo' got 'no placeholder'"):
+        build_plugins(["hbpo"], {"hbpo": {**HBPO, "prompt": "no placeholder"}})
+    with pytest.raises(PluginConfigError, match="'budgets' of plugin 'hbpo' got \\[\\]"):
+        build_plugins(["hbpo"], {"hbpo": {**HBPO, "budgets": []}})
     with pytest.raises(IncompatiblePluginsError, match="advantages"):
-        build_plugins(["length_shaping", "canon"], {"length_shaping": HBPO})
-    with pytest.raises(IncompatiblePluginsError, match="budget sentences"):
-        build_stack(["length_shaping", "dynamic_sampling"], {"length_shaping": HBPO},
-                    trainer=SimpleNamespace(max_completion_length=16, reward_func_names=["acc"]))
-    with pytest.raises(PluginConfigError, match="multiple"):
-        make_tiny_trainer(plugins=["length_shaping"], plugin_config={"length_shaping": {**HBPO, "hbpo_budgets":
-                                                                                         [2, 4, 8]}})
+        build_plugins(["hbpo", "canon"], {"hbpo": HBPO})
+    for refill in ("dynamic_sampling", "dars"):  # any plugin with the refill hook, refused when the stack is built
+        with pytest.raises(IncompatiblePluginsError, match=f"'hbpo' and '{refill}'.*budget sentences"):
+            build_stack(["hbpo", refill], {"hbpo": HBPO},
+                        trainer=SimpleNamespace(max_completion_length=16, reward_func_names=["acc"]))
+    with pytest.raises(PluginConfigError, match="num_generations=4 is not a multiple of the 3 budgets"):
+        make_tiny_trainer(plugins=["hbpo"], plugin_config={"hbpo": {**HBPO, "budgets": [2, 4, 8]}})
 
 
 def test_tiny_run_samples_each_row_under_its_budget_prompt():
-    trainer = make_tiny_trainer(plugins=["length_shaping"], plugin_config={"length_shaping": HBPO}, max_steps=1)
+    trainer = make_tiny_trainer(plugins=["hbpo"], plugin_config={"hbpo": HBPO}, max_steps=1)
     seen = []
     original = trainer._tokenize_prompts
 
@@ -158,4 +159,4 @@ def test_tiny_run_samples_each_row_under_its_budget_prompt():
     assert sentences == ["I will answer the question with 2 tokens"] * 2 + \
         ["I will answer the question with 8 tokens"] * 2
     logged = trainer.state.log_history[0]
-    assert "plugins/length_shaping/budget_reward" in logged
+    assert "plugins/hbpo/budget_reward" in logged

@@ -1,4 +1,4 @@
-"""length_shaping against the official LASER code: LASER-D's coverage target (hard prompts keep the budget of their
+"""laser against the official LASER code: LASER-D's coverage target (hard prompts keep the budget of their
 longest rollout), LASER-DE's exploration bonus only for finished, well-formatted, non-repetitive wrong answers, and
 the correctness column chosen by the success rule (never a placeholder)."""
 
@@ -7,7 +7,7 @@ import torch
 from trl_plugins import build_plugins
 from trl_plugins.services import RunInfo
 from trl_plugins.testing import make_reward_context
-from trl_plugins_builtin.length_shaping import (
+from trl_plugins_builtin.laser import (
     band_sizes,
     coverage_target,
     is_repetitive,
@@ -17,7 +17,7 @@ EOS = 2
 
 
 def _plugin(max_len, **options):
-    plugin = build_plugins(["length_shaping"], {"length_shaping": options}).plugins[0]
+    plugin = build_plugins(["laser"], {"laser": options}).plugins[0]
     plugin.max_len, plugin.eos_ids = max_len, {EOS}
     return plugin
 
@@ -46,14 +46,14 @@ def test_coverage_target_matches_the_official_rule():
 def test_laser_d_hard_prompts_keep_the_full_budget_even_with_a_short_correct_answer():
     # G = 4, budgets 1..8. Group 1 is hard (1 of 4 correct) and its correct answer is short (length 2): the official
     # estimator keeps the budget covering all its rollouts (8); the 'ecr' estimator would cut it to 2.
-    plugin = _plugin(8, mode="laser_d", alpha=1.0)
+    plugin = _plugin(8, variant="laser_d", alpha=1.0)
     acc = [1, 1, 1, 1, 0, 1, 0, 0]
     lengths = [2, 3, 6, 8, 5, 2, 7, 8]
-    plugin.trl_plugins_transform_rewards(_ctx([[a, 0] for a in acc], ["acc", "length_shaping"],
+    plugin.trl_plugins_transform_rewards(_ctx([[a, 0] for a in acc], ["acc", "laser"],
                                               [_plain(n) for n in lengths], 4))
     assert plugin.targets == [3, None, 8]
-    ecr = _plugin(8, mode="laser_d", alpha=1.0, target_estimator="ecr")
-    ecr.trl_plugins_transform_rewards(_ctx([[a, 0] for a in acc], ["acc", "length_shaping"],
+    ecr = _plugin(8, variant="laser_d", alpha=1.0, target_estimator="ecr")
+    ecr.trl_plugins_transform_rewards(_ctx([[a, 0] for a in acc], ["acc", "laser"],
                                            [_plain(n) for n in lengths], 4))
     assert ecr.targets[2] == 2
 
@@ -76,16 +76,16 @@ def test_laser_de_explores_only_with_finished_formatted_non_repetitive_wrong_ans
     ]
     rewards = [[0, 1, 0], [0, 1, 0], [0, 1, 0], [0, 0, 0]]
     for gate, expected in (("formatted_non_repetitive", [0.5, 0.0, 0.0, 0.0]), ("none", [0.5] * 4)):
-        plugin = _plugin(20, mode="laser_de", alpha=0.5, format_column="fmt", explore_gate=gate)
+        plugin = _plugin(20, variant="laser_de", alpha=0.5, format_column="fmt", explore_gate=gate)
         plugin.targets = [10, 10, 10]
-        ctx = _ctx(rewards, ["acc", "fmt", "length_shaping"], ids, 2, mode="eval")
+        ctx = _ctx(rewards, ["acc", "fmt", "laser"], ids, 2, mode="eval")
         plugin.trl_plugins_transform_rewards(ctx)
         assert ctx.rewards_per_func[:, 2].tolist() == expected, gate
 
 
 def test_correctness_column_skips_placeholder_columns():
-    plugin = _plugin(8, mode="laser", target_length=4, alpha=1.0)
-    ctx = _ctx([[1, 0, 0], [1, 1, 0]], ["empo", "acc", "length_shaping"], [_plain(3), _plain(3)], 2,
+    plugin = _plugin(8, variant="laser", target_length=4, alpha=1.0)
+    ctx = _ctx([[1, 0, 0], [1, 1, 0]], ["empo", "acc", "laser"], [_plain(3), _plain(3)], 2,
                run=RunInfo(placeholder_columns=(True, False, True)))
     plugin.trl_plugins_transform_rewards(ctx)
     assert ctx.rewards_per_func[:, 2].tolist() == [0.0, 1.0]  # correct = the 'acc' column, not empo's placeholder

@@ -1,0 +1,235 @@
+"""DECS — Decoupled rewards and Curriculum data Scheduling (arXiv:2509.25827).
+
+Overthinking is penalised where it happens: only the *redundant* tokens of a correct completion -- those after the
+first chunk (cut before reflection words such as "Wait", "But") that contains the correct answer, the end of the
+*necessary reasoning prefix* (NRP) -- lose reward; advantages are normalised per position over the group (reward and
+advantage stages); a curriculum keeps all groups with reward variance and ``int(kappa n / (1 - kappa))`` all-correct
+ones (the others get zero advantages, TRL having no dynamic sampling), ``kappa`` following the change of the NRP ratio.
+The official chunk judge is a fine-tuned 1.5B model asked whether a chunk contains the correct answer; here the judge
+is a rule (the reference answer of ``answer_column`` appears in the chunk as a whole token) [reconstructed].
+
+Facts from the official code (pixas/DECS, ``src_valid/reward_manager.py`` chunk split / classification and
+``src_valid/valid_ray_trainer.py`` ``compute_grpo_proc_length_advantage_return`` and the kappa schedule; restated):
+
+* A completion is cut into chunks before every token that starts a reflection word (``Wait``, ``But``,
+  ``Alternatively``, ``Hmm``, ``Let``, ``Therefore``, with and without a leading space: the first token id of each).
+* In a correct completion the first chunk that contains the correct answer ends the NRP; every token after it is
+  redundant. Incorrect completions have no redundant tokens.
+* Token rewards: ``s (1 + beta)`` on every position, except the redundant tokens of a correct completion, which get
+  ``s + beta (1 - L / L_max)`` (``s`` the outcome score, ``L`` the completion length, ``L_max`` the maximal completion
+  length): redundant tokens lose ``beta L / L_max`` (plus ``beta (s - 1)`` for s != 1), more in longer completions.
+* Advantages are normalised **per position** over the group's G rows (mean and unbiased std of the token rewards at
+  that position, padding positions included, ``+ 1e-6``), then masked.
+* Curriculum data schedule: groups with reward variance are kept, all-wrong groups dropped, and
+  ``int(kappa n_kept / (1 - kappa))`` all-correct groups kept at random; ``kappa`` starts at 0 and moves by
+  ``kappa_lr (NRP ratio - previous NRP ratio)`` after each batch, the NRP ratio being the mean of
+  ``(index of the NRP's last chunk + 1) / number of chunks`` over the correct completions where an NRP was found.
+
+Correctness: :mod:`trl_plugins_builtin._length`. DECS has no setting equal to vanilla GRPO (its per-position
+normalisation differs from TRL's even with ``beta = 0`` and no curriculum): disable the plugin for that.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from trl_plugins import AdvantageContext, Plugin, PluginError, RewardContext, hookimpl, option
+from trl_plugins.success import SuccessRule
+
+from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns, local_completion_ids
+
+#: The official split words (their first token id cuts chunks).
+SPLIT_WORDS = ("Wait", " Wait", "But", " But", "Alternatively", " Alternatively", "Hmm", " Hmm", "Let", " Let",
+               "Therefore", " Therefore")
+
+
+@dataclass
+class DecsOptions(CorrectnessOptions):
+    answer_column: str = option(
+        "answer", help="Dataset column with the reference answer (a chunk containing it ends the necessary reasoning "
+        "prefix).",
+    )
+    beta: float = option(0.1, min=0.0, help="Length-reward weight beta (official default length_reward_beta=0.1).")
+    split_words: list[str] = option(
+        default_factory=lambda: list(SPLIT_WORDS),
+        help="Words whose first token starts a new chunk (official: Wait, But, Alternatively, Hmm, Let, Therefore, "
+        "with and without a leading space).",
+    )
+    curriculum: bool = option(
+        True, help="Curriculum data schedule (keep int(kappa n / (1 - kappa)) all-correct groups; drop the others and "
+        "the all-wrong ones by zeroing their advantages).",
+    )
+    kappa_lr: float = option(
+        0.2, min=0.0, help="kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
+    )
+
+
+def chunk_starts(ids: list[int], split_ids: set[int]) -> list[int]:
+    """Start positions of the chunks of one completion: 0 and every position > 0 holding a split token id."""
+    return [0] + [i for i, token in enumerate(ids) if i > 0 and token in split_ids] if ids else []
+
+
+def contains_answer(text: str, answer: str) -> bool:
+    """Rule chunk judge: ``answer`` appears in ``text`` as a whole token (not inside a longer number or word)."""
+    answer = answer.strip()
+    if not answer:
+        return False
+    return re.search(rf"(?<![\w.]){re.escape(answer)}(?![\w])", text) is not None
+
+
+def nrp_split(starts: list[int], has_answer: list[bool], length: int) -> tuple[int, float]:
+    """(start of the redundant tail or -1, NRP ratio or 0.0) of one correct completion from its chunks' verdicts."""
+    first = next((j for j, yes in enumerate(has_answer) if yes), -1)
+    if first == -1:
+        return -1, 0.0
+    ratio = (first + 1) / len(starts)
+    tail = starts[first + 1] if first + 1 < len(starts) else -1
+    return (tail if 0 <= tail < length else -1), ratio
+
+
+def decs_token_rewards(scores: torch.Tensor, redundant_start: torch.Tensor, lengths: torch.Tensor, width: int,
+                       max_length: int, beta: float) -> torch.Tensor:
+    """DECS token rewards (N, width).
+
+    Args:
+        scores: (N,) outcome scores. redundant_start: (N,) first redundant position, -1 when none (incorrect rows and
+            rows without an NRP tail). lengths: (N,) completion lengths. width: T. max_length: L_max. beta: the
+            length-reward weight.
+    """
+    N = scores.numel()
+    base = (scores.float() * (1 + beta)).unsqueeze(1).expand(N, width).clone()
+    positions = torch.arange(width, device=scores.device).expand(N, width)
+    redundant = (redundant_start.unsqueeze(1) >= 0) & (positions >= redundant_start.unsqueeze(1)) \
+        & (positions < lengths.unsqueeze(1))
+    shaped = (scores.float() + beta * (1 - lengths.float() / max_length)).unsqueeze(1).expand(N, width)
+    return torch.where(redundant, shaped, base)
+
+
+def per_position_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, group_size: int,
+                            eps: float = 1e-6) -> torch.Tensor:
+    """Group normalisation per position (N, T): ``(r - mean_g(r_t)) / (std_g(r_t) + eps) * mask``; size-1 groups use
+    mean 0 and std 1 (official)."""
+    N, T = token_rewards.shape
+    grouped = token_rewards.view(-1, group_size, T)
+    if group_size == 1:
+        mean, std = torch.zeros_like(grouped[:, :1]), torch.ones_like(grouped[:, :1])
+    else:
+        mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(N, T) * mask
+
+
+def curriculum_keep(rewards: torch.Tensor, group_size: int, kappa: float, generator: torch.Generator) -> torch.Tensor:
+    """(num_groups,) bool: the groups the curriculum keeps (all with reward variance, ``int(kappa n / (1 - kappa))``
+    all-correct ones at random, no all-wrong one). ``kappa`` is clamped to [0, 0.99]."""
+    grouped = torch.nan_to_num(rewards.float(), nan=0.0).view(-1, group_size)
+    varied = grouped.std(dim=1, unbiased=False) > 0 if group_size > 1 else torch.ones(grouped.size(0), dtype=bool)
+    easy = (~varied) & (grouped.mean(dim=1) > 0)
+    keep = varied.clone()
+    kappa = min(max(kappa, 0.0), 0.99)
+    allowed = min(int(kappa * int(varied.sum()) / (1 - kappa)), int(easy.sum()))
+    if allowed > 0:
+        easy_ids = torch.nonzero(easy).squeeze(1)
+        chosen = easy_ids[torch.randperm(easy_ids.numel(), generator=generator)[:allowed]]
+        keep[chosen] = True
+    return keep
+
+
+class DecsPlugin(Plugin):
+    """DECS: penalties on the redundant tokens after the first correct answer only, per-position advantages and the
+    curriculum (reward and advantage stages)."""
+
+    name = "decs"
+    multi_turn = MULTI_TURN_REASON
+    version = "0.1.0"
+    paper = "Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling (DECS), arXiv:2509.25827"
+    summary = ("Penalises only the tokens after the first correct answer (per-position advantages), with a curriculum "
+               "over all-correct groups.")
+    Options = DecsOptions
+    claim_metric = ("redundant_fraction", "correct responses with a redundant tail")
+    reconstructed = (
+        "the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
+        "the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
+    )
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self.max_len = 1
+        self.kappa, self.last_nrp_ratio = 0.0, 0.5  # curriculum (official initial values)
+        self._batch: list | None = None  # (first redundant position, NRP ratio) per row of the batch
+        self._split_ids: set[int] | None = None
+        self._generator = torch.Generator().manual_seed(0)
+
+    def required_columns(self) -> list[str]:
+        return [self.options.answer_column]
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        self.max_len = int(trainer.max_completion_length)
+        self._generator.manual_seed(int(getattr(args, "seed", 0)))
+        check_reward_columns(self.name, trainer, self.options)
+
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx: RewardContext):
+        local_completion_ids(ctx, self.name)
+        self._batch = ctx.gather_object([self._row(ctx, i) for i in range(len(ctx.local_rows))])
+
+    def _row(self, ctx: RewardContext, i: int) -> tuple[int, float]:
+        """(first redundant position or -1, NRP ratio) of local row ``i`` (rule chunk judge on the answer column)."""
+        tokenizer = ctx.tokenizer
+        if self._split_ids is None:
+            ids = [tokenizer.encode(w, add_special_tokens=False) for w in self.options.split_words]
+            self._split_ids = {x[0] for x in ids if x}
+        ids = list(ctx.local_completion_ids[i])
+        starts = chunk_starts(ids, self._split_ids)
+        ends = starts[1:] + [len(ids)]
+        answer = str(ctx.local_rows[i].get(self.options.answer_column, ""))
+        verdicts = [contains_answer(tokenizer.decode(ids[a:b], skip_special_tokens=True), answer)
+                    for a, b in zip(starts, ends)]
+        return nrp_split(starts, verdicts, len(ids)) if starts else (-1, 0.0)
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        o = self.options
+        if self._batch is None or len(self._batch) != ctx.rewards.numel():
+            raise PluginError(f"{self.name}: the reward stage did not record this batch's chunks.")
+        G = ctx.num_generations
+        mask = ctx.completion_mask().float()
+        device = mask.device
+        correct = torch.nan_to_num(ctx.verifier(SuccessRule(o.correctness_column)).float(), nan=-math.inf) \
+            >= o.correct_threshold
+        starts = torch.tensor([s for s, _ in self._batch], device=device)
+        ratios = torch.tensor([r for _, r in self._batch], device=device)
+        starts = torch.where(correct.to(device), starts, torch.full_like(starts, -1))
+        scores = torch.nan_to_num(ctx.rewards.float(), nan=0.0).to(device)
+        token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len, o.beta)
+        advantages = per_position_advantages(token_rewards, mask, G)
+        if o.curriculum:
+            keep = curriculum_keep(scores, G, self.kappa, self._generator).to(device)
+            advantages = advantages * keep.repeat_interleave(G).unsqueeze(1).float()
+            ctx.log_metric("kept_group_fraction", keep.float().mean().item())
+        ctx.advantages = advantages.to(ctx.advantages.dtype)
+        found = ratios[correct.to(device) & (ratios > 0)]
+        ratio = float(found.mean()) if found.numel() else 0.0
+        if ctx.mode == "train" and o.curriculum:
+            if self.last_nrp_ratio != 0:
+                self.kappa += (ratio - self.last_nrp_ratio) * o.kappa_lr
+            self.last_nrp_ratio = ratio
+        ctx.log_metric("nrp_ratio", ratio)
+        ctx.log_metric("redundant_fraction", float(((starts >= 0).float()).mean()))
+        ctx.log_metric("kappa", self.kappa)
+        self._batch = None
+
+    @hookimpl
+    def trl_plugins_state_dict(self):
+        return {"kappa": self.kappa, "last_nrp_ratio": self.last_nrp_ratio,
+                "generator": self._generator.get_state().tolist()}
+
+    @hookimpl
+    def trl_plugins_load_state_dict(self, state):
+        self.kappa = float(state.get("kappa", 0.0))
+        self.last_nrp_ratio = float(state.get("last_nrp_ratio", 0.5))
+        if "generator" in state:
+            self._generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
