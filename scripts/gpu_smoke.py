@@ -78,7 +78,7 @@ STACKS: dict[str, list[str]] = {
     "hint_scaffold+canon+lp_reg": ["hint_scaffold", "canon", "lp_reg"],
     "scope+lp_reg": ["scope", "lp_reg"],
     "ruscarl+kl_cov": ["ruscarl", "kl_cov"],
-    "adaptive_sampler+length_shaping+clip_cov": ["adaptive_sampler", "length_shaping", "clip_cov"],
+    "adaptive_sampler+laser+clip_cov": ["adaptive_sampler", "laser", "clip_cov"],
     # the tool-agent stacks of tests/test_smollm2_e2e.py (on the tool task, below)
     "igpo+otc_po+e_grpo+funrl+aspo": ["igpo", "otc_po", "e_grpo", "funrl", "aspo"],
     "salt+epo": ["salt", "epo"],
@@ -304,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device; use --device cpu --settings fp32 for a CPU dry run")
     from trl_plugins.manager import available_plugins
 
-    builtins = sorted(n for n, cls in available_plugins().items() if cls.distribution() == "trl-plugins (built-in)")
+    builtins = sorted(n for n, cls in available_plugins().items()
+                      if cls.distribution() == "trl-plugins (built-in)" and not cls.deprecated())
     selected = builtins if args.only is None else [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = sorted(set(selected) - set(builtins))
     if unknown:
