@@ -286,6 +286,13 @@ def plot(stacks: list[str], records: dict[str, list[dict]], base: float, target:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
+    from .train import working_directory_last
+
+    with working_directory_last():  # a matplotlib.py where the command runs must not replace matplotlib
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     import yaml
     from tqdm.auto import tqdm
 
