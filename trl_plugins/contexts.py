@@ -539,7 +539,8 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         (another plugin) overwrites the rows it scores and keeps the others.
 
         Collective: call on every process (possibly with no rows). A teacher failing on one process (an endpoint
-        down after its retries, whose error names the URL) stops every process together.
+        down after its retries, whose error names the URL) stops every process together, as does a value that is not
+        a finite log-prob (NaN, -inf, > 0) or a row of the wrong length, named with the plugin, token and row.
         """
         if self.local_completion_ids is None or self.local_prompt_ids is None or self.local_completion_mask is None:
             raise PluginError("AdvantageContext.attach_teacher_logps needs local_prompt_ids, local_completion_ids and "
@@ -550,7 +551,10 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         completions = [self.local_completion_ids[i, : lengths[i]].tolist() for i in rows]
         prompts = [self.local_prompt_ids[i] for i in rows]
         plugin = self.active_plugin or "teacher log-probs"
-        scored = run_together(self, plugin, teacher.logprobs, prompts, completions)
+        from .components.teacher_logprobs import checked_teacher_logprobs  # finite values <= 0, or refused here
+
+        scored = run_together(self, plugin, checked_teacher_logprobs, teacher, prompts, completions, rows, plugin,
+                              self.process_slice.start or 0)
         previous = self.local_extras.get(TEACHER_LOGPS_EXTRA)
         device = self.local_completion_ids.device
         out = torch.full((B, T), float("nan"), device=device) if previous is None else previous.clone()
