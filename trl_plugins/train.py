@@ -237,6 +237,10 @@ def parse_config(parser, argv: list[str] | None) -> tuple:
         if not isinstance(config, dict):
             raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r}.")
         _refuse_unknown([str(key) for key in config], known | {"env"}, f"in the config file {path!r}")
+    def refuse(message: str) -> None:  # argparse's own errors (a value of the wrong type): no usage dump, exit 2
+        raise PluginConfigError(f"Invalid configuration: {message}")
+
+    parser.error = refuse
     try:
         *parsed, rest = parser.parse_args_and_config(argv, return_remaining_strings=True)
     except PluginError:
