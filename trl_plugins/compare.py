@@ -15,7 +15,9 @@ Written to ``--output-dir``: ``compare.md`` (the table: score mean ± std per st
 rollouts to reach ``--target``, optimizer steps, wall time, each plugin's claim metric), ``compare.json`` (the table
 and every run's evaluations and per-step metrics), ``score.png`` (held-out score against rollouts) and
 ``entropy.png``. Finished runs are kept under ``runs/`` and not redone when the command is run again (``--fresh``
-redoes them), so an interrupted comparison resumes.
+redoes them), so an interrupted comparison resumes; a run's key holds a hash of the whole config and the evaluation
+settings, so an edited config is trained again. Configs with ``tools`` / ``environment_factory`` are refused (the
+held-out evaluation generates single-turn).
 """
 
 from __future__ import annotations
