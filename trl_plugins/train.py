@@ -171,6 +171,17 @@ def load_environment_factory(path: str | None):
             f"environment_factory {path!r}: class {factory.__name__} has no reset() method (TRL calls it before each "
             "rollout)."
         )
+    if isinstance(factory, type):
+        import inspect
+
+        tools = [name for name, _ in inspect.getmembers(factory, predicate=inspect.isfunction)
+                 if name not in ("reset", "get_reward") and not name.startswith("_")]
+        if not tools:  # TRL would train single-turn without a word
+            raise PluginConfigError(
+                f"environment_factory {path!r}: class {factory.__name__} has no tool method (a public method other "
+                "than reset / get_reward, with type hints and a Google-style docstring); TRL exposes those methods "
+                "as the model's tools, so without one every rollout would be single-turn."
+            )
     return factory
 
 

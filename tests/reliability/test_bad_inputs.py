@@ -335,6 +335,17 @@ CASES = [
          "e_grpo: column 'entities' holds str 'Paris' in row 0; allowed: a list of strings"),
     Case("e-grpo-entities-numbers", "trainer", {"dataset": "entities_ints", "plugins": ["e_grpo"], "reward": "digits"},
          "e_grpo: column 'entities' holds list [1, 2] in row 0"),
+    Case("funrl-gold-calls-bad-json", "trainer", {"dataset": "gold_bad_json", "plugins": ["funrl"], "reward": "digits"},
+         "funrl: column 'gold_calls' holds str '[{\"name\": \"search\"' in row 0; allowed: a JSON list"),
+    Case("funrl-gold-calls-not-calls", "trainer", {"dataset": "gold_numbers", "plugins": ["funrl"], "reward": "digits"},
+         "funrl: column 'gold_calls' holds list [1, 2] in row 0"),
+    Case("matchtir-gold-calls-bad-json", "trainer",
+         {"dataset": "gold_bad_json", "plugins": ["matchtir"], "reward": "digits"},
+         "matchtir: column 'gold_calls' holds str"),
+    Case("ampo-solutions-a-number", "trainer",
+         {"dataset": "solutions_number", "plugins": ["ampo"], "reward": "digits",
+          "plugin_config": {"ampo": {"teachers": "column"}}},
+         "ampo: column 'teacher_solutions' holds int 7 in row 0; allowed: a list of solutions"),
     # ---------------------------------------------------------------- the command line: argparse's own errors
     Case("yaml-wrong-typed-field", "cli", {"per_device_train_batch_size": "eight"},
          "Invalid configuration: argument --per_device_train_batch_size"),
@@ -468,6 +479,12 @@ def _dataset(kind):
         return Dataset.from_list([{**r, "rubrics": "mentions the answer"} for r in base])
     if kind == "rubrics_empty":
         return Dataset.from_list([{**r, "rubrics": []} for r in base])
+    if kind == "gold_bad_json":
+        return Dataset.from_list([{**r, "gold_calls": '[{"name": "search"'} for r in base])
+    if kind == "gold_numbers":
+        return Dataset.from_list([{**r, "gold_calls": [1, 2]} for r in base])
+    if kind == "solutions_number":
+        return Dataset.from_list([{**r, "teacher_solutions": 7} for r in base])
     if kind == "entities_text":
         return Dataset.from_list([{**r, "entities": "Paris"} for r in base])
     if kind == "entities_ints":
