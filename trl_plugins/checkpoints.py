@@ -20,6 +20,7 @@ written, not when a resume fails (numpy scalars are turned into Python numbers; 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -100,9 +101,15 @@ def save_plugin_state(state: dict, folder: str) -> str:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)  # no stale temporary file (a full disk, a kill between write and rename)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(
+                f"The disk is full: no space left on the device of {folder} while writing the plugin state "
+                f"({len(buffer.getvalue())} bytes; {exc.strerror}). Nothing was left behind; free space (or lower "
+                "save_total_limit) and resume from the last complete checkpoint."
+            ) from exc
         raise
     return path
 

@@ -208,6 +208,15 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
             f"output_dir {args.output_dir!r} is a file; it must be a directory (or not exist yet) for checkpoints "
             "and the final model."
         )
+    if args.output_dir is not None and not os.path.isfile(args.output_dir):
+        existing = os.path.abspath(args.output_dir)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)  # the folder output_dir will be created in
+        if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
+            raise PluginConfigError(
+                f"output_dir {args.output_dir!r} cannot be written ({existing} is not writable): the run would fail at "
+                "its first save or log. Choose a writable folder."
+            )
 
 
 def _is_int(value: Any) -> bool:

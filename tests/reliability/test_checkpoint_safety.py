@@ -251,3 +251,30 @@ def test_every_stateful_builtin_round_trips_through_a_code_free_load(plugin, tmp
     fresh = build(tmp_path / "b")
     fresh.load_plugin_state_dict(loaded)
     assert _same(fresh.plugin_stack.by_name[plugin].trl_plugins_state_dict(), live)
+
+
+def test_a_full_disk_while_writing_the_plugin_state_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.os, "fsync", full)
+    with pytest.raises(checkpoints.CheckpointError, match=r"The disk is full: no space left on the device of .* "
+                                                          r"while writing the plugin state"):
+        checkpoints.save_plugin_state({"p": {"x": 1}}, str(tmp_path / "checkpoint-1"))
+    assert list((tmp_path / "checkpoint-1").iterdir()) == []
+
+
+def test_an_unwritable_output_dir_is_refused_when_the_config_is_built(tmp_path, monkeypatch):
+    import trl_plugins.config as config_module
+    from trl_plugins import PluginConfigError, PluginGRPOConfig
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = config_module.os.access
+    monkeypatch.setattr(config_module.os, "access", lambda path, mode: False if str(path) == str(locked) else
+                        real(path, mode))  # (as root, chmod alone would not stop writes)
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*locked/run/out' cannot be written \(.*locked is not "
+                                                r"writable\)"):
+        PluginGRPOConfig(output_dir=str(locked / "run" / "out"), report_to="none", use_cpu=True)
