@@ -36,7 +36,6 @@ from .client import EndpointError
 __all__ = [
     "PROBE_TEXT",
     "check_same_tokenizer",
-    "checked_teacher_logprobs",
     "ECHO_PARAMS",
     "hf_completion_logprobs",
     "parse_echo_logprobs",
@@ -166,40 +165,6 @@ def parse_echo_logprobs(choice: dict, token_ids: Sequence[int], n_prompt: int, u
         raise EndpointError(f"{url} answered an invalid log-prob {values[bad[0]]!r} for completion token {bad[0]} "
                             "(allowed: a finite number <= 0).")
     return [float(v) for v in values]
-
-
-def checked_teacher_logprobs(teacher: Any, prompt_ids: Sequence[Sequence[int]],
-                             completion_ids: Sequence[Sequence[int]], rows: Sequence[int], plugin: str,
-                             first_row: int = 0) -> list[torch.Tensor]:
-    """``teacher.logprobs(prompt_ids, completion_ids)``, refused at the first row whose values cannot enter the loss.
-
-    Every value must be a finite number <= 0, one per completion token: a single ``-inf`` (a token the teacher
-    gives probability 0, a server's overflow) makes KEPO's advantage and KL term infinite, the loss ~1e36 and every
-    parameter NaN after one step, without any other error. The :class:`~trl_plugins.errors.PluginError` names the
-    plugin, the value, the token and the global row (``first_row + rows[k]``).
-    """
-    from ..errors import PluginError
-
-    scored = list(teacher.logprobs(prompt_ids, completion_ids))
-    where = f"{plugin}: teacher log-probs (ctx.teacher_logps)"
-    if len(scored) != len(completion_ids):
-        raise PluginError(f"{where}: the teacher returned {len(scored)} rows for {len(completion_ids)} completions.")
-    out = []
-    for row, values, completion in zip(rows, scored, completion_ids):
-        values = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
-        if values.numel() != len(completion):
-            raise PluginError(f"{where}: {values.numel()} values for the {len(completion)} completion tokens of row "
-                              f"{first_row + row}; allowed: one log-prob per completion token.")
-        bad = (~torch.isfinite(values)) | (values > 1e-6)
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0, 0])
-            raise PluginError(
-                f"{where}: {values[t].item()!r} for completion token {t} of row {first_row + row}; allowed: a finite "
-                "number <= 0 (a log-probability). A -inf or NaN would make the loss non-finite; check the teacher "
-                "(its endpoint or model)."
-            )
-        out.append(values)
-    return out
 
 
 def probe_endpoint(client: Any, policy_tokenizer: Any) -> None:
