@@ -62,7 +62,7 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.collectives import run_together
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.data_checks import check_column_filled
+from trl_plugins.data_checks import cell_problem, check_column_filled, check_column_values
 from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.success import SuccessOptions
 
@@ -150,6 +150,16 @@ def solution_texts(value: Any, limit: int) -> list[str]:
     items = [value] if isinstance(value, (str, dict)) else list(value or [])
     texts = [item.get("content") if isinstance(item, dict) else item for item in items]
     return [t for t in texts if isinstance(t, str) and t.strip()][:limit]
+
+
+SOLUTIONS_ALLOWED = "a list of solutions (strings, or dicts with a 'content' string), one string, or None"
+
+
+def solutions_ok(value: Any) -> bool:
+    """What :func:`solution_texts` can read: None, a string, a dict, or a list / tuple of strings and dicts."""
+    if value is None or isinstance(value, (str, dict)):
+        return True
+    return isinstance(value, (list, tuple)) and all(item is None or isinstance(item, (str, dict)) for item in value)
 
 
 def guidance_count(successes: int, available: int, group_size: int, pass_fraction: float, trigger: str) -> int:
@@ -255,6 +265,7 @@ class AmpoPlugin(Plugin):
         check_offpolicy_gamma(self.name, o.gamma, args)
         dataset = getattr(trainer, "train_dataset", None)
         if o.teachers == "column":
+            check_column_values(self.name, dataset, o.solutions_column, solutions_ok, SOLUTIONS_ALLOWED)
             check_column_filled(self.name, dataset, o.solutions_column, "it holds the teachers' solutions",
                                 blank=lambda v: not solution_texts(v, o.max_teachers),
                                 blank_means="without any non-blank solution")
@@ -309,6 +320,11 @@ class AmpoPlugin(Plugin):
         """The teacher solutions of the groups of local ``rows`` (one representative row per group)."""
         o = self.options
         if o.teachers == "column":
+            for i in rows:  # a streamed row the construction check could not see (raised on every process together)
+                problem = cell_problem(self.name, o.solutions_column, ctx.global_index[i],
+                                       ctx.rows[i].get(o.solutions_column), solutions_ok, SOLUTIONS_ALLOWED)
+                if problem:
+                    raise PluginConfigError(problem)
             return [solution_texts(ctx.rows[i].get(o.solutions_column), o.max_teachers) for i in rows]
         if not rows:
             return []

@@ -41,7 +41,7 @@ from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.loss import check_offpolicy_gamma
-from trl_plugins.text import completion_text
+from trl_plugins.text import check_template, completion_text
 from trl_plugins.success import SuccessOptions
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -94,12 +94,8 @@ class CritiqueGrpoOptions(SuccessOptions):
     solution_column: str = option("solution", help="Dataset column with the reference solution (critique 'text').")
 
     def validate(self) -> None:
-        for key in ("{question}", "{response}", "{critique}"):
-            if key not in self.refinement_template:
-                raise PluginConfigError(
-                    f"Option 'refinement_template' of plugin 'critique_grpo' must contain {key}; got "
-                    f"{self.refinement_template!r}."
-                )
+        check_template("critique_grpo", "refinement_template", self.refinement_template,
+                       ("question", "response", "critique"))
         if self.critique_type == "text" and self.critic == "endpoint" and not self.critic_base_url:
             raise PluginConfigError("Plugin 'critique_grpo' with critique_type='text' needs critic_base_url.")
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.collectives import gather_objects_together
+from trl_plugins.data_checks import cell_problem, check_column_values
 from trl_plugins.success import verifier_column
 
 
@@ -45,6 +47,14 @@ def reasoning_text(completion: Any, scope: str) -> str:
         str(m.get("content") or "") for m in completion or []
         if isinstance(m, dict) and (scope == "all" or m.get("role") == "assistant")
     )
+
+
+ENTITIES_ALLOWED = "a list of strings (the ground-truth entities), or None for a row without entities"
+
+
+def entities_ok(value: Any) -> bool:
+    """A list (or tuple) of strings, or None; text is refused (it would be matched character by character)."""
+    return value is None or (isinstance(value, (list, tuple)) and all(isinstance(e, str) for e in value))
 
 
 def match_rate(text: str, entities: list[str]) -> float:
@@ -82,13 +92,28 @@ class EGrpoPlugin(Plugin):
         return [self.options.entities_column]
 
     @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        check_column_values(self.name, getattr(trainer, "train_dataset", None), self.options.entities_column,
+                            entities_ok, ENTITIES_ALLOWED)
+
+    def _local_rates(self, ctx: RewardContext) -> list[float]:
+        opts = self.options
+        rates = []
+        for i, (completion, row) in enumerate(zip(ctx.local_completions, ctx.local_rows)):
+            entities = row.get(opts.entities_column)
+            row_index = (ctx.process_slice.start or 0) + i
+            problem = cell_problem(self.name, opts.entities_column, row_index, entities, entities_ok, ENTITIES_ALLOWED)
+            if problem:  # a streamed row: text would be matched character by character
+                raise PluginConfigError(problem)
+            rates.append(match_rate(reasoning_text(completion, opts.scope), list(entities or [])))
+        return rates
+
+    @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         opts = self.options
         if opts.alpha == 0:
             return
-        local = [match_rate(reasoning_text(c, opts.scope), list(r.get(opts.entities_column) or []))
-                 for c, r in zip(ctx.local_completions, ctx.local_rows)]
-        rates = torch.tensor(ctx.gather_object(local), dtype=torch.float32)
+        rates = torch.tensor(gather_objects_together(ctx, self.name, self._local_rates, ctx), dtype=torch.float32)
         placeholders = list(ctx.run.placeholder_columns)
         rewards = ctx.rewards_per_func.clone()
         k = verifier_column(ctx.reward_func_names, placeholders if len(placeholders) == rewards.size(1) else [],

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.tool_calls import call_key, parse_gold_calls
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.data_checks import cell_problem, check_column_values
+from trl_plugins.tool_calls import GOLD_CALLS_ALLOWED, call_key, gold_calls_ok, parse_gold_calls
 
 from ._phases import phase_boundary
 
@@ -149,11 +150,20 @@ class FunrlPlugin(Plugin):
         return [self.options.gold_column]
 
     @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        check_column_values(self.name, getattr(trainer, "train_dataset", None), self.options.gold_column,
+                            gold_calls_ok, GOLD_CALLS_ALLOWED)
+
+    @hookimpl
     def trl_plugins_reward_functions(self, args):
         column, ordered = self.options.gold_column, self.options.order == "ordered"
 
         def funrl(completions, **kwargs):
             golds = kwargs[column]
+            for i, g in enumerate(golds):  # a streamed row (the reward guard raises it on every process together)
+                problem = cell_problem("funrl", column, i, g, gold_calls_ok, GOLD_CALLS_ALLOWED)
+                if problem:
+                    raise PluginConfigError(problem.replace(f" in row {i};", f" in row {i} of the reward call;"))
             return [float(calls_match(completion_calls(c), gold_calls(g), ordered)) for c, g in zip(completions, golds)]
 
         funrl.reward_weight = self.options.reward_weight

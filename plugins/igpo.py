@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
+from trl_plugins.text import check_template
 from trl_plugins.turns import accumulate_turn_rewards as accumulate
 from trl_plugins.turns import expand_turn_values
 
@@ -74,6 +75,9 @@ class IgpoOptions(PluginOptions):
         "combined", help="Outcome reward of the answer turn: the run's combined reward, or the verifier column."
     )
     scale: bool = option(True, help="Divide by the group standard deviation (TRL's scale_rewards='group').")
+
+    def validate(self) -> None:
+        check_template("igpo", "answer_template", self.answer_template, ("answer",))  # else P_t probes a constant
 
 
 def normalise(values: torch.Tensor, keys: torch.Tensor, scale: bool) -> torch.Tensor:

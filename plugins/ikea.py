@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import Plugin, RewardContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.errors import suggest
 from trl_plugins.success import SuccessOptions, placeholder_column
 
 COLUMN = "ikea"
@@ -75,6 +76,19 @@ class IkeaPlugin(Plugin):
     summary = "Knowledge-boundary reward: correct answers with fewer searches score more; failed searches a little."
     Options = IkeaOptions
     claim_metric = ("retrievals_mean", "search calls per rollout")
+
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        tools = [getattr(t, "__name__", str(t)) for t in getattr(trainer, "tools", None) or []]
+        names = [str(n).strip() for n in self.options.search_tools]
+        unknown = [n for n in names if n not in tools]
+        if tools and unknown:  # a misspelt name would count 0 retrievals forever
+            raise PluginConfigError(
+                f"Option 'search_tools' of plugin 'ikea' got {list(self.options.search_tools)!r}; "
+                f"{', '.join(repr(n) for n in unknown)} {'is' if len(unknown) == 1 else 'are'} not a tool of this run "
+                f"(tools: {', '.join(tools)}).{suggest(unknown[0], tools)} Allowed: names of the run's tools, or [] "
+                "to count every tool call as a retrieval."
+            )
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):

@@ -53,6 +53,7 @@ from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.loss import check_offpolicy_gamma
 from trl_plugins.success import SuccessOptions
+from trl_plugins.text import check_template
 
 HINT_REQUEST = (
     "A student could not solve the following problem. Write one short hint that points to the key idea or the first "
@@ -112,14 +113,8 @@ class KepoOptions(TeacherOptions, SuccessOptions):
     def validate(self) -> None:
         if self.needs_teacher:
             TeacherOptions.validate(self)
-        for key in ("{question}",):
-            if key not in self.hint_request:
-                raise PluginConfigError(f"Option 'hint_request' of plugin 'kepo' must contain {key}; got "
-                                        f"{self.hint_request!r}.")
-        for key in ("{question}", "{hint}"):
-            if key not in self.hint_template:
-                raise PluginConfigError(f"Option 'hint_template' of plugin 'kepo' must contain {key}; got "
-                                        f"{self.hint_template!r}.")
+        check_template("kepo", "hint_request", self.hint_request, ("question",))
+        check_template("kepo", "hint_template", self.hint_template, ("question", "hint"))
 
 
 # ============================================================================================= pure functions

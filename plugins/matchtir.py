@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.tool_calls import call_arguments, normalise_value, parse_gold_calls
+from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.collectives import fail_together
+from trl_plugins.data_checks import cell_problem, check_column_values
+from trl_plugins.tool_calls import GOLD_CALLS_ALLOWED, call_arguments, gold_calls_ok, normalise_value, parse_gold_calls
 from trl_plugins.turns import accumulate_turn_rewards
 
 EPS = 1e-6  # the official code's epsilon of the normalisations
@@ -258,18 +260,29 @@ class MatchtirPlugin(Plugin):
     def required_columns(self) -> list[str]:
         return [self.options.gold_column]
 
+    @hookimpl
+    def trl_plugins_configure(self, trainer, args):
+        check_column_values(self.name, getattr(trainer, "train_dataset", None), self.options.gold_column,
+                            gold_calls_ok, GOLD_CALLS_ALLOWED)
+
     def overwritten(self) -> tuple[str, ...]:
         return () if self.options.match_weight == 0 else tuple(self.overwrites)
 
-    def local_turn_rewards(self, ctx: AdvantageContext) -> tuple[torch.Tensor, list[float]]:
+    def local_turn_rewards(self, ctx: AdvantageContext) -> tuple[torch.Tensor | None, list[float] | str]:
         """(B, U_local) tool-call turn rewards of this process's rows (NaN after a row's last turn, times
-        ``match_weight``), and per row ``[sum of call rewards, #calls, #gold, #gold matched]`` for the metrics."""
+        ``match_weight``), and per row ``[sum of call rewards, #calls, #gold, #gold matched]`` for the metrics;
+        ``(None, problem)`` for a row whose gold calls cannot be read."""
         opts = self.options
         width = max([t.num_turns for t in ctx.local_turns] + [1])
         out = torch.full((len(ctx.local_turns), width), math.nan)
         stats = []
         for i, turns in enumerate(ctx.local_turns):
-            gold = parse_gold_calls(ctx.local_rows[i][opts.gold_column])
+            value = ctx.local_rows[i][opts.gold_column]
+            problem = cell_problem(self.name, opts.gold_column, (ctx.process_slice.start or 0) + i, value,
+                                   gold_calls_ok, GOLD_CALLS_ALLOWED)
+            if problem:  # a streamed row: raised on every process together (fail_together below)
+                return None, problem
+            gold = parse_gold_calls(value)
             rewards, matched = turn_call_rewards(turns.tool_calls[: turns.num_turns], gold, opts)
             if rewards:
                 out[i, : len(rewards)] = opts.match_weight * torch.tensor(rewards)
@@ -283,6 +296,7 @@ class MatchtirPlugin(Plugin):
         if ctx.turn_ids is None or opts.match_weight == 0:
             return  # single-turn rollouts carry no tool calls to match
         local, stats = self.local_turn_rewards(ctx)
+        fail_together(ctx, self.name, PluginConfigError(stats) if local is None else None)
         calls = ctx.gather_padded(local.to(ctx.device), dim=1, pad_value=math.nan).cpu()
         num_turns = ctx.gather(torch.tensor([t.num_turns for t in ctx.local_turns], device=ctx.device)).cpu()
         totals = ctx.gather(torch.tensor(stats, dtype=torch.float32, device=ctx.device).reshape(-1, 4)).cpu()

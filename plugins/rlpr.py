@@ -51,7 +51,7 @@ import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
 from trl_plugins.data_checks import check_column_filled
-from trl_plugins.text import completion_text
+from trl_plugins.text import check_template, completion_text
 
 COLUMN = "rlpr"
 CORRECTNESS_PICK_ONE = (
@@ -112,8 +112,7 @@ class RlprOptions(PluginOptions):
             re.compile(self.answer_marker)
         except re.error as exc:
             raise PluginConfigError(f"Option 'answer_marker' of plugin 'rlpr' is not a valid regex: {exc}.") from exc
-        if "{answer}" not in self.answer_template:
-            raise PluginConfigError("Option 'answer_template' of plugin 'rlpr' must contain {answer}.")
+        check_template("rlpr", "answer_template", self.answer_template, ("answer",))
         if self.ema_start_step > self.filter_start_step:
             raise PluginConfigError(
                 f"Options of plugin 'rlpr': ema_start_step={self.ema_start_step} must not exceed "

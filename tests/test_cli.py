@@ -148,3 +148,58 @@ def test_plugin_config_json_on_the_command_line_replaces_the_files(tmp_path):
     _, args, _ = parse_config(parser, ["--config", str(config), "--plugins", "hint_scaffold", "lp_reg",
                                        "--plugin_config", '{"lp_reg": {"kappa": 0.05}}'])
     assert args.plugins == ["hint_scaffold", "lp_reg"] and args.plugin_config == {"lp_reg": {"kappa": 0.05}}
+
+
+# ------------------------------------------------------------------------------------------------ working directory
+PLANTED = "import pathlib\npathlib.Path(__file__).with_name('{marker}').write_text('ran')\n"
+
+
+@pytest.mark.slow
+def test_a_module_in_the_working_directory_never_shadows_an_installed_package(tmp_path):
+    """``trl-plugins train`` run where a ``matplotlib.py`` lies, as ``python -c`` / ``python -m`` start it (the
+    working directory first on sys.path): the config's own reward module from that folder still loads, and its
+    ``import matplotlib`` gets the installed package, not the planted file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import trl_plugins
+
+    (tmp_path / "matplotlib.py").write_text(PLANTED.format(marker="PLANTED_RAN"))
+    (tmp_path / "my_rewards.py").write_text(
+        "import pathlib\nimport matplotlib\n"
+        "pathlib.Path(__file__).with_name('matplotlib_used').write_text(matplotlib.__file__)\n"
+        "def reward(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    (tmp_path / "config.yaml").write_text(
+        "model_name_or_path: builtin:tiny\nreport_to: none\nuse_cpu: true\nmax_steps: 1\n"
+        "reward_funcs: [my_rewards.reward]\ndataset_name: ./no_such_dataset\n"  # refused before the model loads
+    )
+    root = str(Path(trl_plugins.__file__).parents[1])
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from trl_plugins.cli import main; sys.exit(main(sys.argv[1:]))",
+         "train", "config.yaml"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": root},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Could not load dataset_name='./no_such_dataset'" in result.stderr  # the reward module was imported first
+    assert not (tmp_path / "PLANTED_RAN").exists()
+    used = (tmp_path / "matplotlib_used").read_text()
+    assert "site-packages" in used and str(tmp_path) not in used
+
+
+def test_the_commands_run_with_the_working_directory_last_on_sys_path(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    import trl_plugins.compare as compare
+
+    seen = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", ["", str(tmp_path), *sys.path])
+    monkeypatch.setattr(compare, "_main", lambda argv: seen.append(list(sys.path)) or 0)
+    before = list(sys.path)
+    assert main(["compare", "--demo"]) == 0
+    assert seen[0][-1] == os.getcwd() and "" not in seen[0] and seen[0].count(str(tmp_path)) == 1
+    assert sys.path == before  # restored after the command

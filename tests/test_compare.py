@@ -159,3 +159,40 @@ def test_compare_trains_each_stack_at_the_same_budget(tmp_path):
         assert run["evals"] and run["evals"][-1]["rollouts"] == run["rollouts"]
     assert result["runs"]["hint_scaffold"][0]["steps"] <= result["runs"]["grpo"][0]["steps"]
     assert (out / "score.png").is_file() and "| hint_scaffold | 1 |" in (out / "compare.md").read_text()
+
+
+def test_an_edited_config_is_trained_again_and_a_damaged_record_is_redone(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare, "run_one", _fake_run(calls))
+    config = tmp_path / "config.yaml"
+    config.write_text("model_name_or_path: builtin:tiny\nper_device_train_batch_size: 8\nlearning_rate: 1.0e-5\n")
+    out = tmp_path / "cmp"
+    argv = [str(config), "--stacks", "grpo", "--seeds", "1", "--rollouts", "64", "--output-dir", str(out)]
+    assert compare.main(argv) == 0 and len(calls) == 1
+    assert compare.main(argv) == 0 and len(calls) == 1  # reused
+    config.write_text("model_name_or_path: builtin:tiny\nper_device_train_batch_size: 8\nlearning_rate: 3.0e-5\n")
+    assert compare.main(argv) == 0 and len(calls) == 2  # the edited config is not answered by the old run
+    records = sorted((out / "runs").glob("grpo__*.json"))
+    assert len(records) == 2 and all("__c" in r.name for r in records)
+    newest = max(records, key=lambda r: r.stat().st_mtime)
+    newest.write_text('{"plugins": [], "evals": [{"st')  # cut off mid-write (by an older release)
+    with pytest.warns(UserWarning, match="cannot be read .* the run is done again"):
+        assert compare.main(argv) == 0
+    assert len(calls) == 3 and json.loads(newest.read_text())["evals"]
+    assert not list(out.rglob("*.tmp"))  # records are written through a temporary file and a rename
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--seeds", "0"], "--seeds must be an integer >= 1 (leave it out for the default); got 0."),
+    (["--rollouts", "0"], "--rollouts must be an integer >= 1"),
+    (["--rollouts", "-64"], "got -64"),
+    (["--eval-every", "0"], "--eval-every must be an integer >= 1"),
+    (["--eval-size", "0"], "--eval-size must be an integer >= 1"),
+    (["--target", "nan"], "--target must be a finite number; got nan."),
+])
+def test_zero_and_negative_counts_are_refused(flags, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(compare, "run_one", lambda *a: pytest.fail("no run may start"))
+    config = tmp_path / "config.yaml"
+    config.write_text("model_name_or_path: builtin:tiny\n")
+    assert cli_main(["compare", str(config), *flags, "--output-dir", str(tmp_path / "o")]) == 2
+    assert expected in capsys.readouterr().err

@@ -210,7 +210,7 @@ def test_resume_restores_plugin_state_and_continues_like_the_unbroken_run(tmp_pa
         for step in (1, 2, 3):
             state_file = tmp_path / "a" / f"checkpoint-{step}" / PLUGIN_STATE_FILE
             assert state_file.exists()
-            state = torch.load(state_file, weights_only=False)
+            state = torch.load(state_file, weights_only=True)
             assert state["test_counter"] == {"count": step}
             assert state["__framework__"]["generation_service"] == {"total": step}
         assert Counter.loaded == []
@@ -224,7 +224,7 @@ def test_resume_restores_plugin_state_and_continues_like_the_unbroken_run(tmp_pa
     # the resumed run continues as the unbroken one
     for name, param in unbroken.model.named_parameters():
         torch.testing.assert_close(resumed.model.state_dict()[name], param.detach(), msg=f"{name} differs")
-    saved = torch.load(tmp_path / "b" / "checkpoint-3" / PLUGIN_STATE_FILE, weights_only=False)
+    saved = torch.load(tmp_path / "b" / "checkpoint-3" / PLUGIN_STATE_FILE, weights_only=True)
     assert saved["test_counter"] == {"count": 3}
 
 

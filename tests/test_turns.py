@@ -127,3 +127,38 @@ def test_contexts_carry_the_turns_of_real_tool_rollouts(temporary_plugin):
         valid = mask.bool()
         assert (loss_turn_ids[valid] >= 0).all()  # every trained token belongs to an assistant turn
         assert ((loss_turn_ids == -1) | (tool_mask == 1)).all()
+
+
+@pytest.mark.parametrize("reward, expected", [
+    (float("nan"), "turn_rewards[0] of row 0 is nan; allowed: a finite number (one per tool call)"),
+    (float("-inf"), "turn_rewards[0] of row 0 is -inf"),
+    ("0.5", "turn_rewards[0] of row 0 is '0.5'"),
+    (True, "turn_rewards[0] of row 0 is True"),
+])
+def test_an_environment_turn_reward_that_cannot_enter_the_loss_is_refused_naming_it_and_the_row(
+        reward, expected, monkeypatch):
+    from trl_plugins import PluginError
+    from trl_plugins.tasks.tools import ToolEnvironment
+    from trl_plugins.testing import make_tool_trainer
+
+    original = ToolEnvironment._record
+    monkeypatch.setattr(ToolEnvironment, "_record",
+                        lambda self, name, arguments, result, value: original(self, name, arguments, result, reward))
+    trainer = make_tool_trainer(plugins=["lp_reg"], max_steps=1)  # any plugin: the turns reach the plugin stages
+    with pytest.raises(PluginError) as err:
+        trainer.train()
+    assert "environment ToolEnvironment: " + expected in str(err.value)
+    assert trainer.state.global_step == 0
+
+
+def test_environment_call_rewards_refuses_what_is_not_a_list_of_finite_numbers():
+    from trl_plugins.turns import environment_call_rewards
+
+    class Env:
+        turn_rewards = 1.0
+
+    assert environment_call_rewards(object(), 3) == (None, None)
+    rewards, problem = environment_call_rewards(Env(), 3)
+    assert rewards is None and "turn_rewards of row 3 is float 1.0; allowed: a list" in str(problem)
+    Env.turn_rewards = [1, 0.5]
+    assert environment_call_rewards(Env(), 3) == ([1.0, 0.5], None)

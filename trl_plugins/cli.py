@@ -174,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = argv[2:]
     else:
         args = parser.parse_args(argv)
+    from .train import working_directory_last
+
     try:
-        return int(args.func(args) or 0)
+        with working_directory_last():  # modules of the working directory never shadow installed packages
+            return int(args.func(args) or 0)
     except PluginError as exc:
         print(f"trl-plugins: error: {exc}", file=sys.stderr)
         return 2

@@ -15,16 +15,22 @@ Written to ``--output-dir``: ``compare.md`` (the table: score mean ± std per st
 rollouts to reach ``--target``, optimizer steps, wall time, each plugin's claim metric), ``compare.json`` (the table
 and every run's evaluations and per-step metrics), ``score.png`` (held-out score against rollouts) and
 ``entropy.png``. Finished runs are kept under ``runs/`` and not redone when the command is run again (``--fresh``
-redoes them), so an interrupted comparison resumes.
+redoes them), so an interrupted comparison resumes; a run's key holds a hash of the whole config and the evaluation
+settings, so an edited config is trained again. Configs with ``tools`` / ``environment_factory`` are refused (the
+held-out evaluation generates single-turn).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import math
+import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +89,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.demo == bool(args.config):
         p.error("give a config file or --demo (one of the two)")
+    for flag, value in (("--seeds", args.seeds), ("--rollouts", args.rollouts), ("--eval-every", args.eval_every),
+                        ("--eval-size", args.eval_size)):
+        if value is not None and value < 1:  # 0 used to mean "the default", silently
+            raise PluginConfigError(f"{flag} must be an integer >= 1 (leave it out for the default); got {value}.")
+    if args.target is not None and not math.isfinite(args.target):
+        raise PluginConfigError(f"--target must be a finite number; got {args.target}.")
     return args
+
+
+def read_config(path: str) -> dict:
+    """The mapping of a `trl-plugins train` YAML file, or a :class:`PluginConfigError` naming the file and what is
+    wrong (missing, unreadable, not YAML, not a mapping)."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())  # YAML errors span several lines
+        raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
+    if not isinstance(config, dict):
+        raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r:.80}.")
+    return config
+
+
+def config_key(base: dict, args: argparse.Namespace) -> str:
+    """Short hash of everything a finished run depends on besides its stack, seed and budget: the whole config
+    file and the evaluation settings. Part of every run's resume key, so an edited config is trained again instead
+    of reusing runs of the old one."""
+    payload = {"config": base, "eval_split": args.eval_split, "eval_metric": args.eval_metric}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_record(path: Path) -> dict | None:
+    """A finished run's record, or None (with a warning) when the file is damaged: that run is redone."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"Run record {path} cannot be read ({exc}); the run is done again.", stacklevel=2)
+        return None
+    if not isinstance(record, dict) or "evals" not in record:
+        warnings.warn(f"Run record {path} is not a run record; the run is done again.", stacklevel=2)
+        return None
+    return record
 
 
 # ------------------------------------------------------------------------------------------------ configuration
@@ -105,6 +166,26 @@ def run_config(base: dict, plugins: list[str], seed: int, output_dir: Path, max_
     config.update(plugins=plugins, plugin_config=options, seed=seed, output_dir=str(output_dir), max_steps=max_steps,
                   save_strategy="no", report_to=base.get("report_to", "none"))
     return config
+
+
+def check_run_config(base: dict, out: Path) -> Any:
+    """The training arguments of ``base`` as ``trl-plugins train`` parses them (a :class:`PluginConfigError` for a
+    wrong-typed or invalid field, an unknown key ...), checked before the first run."""
+    import tempfile
+
+    import yaml
+    from trl import ModelConfig, TrlParser
+
+    from .config import PluginGRPOConfig
+    from .train import TrainScriptArguments, parse_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".check-", dir=out) as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(run_config(base, [], 0, Path(tmp) / "run", 1)))
+        parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
+        _, training_args, _ = parse_config(parser, ["--config", str(path)])
+    return training_args
 
 
 def build_run(config_path: Path) -> tuple[Any, Any, Any]:
@@ -176,7 +257,7 @@ def run_one(config_path: Path, budget: int, eval_every: int, args: argparse.Name
         return value
 
     if not base_path.exists():  # every run starts from the same model: its score before training, once
-        base_path.write_text(json.dumps({"score": score(), "metric": metric_name, "held_out": source}))
+        write_atomically(base_path, json.dumps({"score": score(), "metric": metric_name, "held_out": source}))
     evals: list[dict] = []
     counts = count_policy_rollouts(trainer)
     budget_cb = EqualBudget(counts, budget, eval_every,
@@ -286,6 +367,13 @@ def plot(stacks: list[str], records: dict[str, list[dict]], base: float, target:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
+    from .train import working_directory_last
+
+    with working_directory_last():  # a matplotlib.py where the command runs must not replace matplotlib
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     import yaml
     from tqdm.auto import tqdm
 
@@ -293,42 +381,50 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if args.demo:
         base_config = demo_config(out)
         stacks = args.stacks or DEMO_STACKS
         seeds, steps_budget = args.seeds or 2, 10
     else:
-        with open(args.config) as handle:
-            base_config = yaml.safe_load(handle)
-        if not isinstance(base_config, dict):
-            raise PluginConfigError(f"The config file {args.config!r} must hold a YAML mapping of fields.")
-        stacks = args.stacks or ["grpo"] + (["+".join(base_config["plugins"])] if base_config.get("plugins") else [])
+        base_config = read_config(args.config)
+        plugins = base_config.get("plugins")
+        if plugins and not isinstance(plugins, (list, dict)):
+            raise PluginConfigError(f"plugins in {args.config!r} must be a list of plugin names; got {plugins!r}.")
+        stacks = args.stacks or ["grpo"] + (["+".join(plugins)] if plugins else [])
         seeds, steps_budget = args.seeds or 3, 40
+    for field_name in ("tools", "environment_factory"):
+        if base_config.get(field_name):  # compare's held-out evaluation generates single-turn, without the tools
+            raise PluginConfigError(
+                f"trl-plugins compare does not run tool rollouts: the config sets {field_name}, which `trl-plugins "
+                "train` uses but compare's held-out evaluation (greedy single-turn completions) cannot. Compare "
+                "stacks on a config without tools, or train each stack with `trl-plugins train`."
+            )
     stack_plugins = {stack: parse_stack(stack) for stack in stacks}
     from .manager import build_plugins
 
     for stack, plugins in stack_plugins.items():  # every mistake before the first (minutes-long) run
         options = {n: o for n, o in (base_config.get("plugin_config") or {}).items() if n in plugins}
         build_plugins(plugins, options)
-    batch = int(base_config.get("per_device_train_batch_size", 8)) * int(base_config.get("gradient_accumulation_steps", 1))
+    key = config_key(base_config, args)
+    checked = check_run_config(base_config, out)  # wrong-typed or invalid fields, as `trl-plugins train` reads them
+    batch = checked.per_device_train_batch_size * checked.gradient_accumulation_steps
     budget = args.rollouts or steps_budget * batch
     eval_every = args.eval_every or max(1, budget // 4)
     max_steps = math.ceil(budget / max(1, batch)) * 4  # the budget callback stops earlier; this only bounds it
     runs_dir = out / "runs"
     if args.fresh and runs_dir.exists():
         shutil.rmtree(runs_dir)
-    runs_dir.mkdir(exist_ok=True)
-    base_path = runs_dir / "base.json"
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    base_path = runs_dir / f"base__c{key}__n{args.eval_size}.json"  # the score before training, of this config
     jobs = [(stack, seed) for stack in stacks for seed in range(seeds)]
     records: dict[str, list[dict]] = {}
     bar = tqdm(total=len(jobs), desc="compare", unit="run", dynamic_ncols=True)
     for stack, seed in jobs:
-        tag = f"{'+'.join(stack_plugins[stack]) or 'grpo'}__s{seed}__r{budget}__e{eval_every}__n{args.eval_size}"
+        tag = (f"{'+'.join(stack_plugins[stack]) or 'grpo'}__s{seed}__r{budget}__e{eval_every}__n{args.eval_size}"
+               f"__c{key}")
         record_path = runs_dir / f"{tag}.json"
-        if record_path.exists():
-            record = json.loads(record_path.read_text())
-        else:
+        record = read_record(record_path) if record_path.exists() else None
+        if record is None:
             run_dir = runs_dir / tag
             run_dir.mkdir(exist_ok=True)
             config_path = run_dir / "config.yaml"
@@ -336,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                                                              max_steps)))
             bar.set_postfix_str(f"{stack} seed {seed}")
             record = run_one(config_path, budget, eval_every, args, base_path)
-            record_path.write_text(json.dumps(record, default=float))
+            write_atomically(record_path, json.dumps(record, default=float))
         records.setdefault(stack, []).append(record)
         bar.update(1)
     bar.close()
@@ -347,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     info = {"metric": base_info["metric"], "held_out": base_info["held_out"], "eval_size": args.eval_size,
             "base": base, "target": target, "rollouts": budget, "seeds": list(range(seeds))}
     md = markdown(rows, info)
-    (out / "compare.md").write_text(md + "\n")
-    (out / "compare.json").write_text(json.dumps({**info, "summary": rows, "runs": records}, default=float, indent=1))
+    write_atomically(out / "compare.md", md + "\n")
+    write_atomically(out / "compare.json", json.dumps({**info, "summary": rows, "runs": records}, default=float,
+                                                      indent=1))
     plots = plot(stacks, records, base, target, out)
     console_rows = [("stack", "final score", "rollouts to target", "steps", "seconds")]
     console_rows += [(r["stack"], fmt_mean_std(r["score"]), f"{fmt_mean_std(r['rollouts_to_target'], 0)} "

@@ -136,6 +136,43 @@ class PluginGRPOConfig(GRPOConfig):
         build_plugins(self.plugins, self.plugin_config).check_loss_type(self.loss_type)  # fail now, not at step 500
 
 
+    # ------------------------------------------------------------------ credentials in URLs stay out of saved copies
+    # An endpoint URL may carry credentials (``judge_base_url: https://user:key@host/v1``, ``?api_key=...``). The run
+    # uses them as given; every copy that leaves the process is redacted (trl_plugins.errors.redact_secrets):
+    # ``training_args.bin`` (transformers pickles the args into every checkpoint and the final model folder), the
+    # printed / logged ``repr(args)`` and ``args.to_dict()`` (``to_json_string``, report_to integrations' hparams).
+    # Deep and shallow copies inside the process keep the real values.
+    def __getstate__(self) -> dict:
+        from .errors import redact_secrets
+
+        return {key: redact_secrets(value) for key, value in self.__dict__.items()}
+
+    def __copy__(self) -> PluginGRPOConfig:
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict) -> PluginGRPOConfig:
+        import copy
+
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({key: copy.deepcopy(value, memo) for key, value in self.__dict__.items()})
+        return new
+
+    def to_dict(self) -> dict:
+        from .errors import redact_secrets
+
+        return {key: redact_secrets(value) for key, value in super().to_dict().items()}
+
+    def __str__(self) -> str:
+        from .errors import redact_secrets
+
+        return redact_secrets(super().__str__())
+
+    __repr__ = __str__
+
+
 #: What ``refill_at_limit`` may say.
 REFILL_AT_LIMIT = ("keep", "zero_advantage", "error")
 
@@ -171,6 +208,15 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
             f"output_dir {args.output_dir!r} is a file; it must be a directory (or not exist yet) for checkpoints "
             "and the final model."
         )
+    if args.output_dir is not None and not os.path.isfile(args.output_dir):
+        existing = os.path.abspath(args.output_dir)
+        while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+            existing = os.path.dirname(existing)  # the folder output_dir will be created in
+        if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
+            raise PluginConfigError(
+                f"output_dir {args.output_dir!r} cannot be written ({existing} is not writable): the run would fail at "
+                "its first save or log. Choose a writable folder."
+            )
 
 
 def _is_int(value: Any) -> bool:

@@ -539,7 +539,8 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         (another plugin) overwrites the rows it scores and keeps the others.
 
         Collective: call on every process (possibly with no rows). A teacher failing on one process (an endpoint
-        down after its retries, whose error names the URL) stops every process together.
+        down after its retries, whose error names the URL) stops every process together, as does a value that is not
+        a finite log-prob (NaN, -inf, > 0) or a row of the wrong length, named with the plugin, token and row.
         """
         if self.local_completion_ids is None or self.local_prompt_ids is None or self.local_completion_mask is None:
             raise PluginError("AdvantageContext.attach_teacher_logps needs local_prompt_ids, local_completion_ids and "
@@ -550,7 +551,8 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         completions = [self.local_completion_ids[i, : lengths[i]].tolist() for i in rows]
         prompts = [self.local_prompt_ids[i] for i in rows]
         plugin = self.active_plugin or "teacher log-probs"
-        scored = run_together(self, plugin, teacher.logprobs, prompts, completions)
+        scored = run_together(self, plugin, checked_teacher_logprobs,  # finite values <= 0, or refused here
+                              teacher, prompts, completions, rows, plugin, self.process_slice.start or 0)
         previous = self.local_extras.get(TEACHER_LOGPS_EXTRA)
         device = self.local_completion_ids.device
         out = torch.full((B, T), float("nan"), device=device) if previous is None else previous.clone()
@@ -848,3 +850,36 @@ class RefillContext(_VerdictMixin, _StageContext):
         if not isinstance(row, dict) or "prompt" not in row:
             raise PluginError("supply: a replacement must be a dataset row (a dict with a 'prompt' key).")
         self.replacements.append(("row", dict(row)))
+
+
+def checked_teacher_logprobs(teacher: Any, prompt_ids: Sequence[Sequence[int]],
+                             completion_ids: Sequence[Sequence[int]], rows: Sequence[int], plugin: str,
+                             first_row: int = 0) -> list[torch.Tensor]:
+    """``teacher.logprobs(prompt_ids, completion_ids)``, refused at the first row whose values cannot enter the loss.
+
+    Every value must be a finite number <= 0, one per completion token: a single ``-inf`` (a token the teacher
+    gives probability 0, a server's overflow) makes KEPO's advantage and KL term infinite, the loss ~1e36 and every
+    parameter NaN after one step, without any other error. The :class:`~trl_plugins.errors.PluginError` names the
+    plugin, the value, the token and the global row (``first_row + rows[k]``).
+    """
+    scored = list(teacher.logprobs(prompt_ids, completion_ids))
+    where = f"{plugin}: teacher log-probs (ctx.teacher_logps)"
+    if len(scored) != len(completion_ids):
+        raise PluginError(f"{where}: the teacher returned {len(scored)} rows for {len(completion_ids)} completions.")
+    out = []
+    for row, values, completion in zip(rows, scored, completion_ids):
+        values = torch.as_tensor(values, dtype=torch.float32).reshape(-1)
+        if values.numel() != len(completion):
+            raise PluginError(f"{where}: {values.numel()} values for the {len(completion)} completion tokens of row "
+                              f"{first_row + row}; allowed: one log-prob per completion token.")
+        bad = (~torch.isfinite(values)) | (values > 1e-6)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            raise PluginError(
+                f"{where}: {values[t].item()!r} for completion token {t} of row {first_row + row}; allowed: a finite "
+                "number <= 0 (a log-probability). A -inf or NaN would make the loss non-finite; check the teacher "
+                "(its endpoint or model)."
+            )
+        out.append(values)
+    return out
+

@@ -96,3 +96,28 @@ def check_column_filled(
         f"{values[empty[0]]!r:.40}); {why}.",
         stacklevel=2,
     )
+
+
+def cell_problem(plugin: str, column: str, row: int, value: Any, ok: Callable[[Any], bool], allowed: str) -> str | None:
+    """The sentence refusing ``value`` of ``column`` in ``row`` (naming plugin, column, row, value and what is
+    allowed), or None when ``ok(value)``. For checks of cells that only exist at run time (streamed rows)."""
+    if ok(value):
+        return None
+    return (f"{plugin}: column {column!r} holds {type(value).__name__} {value!r:.60} in row {row}; allowed: "
+            f"{allowed}.")
+
+
+def check_column_values(plugin: str, dataset: Any, column: str, ok: Callable[[Any], bool], allowed: str) -> None:
+    """Refuse at construction the first row whose ``column`` value fails ``ok`` (a :class:`PluginConfigError`
+    naming plugin, column, row, value, how many rows are wrong and what is allowed). Datasets without a length or
+    without the column are not checked (a missing column is reported by ``Plugin.required_columns()``)."""
+    columns = _columns(dataset)
+    if columns is None or column not in columns or not _sized(dataset):
+        return
+    values = dataset[column]
+    wrong = [i for i, value in enumerate(values) if not ok(value)]
+    if wrong:
+        raise PluginConfigError(
+            f"{cell_problem(plugin, column, wrong[0], values[wrong[0]], ok, allowed)[:-1]} ({len(wrong)} of "
+            f"{len(values)} rows are wrong)."
+        )

@@ -520,6 +520,14 @@ def configuration_page(plugins: Mapping[str, type]) -> str:
         "`--plugins hint_scaffold lp_reg --plugin_config '{\"lp_reg\": {\"kappa\": 0.05}}'`.", "",
         "## `trl-plugins train`: data and rewards", "",
         *_field_rows(TrainScriptArguments), "",
+        "**A dotted path runs code.** `reward_funcs`, `tools`, `environment_factory` and compare's `--eval-metric` "
+        "name Python objects by dotted path (`my_pkg.rewards.fn`): the command imports that module, which executes "
+        "its top-level code with your permissions, and later calls the object. Treat such a config like a script: "
+        "run only configs whose dotted paths you trust. The same holds for a `model_name_or_path` with "
+        "`trust_remote_code: true` in `model_init_kwargs`, which runs the model repository's own code. Modules of "
+        "the working directory are importable by dotted path, but come *after* installed packages on `sys.path` "
+        "while `trl-plugins` runs (also under `python -m`), so a file such as `matplotlib.py` lying in the folder "
+        "never replaces the real package.", "",
         "## `trl-plugins compare`", "",
         "`trl-plugins compare CONFIG --stacks ...` takes the YAML of `trl-plugins train` (its `plugins` are replaced by "
         "each stack) and these options:", "",

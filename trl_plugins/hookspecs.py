@@ -84,7 +84,11 @@ def trl_plugins_on_step_end(trainer: Any, step: int) -> None:
 
 @hookspec
 def trl_plugins_state_dict() -> dict:
-    """Return the plugin's resumable state (JSON-serialisable or tensors); saved in every checkpoint."""
+    """Return the plugin's resumable state; saved in every checkpoint.
+
+    Only tensors, numbers, strings, bytes, ``None`` and lists / tuples / dicts / sets of them (numpy scalars are
+    turned into Python numbers): checkpoints are loaded with ``torch.load(weights_only=True)``, which runs no code,
+    and a state holding anything else (a deque, an array, an object) is refused when the checkpoint is saved."""
 
 
 @hookspec

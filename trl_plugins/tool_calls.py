@@ -63,3 +63,16 @@ def parse_gold_calls(value: Any) -> list[dict]:
         raise ValueError(f"gold calls must be a (JSON) list of {{'name', 'arguments'}} objects; got {value!r}")
     return [{"name": str(c["name"]), "arguments": call_arguments(c.get("arguments", c.get("parameters")))}
             for c in calls]
+
+
+GOLD_CALLS_ALLOWED = ("a JSON list (or a list) of {'name', 'arguments'} objects in trace order, or None / an empty "
+                      "string for a row without calls")
+
+
+def gold_calls_ok(value: Any) -> bool:
+    """Whether :func:`parse_gold_calls` reads ``value`` (for the construction check of a gold-calls column)."""
+    try:
+        parse_gold_calls(value)
+    except Exception:  # noqa: BLE001 - malformed JSON, wrong shapes, arguments that are no mapping ...
+        return False
+    return True

@@ -39,6 +39,12 @@ from .errors import PluginConfigError, PluginError
 __all__ = ["TOOL_FAILURE_MODES", "ToolError", "ToolGuard", "ToolInputError", "ToolPolicy", "check_tool_result"]
 
 TOOL_FAILURE_MODES = ("raise", "feedback")
+#: The longest tool_retry_backoff (seconds) and the longest single wait between two attempts.
+MAX_BACKOFF = 3600.0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class ToolInputError(ValueError):
@@ -62,12 +68,17 @@ class ToolPolicy:
     failure: str = "raise"
 
     def __post_init__(self):
-        if self.timeout is not None and (isinstance(self.timeout, bool) or not self.timeout > 0):
-            raise PluginConfigError(f"tool_timeout must be a number of seconds > 0 or None; got {self.timeout!r}.")
+        if self.timeout is not None and not (_is_number(self.timeout) and math.isfinite(self.timeout)
+                                             and self.timeout > 0):
+            raise PluginConfigError(
+                f"tool_timeout must be a finite number of seconds > 0, or None for no limit; got {self.timeout!r}."
+            )
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise PluginConfigError(f"tool_retries must be an integer >= 0; got {self.retries!r}.")
-        if isinstance(self.backoff, bool) or not isinstance(self.backoff, (int, float)) or self.backoff < 0:
-            raise PluginConfigError(f"tool_retry_backoff must be a number of seconds >= 0; got {self.backoff!r}.")
+        if not (_is_number(self.backoff) and math.isfinite(self.backoff) and 0 <= self.backoff <= MAX_BACKOFF):
+            raise PluginConfigError(
+                f"tool_retry_backoff must be a finite number of seconds in [0, {MAX_BACKOFF:g}]; got {self.backoff!r}."
+            )
         if self.failure not in TOOL_FAILURE_MODES:
             raise PluginConfigError(f"tool_failure must be one of {list(TOOL_FAILURE_MODES)}; got {self.failure!r}.")
 
@@ -154,7 +165,7 @@ class ToolGuard:
 
         @functools.wraps(func)
         def guarded(**arguments):
-            self._check_arguments(func, arguments)
+            mismatch = _binds(func, arguments) is not None
             last = None
             for attempt in range(self.policy.retries + 1):
                 time.sleep(self._before_attempt(name, attempt))
@@ -162,6 +173,11 @@ class ToolGuard:
                     result = self._call_with_timeout(func, arguments)
                 except ToolInputError:
                     raise
+                except TypeError as exc:
+                    if mismatch:  # arguments that do not fit the signature: the model's fault, its message unchanged
+                        raise exc from None
+                    last = exc
+                    continue
                 except Exception as exc:  # the tool's fault: retried below
                     last = exc
                     continue
@@ -177,7 +193,7 @@ class ToolGuard:
 
         @functools.wraps(func)
         async def guarded(**arguments):
-            self._check_arguments(func, arguments)
+            mismatch = _binds(func, arguments) is not None
             last = None
             for attempt in range(self.policy.retries + 1):
                 await asyncio.sleep(self._before_attempt(name, attempt))
@@ -185,6 +201,11 @@ class ToolGuard:
                     result = await asyncio.wait_for(func(**arguments), self.policy.timeout)
                 except ToolInputError:
                     raise
+                except TypeError as exc:
+                    if mismatch:  # the model's fault (see wrap_sync)
+                        raise exc from None
+                    last = exc
+                    continue
                 except asyncio.TimeoutError:
                     last = TimeoutError(f"no result within {self.policy.timeout} s")
                     continue
@@ -203,25 +224,13 @@ class ToolGuard:
         tool call of this step already failed (the step stops, so no further call is made)."""
         if self.failed:
             raise ToolError(f"tool {name!r} skipped: an earlier tool call of this step failed")
-        return self.policy.backoff * 2 ** (attempt - 1) if attempt else 0.0
+        return min(self.policy.backoff * 2 ** min(attempt - 1, 60), MAX_BACKOFF) if attempt else 0.0
 
     @staticmethod
     def _bad_result(result: Any) -> Exception | None:
         """The error a garbage result counts as (retried like a raise), or None when the result is usable."""
         problem = check_tool_result(result)
         return None if problem is None else ValueError(f"the tool {problem}")
-
-    @staticmethod
-    def _check_arguments(func: Callable, arguments: dict) -> None:
-        """Arguments that do not fit the signature are the model's fault: the call is made anyway so that the tool's
-        own ``TypeError`` (the message TRL would show the model) goes back unchanged, without retries."""
-        if _binds(func, arguments) is not None:
-            try:
-                result = func(**arguments)
-            except TypeError as exc:
-                raise exc from None
-            if inspect.isawaitable(result):  # an async tool that accepted them after all: not the model's fault
-                result.close()
 
     def _call_with_timeout(self, func: Callable, arguments: dict) -> Any:
         if self.policy.timeout is None:

@@ -16,9 +16,11 @@ GRPOConfig field) and TRL's ``ModelConfig`` (model path, PEFT / LoRA, 4-bit quan
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .errors import PluginConfigError, PluginError, suggest
@@ -61,6 +63,40 @@ class TrainScriptArguments:
     )
 
 
+def _is_working_directory(entry: str, real_cwd: str) -> bool:
+    try:
+        return os.path.realpath(entry or os.curdir) == real_cwd
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _working_directory_importable() -> None:
+    """Let dotted paths name modules of the working directory, *after* every installed package (appended, never
+    inserted first: a ``matplotlib.py`` or ``datasets.py`` lying in the folder a command runs in must not shadow
+    the real package)."""
+    real = os.path.realpath(os.getcwd())
+    if not any(_is_working_directory(entry, real) for entry in sys.path):
+        sys.path.append(os.getcwd())
+
+
+@contextlib.contextmanager
+def working_directory_last() -> Iterator[None]:
+    """Within the block, the working directory comes after installed packages on ``sys.path`` (restored after).
+
+    ``trl-plugins train`` / ``compare`` import modules named in the config (reward functions, tools, the environment
+    factory) by dotted path, and modules of the working directory stay importable; but ``python -m`` and
+    ``python -c`` put the working directory *first* (``''``), where any file named like a package the command
+    imports later (``matplotlib.py``) would run instead of it. The commands run inside this block.
+    """
+    saved = list(sys.path)
+    real = os.path.realpath(os.getcwd())
+    sys.path[:] = [entry for entry in sys.path if not _is_working_directory(entry, real)] + [os.getcwd()]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
 def load_reward_funcs(names: list[str]) -> list:
     """Resolve reward function names (built-in shortcuts or dotted paths); a clear error otherwise."""
     funcs = []
@@ -72,7 +108,7 @@ def load_reward_funcs(names: list[str]) -> list:
                 f" Use one of {sorted(BUILTIN_REWARDS)} or a dotted import path such as 'my_pkg.rewards.my_reward'."
             )
         module_path, attr = path.rsplit(".", 1)
-        sys.path.insert(0, os.getcwd())
+        _working_directory_importable()
         try:
             module = importlib.import_module(module_path)
         except ImportError as exc:
@@ -91,8 +127,7 @@ def _import_dotted(path: str, what: str) -> object:
     if not isinstance(path, str) or "." not in path:
         raise PluginConfigError(f"{what} {path!r} must be a dotted import path such as 'my_pkg.module.name'.")
     module_path, attr = path.rsplit(".", 1)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _working_directory_importable()
     try:
         module = importlib.import_module(module_path)
     except ImportError as exc:
@@ -136,6 +171,17 @@ def load_environment_factory(path: str | None):
             f"environment_factory {path!r}: class {factory.__name__} has no reset() method (TRL calls it before each "
             "rollout)."
         )
+    if isinstance(factory, type):
+        import inspect
+
+        tools = [name for name, _ in inspect.getmembers(factory, predicate=inspect.isfunction)
+                 if name not in ("reset", "get_reward") and not name.startswith("_")]
+        if not tools:  # TRL would train single-turn without a word
+            raise PluginConfigError(
+                f"environment_factory {path!r}: class {factory.__name__} has no tool method (a public method other "
+                "than reset / get_reward, with type hints and a Google-style docstring); TRL exposes those methods "
+                "as the model's tools, so without one every rollout would be single-turn."
+            )
     return factory
 
 
@@ -202,6 +248,10 @@ def parse_config(parser, argv: list[str] | None) -> tuple:
         if not isinstance(config, dict):
             raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r}.")
         _refuse_unknown([str(key) for key in config], known | {"env"}, f"in the config file {path!r}")
+    def refuse(message: str) -> None:  # argparse's own errors (a value of the wrong type): no usage dump, exit 2
+        raise PluginConfigError(f"Invalid configuration: {message}")
+
+    parser.error = refuse
     try:
         *parsed, rest = parser.parse_args_and_config(argv, return_remaining_strings=True)
     except PluginError:
@@ -226,6 +276,11 @@ def _refuse_unknown(keys: list[str], known: set[str], where: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with working_directory_last():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
     from .config import PluginGRPOConfig

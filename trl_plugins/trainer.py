@@ -74,7 +74,14 @@ from .success import RewardColumns, check_success_columns, is_placeholder, weigh
 from .token_temperature import TemperatureRule, token_temperature_generation
 from .tool_guard import ToolGuard, ToolPolicy
 from .trl_seam import TrlSeamTrainer
-from .turns import TurnStructure, build_turn_structure, single_turn, turn_ids_tensor, turn_rewards_tensor
+from .turns import (
+    TurnStructure,
+    build_turn_structure,
+    environment_call_rewards,
+    single_turn,
+    turn_ids_tensor,
+    turn_rewards_tensor,
+)
 
 SAMPLING_HOOKS = ("trl_plugins_generation_prompts", "trl_plugins_after_generation")
 LOSS_HOOKS = ("trl_plugins_loss_advantages", "trl_plugins_loss")
@@ -418,10 +425,11 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         turns = []
         for i, ids in enumerate(completion_ids):
             env = environments[i] if i < len(environments) else None
-            rewards = getattr(env, "turn_rewards", None)
+            rewards, problem = environment_call_rewards(env, self.accelerator.process_index * len(completion_ids) + i)
+            if problem is not None and getattr(self, "_turn_rewards_problem", None) is None:
+                self._turn_rewards_problem = problem  # raised on every process together, before the gather of turns
             turns.append(build_turn_structure(
-                list(ids), None if tool_mask is None else tool_mask[i], completions[i],
-                rewards if isinstance(rewards, (list, tuple)) else None,
+                list(ids), None if tool_mask is None else tool_mask[i], completions[i], rewards,
                 lambda t: tokenizer.decode([t]), marker,
             ))
         return turns
@@ -692,6 +700,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         rows = torch.arange(N, device=device)
         turn_ids = turn_rewards = None
         if TURN_IDS_KEY in output:  # (N, T_max) and (N, U_max), padded across processes
+            problem, self._turn_rewards_problem = getattr(self, "_turn_rewards_problem", None), None
+            raise_together(acc.gather, device, "environment turn_rewards", problem)
             turn_ids = gather_padded(acc.gather, output[TURN_IDS_KEY], 1, -1)
             turn_rewards = gather_padded(acc.gather, turn_rewards_tensor(state.turns).to(device), 1, float("nan"))
         ctx = AdvantageContext(

@@ -18,6 +18,7 @@ Token positions index the completion (0 .. len(completion_ids) - 1); spans are h
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +26,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "TurnStructure", "accumulate_turn_rewards", "build_turn_structure", "expand_turn_values", "single_turn", "turn_ids_tensor",
-    "turn_rewards_tensor",
+    "TurnStructure", "accumulate_turn_rewards", "build_turn_structure", "environment_call_rewards", "expand_turn_values",
+    "single_turn", "turn_ids_tensor", "turn_rewards_tensor",
 ]
 
 TOOL_CALL_MARKER = "<tool_call>"
@@ -145,6 +146,32 @@ def build_turn_structure(
                 rewards[u] = sum(remaining[: len(calls)])
                 remaining = remaining[len(calls):]
     return TurnStructure(assistant_spans, _runs(mask, 0), call_spans, tool_calls, mask, rewards)
+
+
+def environment_call_rewards(env: Any, row: int) -> tuple[list[float] | None, Exception | None]:
+    """``(rewards, problem)``: the per-call rewards the environment of global row ``row`` keeps in ``turn_rewards``
+    (None when it keeps none), or ``(None, PluginError)`` naming the environment, the entry, the row and what is
+    allowed when they cannot enter the turn-level advantages and the loss (not a list, a non-number, a bool, NaN,
+    inf). The caller raises the problem on every process together (a collective)."""
+    from .errors import PluginError
+
+    rewards = getattr(env, "turn_rewards", None)
+    if rewards is None:
+        return None, None
+    name = f"environment {type(env).__name__}"
+    if not isinstance(rewards, (list, tuple)):
+        return None, PluginError(
+            f"{name}: turn_rewards of row {row} is {type(rewards).__name__} {rewards!r:.60}; allowed: a list with one "
+            "finite number per tool call of the rollout, in call order (or no turn_rewards attribute)."
+        )
+    for k, value in enumerate(rewards):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            return None, PluginError(
+                f"{name}: turn_rewards[{k}] of row {row} is {value!r:.60}; allowed: a finite number (one per tool "
+                "call). The turn rewards feed the turn-level advantages and the loss, where a NaN or inf would make "
+                "every parameter NaN."
+            )
+    return [float(value) for value in rewards], None
 
 
 def turn_ids_tensor(turns: Sequence[TurnStructure], width: int, device: Any = None) -> torch.Tensor:

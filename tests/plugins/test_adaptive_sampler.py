@@ -236,7 +236,7 @@ def test_seeded_run_is_deterministic_and_state_round_trips_through_a_checkpoint(
     logs = [log for log in run.logs if "loss" in log]
     assert len(logs) == 3 and all("plugins/adaptive_sampler/pruned_fraction" in log for log in logs)
     # the checkpoint holds the plugin's state, and loading it restores the same future draws
-    state = torch.load(os.path.join(str(tmp_path / "a"), "checkpoint-3", PLUGIN_STATE_FILE), weights_only=False)
+    state = torch.load(os.path.join(str(tmp_path / "a"), "checkpoint-3", PLUGIN_STATE_FILE), weights_only=True)
     fresh = build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"domain_column": "level"}}).by_name[
         "adaptive_sampler"]
     fresh.trl_plugins_load_state_dict(state["adaptive_sampler"])

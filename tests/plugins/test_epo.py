@@ -167,7 +167,7 @@ def test_history_is_saved_in_checkpoints_and_a_resumed_run_continues_it(tmp_path
 
     kw = dict(plugins=["epo"], output_dir=str(tmp_path), save_strategy="steps", save_steps=1)
     make_tiny_trainer(max_steps=1, **kw).train()
-    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=False)["epo"]
+    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=True)["epo"]
     assert len(saved["history"]) == 1 and saved["history"][0][0] > 0
     resumed = make_tiny_trainer(max_steps=2, **kw)
     resumed.train(resume_from_checkpoint=os.path.join(tmp_path, "checkpoint-1"))

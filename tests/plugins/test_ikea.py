@@ -112,3 +112,14 @@ def test_two_processes_agree_with_one():
 
     first, second = run_on_processes(2, work, timeout=10)
     assert first == second == pytest.approx([0.6, 0.4, 0.05, 0.05])
+
+
+def test_search_tools_naming_no_tool_of_the_run_is_refused_when_the_trainer_is_built():
+    from trl_plugins.testing import make_tool_trainer
+
+    with pytest.raises(PluginConfigError) as err:
+        make_tool_trainer(plugins=["ikea"], plugin_config={"ikea": {"search_tools": ["serach"]}}, max_steps=1)
+    message = str(err.value)
+    assert "Option 'search_tools' of plugin 'ikea' got ['serach']; 'serach' is not a tool of this run" in message
+    assert "(tools: calculator, search). Did you mean 'search'?" in message
+    make_tool_trainer(plugins=["ikea"], plugin_config={"ikea": {"search_tools": []}}, max_steps=1)  # every call counts

@@ -255,3 +255,43 @@ def test_a_teacher_endpoint_dying_during_training_stops_it_with_the_url(tmp_path
     trainer.plugin_stack.by_name["kepo"].teacher.client.config.backoff = 0.01
     with pytest.raises(EndpointError, match=rf"{url}/completions failed after 2 attempts"):
         trainer.train()
+
+
+class _BadTeacher(StubTeacher):
+    def __init__(self, value, length_delta=0):
+        super().__init__()
+        self.value, self.length_delta = value, length_delta
+
+    def logprobs(self, prompt_ids, completion_ids):
+        out = [torch.full((len(c) + self.length_delta,), -0.5) for c in completion_ids]
+        if not self.length_delta:
+            out[-1][1] = self.value
+        return out
+
+
+@pytest.mark.parametrize("value, length_delta, expected", [
+    (-math.inf, 0, "kepo: teacher log-probs (ctx.teacher_logps): -inf for completion token 1 of row 3; allowed: a finite"),
+    (math.nan, 0, "nan for completion token 1 of row 3"),
+    (0.5, 0, "0.5 for completion token 1 of row 3; allowed: a finite number <= 0"),
+    (0.0, 1, "4 values for the 3 completion tokens of row 0"),
+])
+def test_a_teacher_log_prob_that_cannot_enter_the_loss_is_refused_naming_plugin_row_and_token(value, length_delta,
+                                                                                                expected):
+    from trl_plugins import PluginError
+
+    plugin = _plugin({"teacher_model": "unused", "hints": "none"})
+    plugin.teacher = _BadTeacher(value, length_delta)
+    mask = torch.ones(4, 3)
+    ctx = make_advantage_context([1.0, 0.0, 0.0, 1.0], num_generations=2, policy_stats=stub_policy_stats(4, 3, mask=mask))
+    with pytest.raises(PluginError) as err:
+        run_hook(_stack_of(plugin), "trl_plugins_transform_advantages", ctx)
+    assert expected in str(err.value)
+
+
+def test_an_endpoint_answering_minus_inf_is_an_endpoint_error_naming_the_url():
+    from trl_plugins.components.teacher_logprobs import parse_echo_logprobs
+
+    choice = {"logprobs": {"token_logprobs": [None, -0.1, float("-inf")]}}
+    with pytest.raises(EndpointError, match=r"http://h/v1/completions answered an invalid log-prob -inf for "
+                                            r"completion token 1 \(allowed: a finite number <= 0\)"):
+        parse_echo_logprobs(choice, [1, 2, 3], 1, "http://h/v1/completions")

@@ -287,7 +287,7 @@ def test_state_round_trip_and_the_resumed_plugin_keeps_replaying():
     torch.save(state, buffer)
     buffer.seek(0)
     resumed = stack(advantage="spear_baseline", buffer_size=2)
-    plugin_of(resumed).trl_plugins_load_state_dict(torch.load(buffer, weights_only=False))
+    plugin_of(resumed).trl_plugins_load_state_dict(torch.load(buffer, weights_only=True))
     assert plugin_of(resumed).buffers == plugin_of(s).buffers
     assert plugin_of(resumed).group_means == plugin_of(s).group_means
     ctx = run_hook(resumed, AFTER, rollout([FAIL], step=2))
@@ -310,7 +310,7 @@ def test_buffers_are_saved_in_checkpoints_and_a_resumed_run_replays_them(tmp_pat
               save_strategy="steps", save_steps=1)
     first = make_tiny_trainer(max_steps=1, **kw)
     first.train()
-    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=False)
+    saved = torch.load(os.path.join(tmp_path, "checkpoint-1", "trl_plugins_state.pt"), weights_only=True)
     assert saved["replay"]["buffers"], "the plugin state in the checkpoint holds no buffer"
     phase["succeed"] = False
     resumed = make_tiny_trainer(max_steps=2, **kw)

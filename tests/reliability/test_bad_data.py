@@ -357,3 +357,20 @@ def test_scope_reference_without_solution_names_the_column(tmp_path):
     )
     with pytest.raises(PluginConfigError, match=r"no reference solution in column 'solution'"):
         trainer.train()
+
+
+def test_a_numeric_string_reward_is_refused_by_the_guard_not_by_trls_tensor():
+    with pytest.raises(RewardValueError, match=r"returned '0.5' \(str\), which is not a number for row 1"):
+        check_reward_values("r", [1.0, "0.5"])
+
+
+def test_a_reward_function_returning_a_generator_trains_as_with_plain_trl(tmp_path):
+    def generated(completions, **kwargs):
+        return (0.25 * (i % 2) for i in range(len(completions)))
+
+    trainer = make_tiny_trainer(reward_funcs=[generated], output_dir=str(tmp_path), max_steps=1, log_level="error")
+    seen = []
+    original = trainer._calculate_rewards
+    trainer._calculate_rewards = lambda *a: seen.append(original(*a)) or seen[-1]
+    trainer.train()
+    assert seen[0][:, 0].tolist() == [0.0, 0.25, 0.0, 0.25] and trainer.state.global_step == 1

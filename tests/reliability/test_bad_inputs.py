@@ -9,7 +9,9 @@ Stages:
   trainer does);
 * ``trainer`` -- ``PluginGRPOTrainer(...)`` on the kit's tiny model raises (data checked before any step);
 * ``env`` -- plugin discovery under an environment variable;
-* ``resume`` -- loading a checkpoint's plugin state.
+* ``resume`` -- loading a checkpoint's plugin state;
+* ``compare`` -- ``trl-plugins compare CONFIG.yaml [flags]`` exits with status 2 and ``trl-plugins: error: ...``
+  before any run starts (``run_one`` is replaced by a function that fails the test).
 
 A case whose message starts with ``warn:`` must warn (not fail) with that message. Two groups of cases are generated
 from the built-in plugins' option schemas, so the table grows with every plugin: a non-finite value for every float
@@ -41,10 +43,23 @@ from trl_plugins.testing import (
 )
 
 
+class _Planted:
+    """A pickled object whose unpickling would run a command (refused before it runs: weights_only)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("exit 0",))
+
+
+class _Plain:
+    """A harmless class instance: still not plugin state (unpickling classes can run code)."""
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
-    stage: str  # config | cli | stack | trainer | env | resume
+    stage: str  # config | cli | stack | trainer | env | resume | compare
     input: Any
     message: str
 
@@ -266,6 +281,94 @@ CASES = [
     Case("state-int-keys", "resume", {1: {}}, "not the dict of plugin states"),
     Case("state-foreign-plugins", "resume", {"__framework__": {}, "canon": {}, "laser": {"x": 1}},
          "warn:holds state for plugins ['canon'], which this run does not enable"),
+    # ---------------------------------------------------------------- security (issue 29)
+    Case("state-crafted-pickle-runs-nothing", "resume", {"__framework__": {}, "length_shaping": _Planted()},
+         "Refusing to load"),
+    Case("state-crafted-pickle-names-the-object", "resume", {"length_shaping": [_Planted()]},
+         "it holds a pickled posix.system"),
+    Case("state-plain-pickle", "resume", "plain-pickle", "is truncated or corrupt (or not a plugin state file"),
+    Case("state-a-class-instance", "resume", {"length_shaping": _Plain()}, "it holds a pickled"),
+    Case("endpoint-url-credentials-redacted", "stack",
+         ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "ftp://bob:S3CRET@h/v1?api_key=K3Y"}),
+         "Endpoint URL 'ftp://***@h/v1?api_key=***' is malformed"),
+    Case("endpoint-url-token-param-redacted", "stack",
+         ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "htp://h/v1?access_token=T0K&x=1"}),
+         "'htp://h/v1?access_token=***&x=1'"),
+    # ---------------------------------------------------------------- tool guard settings (issue 29)
+    Case("tool-timeout-inf", "config", _config(tool_timeout=math.inf),
+         "tool_timeout must be a finite number of seconds > 0, or None for no limit; got inf"),
+    Case("tool-timeout-nan", "config", _config(tool_timeout=math.nan), "tool_timeout must be a finite number"),
+    Case("tool-timeout-string", "config", _config(tool_timeout="60"), "got '60'"),
+    Case("tool-backoff-nan", "config", _config(tool_retry_backoff=math.nan),
+         "tool_retry_backoff must be a finite number of seconds in [0, 3600]; got nan"),
+    Case("tool-backoff-inf", "config", _config(tool_retry_backoff=math.inf), "tool_retry_backoff must be a finite"),
+    Case("tool-backoff-huge", "config", _config(tool_retry_backoff=1e12), "got 1000000000000.0"),
+    Case("yaml-tool-timeout-inf", "cli", {"tool_timeout": math.inf}, "tool_timeout must be a finite number"),
+    # ---------------------------------------------------------------- str.format templates (issue 29)
+    Case("igpo-answer-template-without-answer", "config",
+         _config(plugins={"igpo": {"answer_template": "The answer"}}),
+         "Option 'answer_template' of plugin 'igpo' got 'The answer'; it must contain {answer}"),
+    Case("igpo-answer-template-unknown-field", "config", _config(plugins={"igpo": {"answer_template": "{answr}"}}),
+         "it has the field {answr}, which the plugin does not fill. Allowed fields: {answer}"),
+    Case("igpo-answer-template-positional", "config", _config(plugins={"igpo": {"answer_template": "{} {answer}"}}),
+         "a positional field {} is filled by nothing"),
+    Case("igpo-answer-template-attribute", "config",
+         _config(plugins={"igpo": {"answer_template": "{answer.__class__}"}}),
+         "reads an attribute or item of {answer}"),
+    Case("igpo-answer-template-unbalanced", "config", _config(plugins={"igpo": {"answer_template": "{answer"}}),
+         "it is not a valid template (expected '}' before end of string)"),
+    Case("kepo-hint-template-unknown-field", "config",
+         _config(plugins={"kepo": {"hints": "none", "lam": 1.0, "hint_template": "{questoin} {hint}"}}),
+         "Option 'hint_template' of plugin 'kepo' got '{questoin} {hint}'; it has the field {questoin}"),
+    Case("kepo-hint-request-unknown-field", "config",
+         _config(plugins={"kepo": {"hints": "none", "lam": 1.0, "hint_request": "{question} in {lang}"}}),
+         "Option 'hint_request' of plugin 'kepo' got '{question} in {lang}'; it has the field {lang}"),
+    Case("rlpr-answer-template-unknown-field", "config", _config(plugins={"rlpr": {"answer_template": "{answer} {x}"}}),
+         "Option 'answer_template' of plugin 'rlpr' got '{answer} {x}'; it has the field {x}"),
+    Case("critique-refinement-template-unknown-field", "config",
+         _config(plugins={"critique_grpo": {"refinement_template": "{question}{response}{critique}{solution}"}}),
+         "it has the field {solution}, which the plugin does not fill"),
+    Case("yaml-igpo-template-without-answer", "cli", {"plugins": {"igpo": {"answer_template": "Answer:"}}},
+         "it must contain {answer}"),
+    # ---------------------------------------------------------------- data cells (issue 29)
+    Case("e-grpo-entities-as-text", "trainer", {"dataset": "entities_text", "plugins": ["e_grpo"], "reward": "digits"},
+         "e_grpo: column 'entities' holds str 'Paris' in row 0; allowed: a list of strings"),
+    Case("e-grpo-entities-numbers", "trainer", {"dataset": "entities_ints", "plugins": ["e_grpo"], "reward": "digits"},
+         "e_grpo: column 'entities' holds list [1, 2] in row 0"),
+    Case("funrl-gold-calls-bad-json", "trainer", {"dataset": "gold_bad_json", "plugins": ["funrl"], "reward": "digits"},
+         "funrl: column 'gold_calls' holds str '[{\"name\": \"search\"' in row 0; allowed: a JSON list"),
+    Case("funrl-gold-calls-not-calls", "trainer", {"dataset": "gold_numbers", "plugins": ["funrl"], "reward": "digits"},
+         "funrl: column 'gold_calls' holds list [1, 2] in row 0"),
+    Case("matchtir-gold-calls-bad-json", "trainer",
+         {"dataset": "gold_bad_json", "plugins": ["matchtir"], "reward": "digits"},
+         "matchtir: column 'gold_calls' holds str"),
+    Case("ampo-solutions-a-number", "trainer",
+         {"dataset": "solutions_number", "plugins": ["ampo"], "reward": "digits",
+          "plugin_config": {"ampo": {"teachers": "column"}}},
+         "ampo: column 'teacher_solutions' holds int 7 in row 0; allowed: a list of solutions"),
+    # ---------------------------------------------------------------- the command line: argparse's own errors
+    Case("yaml-wrong-typed-field", "cli", {"per_device_train_batch_size": "eight"},
+         "Invalid configuration: argument --per_device_train_batch_size"),
+    Case("cli-wrong-typed-flag", "cli", ({}, ["--max_steps", "two"]), "invalid int value: 'two'"),
+    # ---------------------------------------------------------------- trl-plugins compare (issue 29)
+    Case("compare-seeds-zero", "compare", ({}, ["--seeds", "0"]), "--seeds must be an integer >= 1"),
+    Case("compare-seeds-negative", "compare", ({}, ["--seeds", "-2"]), "--seeds must be an integer >= 1"),
+    Case("compare-rollouts-zero", "compare", ({}, ["--rollouts", "0"]), "--rollouts must be an integer >= 1"),
+    Case("compare-rollouts-negative", "compare", ({}, ["--rollouts", "-8"]), "got -8"),
+    Case("compare-eval-every-zero", "compare", ({}, ["--eval-every", "0"]), "--eval-every must be an integer >= 1"),
+    Case("compare-eval-size-zero", "compare", ({}, ["--eval-size", "0"]), "--eval-size must be an integer >= 1"),
+    Case("compare-target-nan", "compare", ({}, ["--target", "nan"]), "--target must be a finite number; got nan"),
+    Case("compare-config-missing", "compare", ("{missing}", []), "Could not read the config file"),
+    Case("compare-bad-yaml", "compare", ("plugins: [lp_reg\nmax_steps: 1\n", []), "Could not read the config file"),
+    Case("compare-not-a-mapping", "compare", ("[1, 2, 3]", []), "must hold a YAML mapping of fields"),
+    Case("compare-wrong-typed-field", "compare", ({"per_device_train_batch_size": "eight"}, []),
+         "Invalid configuration: argument --per_device_train_batch_size"),
+    Case("compare-unknown-field", "compare", ({"max_step": 3}, []), "Unknown field 'max_step'"),
+    Case("compare-plugins-not-a-list", "compare", ({"plugins": 5}, []), "must be a list of plugin names; got 5"),
+    Case("compare-environment-factory", "compare", ({"environment_factory": "my_env.Env"}, []),
+         "trl-plugins compare does not run tool rollouts: the config sets environment_factory"),
+    Case("compare-tools", "compare", ({"tools": ["my_tools.search"]}, []), "the config sets tools"),
+    Case("compare-misspelt-stack", "compare", ({}, ["--stacks", "grpo", "lp_rge"]), "Did you mean 'lp_reg'"),
 ]
 
 
@@ -376,6 +479,16 @@ def _dataset(kind):
         return Dataset.from_list([{**r, "rubrics": "mentions the answer"} for r in base])
     if kind == "rubrics_empty":
         return Dataset.from_list([{**r, "rubrics": []} for r in base])
+    if kind == "gold_bad_json":
+        return Dataset.from_list([{**r, "gold_calls": '[{"name": "search"'} for r in base])
+    if kind == "gold_numbers":
+        return Dataset.from_list([{**r, "gold_calls": [1, 2]} for r in base])
+    if kind == "solutions_number":
+        return Dataset.from_list([{**r, "teacher_solutions": 7} for r in base])
+    if kind == "entities_text":
+        return Dataset.from_list([{**r, "entities": "Paris"} for r in base])
+    if kind == "entities_ints":
+        return Dataset.from_list([{**r, "entities": [1, 2]} for r in base])
     return Dataset.from_list(base)
 
 
@@ -419,6 +532,10 @@ def run_resume(case, tmp_path, trainer):
     path = tmp_path / PLUGIN_STATE_FILE
     if isinstance(case.input, bytes):
         path.write_bytes(case.input)
+    elif case.input == "plain-pickle":
+        import pickle
+
+        path.write_bytes(pickle.dumps({"length_shaping": _Planted()}))  # not torch's zip format
     elif case.input == "truncated":
         buffer = io.BytesIO()
         torch.save({"__framework__": {}, "laser": {"history": list(range(500))}}, buffer)
@@ -431,13 +548,34 @@ def run_resume(case, tmp_path, trainer):
             trainer._load_optimizer_and_scheduler(str(tmp_path))
 
 
+def run_compare(case, tmp_path, capsys, monkeypatch):
+    import trl_plugins.compare as compare
+
+    monkeypatch.setattr(compare, "run_one", lambda *a, **k: pytest.fail("a run started: the input was not refused"))
+    config, flags = case.input
+    path = tmp_path / "config.yaml"
+    if config == "{missing}":
+        path = tmp_path / "no_such_config.yaml"
+    elif isinstance(config, str):
+        path.write_text(config)
+    else:
+        path.write_text(yaml.safe_dump({**BASE_YAML, "output_dir": str(tmp_path / "out"), **config}))
+    monkeypatch.chdir(tmp_path)
+    status = main(["compare", str(path), *flags, "--output-dir", str(tmp_path / "cmp")])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("trl-plugins: error: "), err
+    assert case.message in last, err
+
+
 ALL = CASES + GENERATED
 
 
 def test_the_table_is_large_and_its_ids_distinct():
     assert len({c.id for c in ALL}) == len(ALL)
     assert len(ALL) >= 120, len(ALL)
-    assert {c.stage for c in ALL} == {"config", "cli", "stack", "trainer", "env", "resume"}
+    assert {c.stage for c in ALL} == {"config", "cli", "stack", "trainer", "env", "resume", "compare"}
     assert len(GENERATED) > len(list(builtin_modules()))  # every plugin contributes at least one case
 
 
@@ -455,5 +593,7 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch, request):
         run_env(case, monkeypatch)
     elif case.stage == "resume":
         run_resume(case, tmp_path, request.getfixturevalue("resume_trainer"))
+    elif case.stage == "compare":
+        run_compare(case, tmp_path, capsys, monkeypatch)
     else:  # pragma: no cover
         raise AssertionError(case.stage)

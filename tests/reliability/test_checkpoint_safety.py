@@ -49,8 +49,7 @@ def trained(tmp_path_factory):
     return trainer
 
 
-def _half_torch_save(obj, handle, *args, **kwargs):
-    handle.write(b"PK\x03\x04 half a zip")
+def _half_written(fd):  # os.fsync of the temporary file: stopped before the data reached the disk and the rename
     raise Killed
 
 
@@ -70,7 +69,7 @@ def _truncated_json(self, path):
 
 
 KILL_POINTS = {
-    "while-writing-plugin-state": lambda t: (checkpoints.torch, "save", _half_torch_save),
+    "while-writing-plugin-state": lambda t: (checkpoints.os, "fsync", _half_written),
     "after-plugin-state-before-model": lambda t: _kill(t, "save_model"),
     "after-model-before-optimizer": lambda t: _kill(t, "_save_optimizer_and_scheduler"),
     "after-optimizer-before-rng": lambda t: _kill(t, "_save_rng_state"),
@@ -113,7 +112,7 @@ def test_a_save_stopped_at_any_point_leaves_the_last_complete_checkpoint_found(p
 def test_resume_true_after_a_killed_save_continues_from_the_complete_checkpoint(point, trained, tmp_path, monkeypatch):
     out = tmp_path / "out"
     _save_step_2_killed(trained, out, point, monkeypatch)
-    saved = torch.load(out / "checkpoint-1" / PLUGIN_STATE_FILE, weights_only=False)
+    saved = torch.load(out / "checkpoint-1" / PLUGIN_STATE_FILE, weights_only=True)
     resumed = _trainer(out, max_steps=2)
     loaded = []
     original = resumed.load_plugin_state_dict
@@ -149,3 +148,133 @@ def test_resume_true_without_any_complete_checkpoint_is_an_error(tmp_path):
         Exception, match=r"holds no complete checkpoint-N folder"
     ):
         trainer.train(resume_from_checkpoint=True)
+
+
+# ============================================================================================ loading runs no code
+class _Planted:
+    """A pickled object whose unpickling would create ``path`` (stands for any command a crafted file could run)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+def test_a_crafted_plugin_state_is_refused_on_resume_and_runs_nothing(trained, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained.args.output_dir, out)
+    marker = tmp_path / "code-ran"
+    state_file = out / "checkpoint-1" / PLUGIN_STATE_FILE
+    torch.save({"__framework__": {}, "length_shaping": _Planted(marker)}, state_file)  # what a crafted push holds
+    resumed = _trainer(out, max_steps=2)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        resumed.train(resume_from_checkpoint=True)
+    message = str(err.value)
+    assert f"Refusing to load {state_file}" in message
+    assert "it holds a pickled posix.mkdir" in message and "can run arbitrary code" in message
+    assert not marker.exists()
+
+
+def test_a_plain_pickle_with_code_is_refused_too(tmp_path):
+    import pickle
+
+    marker = tmp_path / "code-ran"
+    path = tmp_path / PLUGIN_STATE_FILE
+    path.write_bytes(pickle.dumps({"length_shaping": _Planted(marker)}))  # not torch's zip format
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on the pickle protocol
+        with pytest.raises(checkpoints.CheckpointError, match="cannot be read"):
+            load_plugin_state(str(path))
+    assert not marker.exists()
+
+
+def test_saving_a_state_that_would_need_code_to_load_names_the_plugin_and_the_entry(tmp_path):
+    from collections import deque
+
+    import numpy as np
+
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.save_plugin_state({"__framework__": {}, "my_plugin": {"history": deque([1.0])}}, str(tmp_path))
+    assert "Plugin 'my_plugin' cannot be checkpointed" in str(err.value)
+    assert "state['my_plugin']['history'] = collections.deque" in str(err.value)
+    assert not list(tmp_path.iterdir())  # nothing written, no temporary file
+    path = checkpoints.save_plugin_state({"p": {"x": np.float64(0.5), "n": [np.int64(3)]}}, str(tmp_path))
+    assert load_plugin_state(path) == {"p": {"x": 0.5, "n": [3]}}
+
+
+# options under which each stateful built-in holds more than its initial state after two steps
+STATEFUL = {
+    "adaptive_sampler": {}, "clip_cov": {}, "dcpo": {}, "epo": {}, "hapo": {"temperature_tau": 0.05},
+    "hint_scaffold": {"schedule": "seele"}, "length_shaping": {}, "oreal": {"token_rm": True}, "r2vpo": {}, "replay": {}, "rlpr": {},
+    "siren": {},
+}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.5), b.nan_to_num(7.5))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and a != a:
+        return isinstance(b, float) and b != b
+    return a == b
+
+
+def test_every_stateful_builtin_is_listed():
+    from trl_plugins.manager import available_plugins
+
+    stateful = {name for name, cls in available_plugins().items()
+                if cls.__module__.startswith("trl_plugins_builtin") and hasattr(cls, "trl_plugins_state_dict")}
+    assert stateful == set(STATEFUL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", sorted(STATEFUL))
+def test_every_stateful_builtin_round_trips_through_a_code_free_load(plugin, tmp_path):
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+
+    def build(out):
+        return make_tiny_trainer(
+            plugins=[plugin], plugin_config={plugin: STATEFUL[plugin]} if STATEFUL[plugin] else None,
+            reward_funcs=[digit_fraction_reward, accuracy_reward], output_dir=str(out), max_steps=2,
+            save_strategy="steps", save_steps=1, log_level="error", max_completion_length=8,
+        )
+
+    trainer = build(tmp_path / "a")
+    trainer.train()
+    live = trainer.plugin_stack.by_name[plugin].trl_plugins_state_dict()
+    loaded = load_plugin_state(str(tmp_path / "a" / "checkpoint-2" / PLUGIN_STATE_FILE))  # weights_only=True
+    assert _same(live, loaded[plugin]), (live, loaded[plugin])
+    fresh = build(tmp_path / "b")
+    fresh.load_plugin_state_dict(loaded)
+    assert _same(fresh.plugin_stack.by_name[plugin].trl_plugins_state_dict(), live)
+
+
+def test_a_full_disk_while_writing_the_plugin_state_is_named_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoints.os, "fsync", full)
+    with pytest.raises(checkpoints.CheckpointError, match=r"The disk is full: no space left on the device of .* "
+                                                          r"while writing the plugin state"):
+        checkpoints.save_plugin_state({"p": {"x": 1}}, str(tmp_path / "checkpoint-1"))
+    assert list((tmp_path / "checkpoint-1").iterdir()) == []
+
+
+def test_an_unwritable_output_dir_is_refused_when_the_config_is_built(tmp_path, monkeypatch):
+    import trl_plugins.config as config_module
+    from trl_plugins import PluginConfigError, PluginGRPOConfig
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = config_module.os.access
+    monkeypatch.setattr(config_module.os, "access", lambda path, mode: False if str(path) == str(locked) else
+                        real(path, mode))  # (as root, chmod alone would not stop writes)
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*locked/run/out' cannot be written \(.*locked is not "
+                                                r"writable\)"):
+        PluginGRPOConfig(output_dir=str(locked / "run" / "out"), report_to="none", use_cpu=True)

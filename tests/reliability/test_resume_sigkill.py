@@ -101,14 +101,14 @@ def test_sigkill_mid_step_then_resume_equals_the_unbroken_run(tmp_path, one_thre
 
     # the checkpoint the killed run left equals the unbroken run's checkpoint of the same step
     _assert_same(
-        torch.load(tmp_path / "unbroken" / f"checkpoint-{BLOCK_AT}" / PLUGIN_STATE_FILE, weights_only=False),
-        torch.load(Path(last) / PLUGIN_STATE_FILE, weights_only=False),
+        torch.load(tmp_path / "unbroken" / f"checkpoint-{BLOCK_AT}" / PLUGIN_STATE_FILE, weights_only=True),
+        torch.load(Path(last) / PLUGIN_STATE_FILE, weights_only=True),
         "plugin state at the kill",
     )
     # after resuming, every plugin's state and the model continue as the unbroken run
     final = f"checkpoint-{worker.MAX_STEPS}"
-    unbroken_state = torch.load(tmp_path / "unbroken" / final / PLUGIN_STATE_FILE, weights_only=False)
-    resumed_state = torch.load(tmp_path / "resumed" / final / PLUGIN_STATE_FILE, weights_only=False)
+    unbroken_state = torch.load(tmp_path / "unbroken" / final / PLUGIN_STATE_FILE, weights_only=True)
+    resumed_state = torch.load(tmp_path / "resumed" / final / PLUGIN_STATE_FILE, weights_only=True)
     # hint_scaffold saves the teacher tiers it asked for (none with solution-prefix hints)
     assert set(resumed_state) == {"__framework__", "adaptive_sampler", "laser", "clip_cov", "hint_scaffold"}
     _assert_same(unbroken_state, resumed_state, "final plugin state")

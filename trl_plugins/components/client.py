@@ -28,7 +28,10 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
 class EndpointError(PluginError, RuntimeError):
-    """An external component (judge, PRM, teacher) could not be reached or answered garbage."""
+    """An external component (judge, PRM, teacher) could not be reached or answered garbage.
+
+    Its message names the URL with any credentials redacted (``https://***@host/v1?api_key=***``, as every
+    :class:`~trl_plugins.errors.PluginError`)."""
 
 
 def api_key_from_env(env: str | None) -> str | None:

@@ -159,9 +159,11 @@ def parse_echo_logprobs(choice: dict, token_ids: Sequence[int], n_prompt: int, u
             "choices[0].logprobs.token_logprobs with echo=true, as `vllm serve` returns them): "
             f"{str(choice)[:200]}"
         )
-    bad = [j for j, v in enumerate(values) if not isinstance(v, (int, float)) or math.isnan(v) or v > 1e-6]
+    bad = [j for j, v in enumerate(values)
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v > 1e-6]
     if bad:
-        raise EndpointError(f"{url} answered an invalid log-prob {values[bad[0]]!r} for completion token {bad[0]}.")
+        raise EndpointError(f"{url} answered an invalid log-prob {values[bad[0]]!r} for completion token {bad[0]} "
+                            "(allowed: a finite number <= 0).")
     return [float(v) for v in values]
 
 
