@@ -63,14 +63,15 @@ from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, opt
 from trl_plugins.collectives import run_together
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.data_checks import cell_problem, check_column_filled, check_column_values
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import edits_completions
 
 from .rl_plus import demonstration_ids
 
 
 @dataclass
-class AmpoOptions(SuccessOptions):
+class AmpoOptions(OffPolicyOptions, SuccessOptions):
     teachers: Literal["column", "endpoint", "hf"] = option(
         "column", help="Where the teachers' solutions come from: a dataset column with several solutions per prompt, "
         "or teacher models (OpenAI-compatible endpoints, local HF models) asked per guided group."
@@ -120,10 +121,6 @@ class AmpoOptions(SuccessOptions):
         default_factory=lambda: ["<answer>", "</answer>"],
         help="Tags the format reward wants exactly once each, in this order; also the answer tags of "
         "answer_span='answer_tag' (official R1_nothink: <answer>, </answer>).",
-    )
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True,
-        help="gamma of the shaped off-policy branch (official 0.1); must equal the run's offpolicy_shaping_gamma.",
     )
     seed: int = option(0, help="Seed of the random choice of replaced rollouts (with the step and group).")
 
@@ -230,11 +227,7 @@ def replaced_slots(failed: list[int], k: int, generator: torch.Generator) -> lis
 # ============================================================================================= plugin
 class AmpoPlugin(Plugin):
     """Multi-teacher guidance for failing groups, most comprehensible solutions first (sampling stage)."""
-    multi_turn = (
-        'it edits completions after generation (teacher solutions spliced into all-fail groups), and the '
-        'generation service samples single-turn text without running tools, so the edited rows would lose '
-        'their tool-call turns.'
-    )
+    multi_turn = edits_completions("teacher solutions spliced into all-fail groups")
     claim_metric = ("guided_group_fraction", "groups guided by teacher solutions")
 
     name = "ampo"
@@ -262,7 +255,7 @@ class AmpoPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         dataset = getattr(trainer, "train_dataset", None)
         if o.teachers == "column":
             check_column_values(self.name, dataset, o.solutions_column, solutions_ok, SOLUTIONS_ALLOWED)

@@ -41,12 +41,9 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
+from trl_plugins.reasons import ENTROPY_PICK_ONE
 
 PICK_KEY = "clip_cov_pick"
-ENTROPY_PICK_ONE = (
-    "each is a complete remedy for entropy collapse acting on an overlapping set of tokens (high-covariance, "
-    "low-probability or high-entropy ones); stacked, their corrections compound and match neither paper"
-)
 
 
 @dataclass

@@ -36,13 +36,15 @@ from typing import Any, Literal
 import torch
 from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.collectives import gather_id_lists, run_together
+from trl_plugins.components.client import endpoint_options
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
 from trl_plugins.data_checks import check_column_filled
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.text import check_template, completion_text
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (
@@ -56,19 +58,16 @@ CRITIC_SYSTEM = (
 )
 
 
+#: ``critic_model``, ``critic_base_url``, ``critic_api_key_env``, ``critic_timeout``, ``critic_max_retries``.
+CriticEndpointOptions = endpoint_options("critic", "critic")
+
+
 @dataclass
-class CritiqueGrpoOptions(SuccessOptions):
+class CritiqueGrpoOptions(CriticEndpointOptions, OffPolicyOptions, WarmupOptions, SuccessOptions):
     critique_type: Literal["text", "simple_gt", "simple"] = option(
         "simple_gt", help="Critique: a critic LLM's text, 'correct/incorrect + ground truth', or 'correct/incorrect'."
     )
     critic: Literal["endpoint", "hf"] = option("endpoint", help="critique_type='text': an endpoint or a local model.")
-    critic_model: str = option("default", help="Critic: served model name (endpoint) or name/path (hf).")
-    critic_base_url: str | None = option(None, help="Critic endpoint, e.g. http://127.0.0.1:8000/v1.")
-    critic_api_key_env: str | None = option(None, help="Environment variable holding the critic endpoint's key.")
-    critic_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per critic endpoint request before it counts as failed."
-    )
-    critic_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed critic endpoint request.")
     critic_max_tokens: int = option(1024, min=1, help="Longest critique in tokens.")
     refinement_system_prompt: str | None = option(DEFAULT_SYSTEM, help="System message of the refinement chat.")
     refinement_template: str = option(
@@ -85,19 +84,14 @@ class CritiqueGrpoOptions(SuccessOptions):
         0.5, help="A response is correct when its verifier column (success_column) is above this (official: the "
         "math-verify score equals 1)."
     )
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True,
-        help="gamma of the shaped off-policy branch (official 0.1); must equal the run's offpolicy_shaping_gamma.",
-    )
-    warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first (our option).")
     answer_column: str = option("answer", help="Dataset column with the ground-truth answer.")
     solution_column: str = option("solution", help="Dataset column with the reference solution (critique 'text').")
 
     def validate(self) -> None:
         check_template("critique_grpo", "refinement_template", self.refinement_template,
                        ("question", "response", "critique"))
-        if self.critique_type == "text" and self.critic == "endpoint" and not self.critic_base_url:
-            raise PluginConfigError("Plugin 'critique_grpo' with critique_type='text' needs critic_base_url.")
+        self.require_base_url("critic", "critique_grpo", active=self.critique_type == "text",
+                              when="critique_type='text'", otherwise="critic='hf'")
 
 
 # ============================================================================================= pure functions
@@ -134,11 +128,7 @@ class CritiqueGrpoPlugin(Plugin):
     """Critique -> one refinement per response -> one refinement replaces slot 0, fully off-policy (sampling stage)."""
 
     name = "critique_grpo"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
@@ -163,7 +153,7 @@ class CritiqueGrpoPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         if o.critique_type in ("simple_gt", "text"):
             check_column_filled(self.name, getattr(trainer, "train_dataset", None), o.answer_column,
                                 f"critique_type={o.critique_type!r} states the ground truth in every critique")
@@ -175,14 +165,12 @@ class CritiqueGrpoPlugin(Plugin):
                 stacklevel=2,
             )
         if o.critique_type == "text" and self.critic is None:
-            self.critic = shared_teacher(o.critic, model=o.critic_model, base_url=o.critic_base_url,
-                                         api_key_env=o.critic_api_key_env, max_tokens=o.critic_max_tokens,
-                                         timeout=o.critic_timeout, max_retries=o.critic_max_retries)
+            self.critic = shared_teacher(o.critic, **o.endpoint_kwargs("critic"), max_tokens=o.critic_max_tokens)
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
-        if ctx.step < o.warmup_steps:
+        if o.warming_up(ctx.step):
             return
         G, B = ctx.num_generations, len(ctx)
         device = context_device(ctx)

@@ -40,6 +40,7 @@ import torch
 from trl_plugins import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.collectives import gather_id_lists
 from trl_plugins.contexts import context_device
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 
 @dataclass
@@ -133,11 +134,7 @@ class CurePlugin(Plugin):
     """Branch from high-entropy critical tokens of the originals and re-generate from those prefixes (sampling)."""
 
     name = "cure"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."

@@ -29,12 +29,14 @@ Distinctiveness, from a pluggable fine-grained scorer (``scorer``):
   completion is graded against every criterion of ``judge_criteria`` (one judge call each, verdicts cached);
   ``s_i`` = the fraction of criteria met, ``d_ij = |s_i - s_j|``. The criteria are ours (reasoning validity,
   completeness, no redundancy, a clear final answer): the paper's scoring prompt is not public.
-* ``"prm"``: ``s_i`` = mean step score of the bundled tasks' programmatic step verifier
-  (:func:`trl_plugins.tasks.arithmetic.step_scores` on the row's ``problem`` JSON column; 0 for an empty
-  completion), ``d_ij = |s_i - s_j|``. **Works only on the bundled arithmetic tasks** (their ``problem`` column).
-* ``"similarity"``: ``d_ij = 1 - sim(i, j)``, a token-level similarity between the two completions (Jaccard of
-  token n-grams, or ``1 - normalised edit distance``) on their generated token ids (or, when the framework does
-  not provide them, on the completion text re-tokenized by the trainer's tokenizer). Any dataset, no model.
+* ``"similarity"`` (default): ``d_ij = 1 - sim(i, j)``, a token-level similarity between the two completions
+  (Jaccard of token n-grams, or ``1 - normalised edit distance``) on their generated token ids (or, when the
+  framework does not provide them, on the completion text re-tokenized by the trainer's tokenizer). Any dataset, no
+  model: it masks exactly the near-identical rollouts whose conflicting gradients the paper targets.
+* ``"prm"``: ``s_i`` = mean step score of a programmatic step verifier (``prm_verifier``, named in
+  :data:`~trl_plugins.components.prm.STEP_VERIFIERS`; default ``"arithmetic"``, the bundled tasks' exact step
+  check on the row's ``problem`` JSON column; 0 for an empty completion), ``d_ij = |s_i - s_j|``. With the default
+  verifier it **works only on the bundled arithmetic tasks** (their ``problem`` column).
 * ``"reward"``: ``s_i = R_i`` (the combined reward), ``d_ij = |R_i - R_j|``.
 
 ``include_reward_gap`` adds ``|R_i - R_j|`` to ``d_ij``. Scores are read at the reward stage, from the final
@@ -63,9 +65,10 @@ needs an anchor (G or G - 1). ``anchors=false`` switches anchors off. Success is
 sampling plugins left them, so listed after e.g. ``hint_scaffold`` DaGRPO anchors only the groups that plugin did
 not rescue.
 
-Defaults, all reconstructed: scorer ``prm`` (cheap, no model server; ``judge`` is the paper's kind of scorer),
-delta = 0.1, pair_normalizer ``surviving``, similarity ``jaccard`` on token bigrams, anchors on for groups with no
-success, placement ``replace``, slot 0.
+Defaults, all reconstructed: scorer ``similarity`` (works on any dataset, no model server; ``judge`` is the paper's
+kind of scorer, ``prm`` the bundled tasks' step verifier), delta = 0.1, pair_normalizer ``surviving``, similarity
+``jaccard`` on token bigrams, anchors on for groups with no success (they need reference solutions in
+``solution_column``; ``anchors=false`` on a dataset without them), placement ``replace``, slot 0.
 """
 
 from __future__ import annotations
@@ -87,11 +90,13 @@ from trl_plugins import (
     option,
 )
 from trl_plugins.collectives import gather_objects_together
-from trl_plugins.components.client import EndpointConfig, api_key_from_env
-from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge
+from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeEndpointOptions, JudgeRequest, RubricJudge
+from trl_plugins.components.prm import STEP_VERIFIERS
+from trl_plugins.components.steps import split_steps
 from trl_plugins.contexts import context_device
 from trl_plugins.text import completion_text
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 RESERVED_ANNOTATION = "dagrpo_reserved"
@@ -104,22 +109,17 @@ DEFAULT_CRITERIA = (
 
 
 @dataclass
-class DaGRPOOptions(SuccessOptions):
+class DaGRPOOptions(JudgeEndpointOptions, SuccessOptions):
     scorer: Literal["prm", "judge", "similarity", "reward"] = option(
-        "prm",
-        help="Fine-grained scorer: the bundled tasks' programmatic step verifier (bundled tasks only: 'problem' "
-        "column), an LLM judge grading judge_criteria (the paper's scorer is LLM-based), token similarity between "
-        "completions, or the reward itself.",
+        "similarity",
+        help="Fine-grained scorer: a programmatic step verifier (prm_verifier; the default one reads the bundled "
+        "tasks' 'problem' column), an LLM judge grading judge_criteria (the paper's scorer is LLM-based), token "
+        "similarity between completions (default: any dataset, no model), or the reward itself.",
         reconstructed=True,
     )
     judge: Literal["endpoint", "hf"] = option(
         "endpoint", help="scorer='judge': an OpenAI-compatible endpoint (e.g. vllm serve) or a local HF model."
     )
-    judge_base_url: str | None = option(None, help="Judge endpoint, e.g. http://127.0.0.1:8000/v1 (judge='endpoint').")
-    judge_model: str = option("default", help="Served model name (endpoint) or model name/path to load (hf).")
-    judge_api_key_env: str | None = option(None, help="Environment variable holding the judge endpoint's API key.")
-    judge_timeout: float = option(120.0, min=0.0, min_exclusive=True, help="Seconds per judge request.")
-    judge_max_retries: int = option(4, min=0, help="HTTP retries (with backoff) on 429/5xx/connection errors.")
     judge_max_concurrency: int = option(64, min=1, help="Judge requests in flight at once.")
     judge_temperature: float = option(0.0, min=0.0, help="Judge sampling temperature (0: greedy).")
     judge_max_tokens: int = option(512, min=1, help="Maximum judge answer tokens.")
@@ -148,7 +148,12 @@ class DaGRPOOptions(SuccessOptions):
         reconstructed=True,
     )
     ngram: int = option(2, min=1, help="n of the token n-grams of the Jaccard similarity.", reconstructed=True)
-    problem_column: str = option("problem", help="scorer='prm': dataset column with the problem JSON.")
+    prm_verifier: str = option(
+        "arithmetic",
+        help="scorer='prm': the step verifier by name (components.prm.STEP_VERIFIERS; 'arithmetic' = the bundled "
+        "tasks') or 'package.module:function' (fn(problem, steps) -> scores).",
+    )
+    problem_column: str = option("problem", help="scorer='prm': dataset column the step verifier reads.")
     anchors: bool = option(True, help="Give groups without a success the reference solution as an off-policy anchor.")
     anchor_placement: Literal["replace", "reserve"] = option(
         "replace", reconstructed=True,
@@ -170,12 +175,10 @@ class DaGRPOOptions(SuccessOptions):
     def validate(self) -> None:
         if self.scorer == "prm" and not self.problem_column:
             raise PluginConfigError("Option 'problem_column' of plugin 'dagrpo' must name a column with scorer='prm'.")
+        if self.scorer == "prm":
+            STEP_VERIFIERS.check(self.prm_verifier, "Option 'prm_verifier' of plugin 'dagrpo': ")
         if self.scorer == "judge":
-            if self.judge == "endpoint" and not self.judge_base_url:
-                raise PluginConfigError(
-                    "Option 'judge_base_url' of plugin 'dagrpo' is required with scorer='judge' and judge='endpoint' "
-                    "(e.g. 'http://127.0.0.1:8000/v1'); or set judge='hf'."
-                )
+            self.require_base_url("judge", "dagrpo", when="scorer='judge'", otherwise="judge='hf'")
             if not self.judge_criteria or not all(isinstance(c, str) and c.strip() for c in self.judge_criteria):
                 raise PluginConfigError(
                     f"Option 'judge_criteria' of plugin 'dagrpo' must be a non-empty list of non-empty strings; got "
@@ -268,11 +271,12 @@ def similarity_distinctiveness(tokens: list[list], group_size: int, kind: str, n
     return d
 
 
-def prm_score(problem_json: str, text: str) -> float:
-    """Mean step score of ``text`` under the bundled arithmetic task's programmatic PRM (0.0 when empty)."""
-    from trl_plugins.tasks.arithmetic import Problem, step_scores
-
-    scores = step_scores(Problem.from_json(problem_json), text)
+def prm_score(problem: Any, text: str, verifier: str = "arithmetic") -> float:
+    """Mean step score of ``text`` (one step per non-empty line) under the programmatic step verifier ``verifier``
+    (:data:`~trl_plugins.components.prm.STEP_VERIFIERS`; default the bundled arithmetic tasks', ``problem`` their
+    JSON); 0.0 for a text without steps."""
+    steps = [span.text for span in split_steps(text, "\n")]
+    scores = list(STEP_VERIFIERS.get(verifier)(problem, steps)) if steps else []
     return sum(scores) / len(scores) if scores else 0.0
 
 
@@ -321,11 +325,7 @@ class DaGRPOPlugin(Plugin):
     """Distinctiveness-aware pair masking of advantages plus off-policy reference anchors."""
 
     name = "dagrpo"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (
         "DaGRPO: Rectifying Gradient Conflict in Reasoning via Distinctiveness-Aware Group Relative Policy "
@@ -340,8 +340,8 @@ class DaGRPOPlugin(Plugin):
     )
     reconstructed = (
         "the whole method is reconstructed from the abstract and public summaries (no code, no method section)",
-        "fine-grained scorer: default the bundled tasks' programmatic PRM; the LLM judge (scorer='judge', the paper's "
-        "kind) grades our criteria, the paper's prompt is not public",
+        "fine-grained scorer: default token similarity between completions (any dataset, no model); the LLM judge "
+        "(scorer='judge', the paper's kind) grades our criteria, the paper's prompt is not public",
         "delta = 0.1; pair normaliser |S_i| with a 1/G alternative",
         "the incoming advantages' group mean (0 for TRL's) is kept; only their pairwise part is masked",
         "the paper adds anchors to the group; here (fixed G) an anchor replaces a failed rollout by default "
@@ -361,11 +361,7 @@ class DaGRPOPlugin(Plugin):
         if o.judge == "hf":
             return HFJudge(o.judge_model, max_new_tokens=o.judge_max_tokens, temperature=o.judge_temperature,
                            parse_retries=o.judge_parse_retries)
-        endpoint = EndpointConfig(
-            base_url=o.judge_base_url, model=o.judge_model, timeout=o.judge_timeout, max_retries=o.judge_max_retries,
-            api_key=api_key_from_env(o.judge_api_key_env),
-            max_concurrency=o.judge_max_concurrency,
-        )
+        endpoint = o.endpoint_config("judge", max_concurrency=o.judge_max_concurrency)
         sampling = {"temperature": o.judge_temperature, "max_tokens": o.judge_max_tokens}
         return EndpointJudge(endpoint, sampling, parse_retries=o.judge_parse_retries)
 
@@ -468,7 +464,7 @@ class DaGRPOPlugin(Plugin):
                     raise PluginConfigError(
                         f"dagrpo: scorer='prm' needs the problem JSON in column {o.problem_column!r}; got {problem!r}."
                     )
-                local.append(prm_score(problem, completion_text(completion)))
+                local.append(prm_score(problem, completion_text(completion), o.prm_verifier))
             scores = torch.tensor(ctx.gather_object(local), dtype=torch.float64)
             self._pending = {"scores": scores}
         elif o.scorer == "judge":

@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import REFILLS_GROUPS
 
 
 def extra_rollouts(acc: float, n: int, n_max: int, schedule: str = "ET", use_std: bool = False) -> int:
@@ -93,10 +94,7 @@ class DarsOptions(SuccessOptions):
 
 
 class DarsPlugin(Plugin):
-    multi_turn = (
-        'it rejects groups for the refill stage, which regenerates whole groups through the generation '
-        'service (no tool loop); the trainer refuses refill with tools.'
-    )
+    multi_turn = REFILLS_GROUPS
     claim_metric = ("extra_groups", "extra rollout groups spent on hard prompts")
     overwrites = ("advantages",)  # pooled R - mean over the prompt's enlarged group, from the rewards
     name = "dars"

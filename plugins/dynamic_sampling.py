@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 from trl_plugins import Plugin, RefillContext, hookimpl, option
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import REFILLS_GROUPS
 
 
 @dataclass
@@ -60,10 +61,7 @@ class DynamicSamplingOptions(SuccessOptions):
 
 
 class DynamicSamplingPlugin(Plugin):
-    multi_turn = (
-        'it rejects groups for the refill stage, which regenerates whole groups through the generation '
-        'service (no tool loop); the trainer refuses refill with tools.'
-    )
+    multi_turn = REFILLS_GROUPS
     claim_metric = ("filtered_fraction", "groups filtered out and refilled")
     name = "dynamic_sampling"
     paper = "DAPO dynamic sampling, arXiv:2503.14476"

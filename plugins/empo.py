@@ -58,8 +58,8 @@ from trl_plugins.answers import (
     semantic_entropy,
 )
 from trl_plugins.success import placeholder_column
+from trl_plugins.reasons import CORRECTNESS_PICK_ONE
 
-from .rlpr import CORRECTNESS_PICK_ONE
 
 COLUMN = "empo"
 

@@ -49,8 +49,8 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginConfigError
 from trl_plugins import PluginOptions, hookimpl, option
+from trl_plugins.reasons import ENTROPY_PICK_ONE
 
-from .clip_cov import ENTROPY_PICK_ONE
 
 
 @dataclass
@@ -179,8 +179,6 @@ class EpoPlugin(Plugin):
         self.history: list[list[float | None]] = []
         self.reference: list[float | None] = []
         self.step = 0
-        self._max_steps = 1
-        self._trainer_state = None
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -189,8 +187,6 @@ class EpoPlugin(Plugin):
                 f"epo cannot be combined with TRL's entropy bonus (entropy_coef={args.entropy_coef!r}): EPO is itself "
                 "an entropy bonus (its option entropy_coef). Set entropy_coef=0 or disable epo."
             )
-        self._max_steps = max(int(getattr(args, "max_steps", 0) or 0), 1)
-        self._trainer_state = getattr(trainer, "state", None)
 
     @hookimpl
     def trl_plugins_state_dict(self) -> dict:
@@ -202,16 +198,16 @@ class EpoPlugin(Plugin):
         self.step = int(state["step"])
         self.reference = historical_means(self.history)
 
-    def horizon(self) -> int:
-        """The phase schedule's horizon: ``phase_steps``, else the run's max_steps (TRL's, once training started)."""
+    def horizon(self, run_max_steps: int = 0) -> int:
+        """The phase schedule's horizon: ``phase_steps``, else the run's max_steps (``ctx.run.max_steps``: TRL's once
+        training started, epochs resolved)."""
         if self.options.phase_steps is not None:
             return self.options.phase_steps
-        live = getattr(self._trainer_state, "max_steps", 0) or 0
-        return max(int(live), self._max_steps, 1)
+        return max(int(run_max_steps or 0), 1)
 
-    def weight(self) -> float:
-        """w_k of the current step (1.0 without phase weighting)."""
-        return phase_weight(self.step, self.horizon()) if self.options.phase_weighting else 1.0
+    def weight(self, run_max_steps: int = 0) -> float:
+        """w_k of the current step (1.0 without phase weighting); ``run_max_steps`` as for :meth:`horizon`."""
+        return phase_weight(self.step, self.horizon(run_max_steps)) if self.options.phase_weighting else 1.0
 
     # ------------------------------------------------------------------------------------------ advantage stage
     @hookimpl
@@ -267,7 +263,7 @@ class EpoPlugin(Plugin):
         if o.scope == "sequence":  # each turn's mean entropy, broadcast over its tokens
             compared = _turn_mean_per_token(entropies, turn_ids)
         penalty = band_penalty(compared, reference, o.band_low, o.band_high, o.penalty, o.penalty_form)
-        weight = self.weight()
+        weight = self.weight(ctx.run.max_steps)
         ctx.add_token_loss(-o.entropy_coef * (entropies - o.smooth_coef * weight * penalty))
         smoothed = ~torch.isnan(reference) & ctx.mask.bool()
         outside = smoothed & (penalty.detach() > 0)

@@ -32,13 +32,14 @@ EPA placement (replace the failed source, at most one per group) and its off-pol
 joint schedule, sub-group advantages.
 
 Feedback sources (``feedback``). The paper's verifier is rule-based and its feedback names where the error is, why,
-and format violations. ``"task"`` is that verifier for the **bundled arithmetic tasks only** (it reads their
-``problem`` column and checks every step). ``"rule"`` is the generic rule-based verifier for any dataset with a
-reference final answer (``answer`` column): format violations (empty solution, no extractable final answer, several
-different boxed answers), a wrong final answer (never stating the right one unless ``leak_answer``), and an error
-location (the first step before the answer whose result is the reference value: the error comes after it;
-otherwise the step stating the wrong answer). ``"simple_gt"``/``"simple"`` are Critique-GRPO's critique strings (with
-or without the ground truth); ``"judge"`` asks an LLM.
+and format violations. ``"task"`` is a task's own step-checking verifier, the feedback oracle named by
+``feedback_oracle`` (:data:`~trl_plugins.components.feedback.VERIFIER_FEEDBACK`; default ``"arithmetic"``, the
+**bundled arithmetic tasks'**, which reads their ``problem`` column and checks every step). ``"rule"`` is the
+generic rule-based verifier for any dataset with a reference final answer (``answer`` column): format violations
+(empty solution, no extractable final answer, several different boxed answers), a wrong final answer (never stating
+the right one unless ``leak_answer``), and an error location (the first step before the answer whose result is the
+reference value: the error comes after it; otherwise the step stating the wrong answer). ``"simple_gt"``/``"simple"``
+are Critique-GRPO's critique strings (with or without the ground truth); ``"judge"`` asks an LLM.
 
 Where the public summaries disagree (recorded in the options' help):
 
@@ -79,11 +80,14 @@ from trl_plugins import (
 )
 from trl_plugins.answers import extract_boxed, find_numbers, get_extractor, normalize_answer
 from trl_plugins.collectives import gather_id_lists, run_together
+from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
+from trl_plugins.components.judge import JudgeEndpointOptions
 from trl_plugins.components.steps import question_text, split_steps
 from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.contexts import context_device
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (
@@ -98,7 +102,8 @@ ROLES = ("round1", "epa", "ecc")
 
 
 @dataclass
-class FbosRlOptions(SuccessOptions):
+class FbosRlOptions(JudgeEndpointOptions, OffPolicyOptions, WarmupOptions, SuccessOptions):
+    reconstructed_options = ("gamma",)  # the off-policy treatment of EPA copies is ours
     g1: int | None = option(
         None, min=1, reconstructed=True,
         help="Round-1 rollouts per group (G1); the other G - G1 are feedback-guided round-2 rollouts. None: G // 2. "
@@ -107,10 +112,15 @@ class FbosRlOptions(SuccessOptions):
     )
     feedback: Literal["task", "rule", "simple_gt", "simple", "judge"] = option(
         "task", reconstructed=True,
-        help="Feedback text. task: the bundled arithmetic tasks' step verifier (works only on those tasks: needs "
-        "their 'problem' column); rule: generic rule-based feedback for any dataset with a reference answer "
-        "(format violations, wrong final answer, error location); simple_gt / simple: 'correct/incorrect' with / "
-        "without the ground truth; judge: an LLM.",
+        help="Feedback text. task: a task's step verifier, the oracle feedback_oracle (default the bundled arithmetic "
+        "tasks', which needs their 'problem' column); rule: generic rule-based feedback for any dataset with a "
+        "reference answer (format violations, wrong final answer, error location); simple_gt / simple: "
+        "'correct/incorrect' with / without the ground truth; judge: an LLM.",
+    )
+    feedback_oracle: str = option(
+        "arithmetic",
+        help="feedback='task': the verifier feedback oracle by name (components.feedback.VERIFIER_FEEDBACK; "
+        "'arithmetic' = the bundled tasks') or 'package.module:function', reading problem_column.",
     )
     extractor: str = option(
         "boxed_or_last_number",
@@ -126,13 +136,6 @@ class FbosRlOptions(SuccessOptions):
         False, reconstructed=True, help="Append the correct final answer to the feedback of failed attempts."
     )
     judge: Literal["endpoint", "hf"] = option("endpoint", help="feedback='judge': an endpoint or a local HF model.")
-    judge_model: str = option("default", help="Judge: served model name (endpoint) or name/path (hf).")
-    judge_base_url: str | None = option(None, help="Judge endpoint, e.g. http://127.0.0.1:8000/v1.")
-    judge_api_key_env: str | None = option(None, help="Environment variable holding the judge endpoint's key.")
-    judge_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per judge endpoint request before it counts as failed."
-    )
-    judge_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed judge endpoint request.")
     judge_max_tokens: int = option(256, min=1, help="Longest judge feedback in tokens.")
     all_success: Literal["original", "feedback"] = option(
         "original", reconstructed=True,
@@ -168,11 +171,6 @@ class FbosRlOptions(SuccessOptions):
     success_threshold: float = option(
         0.5, help="A rollout is correct when its verifier column (success_column) is above this value."
     )
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True, reconstructed=True,
-        help="gamma of the shaped off-policy branch; must equal the run's offpolicy_shaping_gamma.",
-    )
-    warmup_steps: int = option(0, min=0, help="Plain GRPO (one round of G) for this many steps first.")
     problem_column: str = option("problem", help="Dataset column read by feedback='task'.")
     answer_column: str = option("answer", help="Dataset column with the ground-truth answer.")
 
@@ -189,8 +187,10 @@ class FbosRlOptions(SuccessOptions):
                     f"Option 'single_turn_template' of plugin 'fbos_rl' must contain {key}; got "
                     f"{self.single_turn_template!r}."
                 )
-        if self.feedback == "judge" and self.judge == "endpoint" and not self.judge_base_url:
-            raise PluginConfigError("Plugin 'fbos_rl' with feedback='judge' needs judge_base_url (or judge='hf').")
+        self.require_base_url("judge", "fbos_rl", active=self.feedback == "judge", when="feedback='judge'",
+                              otherwise="judge='hf'")
+        if self.feedback == "task":
+            VERIFIER_FEEDBACK.check(self.feedback_oracle, "Option 'feedback_oracle' of plugin 'fbos_rl': ")
 
 
 # ============================================================================================= pure functions
@@ -331,11 +331,7 @@ class FbosRlPlugin(Plugin):
     """Feedback-guided second round within the group budget; EPA (prompt swap) + ECC (FAP) objectives."""
 
     name = "fbos_rl"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
@@ -382,7 +378,7 @@ class FbosRlPlugin(Plugin):
         return min(max(g1, 1), G) if G >= 2 else G
 
     def active(self, step: int, G: int) -> bool:
-        return step >= self.options.warmup_steps and self.num_round1(G) < G
+        return not self.options.warming_up(step) and self.num_round1(G) < G
 
     def epa_step(self, step: int) -> bool:
         """Whether EPA copies are made at ``step`` (always, unless schedule='alternate' and the step is odd)."""
@@ -396,7 +392,7 @@ class FbosRlPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         G = args.num_generations
         if o.g1 is not None and o.g1 > G:
             raise PluginConfigError(f"fbos_rl: g1={o.g1} exceeds num_generations={G} (the group budget).")
@@ -412,9 +408,7 @@ class FbosRlPlugin(Plugin):
                 stacklevel=2,
             )
         if o.feedback == "judge" and self.judge is None:
-            self.judge = shared_teacher(o.judge, model=o.judge_model, base_url=o.judge_base_url,
-                                        api_key_env=o.judge_api_key_env, max_tokens=o.judge_max_tokens,
-                                        timeout=o.judge_timeout, max_retries=o.judge_max_retries)
+            self.judge = shared_teacher(o.judge, **o.endpoint_kwargs("judge"), max_tokens=o.judge_max_tokens)
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
@@ -490,17 +484,18 @@ class FbosRlPlugin(Plugin):
         o = self.options
         answers = [ctx.rows[i].get(o.answer_column) for i in rows]
         if o.feedback == "task":
-            from trl_plugins.tasks.arithmetic import Problem, feedback
-
+            verifier = feedback_oracle(o.feedback_oracle)
             out = []
             for i, text in zip(rows, texts):
                 raw = ctx.rows[i].get(o.problem_column)
                 if not raw:
+                    bundled = o.feedback_oracle == "arithmetic"
+                    only = " works only on the bundled arithmetic tasks and" if bundled else ""
                     raise PluginConfigError(
-                        f"fbos_rl: feedback='task' works only on the bundled arithmetic tasks and needs their column "
+                        f"fbos_rl: feedback='task' (feedback_oracle={o.feedback_oracle!r}){only} needs the column "
                         f"{o.problem_column!r}; on another dataset with a reference answer use feedback='rule'."
                     )
-                out.append(feedback(Problem.from_json(raw), text))
+                out.append(verifier(raw, text).message)
         elif o.feedback == "rule":
             extractor = get_extractor(o.extractor)
             out = []

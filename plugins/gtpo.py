@@ -57,13 +57,9 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.reasons import LIKELIHOOD_PICK_ONE
 
 WEIGHT_KEY = "gtpo_token_weights"
-LIKELIHOOD_PICK_ONE = (
-    "both protect the likelihood of tokens in good responses (GTPO the tokens good and bad completions share, LLDS "
-    "the tokens whose likelihood dropped), so stacked they protect the same tokens twice; LLDS is meant for "
-    "tool/search RL"
-)
 
 
 @dataclass

@@ -64,15 +64,11 @@ from trl_plugins import (
     option,
 )
 from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
+from trl_plugins.reasons import ADVANTAGE_PICK_ONE, ENTROPY_PICK_ONE
 
-from .clip_cov import ENTROPY_PICK_ONE
 
 #: Plugins that compute the advantages from scratch: HAPO's token-level advantage is refused together with them.
 ADVANTAGE_ESTIMATORS = ("canon", "prl", "riskpo")
-ADVANTAGE_PICK_ONE = (
-    "both compute the advantages from scratch (the later one would silently discard the other's); pick one advantage "
-    "estimator"
-)
 
 
 @dataclass

@@ -51,9 +51,10 @@ from trl_plugins.collectives import gather_floats, run_together
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.data_checks import check_column_filled
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions
 from trl_plugins.success import SuccessOptions
 from trl_plugins.text import check_template
+from trl_plugins.reasons import edits_completions
 
 HINT_REQUEST = (
     "A student could not solve the following problem. Write one short hint that points to the key idea or the first "
@@ -65,7 +66,7 @@ HINTED = "kepo_hinted"
 
 
 @dataclass
-class KepoOptions(TeacherOptions, SuccessOptions):
+class KepoOptions(TeacherOptions, OffPolicyOptions, SuccessOptions):
     plugin_name: ClassVar[str] = "kepo"
 
     distill: Literal["advantage", "kl_penalty", "none"] = option(
@@ -96,10 +97,6 @@ class KepoOptions(TeacherOptions, SuccessOptions):
     hinted_offpolicy: bool = option(
         True, reconstructed=True,
         help="Train accepted hinted samples through the shaped off-policy branch (True) or the plain surrogate.",
-    )
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True,
-        help="gamma of the shaped off-policy branch for hinted samples; must equal the run's offpolicy_shaping_gamma.",
     )
 
     @property
@@ -166,10 +163,7 @@ def all_fail_groups(success: torch.Tensor, num_generations: int) -> torch.Tensor
 class KepoPlugin(Plugin):
     """Quality-gated teacher distillation (advantage / loss stages) and teacher hints for all-fail groups (sampling)."""
     claim_metric = ('gated_fraction', 'rollouts that pass the quality gate and get teacher supervision')
-    multi_turn = (
-        "it edits completions after generation (teacher-hinted re-samples replacing failed rows), and the generation service samples "
-        "single-turn text without running tools, so the edited rows would lose their tool-call turns."
-    )
+    multi_turn = edits_completions("teacher-hinted re-samples replacing failed rows")
 
     name = "kepo"
     version = "0.1.0"
@@ -195,7 +189,7 @@ class KepoPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         if o.hints == "column":
             check_column_filled(self.name, getattr(trainer, "train_dataset", None), o.hint_column,
                                 "its text is the hint of an all-fail group")

@@ -39,11 +39,11 @@ from typing import Literal
 import torch
 from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.loss import policy_moves_before_loss
+from trl_plugins.reasons import ENTROPY_PICK_ONE
 
 from .clip_cov import (
     CLIPPED_LOSS_TYPES,
     CLIPPED_ONLY,
-    ENTROPY_PICK_ONE,
     check_no_entropy_bonus,
     global_token_advantages,
     token_covariance,

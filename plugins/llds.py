@@ -40,8 +40,8 @@ from typing import Literal
 import torch
 from trl_plugins import LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.loss import policy_moves_before_loss
+from trl_plugins.reasons import LIKELIHOOD_PICK_ONE
 
-from .gtpo import LIKELIHOOD_PICK_ONE
 
 
 @dataclass

@@ -37,8 +37,8 @@ from typing import Literal
 
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.reasons import ENTROPY_PICK_ONE
 
-from .clip_cov import ENTROPY_PICK_ONE
 
 PROXY_KEY = "lp_reg_proxy_logps"
 THRESHOLD_KEY = "lp_reg_threshold"

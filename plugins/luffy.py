@@ -50,14 +50,15 @@ from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PromptConte
 from trl_plugins.collectives import run_together
 from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.data_checks import check_column_filled
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions
+from trl_plugins.reasons import edits_completions
 
 #: Annotation of the rows holding a demonstration.
 DEMONSTRATION = "luffy_demonstration"
 
 
 @dataclass
-class LuffyOptions(TeacherOptions):
+class LuffyOptions(TeacherOptions, OffPolicyOptions):
     plugin_name: ClassVar[str] = "luffy"
 
     num_demonstrations: int = option(
@@ -76,11 +77,6 @@ class LuffyOptions(TeacherOptions):
         "policy rollouts only (official 'grpo_split'; std from them too when scale_rewards divides by it).",
     )
     append_eos: bool = option(True, help="End each demonstration with the EOS token (official).")
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True,
-        help="gamma of the shaping f(p) = p/(p+gamma) on demonstration tokens (official 0.1); must equal the run's "
-        "offpolicy_shaping_gamma.",
-    )
 
     def validate(self) -> None:
         if self.source == "teacher":
@@ -123,10 +119,7 @@ def split_group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, on_po
 class LuffyPlugin(Plugin):
     """Demonstrations fill the first slots of each group; their tokens take the shaped off-policy branch."""
     claim_metric = ('demonstration_advantage', 'mean advantage of the demonstration rows')
-    multi_turn = (
-        "it edits completions after generation (demonstrations spliced into each group), and the generation service samples "
-        "single-turn text without running tools, so the edited rows would lose their tool-call turns."
-    )
+    multi_turn = edits_completions("demonstrations spliced into each group")
 
     name = "luffy"
     version = "0.1.0"
@@ -151,7 +144,7 @@ class LuffyPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         G = args.num_generations
         if o.num_demonstrations >= G:
             raise PluginConfigError(

@@ -37,8 +37,8 @@ from typing import Literal
 import torch
 
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.reasons import ADVANTAGE_PICK_ONE
 
-from .hapo import ADVANTAGE_PICK_ONE
 
 
 @dataclass

@@ -48,9 +48,10 @@ Mapping onto TRL (and what differs):
   cannot stack with another one that does). TRL's KL (``beta``, k3 estimator) replaces the official k2 KL loss.
 * Not reproduced: the extra SFT experiences the official code stores in separate groups when the retry improves
   (the reflection turn and the guided retry with reward 1) — a TRL batch has exactly G rows per prompt.
-* ``reflection_source="task_feedback"`` replaces the policy's report by one built from the bundled tasks'
-  verifier (outcome from :func:`~trl_plugins.tasks.arithmetic.verify`, root cause and suggestion from
-  :func:`~trl_plugins.tasks.arithmetic.feedback`, ``retry_from_step`` = first wrong step), for tests and the demo:
+* ``reflection_source="task_feedback"`` replaces the policy's report by one built from a task's verifier, the
+  feedback oracle ``feedback_oracle`` (:data:`~trl_plugins.components.feedback.VERIFIER_FEEDBACK`; default
+  ``"arithmetic"``, the bundled tasks': outcome from their verifier, root cause and suggestion from its feedback,
+  ``retry_from_step`` = first wrong step), for tests and the demo:
   a tiny model almost never writes valid JSON, so with ``"policy"`` nearly every slot keeps its first sample. A batch
   in which no report is valid (nothing retried: the step is GRPO with the amplification only) is warned once and
   logged as ``fallback_no_valid_reflection`` (1.0 for such a batch).
@@ -76,9 +77,11 @@ from trl_plugins import (
     option,
 )
 from trl_plugins.collectives import gather_id_lists
+from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 from trl_plugins.contexts import context_device
 from trl_plugins.success import SuccessOptions
 from trl_plugins.text import completion_text
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"
@@ -159,8 +162,15 @@ class R3LOptions(SuccessOptions):
         DEFAULT_GUIDANCE, help="Guidance text appended to the system prompt for the retry; must contain {report}."
     )
     problem_column: str = option("problem", help="Dataset column with the task (reflection_source='task_feedback').")
+    feedback_oracle: str = option(
+        "arithmetic",
+        help="reflection_source='task_feedback': the verifier feedback oracle by name (components.feedback."
+        "VERIFIER_FEEDBACK; 'arithmetic' = the bundled tasks') or 'package.module:function', reading problem_column.",
+    )
 
     def validate(self) -> None:
+        if self.reflection_source == "task_feedback":
+            VERIFIER_FEEDBACK.check(self.feedback_oracle, "Option 'feedback_oracle' of plugin 'r3l': ")
         if "{trajectory}" not in self.reflection_user_template:
             raise PluginConfigError(
                 f"Option 'reflection_user_template' of plugin 'r3l' got {self.reflection_user_template!r}; it must "
@@ -304,11 +314,7 @@ class R3LPlugin(Plugin):
     """Reflect-then-retry with prompt swap, pivotal credit and positive amplification (sampling, advantage, loss)."""
 
     name = "r3l"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (
         "R³L: Reflect-then-Retry Reinforcement Learning with Language-Guided Exploration, Pivotal Credit, and"
@@ -440,21 +446,19 @@ class R3LPlugin(Plugin):
         return [{"role": "system", "content": o.reflection_system_prompt}, {"role": "user", "content": user}]
 
     def _task_report(self, ctx: RolloutContext, i: int, text: str, steps: list[str]) -> dict:
-        """A report from the bundled tasks' verifier, in the schema the policy would write."""
-        from trl_plugins.tasks.arithmetic import Problem, feedback, first_error_step, verify
-
+        """A report from the task's verifier (feedback_oracle), in the schema the policy would write."""
         raw = ctx.rows[i].get(self.options.problem_column)
         if raw is None:
             raise PluginConfigError(
                 f"r3l: reflection_source='task_feedback' needs the column {self.options.problem_column!r} "
                 f"(row {ctx.global_index[i]} has none)."
             )
-        problem = raw if isinstance(raw, Problem) else Problem.from_json(raw)
-        note = feedback(problem, text)
-        if verify(text, problem.answer):
+        verdict = feedback_oracle(self.options.feedback_oracle)(raw, text)
+        note = verdict.message
+        if verdict.correct:
             return {"trajectory_summary": f"{len(steps)} steps, correct answer.", "root_cause_analysis": note,
                     "trajectory_outcome": "success"}
-        k = first_error_step(problem, text)
+        k = verdict.first_error
         k = min(k if k is not None else len(steps), max(len(steps) - 1, 0))
         return {
             "trajectory_summary": f"{len(steps)} steps, no correct answer.",

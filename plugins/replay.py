@@ -64,6 +64,7 @@ from trl_plugins.collectives import gather_id_lists
 from trl_plugins.contexts import context_device
 from trl_plugins.success import SuccessOptions
 from trl_plugins.text import stable_key
+from trl_plugins.reasons import edits_completions
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
 REPLAYED = "replayed"
@@ -176,11 +177,7 @@ def spear_baseline_advantage(reward: float, means: list[float], stds: list[float
 # ============================================================================================= plugin
 class ReplayPlugin(Plugin):
     """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
-    multi_turn = (
-        'it edits completions after generation (stored successes spliced into all-fail groups), and the '
-        'generation service samples single-turn text without running tools, so the edited rows would lose '
-        'their tool-call turns.'
-    )
+    multi_turn = edits_completions("stored successes spliced into all-fail groups")
 
     name = "replay"
     version = "0.1.0"

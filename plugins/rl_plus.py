@@ -41,6 +41,7 @@ import torch
 from trl_plugins import LossContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import edits_completions
 
 
 @dataclass
@@ -123,11 +124,7 @@ def is_demonstration(value: Any) -> bool:
 # ============================================================================================= plugin
 class RlPlusPlugin(Plugin):
     """Demonstrations in every group, trained with MIS and the Exploration-Based Advantage (sampling, loss)."""
-    multi_turn = (
-        'it edits completions after generation (demonstrations spliced into each group), and the generation '
-        'service samples single-turn text without running tools, so the edited rows would lose their '
-        'tool-call turns.'
-    )
+    multi_turn = edits_completions("demonstrations spliced into each group")
     claim_metric = ("demonstration_success_rate", "demonstrations that pass the verifier")
 
     name = "rl_plus"

@@ -52,12 +52,9 @@ import torch
 from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
 from trl_plugins.data_checks import check_column_filled
 from trl_plugins.text import check_template, completion_text
+from trl_plugins.reasons import CORRECTNESS_PICK_ONE
 
 COLUMN = "rlpr"
-CORRECTNESS_PICK_ONE = (
-    "both replace the correctness reward (EMPO with answer agreement, without references; RLPR with the policy's "
-    "probability of the reference answer); choose by whether your dataset has reference answers"
-)
 
 
 @dataclass

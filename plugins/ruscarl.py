@@ -46,7 +46,9 @@ templates that insert a default system prompt when none is given (Qwen2.5) get t
 block rather than before it. ``injection="merge_system"`` merges it into an existing leading system message.
 
 Judge backends: "endpoint" (OpenAI-compatible server, e.g. ``vllm serve``), "hf" (a local model by name/path) or
-"rule" (the bundled tasks' rule-based judge). A dead or garbled judge raises an error naming the URL.
+"rule" (a task's rule-based judge: the verdict oracle ``judge_oracle`` of
+:data:`~trl_plugins.components.judge.RUBRIC_VERDICTS`, by default the bundled tasks'). A dead or garbled judge
+raises an error naming the URL.
 """
 
 from __future__ import annotations
@@ -56,10 +58,17 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trl_plugins import Plugin, PluginConfigError, PluginOptions, PromptContext, hookimpl, option
+from trl_plugins import Plugin, PluginConfigError, PromptContext, hookimpl, option
 from trl_plugins.answers import extract_boxed_or_last_number, normalize_answer
-from trl_plugins.components.client import EndpointConfig, api_key_from_env
-from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeRequest, RubricJudge, RuleJudge
+from trl_plugins.components.judge import (
+    RUBRIC_VERDICTS,
+    EndpointJudge,
+    HFJudge,
+    JudgeEndpointOptions,
+    JudgeRequest,
+    RubricJudge,
+    RuleJudge,
+)
 from trl_plugins.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
@@ -74,7 +83,7 @@ WARNING = (
 
 
 @dataclass
-class RuscaRLOptions(PluginOptions):
+class RuscaRLOptions(JudgeEndpointOptions):
     scaffold: bool = option(True, help="Add rubric scaffolds to generation prompts (false = rubric reward only).")
     group_decay: Literal["linear", "binary"] = option(
         "linear", help="Intra-group reveal fraction: linear (G-1-i)/(G-1), or binary (1 for the first k_full rows)."
@@ -111,13 +120,6 @@ class RuscaRLOptions(PluginOptions):
     judge: Literal["endpoint", "hf", "rule"] = option(
         "endpoint", help="Judge backend: OpenAI-compatible endpoint, local HF model, or the bundled rule-based judge."
     )
-    judge_base_url: str | None = option(None, help="Judge endpoint, e.g. http://127.0.0.1:8000/v1 (judge='endpoint').")
-    judge_model: str = option(
-        "default", help="Served model name (endpoint) or model name/path to load (hf)."
-    )
-    judge_api_key_env: str | None = option(None, help="Environment variable holding the endpoint's API key.")
-    judge_timeout: float = option(120.0, min=0.0, min_exclusive=True, help="Seconds per judge request.")
-    judge_max_retries: int = option(4, min=0, help="HTTP retries (with backoff) on 429/5xx/connection errors.")
     judge_max_concurrency: int = option(64, min=1, help="Judge requests in flight at once.")
     judge_temperature: float = option(0.7, min=0.0, help="Judge sampling temperature.")
     judge_top_p: float = option(0.8, min=0.0, max=1.0, help="Judge top-p.")
@@ -132,6 +134,11 @@ class RuscaRLOptions(PluginOptions):
         "error", help="After the retries: raise (default, never a silent zero) or count the item as not met (code)."
     )
     judge_problem_column: str = option("problem", help="Dataset column the rule-based judge reads (judge='rule').")
+    judge_oracle: str = option(
+        "arithmetic",
+        help="judge='rule': the rubric verdict oracle by name (components.judge.RUBRIC_VERDICTS; 'arithmetic' = the "
+        "bundled tasks') or 'package.module:function' (fn(item, problem, completion) -> bool).",
+    )
     rule_items: Literal["rule", "judge"] = option(
         "rule",
         help="Rubric items tagged 'verifier:rule' + 'function:math_verify' + 'parameters:<answer>': checked by rule "
@@ -140,11 +147,9 @@ class RuscaRLOptions(PluginOptions):
     )
 
     def validate(self) -> None:
-        if self.judge == "endpoint" and not self.judge_base_url:
-            raise PluginConfigError(
-                "Option 'judge_base_url' of plugin 'ruscarl' is required with judge='endpoint' "
-                "(e.g. 'http://127.0.0.1:8000/v1'); or set judge='hf' / 'rule'."
-            )
+        self.require_base_url("judge", "ruscarl", otherwise="judge='hf' / 'rule'")
+        if self.judge == "rule":
+            RUBRIC_VERDICTS.check(self.judge_oracle, "Option 'judge_oracle' of plugin 'ruscarl': ")
 
 
 # --------------------------------------------------------------------------------------------- schedule
@@ -304,17 +309,14 @@ class RuscaRLPlugin(Plugin):
     def build_judge(self) -> RubricJudge:
         o = self.options
         if o.judge == "rule":
-            return RuleJudge(problem_column=o.judge_problem_column)
+            return RuleJudge(problem_column=o.judge_problem_column, oracle=o.judge_oracle)
         if o.judge == "hf":
             return HFJudge(
                 o.judge_model, max_new_tokens=o.judge_max_tokens, temperature=o.judge_temperature,
                 top_p=o.judge_top_p, top_k=o.judge_top_k, parse_retries=o.judge_parse_retries,
                 on_unparsable=o.judge_on_unparsable,
             )
-        endpoint = EndpointConfig(
-            base_url=o.judge_base_url, model=o.judge_model, api_key=api_key_from_env(o.judge_api_key_env), timeout=o.judge_timeout,
-            max_retries=o.judge_max_retries, max_concurrency=o.judge_max_concurrency,
-        )
+        endpoint = o.endpoint_config("judge", max_concurrency=o.judge_max_concurrency)
         sampling = {
             "temperature": o.judge_temperature, "top_p": o.judge_top_p, "max_tokens": o.judge_max_tokens,
             "presence_penalty": o.judge_presence_penalty,

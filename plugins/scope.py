@@ -56,15 +56,17 @@ from trl_plugins import (
 from trl_plugins.collectives import run_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
-from trl_plugins.components.teacher import ReferenceTeacher, shared_teacher
+from trl_plugins.components.teacher import ReferenceTeacher, TeacherEndpointOptions, shared_teacher
 from trl_plugins.contexts import context_device
-from trl_plugins.loss import check_offpolicy_gamma
+from trl_plugins.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.success import SuccessOptions
+from trl_plugins.reasons import EDITS_COMPLETIONS
 
 
 @dataclass
-class ScopeOptions(PRMOptions, SuccessOptions):
+class ScopeOptions(PRMOptions, TeacherEndpointOptions, OffPolicyOptions, WarmupOptions, SuccessOptions):
     plugin_name: ClassVar[str] = "scope"
+    reconstructed_options = ("gamma",)  # the paper does not state how its corrections are trained off-policy
 
     mode: Literal["teacher_suffix", "teacher_step", "reference_suffix"] = option(
         "teacher_suffix", reconstructed=True,
@@ -76,13 +78,6 @@ class ScopeOptions(PRMOptions, SuccessOptions):
         help="Who writes corrections in the teacher_* modes: an OpenAI-compatible server, a local HF model, or the "
         "dataset's reference solution.",
     )
-    teacher_model: str = option("default", help="Teacher: served model name (endpoint) or model name/path (hf).")
-    teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
-    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
-    teacher_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
-    )
-    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
     teacher_temperature: float = option(0.0, min=0.0, reconstructed=True, help="Teacher sampling temperature.")
     teacher_max_tokens: int | None = option(
         None, min=1, help="Longest correction in tokens (None: the run's max_completion_length)."
@@ -119,20 +114,14 @@ class ScopeOptions(PRMOptions, SuccessOptions):
         0.5, help="A rollout is correct when its verifier column (success_column) is above this value (NaN = failure)."
     )
     append_eos: bool = option(True, help="End teacher / reference corrections with the EOS token.")
-    gamma: float = option(
-        0.1, min=0.0, min_exclusive=True, reconstructed=True,
-        help="gamma of the shaped off-policy branch p/(p+gamma); must equal the run's offpolicy_shaping_gamma.",
-    )
-    warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first.")
     solution_column: str = option("solution", help="Dataset column with the reference solution (reference modes).")
     problem_column: str = option("problem", help="Dataset column read by the programmatic PRM.")
 
     def validate(self) -> None:
-        if self.mode != "reference_suffix" and self.teacher == "endpoint" and not self.teacher_base_url:
-            raise PluginConfigError(
-                "Plugin 'scope' with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible server); or set "
-                "teacher='hf' with teacher_model, teacher='reference', or mode='reference_suffix'."
-            )
+        self.require_base_url(
+            "teacher", "scope", active=self.mode != "reference_suffix",
+            otherwise="teacher='hf' with teacher_model, teacher='reference', or mode='reference_suffix'",
+        )
         super().validate()
         if self.step_separator == "":
             raise PluginConfigError("Option 'step_separator' of plugin 'scope' must not be empty.")
@@ -157,11 +146,7 @@ class ScopePlugin(Plugin):
     """PRM-located first error; verified prefix kept, rest rectified off-policy (sampling stage)."""
 
     name = "scope"
-    multi_turn = (
-        "it edits completions after generation (replace_row / splice / in-step generation), and the "
-        "generation service samples single-turn text without running tools, so the edited rows would lose "
-        "their tool-call turns."
-    )
+    multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (
         "Recycling Failures: Salvaging Exploration in RLVR via Fine-Grained Off-Policy Guidance (SCOPE), "
@@ -202,7 +187,7 @@ class ScopePlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        check_offpolicy_gamma(self.name, o.gamma, args)
+        o.check_gamma(self.name, args)
         self._seed = int(getattr(args, "seed", 0) or 0)
         if self.prm is None:
             self.prm = prm_from_options(o)
@@ -216,16 +201,14 @@ class ScopePlugin(Plugin):
             return ReferenceTeacher(o.solution_column, separator)
         max_tokens = o.teacher_max_tokens or max_completion_length or 1024
         return shared_teacher(
-            o.teacher, model=o.teacher_model, base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env,
-            temperature=o.teacher_temperature, max_tokens=max_tokens, timeout=o.teacher_timeout,
-            max_retries=o.teacher_max_retries,
+            o.teacher, **o.endpoint_kwargs("teacher"), temperature=o.teacher_temperature, max_tokens=max_tokens,
         )
 
     # ------------------------------------------------------------------------------------------ sampling
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
-        if ctx.step < o.warmup_steps:
+        if o.warming_up(ctx.step):
             return
         if self.prm is None:
             self.prm = prm_from_options(o)

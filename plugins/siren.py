@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.reasons import ENTROPY_PICK_ONE
 
-from .clip_cov import ENTROPY_PICK_ONE
 
 
 @dataclass

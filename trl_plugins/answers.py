@@ -3,8 +3,8 @@
 A group's G completions are reduced to their final answers by an *extractor* (``text -> answer string or None``)
 and clustered by **exact match after normalisation** (:func:`normalize_answer`). Built-in extractors:
 
-* ``"task"`` (default): the bundled arithmetic tasks' ``Answer: N`` line
-  (:func:`trl_plugins.tasks.arithmetic.extract_answer`);
+* ``"task"`` (default): the integer on the first ``Answer: N`` line (the bundled arithmetic tasks' answer format,
+  :func:`answer_line_value`; the tasks' own verifier reads it through this module);
 * ``"boxed"``: the content of the last ``\\boxed{...}`` (nested braces allowed);
 * ``"last_number"``: the last number in the text;
 * ``"boxed_or_last_number"``: ``boxed``, else ``last_number`` (the usual math-RL convention).
@@ -33,11 +33,28 @@ Extractor = Callable[[str], "str | None"]
 _NUMBER_RE = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 
 
+#: The ``Answer: N`` answer line (the bundled tasks' format): a line starting with ``Answer:`` (any case) ...
+ANSWER_PREFIX_RE = re.compile(r"^\s*answer\s*:", re.IGNORECASE)
+#: ... that holds exactly one integer (an optional trailing period allowed).
+ANSWER_LINE_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*\.?\s*$", re.IGNORECASE)
+
+
+def answer_line_value(text: str) -> int | None:
+    """The integer on the first ``Answer:`` line of ``text`` (blank lines skipped, lines stripped), or None.
+
+    None also when the first answer line does not hold a single integer (``"Answer: 7 or 8"``, ``"Answer:"``).
+    """
+    for line in text.splitlines():
+        line = line.strip()
+        if line and ANSWER_PREFIX_RE.match(line):
+            match = ANSWER_LINE_RE.match(line)
+            return int(match.group(1)) if match else None
+    return None
+
+
 def extract_task_answer(text: str) -> str | None:
     """The bundled tasks' answer: the integer on the first ``Answer: N`` line, as a string (or None)."""
-    from .tasks.arithmetic import extract_answer
-
-    value = extract_answer(text)
+    value = answer_line_value(text)
     return None if value is None else str(value)
 
 

@@ -6,7 +6,10 @@ the plugin is registered; a misspelt hook is refused at construction.
 
 Composition is explicit: each hook is called once per enabled plugin, **in the order of** ``args.plugins``,
 and every hook of a stage works on the same mutable context object, so the output of one plugin is the input
-of the next (a chain). Return values are ignored unless a spec says otherwise.
+of the next (a chain). One exception to the order: a plugin that recomputes a chained quantity from scratch
+(``Plugin.overwrites`` / ``overwritten()``: ``"rewards"``, ``"advantages"``) runs first in that stage's chain, with a
+warning naming the plugins it moved ahead of, and two plugins overwriting the same quantity are refused together.
+Return values are ignored unless a spec says otherwise.
 
 Shapes used below: ``N`` rows in the global generation batch (all processes), ``B`` rows on this process
 (``N = B * num_processes``), ``T`` completion positions (right-padded), ``K`` reward functions, ``G`` =

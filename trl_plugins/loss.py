@@ -32,6 +32,7 @@ import torch
 from . import loss_rules as rules
 from .contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from .errors import IncompatiblePluginsError
+from .option_groups import check_offpolicy_gamma  # noqa: F401 -- its home is option_groups; kept importable here
 
 SUPPORTED_LOSS_TYPES = rules.LOSS_TYPES
 #: Hooks whose presence in a stack makes the trainer compute the loss here instead of TRL (sampling hooks may inject
@@ -59,24 +60,6 @@ def check_loss_type(loss_type: str) -> None:
         raise IncompatiblePluginsError(
             f"loss_type={loss_type!r} is not supported together with loss- or sampling-stage plugins; "
             f"supported: {', '.join(SUPPORTED_LOSS_TYPES)}."
-        )
-
-
-def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
-    """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
-
-    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss (:func:`~trl_plugins.loss_rules.shaped_offpolicy_loss`)
-    is shared by every plugin of a run, so a plugin's documented gamma (LUFFY: 0.1) is a check on the run setting,
-    not a second knob.
-    """
-    import math
-
-    run_gamma = getattr(args, "offpolicy_shaping_gamma", 0.1)
-    if not math.isclose(float(run_gamma), float(gamma)):
-        raise IncompatiblePluginsError(
-            f"{plugin}: gamma={gamma} but the run's offpolicy_shaping_gamma={run_gamma}. The shaped off-policy branch "
-            f"p/(p+gamma) is shared by every plugin of a run; set offpolicy_shaping_gamma: {gamma} in the config (or "
-            f"the plugin's gamma to {run_gamma})."
         )
 
 

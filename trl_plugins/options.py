@@ -86,7 +86,13 @@ class OptionInfo:
 
 @dataclasses.dataclass
 class PluginOptions:
-    """Base class of plugin option dataclasses. Subclasses may override :meth:`validate` for cross-field checks."""
+    """Base class of plugin option dataclasses. Subclasses may override :meth:`validate` for cross-field checks.
+
+    ``reconstructed_options`` names options a subclass inherits from a shared option group (e.g. ``gamma`` of
+    :class:`~trl_plugins.option_groups.OffPolicyOptions`) whose default is, for this plugin, a reconstruction.
+    """
+
+    reconstructed_options: typing.ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_dict(cls, values: typing.Mapping[str, Any] | None, plugin: str = "?") -> PluginOptions:
@@ -130,7 +136,7 @@ class PluginOptions:
                     choices=choices,
                     min=md.get("min"),
                     max=md.get("max"),
-                    reconstructed=bool(md.get("reconstructed", False)),
+                    reconstructed=bool(md.get("reconstructed", False)) or f.name in cls.reconstructed_options,
                     min_exclusive=bool(md.get("min_exclusive", False)),
                 )
             )

@@ -125,7 +125,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             if tokenizer is not None and kwargs.get("processing_class") is None:
                 kwargs["processing_class"] = tokenizer
             if builtin and uses_tools:  # the built-in models ship no tool-calling chat template
-                from .tasks.tools import enable_tool_calling
+                from .models import enable_tool_calling
 
                 if kwargs.get("processing_class") is None:
                     from transformers import AutoTokenizer

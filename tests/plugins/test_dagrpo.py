@@ -23,8 +23,10 @@ from trl_plugins.testing import (
     tiny_dataset,
     tiny_tokenizer,
 )
+from trl_plugins.text import completion_text
 from trl_plugins_builtin.dagrpo import (
     ANCHOR_ANNOTATION,
+    DaGRPOOptions,
     anchor_slots,
     edit_similarity,
     ngram_jaccard,
@@ -164,7 +166,7 @@ TEXTS = [PROBLEM.solution, "3+4=7\n7*2=14\nAnswer: 15", "3+4=8", "garbage"]  # P
 
 
 def test_prm_scores_travel_from_the_reward_stage_to_the_advantage_stage():
-    stack = build_plugins(["dagrpo"], {"dagrpo": {"delta": 0.5}})
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "prm", "delta": 0.5}})
     rows = [{"problem": PROBLEM.to_json(), "solution": PROBLEM.solution}] * 4
     stack.call("trl_plugins_transform_rewards", _reward_ctx(TEXTS, 4, rows))
     ctx, sink = _adv_ctx(torch.tensor([1.0, 0.0, 0.0, 0.0]), A.clone(), 4)
@@ -219,7 +221,7 @@ def test_reward_scorer_and_reward_gap():
 
 
 def test_prm_scorer_needs_the_problem_json():
-    stack = build_plugins(["dagrpo"])
+    stack = build_plugins(["dagrpo"], {"dagrpo": {"scorer": "prm"}})
     with pytest.raises(PluginConfigError, match="'problem'"):
         stack.call("trl_plugins_transform_rewards", _reward_ctx(["x"] * 2, 2, [{"problem": None}] * 2))
 
@@ -277,9 +279,11 @@ def test_missing_solution_is_a_clear_error():
 def test_required_columns_are_checked_at_construction(tmp_path):
     data = tiny_dataset(4).remove_columns("problem")
     with pytest.raises(PluginConfigError, match=r"'dagrpo'.*'problem'"):
-        make_tiny_trainer(plugins=["dagrpo"], dataset=data, output_dir=str(tmp_path))
+        make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": {"scorer": "prm"}}, dataset=data,
+                          output_dir=str(tmp_path))
     make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": {"scorer": "reward"}}, dataset=data,
                       output_dir=str(tmp_path))
+    make_tiny_trainer(plugins=["dagrpo"], dataset=data, output_dir=str(tmp_path))  # the default scorer reads no column
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -300,7 +304,8 @@ def test_end_to_end_anchors_are_trained_off_policy(tmp_path):
     """The untrained model never answers correctly: every group is all-fail, so slot 0 of each group becomes the
     reference solution + EOS, flagged off-policy, rewarded 1 by the verifier, and the pair-masked advantages are
     the PRM-scored ones."""
-    trainer = make_tiny_trainer(plugins=["dagrpo"], max_steps=2, output_dir=str(tmp_path))
+    trainer = make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": {"scorer": "prm"}}, max_steps=2,
+                                output_dir=str(tmp_path))
     batches = []
     original = trainer._generate_and_score_completions
 
@@ -331,6 +336,78 @@ def test_end_to_end_anchors_are_trained_off_policy(tmp_path):
         assert log["plugins/framework/offpolicy_token_fraction"] > 0
         for key in ("masked_pair_fraction", "zero_advantage_row_fraction", "mean_score"):
             assert f"plugins/dagrpo/{key}" in log
+
+
+# ------------------------------------------------------------------------------------------ any dataset
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+
+
+def _reversal_dataset():
+    """A dataset that is not the bundled tasks': no ``problem`` or ``rubrics`` column, not arithmetic."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": f"Spell {w} backwards."}] for w in WORDS],
+        "answer": [w[::-1] for w in WORDS],
+        "solution": [w[::-1] for w in WORDS],
+    })
+
+
+def exact_match_reward(completions, answer, **kwargs):
+    return [1.0 if completion_text(c).strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def test_default_options_train_on_a_dataset_that_is_not_the_bundled_tasks(tmp_path):
+    """``plugins: [dagrpo]`` with no options on a user's dataset: the default scorer (token similarity) needs no task
+    column and no model; pairs are masked, the all-fail groups are anchored with the reference, and the model
+    learns from them."""
+    assert DaGRPOOptions().scorer == "similarity"
+    trainer = make_tiny_trainer(plugins=["dagrpo"], dataset=_reversal_dataset(), reward_funcs=[exact_match_reward],
+                                max_steps=2, output_dir=str(tmp_path))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    run = record_run(trainer)
+    assert any(not torch.equal(before[n], p) for n, p in run.params.items())
+    logs = [log for log in run.logs if "loss" in log]
+    assert len(logs) == 2
+    for log in logs:
+        for key in ("masked_pair_fraction", "zero_advantage_row_fraction", "mean_pair_distinctiveness",
+                    "anchored_group_fraction"):
+            assert f"plugins/dagrpo/{key}" in log
+        assert "plugins/dagrpo/mean_score" not in log  # no per-row score: the similarity scorer is pairwise
+        assert log["plugins/dagrpo/anchored_group_fraction"] == 1.0  # the untrained model never succeeds
+    for rewards in run.rewards:  # anchors (slot 0) are the reference solution: a success under the verifier
+        assert rewards[0::trainer.num_generations, 0].eq(1.0).all()
+
+
+def test_prm_scorer_takes_a_step_verifier_by_name(tmp_path):
+    """scorer='prm' on a user's task: the verifier is registered under a name and the config names it; the
+    bundled one stays available as 'arithmetic'."""
+    from trl_plugins.components.prm import STEP_VERIFIERS
+
+    calls = []
+
+    def letters_verifier(problem, steps):  # a step is right when it is a prefix of the reversed word
+        calls.append((problem, list(steps)))
+        return [1.0 if problem.startswith(step) else 0.0 for step in steps]
+
+    STEP_VERIFIERS.register("reversal", letters_verifier)
+    try:
+        with pytest.raises(PluginConfigError, match=r"prm_verifier.*'reversl'.*Did you mean 'reversal'"):
+            build_plugins(["dagrpo"], {"dagrpo": {"scorer": "prm", "prm_verifier": "reversl"}})
+        options = {"scorer": "prm", "prm_verifier": "reversal", "problem_column": "answer", "delta": 0.5,
+                   "anchors": False}
+        stack = build_plugins(["dagrpo"], {"dagrpo": options})
+        rows = [{"answer": "ahpla"}] * 4
+        stack.call("trl_plugins_transform_rewards", _reward_ctx(["ah", "ahp\nx", "zz", "ahpla"], 4, rows))
+        ctx, sink = _adv_ctx(torch.zeros(4), A.clone(), 4)
+        stack.call("trl_plugins_transform_advantages", ctx)
+        assert sink["plugins/dagrpo/mean_score"] == [pytest.approx((1 + 0.5 + 0 + 1) / 4)]
+        assert calls[1] == ("ahpla", ["ahp", "x"])
+        make_tiny_trainer(plugins=["dagrpo"], plugin_config={"dagrpo": options}, dataset=_reversal_dataset(),
+                          reward_funcs=[exact_match_reward], output_dir=str(tmp_path))  # 'problem' not required
+    finally:
+        STEP_VERIFIERS.unregister("reversal")
+    assert prm_score(PROBLEM.to_json(), PROBLEM.solution, "arithmetic") == 1.0
 
 
 # ------------------------------------------------------------------------------------------ LLM-judge scorer

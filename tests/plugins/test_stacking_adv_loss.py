@@ -14,7 +14,8 @@ from trl_plugins_builtin.riskpo import riskpo_advantages
 
 
 def test_disco_with_dagrpo_anchors_and_pair_masking(tmp_path):
-    trainer = make_tiny_trainer(plugins=["disco", "dagrpo"], loss_type="grpo", max_steps=2, output_dir=str(tmp_path))
+    trainer = make_tiny_trainer(plugins=["disco", "dagrpo"], plugin_config={"dagrpo": {"scorer": "prm"}},
+                                loss_type="grpo", max_steps=2, output_dir=str(tmp_path))
     G = trainer.num_generations
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     run = record_run(trainer)

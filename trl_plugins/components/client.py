@@ -11,10 +11,12 @@ a batch of coroutines on a private event loop thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
 import random
+import sys
 import threading
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 
 from ..errors import PluginConfigError, PluginError
+from ..options import PluginOptions, option
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -73,6 +76,80 @@ class EndpointConfig:
 
     def __post_init__(self):
         check_base_url(self.base_url)
+
+
+# ============================================================================================= plugin options
+@dataclasses.dataclass
+class EndpointOptions(PluginOptions):
+    """Base of the endpoint option groups :func:`endpoint_options` makes: the helpers below read a group by its
+    prefix, so an option dataclass may hold several groups (SCOPE: a PRM and a teacher)."""
+
+    def endpoint_kwargs(self, prefix: str) -> dict[str, Any]:
+        """``model``, ``base_url``, ``api_key_env``, ``timeout``, ``max_retries`` of group ``prefix`` (the keyword
+        arguments of :func:`~trl_plugins.components.teacher.shared_teacher` and
+        :func:`~trl_plugins.components.prm.build_prm`)."""
+        return {key: getattr(self, f"{prefix}_{key}") for key in ENDPOINT_FIELDS}
+
+    def endpoint_config(self, prefix: str, **extra: Any) -> EndpointConfig:
+        """The :class:`EndpointConfig` of group ``prefix`` (its API key read from the environment now); ``extra`` sets
+        other fields (e.g. ``max_concurrency``)."""
+        o = self.endpoint_kwargs(prefix)
+        return EndpointConfig(base_url=o["base_url"], model=o["model"], api_key=api_key_from_env(o["api_key_env"]),
+                              timeout=o["timeout"], max_retries=o["max_retries"], **extra)
+
+    def require_base_url(self, prefix: str, plugin: str, *, active: bool = True, when: str = "",
+                         otherwise: str = "") -> None:
+        """Refuse group ``prefix`` used as an endpoint (its kind option, named ``prefix``, is ``'endpoint'``) without
+        ``<prefix>_base_url``. ``active``: whether the plugin uses the group with these options; ``when`` names that
+        condition in the message (e.g. ``"scorer='judge'"``); ``otherwise`` the alternatives (e.g. ``"judge='hf'"``)."""
+        if active and getattr(self, prefix, "endpoint") == "endpoint" and not getattr(self, f"{prefix}_base_url"):
+            condition = f"{when} and {prefix}='endpoint'" if when else f"{prefix}='endpoint'"
+            raise PluginConfigError(
+                f"Plugin {plugin!r} with {condition} needs {prefix}_base_url (an OpenAI-compatible server such as "
+                f"`vllm serve`, e.g. http://127.0.0.1:8000/v1){'; or set ' + otherwise if otherwise else ''}."
+            )
+
+
+#: The options of an endpoint group, without the prefix.
+ENDPOINT_FIELDS = ("model", "base_url", "api_key_env", "timeout", "max_retries")
+
+
+def endpoint_options(
+    prefix: str,
+    label: str,
+    *,
+    model: str = "default",
+    model_help: str | None = None,
+    model_reconstructed: bool = False,
+    timeout: float = 120.0,
+    max_retries: int = 4,
+) -> type[EndpointOptions]:
+    """The option group of one external model (teacher, critic, judge, PRM): ``<prefix>_model``,
+    ``<prefix>_base_url``, ``<prefix>_api_key_env``, ``<prefix>_timeout`` and ``<prefix>_max_retries``, declared here
+    once for every plugin. An option dataclass derives from the group (and declares the kind option named ``prefix``
+    itself, ``Literal["endpoint", "hf", ...]``: its choices differ per plugin); :class:`EndpointOptions` has the
+    helpers. ``label`` names the model in the help texts; the keyword arguments are the group's defaults."""
+    cap = label[:1].upper() + label[1:]
+    fields = [
+        (f"{prefix}_model", str, option(
+            model, reconstructed=model_reconstructed,
+            help=model_help or f"{cap}: served model name (endpoint) or model name/path (hf).")),
+        (f"{prefix}_base_url", str | None, option(
+            None, help=f"{cap} endpoint ({prefix}='endpoint'), e.g. http://127.0.0.1:8000/v1.")),
+        (f"{prefix}_api_key_env", str | None, option(
+            None, help=f"Environment variable holding the {label} endpoint's API key.")),
+        (f"{prefix}_timeout", float, option(
+            timeout, min=0.0, min_exclusive=True, help=f"Seconds per {label} endpoint request before it counts as "
+            "failed.")),
+        (f"{prefix}_max_retries", int, option(
+            max_retries, min=0,
+            help=f"Retries (with backoff on 429/5xx/connection errors) of a failed {label} endpoint request.")),
+    ]
+    name = "".join(part.capitalize() for part in prefix.split("_")) + "EndpointOptions"
+    cls = dataclasses.make_dataclass(name, fields, bases=(EndpointOptions,))
+    cls.__module__ = sys._getframe(1).f_globals.get("__name__", __name__)
+    cls.__doc__ = f"The endpoint options of the {label} (``{prefix}_*``, see :func:`endpoint_options`)."
+    return cls
 
 
 def check_base_url(url: Any) -> None:

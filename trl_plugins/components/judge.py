@@ -11,7 +11,9 @@ Backends, all with the same :meth:`RubricJudge.grade` interface (a flat, batched
   :class:`~trl_plugins.components.client.OpenAICompatibleClient` (async, bounded concurrency, timeouts,
   retries with backoff on 429/5xx/connection errors). Verdicts are cached per request.
 * :class:`HFJudge`: a local Hugging Face causal LM loaded by name or path (``AutoModelForCausalLM``).
-* :class:`RuleJudge`: the bundled tasks' rule-based judge (:func:`trl_plugins.tasks.arithmetic.rubric_verdict`).
+* :class:`RuleJudge`: a task's rule-based judge, a verdict oracle ``fn(item, problem, completion) -> bool`` named in
+  :data:`RUBRIC_VERDICTS` (``"arithmetic"``: the bundled tasks', :func:`trl_plugins.tasks.arithmetic.rubric_oracle`,
+  loaded on first use).
 
 Robustness (RuscaRL's protocol): the answer is parsed leniently (``<think>`` blocks and markdown fences stripped,
 the first balanced JSON object holding ``criteria_met``, then a regex on the field); an unparsable answer is asked
@@ -20,7 +22,8 @@ and the last answer -- never a silent ``False``. (RuscaRL's code falls back to `
 ``on_unparsable="false"`` restores that.)
 
 :func:`rule_judge_handler` turns the rule-based judge into an HTTP handler for
-:func:`~trl_plugins.components.local_server.serve_openai_compatible`, so tests and the offline demo exercise the
+:func:`~trl_plugins.components.local_server.serve_openai_compatible` (the row rebuilt from the question by the task's
+entry of :data:`~trl_plugins.components.local_server.QUESTION_ROWS`), so tests and the offline demo exercise the
 real endpoint path against a judge that grades correctly.
 """
 
@@ -32,16 +35,20 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import EndpointConfig, EndpointError, OpenAICompatibleClient
+from ..registry import Registry
+from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options
+from .local_server import QUESTION_ROWS
 
 __all__ = [
     "EndpointJudge",
     "HFJudge",
+    "JudgeEndpointOptions",
     "JudgeRequest",
+    "RUBRIC_VERDICTS",
     "RubricJudge",
     "RuleJudge",
     "build_judge_prompt",
@@ -53,6 +60,18 @@ __all__ = [
 _THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _FENCE_RE = re.compile(r"```(?:json|JSON)?\s*(.*?)```", re.DOTALL)
 _FIELD_RE = re.compile(r"[\"']?criteria_met[\"']?\s*[:=]\s*[\"']?(true|false|yes|no|1|0)\b", re.IGNORECASE)
+
+#: Verdict oracles of :class:`RuleJudge` by name, ``fn(item, problem, completion) -> bool`` (``problem``: the row's
+#: problem column as stored; True = the item's criterion is met). A task registers its own with
+#: ``RUBRIC_VERDICTS.register``.
+RUBRIC_VERDICTS: Registry[Callable[[dict, Any, str], bool]] = Registry(
+    "rubric verdict oracle", {"arithmetic": "trl_plugins.tasks.arithmetic:rubric_oracle"},
+    contract="fn(item: dict, problem, completion: str) -> bool",
+)
+
+#: The judge's endpoint options of the plugins that ask an LLM judge: ``judge_model``, ``judge_base_url``,
+#: ``judge_api_key_env``, ``judge_timeout``, ``judge_max_retries`` (with the kind option ``judge`` declared by each).
+JudgeEndpointOptions = endpoint_options("judge", "judge")
 
 CONVERSATION_HEADER = "## Conversation"
 ITEM_HEADER = "## Rubric item"
@@ -371,20 +390,21 @@ class HFJudge(_RetryingJudge):
 
 
 class RuleJudge(RubricJudge):
-    """The bundled tasks' rule-based judge: :func:`~trl_plugins.tasks.arithmetic.rubric_verdict` on each item.
+    """A task's rule-based judge: the verdict oracle ``oracle`` of :data:`RUBRIC_VERDICTS` on each item (default
+    ``"arithmetic"``, the bundled tasks': :func:`~trl_plugins.tasks.arithmetic.rubric_verdict`).
 
-    Reads the problem from the row's ``problem_column`` (JSON of :class:`~trl_plugins.tasks.arithmetic.Problem`).
+    Reads the problem from the row's ``problem_column`` (for the bundled tasks, JSON of their ``Problem``).
     """
 
     location = "rule"
 
-    def __init__(self, problem_column: str = "problem"):
+    def __init__(self, problem_column: str = "problem", oracle: str | Callable = "arithmetic"):
         self.problem_column = problem_column
+        self.oracle = RUBRIC_VERDICTS.get(oracle)
         self.calls = 0
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[bool]:
         from ..errors import PluginError
-        from ..tasks.arithmetic import Problem, rubric_verdict
 
         out = []
         for r in requests:
@@ -394,13 +414,12 @@ class RuleJudge(RubricJudge):
                     f"The rule-based judge needs the dataset column {self.problem_column!r} (a Problem as JSON); "
                     f"got {raw!r}."
                 )
-            out.append(bool(rubric_verdict(r.item, Problem.from_json(raw), r.completion)))
+            out.append(bool(self.oracle(r.item, raw, r.completion)))
             self.calls += 1
         return out
 
 
 # --------------------------------------------------------------------------------------------- test/demo server
-_EXPRESSION_RE = re.compile(r"Compute\s+(\d+(?:[+\-*]\d+)+)\s+step by step")
 _ITEM_RE = re.compile(r"^\[([+-]?\d+(?:\.\d+)?)\]\s*(.*)$")
 
 
@@ -412,15 +431,16 @@ def _split_prompt(prompt: str) -> tuple[str, str, str]:
     return conv, completion, item_line
 
 
-def rule_judge_handler(seen: list | None = None):
-    """An HTTP handler answering judge prompts of the bundled arithmetic tasks with the rule-based judge.
+def rule_judge_handler(seen: list | None = None, oracle: str = "arithmetic", problem_column: str = "problem"):
+    """An HTTP handler answering judge prompts with a task's rule-based judge (default: the bundled arithmetic tasks).
 
-    For :func:`~trl_plugins.components.local_server.serve_openai_compatible`: it reads the problem from the
-    conversation ("Compute <expression> step by step"), finds the rubric item by criterion and points among
-    :func:`~trl_plugins.tasks.arithmetic.make_rubrics`, grades the completion and answers in the judge's JSON
-    format. Every prompt received is appended to ``seen`` when given.
+    For :func:`~trl_plugins.components.local_server.serve_openai_compatible`: it rebuilds the row from the
+    conversation (``QUESTION_ROWS[oracle]``: for the bundled tasks, "Compute <expression> step by step"), finds the
+    rubric item by criterion and points among the row's ``rubrics``, grades the completion with
+    ``RUBRIC_VERDICTS[oracle]`` and answers in the judge's JSON format. Every prompt received is appended to
+    ``seen`` when given.
     """
-    from ..tasks.arithmetic import Problem, make_rubrics, rubric_verdict
+    row_of, verdict = QUESTION_ROWS.get(oracle), RUBRIC_VERDICTS.get(oracle)
 
     def handler(path: str, payload: dict):
         from .local_server import chat_response
@@ -429,22 +449,20 @@ def rule_judge_handler(seen: list | None = None):
         if seen is not None:
             seen.append(prompt)
         conv, completion, item_line = _split_prompt(prompt)
-        m = _EXPRESSION_RE.search(conv)
-        if m is None:
-            return 400, {"error": "no arithmetic problem in the conversation"}
-        expression = m.group(1)
-        operands = [int(x) for x in re.findall(r"\d+", expression)]
-        operators = re.findall(r"[+\-*]", expression)
-        problem = Problem.from_expression(operands, operators)
+        try:
+            row = row_of(conv)
+        except ValueError:
+            return 400, {"error": f"no {oracle} problem in the conversation"}
         im = _ITEM_RE.match(item_line)
         points, criterion = float(im.group(1)), im.group(2).strip()
         item = next(
-            (it for it in make_rubrics(problem) if it["criterion"] == criterion and math.isclose(it["points"], points)),
+            (it for it in row.get("rubrics") or []
+             if it["criterion"] == criterion and math.isclose(it["points"], points)),
             None,
         )
         if item is None:
             return 400, {"error": f"unknown rubric item {item_line!r}"}
-        met = rubric_verdict(item, problem, completion)
+        met = verdict(item, row[problem_column], completion)
         body = json.dumps({"explanation": "graded by rule", "criteria_met": met})
         return chat_response(f"```json\n{body}\n```")
 

@@ -5,6 +5,11 @@ would to ``vllm serve``. It binds 127.0.0.1 only, on a free port, and stops when
 
 The handler gets ``(path, payload)`` (e.g. ``("/v1/chat/completions", {...})``) and returns either a JSON-able
 body (status 200) or ``(status, body)``; raising :class:`Delay` first sleeps (to test timeouts).
+
+A local PRM or judge server sees only the question, but a programmatic oracle grades from the dataset row:
+:data:`QUESTION_ROWS` names the functions ``question -> row`` that rebuild it (``"arithmetic"``: the bundled tasks'
+:func:`~trl_plugins.tasks.arithmetic.row_from_question`, loaded on first use; raise ``ValueError`` for a text holding
+no question of the task).
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ..registry import Registry
+
 Handler = Callable[[str, dict], Any]
+
+#: ``question text -> dataset row`` for the local test / demo servers, by task name (see the module docstring).
+QUESTION_ROWS: Registry[Callable[[str], dict]] = Registry(
+    "question -> row rebuilder", {"arithmetic": "trl_plugins.tasks.arithmetic:row_from_question"},
+    contract="fn(question: str) -> dict, ValueError when the text holds no question of the task",
+)
 
 
 class LoopbackHTTPServer(ThreadingHTTPServer):

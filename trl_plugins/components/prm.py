@@ -9,7 +9,7 @@ Common interface (:class:`ProcessRewardModel`), batched over rows:
   ``threshold`` (None when every step reaches it).
 
 ``rows`` are dataset rows (the question is the last user message of ``row["prompt"]``; the programmatic PRM also
-reads the task's ``problem`` column) or plain question strings; ``completions`` are strings or TRL's
+reads the task's problem column) or plain question strings; ``completions`` are strings or TRL's
 assistant-message lists.
 
 Backends:
@@ -31,8 +31,9 @@ Backends:
 
   A dead server, a non-JSON answer or a wrong number of scores raises
   :class:`~trl_plugins.components.client.EndpointError` naming the URL -- never a silent default score.
-* :class:`ProgrammaticPRM` -- the bundled arithmetic tasks' exact step verifier
-  (:func:`trl_plugins.tasks.arithmetic.step_scores`; one step per line).
+* :class:`ProgrammaticPRM` -- a task's exact step verifier ``fn(problem, steps) -> scores``, named in
+  :data:`STEP_VERIFIERS` (``"arithmetic"``: the bundled tasks', :func:`trl_plugins.tasks.arithmetic.prm_step_scores`,
+  loaded on first use; one step per line).
 * :class:`FunctionPRM` -- any callable ``fn(row, steps) -> scores`` (your own verifier).
 
 :func:`shared_prm` builds a PRM once per configuration and hands the same instance to every plugin that asks for
@@ -50,13 +51,16 @@ from typing import Any, ClassVar, Literal
 
 from ..text import completion_text
 from ..errors import PluginConfigError
-from ..options import PluginOptions, option
-from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env
+from ..options import option
+from ..registry import Registry
+from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env, endpoint_options
+from .local_server import QUESTION_ROWS
 from .steps import StepSpan, first_error, question_text, split_steps
 
 __all__ = [
     "QWEN_PRM_SYSTEM",
     "STEP_TOKEN",
+    "STEP_VERIFIERS",
     "EndpointPRM",
     "FunctionPRM",
     "PRMOptions",
@@ -76,6 +80,13 @@ __all__ = [
 QWEN_PRM_SYSTEM = "Please reason step by step, and put your final answer within \\boxed{}."
 #: Step token of the Qwen2.5-Math-PRM convention (appended after every step).
 STEP_TOKEN = "<extra_0>"
+
+#: Step verifiers of :class:`ProgrammaticPRM` by name, ``fn(problem, steps) -> one score in [0, 1] per step``
+#: (``problem``: the row's problem column as stored). A task registers its own with ``STEP_VERIFIERS.register``.
+STEP_VERIFIERS: Registry[Callable[[Any, list[str]], Sequence[float]]] = Registry(
+    "programmatic PRM step verifier", {"arithmetic": "trl_plugins.tasks.arithmetic:prm_step_scores"},
+    contract="fn(problem, steps: list[str]) -> list[float], one score per step",
+)
 
 CHAT_PRM_INSTRUCTIONS = (
     "You are a careful verifier of step-by-step solutions. Judge each step below on its own: is it correct "
@@ -147,26 +158,28 @@ class ProcessRewardModel:
 
 # ============================================================================================= programmatic
 class ProgrammaticPRM(ProcessRewardModel):
-    """The bundled arithmetic tasks' step verifier: step ``i`` scores 1.0 iff it is the exact ``i``-th reference step
-    (:func:`trl_plugins.tasks.arithmetic.step_scores`). Reads the dataset's ``problem`` column; one step per line."""
+    """A task's exact step verifier, named in :data:`STEP_VERIFIERS` (default ``"arithmetic"``, the bundled tasks':
+    step ``i`` scores 1.0 iff it is the exact ``i``-th reference step). Reads the row's ``problem_column`` and hands
+    it to the verifier with the completion's steps, one per line."""
 
     separator = "\n"
 
-    def __init__(self, problem_column: str = "problem"):
+    def __init__(self, problem_column: str = "problem", verifier: str | Callable = "arithmetic"):
         self.problem_column = problem_column
+        self.verifier_name = verifier if isinstance(verifier, str) else getattr(verifier, "__name__", "custom")
+        self.verifier = STEP_VERIFIERS.get(verifier)
 
     def _score_step_lists(self, questions, step_lists, rows):
-        from ..tasks.arithmetic import Problem, step_scores
-
         out = []
         for row, steps in zip(rows, step_lists):
             raw = row.get(self.problem_column) if isinstance(row, Mapping) else None
             if not raw:
                 raise PluginConfigError(
-                    f"ProgrammaticPRM needs the dataset column {self.problem_column!r} (the bundled tasks' problem "
-                    f"JSON); the row has {sorted(row) if isinstance(row, Mapping) else type(row).__name__}."
+                    f"ProgrammaticPRM needs the dataset column {self.problem_column!r} (the problem its step verifier "
+                    f"{self.verifier_name!r} reads); the row has "
+                    f"{sorted(row) if isinstance(row, Mapping) else type(row).__name__}."
                 )
-            out.append(step_scores(Problem.from_json(raw), "\n".join(steps)))
+            out.append(list(self.verifier(raw, list(steps))))
         return out
 
 
@@ -443,6 +456,7 @@ def build_prm(
     trust_remote_code: bool = False,
     separator: str | None = None,
     problem_column: str = "problem",
+    verifier: str = "arithmetic",
     timeout: float = 60.0,
     max_retries: int = 4,
 ) -> ProcessRewardModel:
@@ -450,14 +464,15 @@ def build_prm(
 
     Args:
         kind: ``"hf"`` (``model`` = name or path), ``"endpoint"`` (``base_url`` + ``model`` = served name,
-            ``protocol``), or ``"programmatic"`` (the bundled tasks, column ``problem_column``).
+            ``protocol``), or ``"programmatic"`` (the step verifier named ``verifier`` in :data:`STEP_VERIFIERS`,
+            reading the column ``problem_column``).
         separator: step separator (default: ``"\\n\\n"`` for hf/endpoint, one line for programmatic).
         api_key_env: name of an environment variable holding the endpoint's API key.
         timeout, max_retries: per-request timeout in seconds and retries with backoff (endpoint only; see
             :class:`~trl_plugins.components.client.EndpointConfig`).
     """
     if kind == "programmatic":
-        prm = ProgrammaticPRM(problem_column)
+        prm = ProgrammaticPRM(problem_column, verifier)
         if separator is not None and separator != "\n":
             raise PluginConfigError("The programmatic PRM scores one step per line; its separator is '\\n'.")
         return prm
@@ -484,8 +499,13 @@ def shared_prm(kind: str, **kwargs: Any) -> ProcessRewardModel:
     return _SHARED[key]
 
 
+#: ``prm_model``, ``prm_base_url``, ``prm_api_key_env``, ``prm_timeout``, ``prm_max_retries``.
+PRMEndpointOptions = endpoint_options("prm", "PRM", model="Qwen/Qwen2.5-Math-PRM-7B", model_reconstructed=True,
+                                      model_help="PRM name/path, or served name.", timeout=60.0)
+
+
 @dataclass
-class PRMOptions(PluginOptions):
+class PRMOptions(PRMEndpointOptions):
     """The PRM options shared by the plugins that score steps (scope, posterior_grpo); their option dataclasses
     derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
 
@@ -493,38 +513,36 @@ class PRMOptions(PluginOptions):
 
     prm: Literal["hf", "endpoint", "programmatic"] = option(
         "hf", reconstructed=True,
-        help="PRM: an HF model by name/path (Qwen2.5-Math-PRM convention), an endpoint, or the bundled tasks' "
-        "programmatic step verifier.",
+        help="PRM: an HF model by name/path (Qwen2.5-Math-PRM convention), an endpoint, or a task's programmatic "
+        "step verifier (prm_verifier).",
     )
-    prm_model: str = option("Qwen/Qwen2.5-Math-PRM-7B", reconstructed=True, help="PRM name/path, or served name.")
-    prm_base_url: str | None = option(None, help="PRM endpoint (prm='endpoint'), e.g. http://127.0.0.1:8000/v1.")
+    prm_verifier: str = option(
+        "arithmetic",
+        help="prm='programmatic': the step verifier by name (components.prm.STEP_VERIFIERS; 'arithmetic' = the bundled "
+        "tasks', reading their 'problem' column) or 'package.module:function' (fn(problem, steps) -> scores).",
+    )
     prm_protocol: Literal["pooling", "chat"] = option("pooling", help="PRM endpoint protocol (see components.prm).")
-    prm_api_key_env: str | None = option(None, help="Environment variable holding the PRM endpoint's key.")
-    prm_timeout: float = option(
-        60.0, min=0.0, min_exclusive=True, help="Seconds per PRM endpoint request before it counts as failed."
-    )
-    prm_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed PRM endpoint request.")
     prm_device: str | None = option(None, help="Device of an HF PRM (None: CPU).")
     prm_trust_remote_code: bool = option(False, help="Allow an HF PRM's own model code (Qwen2.5-Math-PRM-7B needs it).")
 
     def validate(self) -> None:
-        if self.prm == "endpoint" and not self.prm_base_url:
-            raise PluginConfigError(f"Plugin {self.plugin_name!r} with prm='endpoint' needs prm_base_url.")
+        self.require_base_url("prm", self.plugin_name, otherwise="prm='hf' or 'programmatic'")
+        if self.prm == "programmatic":
+            STEP_VERIFIERS.check(self.prm_verifier, f"Option 'prm_verifier' of plugin {self.plugin_name!r}: ")
 
 
 def prm_from_options(o: PRMOptions) -> ProcessRewardModel:
-    """The shared PRM described by plugin options named ``prm`` (kind), ``prm_model``, ``prm_base_url``,
-    ``prm_protocol``, ``prm_api_key_env``, ``prm_timeout``, ``prm_max_retries``, ``prm_device``,
+    """The shared PRM described by plugin options named ``prm`` (kind), ``prm_verifier``, ``prm_model``,
+    ``prm_base_url``, ``prm_protocol``, ``prm_api_key_env``, ``prm_timeout``, ``prm_max_retries``, ``prm_device``,
     ``prm_trust_remote_code``, ``step_separator`` and ``problem_column`` -- plugins with equal PRM options get the
     same instance (SCOPE and Posterior-GRPO)."""
     kwargs: dict[str, Any] = {"separator": o.step_separator}
     if o.prm == "programmatic":
-        kwargs["problem_column"] = o.problem_column
+        kwargs.update(problem_column=o.problem_column, verifier=o.prm_verifier)
     elif o.prm == "hf":
         kwargs.update(model=o.prm_model, device=o.prm_device, trust_remote_code=o.prm_trust_remote_code)
     else:
-        kwargs.update(model=o.prm_model, base_url=o.prm_base_url, protocol=o.prm_protocol,
-                      api_key_env=o.prm_api_key_env, timeout=o.prm_timeout, max_retries=o.prm_max_retries)
+        kwargs.update(o.endpoint_kwargs("prm"), protocol=o.prm_protocol)
     return shared_prm(o.prm, **kwargs)
 
 
@@ -536,21 +554,11 @@ def clear_shared_prms() -> None:
 
 
 # ============================================================================================= test / demo server
-_EXPR_RE = re.compile(r"Compute\s+([0-9+\-*]+)\s+step by step")
-
-
 def arithmetic_row(question: str) -> dict:
-    """A dataset row (``prompt`` + ``problem``) rebuilt from a bundled arithmetic question, e.g. ``"Compute 3+4*2
-    step by step (left to right)."`` -- lets a PRM server grade with :class:`ProgrammaticPRM` from the question
-    alone."""
-    from ..tasks.arithmetic import Problem
-
-    match = _EXPR_RE.search(question)
-    if match is None:
-        raise ValueError(f"not a bundled arithmetic question: {question!r}")
-    tokens = re.findall(r"\d+|[+\-*]", match.group(1))
-    problem = Problem.from_expression([int(t) for t in tokens[0::2]], tokens[1::2])
-    return {"prompt": [{"role": "user", "content": question}], "problem": problem.to_json()}
+    """A dataset row (``prompt``, ``problem`` and the other columns) rebuilt from a bundled arithmetic question, e.g.
+    ``"Compute 3+4*2 step by step (left to right)."`` -- lets a PRM server grade with :class:`ProgrammaticPRM` from
+    the question alone (``QUESTION_ROWS["arithmetic"]`` of :mod:`~trl_plugins.components.local_server`)."""
+    return QUESTION_ROWS.get("arithmetic")(question)
 
 
 def prm_handler(prm: ProcessRewardModel, row_of: Callable[[str], Any] = arithmetic_row,

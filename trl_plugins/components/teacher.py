@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from ..errors import PluginConfigError
-from ..options import PluginOptions, option
-from .client import EndpointConfig, OpenAICompatibleClient, api_key_from_env
+from ..options import option
+from .client import EndpointConfig, OpenAICompatibleClient, api_key_from_env, endpoint_options
 from .steps import split_steps
 from .teacher_logprobs import (
     ECHO_PARAMS,
@@ -331,8 +331,12 @@ def clear_shared_teachers() -> None:
 
 
 # ============================================================================================= plugin options
+#: ``teacher_model``, ``teacher_base_url``, ``teacher_api_key_env``, ``teacher_timeout``, ``teacher_max_retries``.
+TeacherEndpointOptions = endpoint_options("teacher", "teacher")
+
+
 @dataclass
-class TeacherOptions(PluginOptions):
+class TeacherOptions(TeacherEndpointOptions):
     """The teacher options of plugins that use a teacher model (generation, hints, log-probs); their option
     dataclasses derive from this one, set ``plugin_name`` and call ``super().validate()`` from their own checks."""
 
@@ -342,13 +346,6 @@ class TeacherOptions(PluginOptions):
         "hf", help="Teacher: a local Hugging Face model by name/path (teacher_model), or an OpenAI-compatible server "
         "(teacher_base_url; log-probs through the completions API's echo protocol, as `vllm serve` answers it).",
     )
-    teacher_model: str = option("default", help="Teacher: model name/path (hf) or served model name (endpoint).")
-    teacher_base_url: str | None = option(None, help="Teacher endpoint, e.g. http://127.0.0.1:8000/v1.")
-    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
-    teacher_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
-    )
-    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
     teacher_device: str | None = option(None, help="Device of a local (hf) teacher (None: the run's device).")
     teacher_temperature: float = option(0.0, min=0.0, help="Sampling temperature of the teacher's generations.")
     teacher_max_tokens: int = option(256, min=1, help="Longest teacher generation (hint, demonstration) in tokens.")
@@ -359,11 +356,7 @@ class TeacherOptions(PluginOptions):
     )
 
     def validate(self) -> None:
-        if self.teacher == "endpoint" and not self.teacher_base_url:
-            raise PluginConfigError(
-                f"Plugin {self.plugin_name!r} with teacher='endpoint' needs teacher_base_url (an OpenAI-compatible "
-                "server such as `vllm serve`); or set teacher='hf' with teacher_model."
-            )
+        self.require_base_url("teacher", self.plugin_name, otherwise="teacher='hf' with teacher_model")
         if self.teacher == "hf" and self.teacher_model == "default":
             raise PluginConfigError(
                 f"Plugin {self.plugin_name!r} with teacher='hf' needs teacher_model (a model name or path whose "
@@ -380,6 +373,5 @@ def teacher_from_options(o: TeacherOptions, device: Any = None) -> Any:
         where = o.teacher_device if o.teacher_device is not None else device
         kwargs["device"] = None if where is None else str(where)
     else:
-        kwargs.update(base_url=o.teacher_base_url, api_key_env=o.teacher_api_key_env, timeout=o.teacher_timeout,
-                      max_retries=o.teacher_max_retries)
+        kwargs.update(o.endpoint_kwargs("teacher"))
     return shared_teacher(o.teacher, **kwargs)

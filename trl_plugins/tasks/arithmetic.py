@@ -52,6 +52,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..answers import ANSWER_LINE_RE as _ANSWER_RE
+from ..answers import ANSWER_PREFIX_RE as _ANSWER_PREFIX_RE
+from ..answers import answer_line_value
 from ..text import completion_text  # re-exported: the bundled reward functions read it
 
 __all__ = [
@@ -73,10 +76,14 @@ __all__ = [
     "make_problem",
     "make_rubrics",
     "parse_step",
+    "prm_step_scores",
+    "row_from_question",
+    "rubric_oracle",
     "rubric_score",
     "rubric_verdict",
     "split_steps",
     "step_scores",
+    "verifier_feedback",
     "verify",
 ]
 
@@ -366,8 +373,6 @@ def make_dataset(
 
 # ------------------------------------------------------------------------------------------- verification
 
-_ANSWER_RE = re.compile(r"^\s*answer\s*:\s*(-?\d+)\s*\.?\s*$", re.IGNORECASE)
-_ANSWER_PREFIX_RE = re.compile(r"^\s*answer\s*:", re.IGNORECASE)
 _STEP_RE = re.compile(r"^\s*(-?\d+)\s*([+\-*])\s*(-?\d+)\s*=\s*(-?\d+)\s*$")
 
 
@@ -386,11 +391,7 @@ def extract_answer(text: str) -> int | None:
     ``None`` when there is no answer line or the first one does not hold a single integer
     (``"Answer: 7 or 8"``, ``"Answer:"``).
     """
-    for line in split_steps(text):
-        if _is_answer_line(line):
-            m = _ANSWER_RE.match(line)
-            return int(m.group(1)) if m else None
-    return None
+    return answer_line_value(text)
 
 
 def verify(text: str, answer: int | str) -> bool:
@@ -613,3 +614,47 @@ def hint(problem: Problem, fraction: float) -> str:
     if fraction < 1.0:
         k = min(k, len(lines) - 1)  # the answer line only with the whole solution
     return "\n".join(lines[:k])
+
+
+# ---------------------------------------------------------------------------------- oracles by name (the framework)
+# The framework's components reach these through their registries, under the name "arithmetic" (the tables of
+# components.prm.STEP_VERIFIERS, components.judge.RUBRIC_VERDICTS, components.feedback.VERIFIER_FEEDBACK and
+# components.local_server.QUESTION_ROWS); a config value names them (``prm_verifier: arithmetic``). Each takes the
+# row's problem column as stored (:meth:`Problem.to_json`) or a :class:`Problem`.
+
+_QUESTION_RE = re.compile(r"Compute\s+([0-9+\-*]+)\s+step by step")
+
+
+def _as_problem(problem: Problem | str) -> Problem:
+    return problem if isinstance(problem, Problem) else Problem.from_json(problem)
+
+
+def prm_step_scores(problem: Problem | str, steps: Sequence[str]) -> list[float]:
+    """Step verifier of the programmatic PRM: :func:`step_scores` of the steps (one per line)."""
+    return step_scores(_as_problem(problem), "\n".join(steps))
+
+
+def rubric_oracle(item: dict[str, Any], problem: Problem | str, text: str) -> bool:
+    """Rubric verdict of the rule-based judge: :func:`rubric_verdict`."""
+    return rubric_verdict(item, _as_problem(problem), text)
+
+
+def verifier_feedback(problem: Problem | str, text: str) -> dict[str, Any]:
+    """Verifier feedback on a solution: ``{"message": feedback(...), "correct": verify(...), "first_error":
+    first_error_step(...)}``."""
+    p = _as_problem(problem)
+    return {"message": feedback(p, text), "correct": verify(text, p.answer), "first_error": first_error_step(p, text)}
+
+
+def row_from_question(question: str) -> dict[str, Any]:
+    """A dataset row rebuilt from a text holding a bundled question (e.g. ``"Compute 3+4*2 step by step (left to
+    right)."``): ``prompt`` (that text as the user message), ``answer``, ``solution``, ``rubrics`` and ``problem``,
+    as :func:`make_dataset` writes them. Lets a local PRM or judge server grade from the question alone; raises
+    ``ValueError`` when the text holds no bundled question."""
+    match = _QUESTION_RE.search(question)
+    if match is None:
+        raise ValueError(f"not a bundled arithmetic question: {question!r}")
+    tokens = re.findall(r"\d+|[+\-*]", match.group(1))
+    problem = Problem.from_expression([int(t) for t in tokens[0::2]], tokens[1::2])
+    return {"prompt": [{"role": "user", "content": question}], "answer": str(problem.answer),
+            "solution": problem.solution, "rubrics": make_rubrics(problem), "problem": problem.to_json()}
