@@ -42,8 +42,12 @@ def is_blank(value: Any) -> bool:
     return False
 
 
-def check_training_dataset(dataset: Any) -> None:
-    """Refuse an empty training dataset, one without a ``prompt`` column, or prompts of the wrong type."""
+def check_training_dataset(dataset: Any, environment_owned: bool = False) -> None:
+    """Refuse an empty training dataset, one without a ``prompt`` column, or prompts of the wrong type.
+
+    ``environment_owned``: the run has an ``environment_factory``; as in TRL, the ``prompt`` column is then optional
+    (each rollout's prompt comes from the environment's ``reset()``, e.g. a dataset of ``environment`` names only).
+    """
     if dataset is None or not _sized(dataset):
         return
     if len(dataset) == 0:
@@ -52,6 +56,8 @@ def check_training_dataset(dataset: Any) -> None:
     if columns is None:
         return
     if "prompt" not in columns:
+        if environment_owned:
+            return
         raise PluginConfigError(
             f"The training dataset has no 'prompt' column (columns: {', '.join(columns)}). GRPO generates from it: "
             "rename your prompt column to 'prompt' (text, or a list of {'role', 'content'} messages)."

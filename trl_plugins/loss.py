@@ -203,7 +203,9 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         num_items_in_batch=inputs["num_items_in_batch"],
         max_completion_length=t.max_completion_length,
         num_processes=t.accelerator.num_processes,
-        gradient_accumulation_steps=t.current_gradient_accumulation_steps,
+        # transformers sets it inside the training loop only; evaluation (eval_on_start, evaluate() before train())
+        # neither splits nor accumulates, as in TRL
+        gradient_accumulation_steps=t.current_gradient_accumulation_steps if mode == "train" else 1,
         steps_per_generation=args.steps_per_generation,
         mode=mode,
     )

@@ -338,8 +338,18 @@ def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwa
     return name, None
 
 
+def hub_kwargs_of(model_init_kwargs: dict | None, trust_remote_code: bool | None) -> dict[str, Any]:
+    """``revision`` / ``trust_remote_code`` for loading a model by name, as TRL resolves them: from
+    ``model_init_kwargs`` first, else the config's ``trust_remote_code`` field (trl grpo_trainer.py:346
+    ``model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)``)."""
+    init = dict(model_init_kwargs or {})
+    if trust_remote_code is not None:
+        init.setdefault("trust_remote_code", bool(trust_remote_code))
+    return {key: init[key] for key in ("revision", "trust_remote_code") if key in init}
+
+
 def resolve_model_name(name: str, args: Any = None) -> tuple[Any, Any]:
     """:func:`resolve_model` for ``PluginGRPOTrainer(model=name, args=args)``: ``revision`` / ``trust_remote_code``
-    come from ``args.model_init_kwargs``."""
-    init = dict(getattr(args, "model_init_kwargs", None) or {})
-    return resolve_model(name, **{key: init[key] for key in ("revision", "trust_remote_code") if key in init})
+    come from ``args.model_init_kwargs``, ``trust_remote_code`` else from ``args.trust_remote_code`` (as in TRL)."""
+    return resolve_model(name, **hub_kwargs_of(getattr(args, "model_init_kwargs", None),
+                                                getattr(args, "trust_remote_code", None)))

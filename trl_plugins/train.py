@@ -216,14 +216,11 @@ def load_model(model_args, training_args):
     ``builtin:tiny`` is built offline, ``builtin:smollm2`` is converted once into the cache and loaded by path; any
     other name or path is loaded by TRL as usual, after a check that names what was tried when nothing can load it.
     """
-    from .models import resolve_model
+    from .models import hub_kwargs_of, resolve_model
 
-    init = training_args.model_init_kwargs or {}
-    return resolve_model(
-        model_args.model_name_or_path or "builtin:tiny",
-        revision=model_args.model_revision,
-        **({"trust_remote_code": init["trust_remote_code"]} if "trust_remote_code" in init else {}),
-    )
+    hub = hub_kwargs_of(training_args.model_init_kwargs, getattr(training_args, "trust_remote_code", None))
+    hub["revision"] = model_args.model_revision
+    return resolve_model(model_args.model_name_or_path or "builtin:tiny", **hub)
 
 
 def parse_config(parser, argv: list[str] | None) -> tuple:

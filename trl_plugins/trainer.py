@@ -142,7 +142,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
-            check_training_dataset(train_dataset)
+            check_training_dataset(train_dataset, environment_owned=kwargs.get("environment_factory") is not None)
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
             # NaN / inf rewards: an error naming function, row, value; held until every process reached the gather
