@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trl_plugins import Moved, Plugin, PluginOptions, option
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 CORRECTNESS = ("correctness_column", "correct_threshold")
 LASER = (*CORRECTNESS, "alpha", "target_length", "num_budgets", "target_estimator", "ecr_min", "explore_gate",
@@ -59,8 +60,7 @@ class LengthShapingPlugin(Plugin):
              "(arXiv:2510.08026), siri (arXiv:2509.25176), hbpo (arXiv:2507.15844)")
     summary = "Deprecated (one release): mode X builds the plugin laser, dler, decs, pear, siri or hbpo."
     Options = LengthShapingOptions
-    multi_turn = ("its length reward counts completion_ids, which in tool rollouts include the tool-result tokens the "
-                  "model did not write.")
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     moved_by = "mode"
     moved = {
         "laser": Moved("laser", {"variant": "laser"}, _renamed(LASER)),

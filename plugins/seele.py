@@ -48,6 +48,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.option_groups import WarmupOptions
 from trl_plugins.success import SuccessOptions
 
 from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key
@@ -56,12 +57,11 @@ HINT_TOKENS_KEY = "seele_hint_tokens"  # per-row count of leading hint tokens (a
 
 
 @dataclass
-class SeeleOptions(SuccessOptions):
+class SeeleOptions(WarmupOptions, SuccessOptions):
     solution_column: str = option("solution", help="Dataset column holding the reference solution text.")
     template: str = option(
         DEFAULT_TEMPLATE, help="How the hint joins the question in the prompt; must contain {question} and {hint}."
     )
-    warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first.")
     rounds: int = option(
         4, min=2, help="Rollout rounds per step (paper: 4); num_generations must be a multiple."
     )
@@ -220,7 +220,7 @@ class SeelePlugin(Plugin):
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         o = self.options
-        if ctx.step < o.warmup_steps:
+        if o.warming_up(ctx.step):
             return
         per_round = ctx.num_generations // o.rounds
         for i in range(len(ctx.rows)):
@@ -240,7 +240,7 @@ class SeelePlugin(Plugin):
         """Rounds 2..m: fit each problem's accuracy-hint curve on the rounds so far, sample the next round's rows
         from the predicted rate (one collective generation call per round), remember the final fit's rate."""
         o, G, B = self.options, ctx.num_generations, len(ctx)
-        if ctx.step < o.warmup_steps:
+        if o.warming_up(ctx.step):
             return
         per_round = G // o.rounds
         rounds = [ctx.index_in_group[i] // per_round for i in range(B)]

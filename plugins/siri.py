@@ -81,12 +81,12 @@ class SiriPlugin(Plugin):
     @hookimpl
     def trl_plugins_train_sampler(self, trainer, sampler, dataset):
         # at the start of training and on resume: the cap of the current step
-        trainer.set_generation_length_cap(self.cap(int(trainer.state.global_step)))
+        trainer.set_generation_length_cap(self.cap(trainer.global_step))
         return None
 
     @hookimpl
     def trl_plugins_on_step_end(self, trainer, step):
-        trainer.set_generation_length_cap(self.cap(int(trainer.state.global_step)))
+        trainer.set_generation_length_cap(self.cap(int(step)))
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):

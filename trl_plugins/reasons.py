@@ -14,6 +14,7 @@ __all__ = [
     "CORRECTNESS_PICK_ONE",
     "EDITS_COMPLETIONS",
     "ENTROPY_PICK_ONE",
+    "LENGTH_COUNTS_TOOL_TOKENS",
     "LIKELIHOOD_PICK_ONE",
     "REFILLS_GROUPS",
     "edits_completions",
@@ -35,6 +36,12 @@ EDITS_COMPLETIONS = edits_completions()
 REFILLS_GROUPS = (
     "it rejects groups for the refill stage, which regenerates whole groups through the generation service (no tool "
     "loop); the trainer refuses refill with tools."
+)
+
+#: The multi-turn refusal of the length-efficient reasoning plugins (laser, dler, decs, pear, siri, hbpo).
+LENGTH_COUNTS_TOOL_TOKENS = (
+    "its length reward counts completion_ids, which in tool rollouts include the tool-result tokens the model did not "
+    "write."
 )
 
 #: clip_cov, kl_cov, lp_reg, siren, epo, hapo: remedies for entropy collapse.

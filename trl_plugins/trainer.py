@@ -251,6 +251,12 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
         )
 
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done so far (``state.global_step``), for a plugin that restores a schedule when the training
+        dataloader is built again on resume (``trl_plugins_train_sampler`` carries no step)."""
+        return int(self.state.global_step)
+
     def set_generation_length_cap(self, cap: int | None) -> int:
         """Cap the tokens generated per completion from the next generation on (HF generation and vLLM alike), for
         plugins that schedule the rollout length (call it from ``trl_plugins_configure``, ``trl_plugins_train_sampler``

@@ -47,12 +47,11 @@ def test_length_capping_reward_uses_the_cap_of_the_step():
 def test_cap_is_set_on_the_generation_at_start_and_after_each_step():
     plugin = _plugin(min_cap=4, period=8, schedule="stair")
     caps = []
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=5), set_generation_length_cap=caps.append)
+    # the stub trainer's global_step stands for PluginGRPOTrainer.global_step (5 steps done when the run resumes)
+    trainer = SimpleNamespace(global_step=5, set_generation_length_cap=caps.append)
     assert plugin.trl_plugins_train_sampler(trainer=trainer, sampler=None, dataset=None) is None
-    trainer.state.global_step = 6
     plugin.trl_plugins_on_step_end(trainer=trainer, step=6)
     assert caps == [12, 12]
-    trainer.state.global_step = 8
     plugin.trl_plugins_on_step_end(trainer=trainer, step=8)
     assert caps[-1] == 4
 
