@@ -319,7 +319,12 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def generate_rollouts(self, prompts: list):
         """The sampling stage (:meth:`_generate_sampling_stage`), then the refill rounds when a plugin rejects groups
-        (:mod:`trl_plugins.refill`; edits TRL's ``inputs`` and ``prompts`` lists in place for replaced rows)."""
+        (:mod:`trl_plugins.refill`; edits TRL's ``inputs`` and ``prompts`` lists in place for replaced rows).
+
+        An instance built without ``__init__`` (as TRL's own unit tests of ``_generate`` build one) has no plugin
+        stack: it generates exactly as TRL does."""
+        if getattr(self, "plugin_stack", None) is None:
+            return super().generate_rollouts(prompts)
         generated = self._generate_sampling_stage(prompts)
         state = self._pbatch
         if self.refill_stage is not None and state is not None and state.mode == "train":

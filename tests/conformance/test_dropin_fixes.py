@@ -163,3 +163,22 @@ def test_eval_on_start_with_a_loss_plugin(tmp_path):
                             eval_strategy="steps", eval_steps=1, max_steps=1)
     trainer.train()
     assert any("eval_loss" in entry for entry in trainer.state.log_history)
+
+
+# ------------------------------------------------------------------ 4. _generate on an instance built without __init__
+
+
+@pytest.mark.parametrize("cls", TRAINERS, ids=lambda c: c.__name__)
+def test_generate_on_a_bare_instance_is_trls(cls, monkeypatch):
+    """TRL's unit tests of ``_generate`` build the trainer with ``__new__`` and set only what generation reads; the
+    plugin trainer must then generate exactly as TRL does (here: TRL's ``_generate`` body, replaced by a recorder)."""
+    seen = []
+
+    def trl_generate(self, prompts):
+        seen.append(list(prompts))
+        return ("ids", prompts)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate", trl_generate)
+    bare = cls.__new__(cls)
+    assert bare._generate(["a", "b"]) == ("ids", ["a", "b"])
+    assert seen == [["a", "b"]]
