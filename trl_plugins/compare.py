@@ -98,22 +98,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def read_config(path: str) -> dict:
-    """The mapping of a `trl-plugins train` YAML file, or a :class:`PluginConfigError` naming the file and what is
-    wrong (missing, unreadable, not YAML, not a mapping)."""
-    import yaml
-
-    try:
-        with open(path) as handle:
-            config = yaml.safe_load(handle)
-    except (OSError, yaml.YAMLError) as exc:
-        detail = " ".join(str(exc).split())  # YAML errors span several lines
-        raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
-    if not isinstance(config, dict):
-        raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r:.80}.")
-    return config
-
-
 def config_key(base: dict, args: argparse.Namespace) -> str:
     """Short hash of everything a finished run depends on besides its stack, seed and budget: the whole config
     file and the evaluation settings. Part of every run's resume key, so an edited config is trained again instead
@@ -386,6 +370,8 @@ def _main(argv: list[str] | None) -> int:
         stacks = args.stacks or DEMO_STACKS
         seeds, steps_budget = args.seeds or 2, 10
     else:
+        from .train import read_config
+
         base_config = read_config(args.config)
         plugins = base_config.get("plugins")
         if plugins and not isinstance(plugins, (list, dict)):

@@ -223,6 +223,22 @@ def load_model(model_args, training_args):
     return resolve_model(model_args.model_name_or_path or "builtin:tiny", **hub)
 
 
+def read_config(path: str) -> dict:
+    """The mapping of a `trl-plugins train` YAML file, or a :class:`PluginConfigError` naming the file and what is
+    wrong (missing, unreadable, not YAML, not a mapping)."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+    except (OSError, yaml.YAMLError) as exc:
+        detail = " ".join(str(exc).split())  # YAML errors span several lines
+        raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
+    if not isinstance(config, dict):
+        raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r:.80}.")
+    return config
+
+
 def parse_config(parser, argv: list[str] | None) -> tuple:
     """``parser.parse_args_and_config(argv)`` with every configuration mistake as a :class:`PluginConfigError`.
 
@@ -230,20 +246,11 @@ def parse_config(parser, argv: list[str] | None) -> tuple:
     while the dataclasses are built (TRL's and transformers' own checks, a YAML file that does not parse) keep their
     text.
     """
-    import yaml
-
     argv = list(sys.argv[1:] if argv is None else argv)
     known = {action.dest for action in parser._actions} - {"help"}
     if "--config" in argv and argv.index("--config") + 1 < len(argv):
         path = argv[argv.index("--config") + 1]
-        try:
-            with open(path) as handle:
-                config = yaml.safe_load(handle)
-        except (OSError, yaml.YAMLError) as exc:
-            detail = " ".join(str(exc).split())  # YAML errors span several lines
-            raise PluginConfigError(f"Could not read the config file {path!r}: {detail}") from exc
-        if not isinstance(config, dict):
-            raise PluginConfigError(f"The config file {path!r} must hold a YAML mapping of fields; got {config!r}.")
+        config = read_config(path)
         _refuse_unknown([str(key) for key in config], known | {"env"}, f"in the config file {path!r}")
     def refuse(message: str) -> None:  # argparse's own errors (a value of the wrong type): no usage dump, exit 2
         raise PluginConfigError(f"Invalid configuration: {message}")
