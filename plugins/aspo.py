@@ -12,6 +12,11 @@ Feature ``x`` (from the turn structure of TRL's tool loop): ``first_call_positio
 first tool call starts (the completion length without a call), shaped towards earlier calls (``delta < 0`` favours a
 smaller x); ``tool_calls`` -- the number of calls, towards more interaction (``delta > 0``).
 
+Rows shaped (``shaped_rows``): by default the correct rollouts with at least one tool call, as the third-party verl
+recipe does (the paper releases no code); ``"correct"`` shapes every correct rollout, as the paper's text reads (a
+correct row without a call then takes the ``first_call_position`` of its completion length). The group statistics of
+``z`` are taken over the shaped rows.
+
 Reconstructed (options, flagged): the defaults ``delta = -1.0`` (with ``first_call_position``) and ``k = 0.7``, the
 position of a row without any call (its completion length), and standardisation with the unbiased std (1 when a
 group has one correct row). ``delta = 0`` is the neutral setting (TRL's advantages).
@@ -36,6 +41,11 @@ class AspoOptions(PluginOptions):
     delta: float = option(
         -1.0, reconstructed=True,
         help="Scale of the standardised feature (negative: smaller feature values, e.g. earlier calls, gain).",
+    )
+    shaped_rows: Literal["correct_with_call", "correct"] = option(
+        "correct_with_call",
+        help="Rows shaped (and standardised over): correct rollouts with at least one tool call (the third-party verl "
+        "recipe), or every correct rollout (the paper's text).",
     )
     k: float = option(0.7, min=0.0, reconstructed=True,
                       help="Bound of the shaping term as a fraction of |A| (the sign of A never flips for k < 1).")
@@ -78,11 +88,12 @@ class AspoPlugin(Plugin):
     claim_metric = ('shaped_fraction', 'rows whose advantage the bound shaped')
     name = "aspo"
     multi_turn = True
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "Understanding Tool-Integrated Reasoning (ASPO: Advantage Shaping Policy Optimization), arXiv:2508.19201"
     summary = "Bounded advantage shaping of correct rollouts towards a tool-use behaviour (e.g. earlier tool calls)."
     Options = AspoOptions
-    reconstructed = ("delta = -1.0 and k = 0.7", "first-call position of a row without calls = its length")
+    reconstructed = ("delta = -1.0 and k = 0.7", "first-call position of a row without calls = its length",
+                     "shaped_rows='correct_with_call' standardises over the shaped rows")
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
@@ -91,6 +102,9 @@ class AspoPlugin(Plugin):
         local = row_features(ctx.local_turns, self.options.feature).to(ctx.device)
         features = ctx.gather(local).cpu()
         correct = ctx.success().cpu()
+        if self.options.shaped_rows == "correct_with_call":
+            calls = ctx.gather(row_features(ctx.local_turns, "tool_calls").to(ctx.device)).cpu()
+            correct = correct & (calls > 0)
         terms = shaping_terms(features, correct, ctx.group_ids.cpu(), self.options.delta)
         ctx.advantages = bounded_shaping(ctx.advantages, terms, self.options.k)
         ctx.log_metric("shaped_fraction", float((terms != 0).float().mean()))

@@ -18,7 +18,8 @@ is too low), by mixing that target into the advantages. Facts from the official 
 Mapping onto TRL: steps 3-6 at the advantage stage (one extra no-grad forward; ``lp_tau`` and ``lp_1`` from the
 chunked LM-head statistics of :mod:`trl_plugins.head_stats`, never the full logits, both from the raw logits as in
 the official code whatever the run's ``temperature``); step 1 from the loss stage (the token-mean of ``-lp`` over
-the micro-steps since the previous generation batch, all processes). Correctness is decided on the verifier column
+the micro-steps since the previous generation batch, all processes), measured on TRL's loss log-probs at the run's
+``temperature``; the official entropy is measured at temperature 1 (equal only when ``temperature = 1``). Correctness is decided on the verifier column
 (``success_column`` above ``success_threshold``; the official code thresholds the total score). Reconstructed: a
 batch with no correct rollout gets ``alpha = 0`` (the official division by ``p = 0`` gives NaN advantages).
 ``max_alpha = 0`` switches DCPO off (TRL's advantages, no extra forward): the neutral setting.

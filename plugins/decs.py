@@ -1,8 +1,9 @@
 """DECS — Decoupled rewards and Curriculum data Scheduling (arXiv:2509.25827).
 
 Overthinking is penalised where it happens: only the *redundant* tokens of a correct completion -- those after the
-first chunk (cut before reflection words such as "Wait", "But") that contains the correct answer, the end of the
-*necessary reasoning prefix* (NRP) -- lose reward; advantages are normalised per position over the group (reward and
+first chunk (cut before reflection words such as "Wait", "But", one-line chunks merged into the next, the chunking
+stopping at ``</think>``) that contains the correct answer, the end of the *necessary reasoning prefix* (NRP), up to
+``</think>`` -- lose reward; advantages are normalised per position over the group (reward and
 advantage stages); a curriculum keeps all groups with reward variance and ``int(kappa n / (1 - kappa))`` all-correct
 ones (the others get zero advantages, TRL having no dynamic sampling), ``kappa`` following the change of the NRP ratio.
 The official chunk judge is a fine-tuned 1.5B model asked whether a chunk contains the correct answer; here the judge
@@ -13,8 +14,17 @@ Facts from the official code (pixas/DECS, ``src_valid/reward_manager.py`` chunk 
 
 * A completion is cut into chunks before every token that starts a reflection word (``Wait``, ``But``,
   ``Alternatively``, ``Hmm``, ``Let``, ``Therefore``, with and without a leading space: the first token id of each).
-* In a correct completion the first chunk that contains the correct answer ends the NRP; every token after it is
-  redundant. Incorrect completions have no redundant tokens.
+* The chunking stops at ``</think>``: the last chunk is cut before its first ``</think>`` token (the whole completion
+  when there is no split token), so the final answer after the reasoning is never in a chunk and never penalised
+  (pixas/DECS@0d12e53 ``src_valid/reward_manager.py:78-85``, the tag's first token id at ``:557``).
+* A chunk that is not multi-line (no newline token between its first and its last non-newline token, read from both
+  ends as the official loop does) is merged into the next chunk; consecutive one-line chunks accumulate until a
+  multi-line chunk or the last one (``split_based_on_tokens`` after the ``</think>`` cut; newline tokens: the first
+  token ids of the words of :data:`NEWLINE_WORDS`, a line break with or without a leading space or period).
+* In a correct completion the first chunk that contains the correct answer ends the NRP; every token from the next
+  chunk to the end of the last chunk (the ``</think>`` cut) is redundant. Incorrect completions have no redundant
+  tokens. ``think_end: null`` and ``merge_single_line: false`` give the plugin's behaviour before 2026-11-27 (every
+  token to the end of the completion can be redundant, no merging), for models without reasoning tags.
 * Token rewards: ``s (1 + beta)`` on every position, except the redundant tokens of a correct completion, which get
   ``s + beta (1 - L / L_max)`` (``s`` the outcome score, ``L`` the completion length, ``L_max`` the maximal completion
   length): redundant tokens lose ``beta L / L_max`` (plus ``beta (s - 1)`` for s != 1), more in longer completions.
@@ -44,6 +54,8 @@ from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns
 #: The official split words (their first token id cuts chunks).
 SPLIT_WORDS = ("Wait", " Wait", "But", " But", "Alternatively", " Alternatively", "Hmm", " Hmm", "Let", " Let",
                "Therefore", " Therefore")
+#: The official newline words (their first token id marks a line break when merging one-line chunks).
+NEWLINE_WORDS = ("\n", " \n", "\n\n", " \n\n", ".\n", ".\n\n")
 
 
 @dataclass
@@ -58,6 +70,22 @@ class DecsOptions(CorrectnessOptions):
         help="Words whose first token starts a new chunk (official: Wait, But, Alternatively, Hmm, Let, Therefore, "
         "with and without a leading space).",
     )
+    think_end: str | None = option(
+        "</think>",
+        help="Tag whose first token ends the chunking: the last chunk is cut before it, so the final answer is never "
+        "redundant (official, pixas/DECS@0d12e53 reward_manager.py:78-85, 557). null: chunks run to the end of the "
+        "completion (for models without reasoning tags).",
+    )
+    merge_single_line: bool = option(
+        True,
+        help="Merge a chunk with no inner line break into the next chunk (official); false: every split token starts "
+        "a chunk.",
+    )
+    newline_words: list[str] = option(
+        default_factory=lambda: list(NEWLINE_WORDS),
+        help="Words whose first token is a line break for merge_single_line (official: \\n, ' \\n', \\n\\n, "
+        "' \\n\\n', '.\\n', '.\\n\\n').",
+    )
     curriculum: bool = option(
         True, help="Curriculum data schedule (keep int(kappa n / (1 - kappa)) all-correct groups; drop the others and "
         "the all-wrong ones by zeroing their advantages).",
@@ -70,6 +98,49 @@ class DecsOptions(CorrectnessOptions):
 def chunk_starts(ids: list[int], split_ids: set[int]) -> list[int]:
     """Start positions of the chunks of one completion: 0 and every position > 0 holding a split token id."""
     return [0] + [i for i, token in enumerate(ids) if i > 0 and token in split_ids] if ids else []
+
+
+def _has_inner_break(chunk: list[int], newline_ids: set[int]) -> bool:
+    """The official multi-line test of one chunk: read from the front, a newline token after a non-newline token;
+    and read from the back, a newline token before a non-newline token."""
+    def broken(tokens) -> bool:
+        started = False
+        for token in tokens:
+            if token in newline_ids:
+                if started:
+                    return True
+            else:
+                started = True
+        return False
+
+    return broken(chunk) and broken(reversed(chunk))
+
+
+def official_chunks(ids: list[int], split_ids: set[int], newline_ids: set[int] | None = None,
+                    end_id: int | None = None) -> list[tuple[int, int]]:
+    """(start, end) spans of the chunks of one completion, as the official chunker cuts them: before every split token
+    (not at 0); the last chunk cut before its first ``end_id`` token (``</think>``); with ``newline_ids``, a chunk
+    without an inner line break merged into the next one (the last chunk always closes the merge). ``end_id=None``
+    and ``newline_ids=None``: the plain split to the end of the completion (:func:`chunk_starts`)."""
+    starts = chunk_starts(ids, split_ids)
+    if not starts:
+        return []
+    spans = [(a, b) for a, b in zip(starts, starts[1:] + [len(ids)])]
+    if end_id is not None:
+        a, b = spans[-1]
+        if end_id in ids[a:b]:
+            spans[-1] = (a, a + ids[a:b].index(end_id))
+    if newline_ids is None:
+        return spans
+    merged, pending = [], None
+    for j, (a, b) in enumerate(spans):
+        start = a if pending is None else pending
+        if j < len(spans) - 1 and not _has_inner_break(ids[a:b], newline_ids):
+            pending = start
+            continue
+        merged.append((start, b))
+        pending = None
+    return merged
 
 
 def contains_answer(text: str, answer: str) -> bool:
@@ -90,20 +161,34 @@ def nrp_split(starts: list[int], has_answer: list[bool], length: int) -> tuple[i
     return (tail if 0 <= tail < length else -1), ratio
 
 
+def redundant_span(spans: list[tuple[int, int]], has_answer: list[bool]) -> tuple[int, int, float]:
+    """(first redundant position or -1, end of the redundant span, NRP ratio or 0.0) of one correct completion from
+    its chunk spans and their verdicts: the chunks after the first one with the answer, to the end of the last chunk
+    (official: the first to the last negative chunk delta)."""
+    first = next((j for j, yes in enumerate(has_answer) if yes), -1)
+    if first == -1:
+        return -1, 0, 0.0
+    ratio = (first + 1) / len(spans)
+    if first + 1 >= len(spans) or spans[first + 1][0] >= spans[-1][1]:
+        return -1, 0, ratio
+    return spans[first + 1][0], spans[-1][1], ratio
+
+
 def decs_token_rewards(scores: torch.Tensor, redundant_start: torch.Tensor, lengths: torch.Tensor, width: int,
-                       max_length: int, beta: float) -> torch.Tensor:
+                       max_length: int, beta: float, redundant_end: torch.Tensor | None = None) -> torch.Tensor:
     """DECS token rewards (N, width).
 
     Args:
         scores: (N,) outcome scores. redundant_start: (N,) first redundant position, -1 when none (incorrect rows and
             rows without an NRP tail). lengths: (N,) completion lengths. width: T. max_length: L_max. beta: the
-            length-reward weight.
+            length-reward weight. redundant_end: (N,) end (exclusive) of the redundant span (default: ``lengths``).
     """
     N = scores.numel()
     base = (scores.float() * (1 + beta)).unsqueeze(1).expand(N, width).clone()
     positions = torch.arange(width, device=scores.device).expand(N, width)
+    end = lengths if redundant_end is None else torch.minimum(redundant_end, lengths)
     redundant = (redundant_start.unsqueeze(1) >= 0) & (positions >= redundant_start.unsqueeze(1)) \
-        & (positions < lengths.unsqueeze(1))
+        & (positions < end.unsqueeze(1))
     shaped = (scores.float() + beta * (1 - lengths.float() / max_length)).unsqueeze(1).expand(N, width)
     return torch.where(redundant, shaped, base)
 
@@ -143,7 +228,7 @@ class DecsPlugin(Plugin):
 
     name = "decs"
     multi_turn = MULTI_TURN_REASON
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling (DECS), arXiv:2509.25827"
     summary = ("Penalises only the tokens after the first correct answer (per-position advantages), with a curriculum "
                "over all-correct groups.")
@@ -158,8 +243,10 @@ class DecsPlugin(Plugin):
         super().__init__(options)
         self.max_len = 1
         self.kappa, self.last_nrp_ratio = 0.0, 0.5  # curriculum (official initial values)
-        self._batch: list | None = None  # (first redundant position, NRP ratio) per row of the batch
+        self._batch: list | None = None  # (first redundant position, span end, NRP ratio) per row of the batch
         self._split_ids: set[int] | None = None
+        self._newline_ids: set[int] | None = None
+        self._end_id: int | None = None
         self._generator = torch.Generator().manual_seed(0)
 
     def required_columns(self) -> list[str]:
@@ -176,19 +263,25 @@ class DecsPlugin(Plugin):
         local_completion_ids(ctx, self.name)
         self._batch = ctx.gather_object([self._row(ctx, i) for i in range(len(ctx.local_rows))])
 
-    def _row(self, ctx: RewardContext, i: int) -> tuple[int, float]:
-        """(first redundant position or -1, NRP ratio) of local row ``i`` (rule chunk judge on the answer column)."""
-        tokenizer = ctx.tokenizer
+    def _first_ids(self, tokenizer, words) -> set[int]:
+        """The first token id of each word (the official way to find split / newline tokens)."""
+        ids = [tokenizer.encode(w, add_special_tokens=False) for w in words]
+        return {x[0] for x in ids if x}
+
+    def _row(self, ctx: RewardContext, i: int) -> tuple[int, int, float]:
+        """(first redundant position or -1, end of the redundant span, NRP ratio) of local row ``i`` (rule chunk judge
+        on the answer column)."""
+        o, tokenizer = self.options, ctx.tokenizer
         if self._split_ids is None:
-            ids = [tokenizer.encode(w, add_special_tokens=False) for w in self.options.split_words]
-            self._split_ids = {x[0] for x in ids if x}
+            self._split_ids = self._first_ids(tokenizer, o.split_words)
+            self._newline_ids = self._first_ids(tokenizer, o.newline_words) if o.merge_single_line else None
+            end = tokenizer.encode(o.think_end, add_special_tokens=False) if o.think_end else []
+            self._end_id = end[0] if end else None
         ids = list(ctx.local_completion_ids[i])
-        starts = chunk_starts(ids, self._split_ids)
-        ends = starts[1:] + [len(ids)]
-        answer = str(ctx.local_rows[i].get(self.options.answer_column, ""))
-        verdicts = [contains_answer(tokenizer.decode(ids[a:b], skip_special_tokens=True), answer)
-                    for a, b in zip(starts, ends)]
-        return nrp_split(starts, verdicts, len(ids)) if starts else (-1, 0.0)
+        spans = official_chunks(ids, self._split_ids, self._newline_ids, self._end_id)
+        answer = str(ctx.local_rows[i].get(o.answer_column, ""))
+        verdicts = [contains_answer(tokenizer.decode(ids[a:b], skip_special_tokens=True), answer) for a, b in spans]
+        return redundant_span(spans, verdicts) if spans else (-1, 0, 0.0)
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
@@ -200,11 +293,13 @@ class DecsPlugin(Plugin):
         device = mask.device
         correct = torch.nan_to_num(ctx.verifier(SuccessRule(o.correctness_column)).float(), nan=-math.inf) \
             >= o.correct_threshold
-        starts = torch.tensor([s for s, _ in self._batch], device=device)
-        ratios = torch.tensor([r for _, r in self._batch], device=device)
+        starts = torch.tensor([s for s, _, _ in self._batch], device=device)
+        ends = torch.tensor([e for _, e, _ in self._batch], device=device)
+        ratios = torch.tensor([r for _, _, r in self._batch], device=device)
         starts = torch.where(correct.to(device), starts, torch.full_like(starts, -1))
         scores = torch.nan_to_num(ctx.rewards.float(), nan=0.0).to(device)
-        token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len, o.beta)
+        token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len, o.beta,
+                                           redundant_end=ends)
         advantages = per_position_advantages(token_rewards, mask, G)
         if o.curriculum:
             keep = curriculum_keep(scores, G, self.kappa, self._generator).to(device)

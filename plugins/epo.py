@@ -29,7 +29,8 @@ Deliberate differences (options, flagged):
   penalty is the constant alpha on every out-of-band token (``penalty_form="indicator"``), which carries no gradient:
   it shifts the loss value only.
 * The official code applies smoothing only to turns with index >= 25 (half of its ``max_step`` default 50, read
-  from a misspelt config key); ``smooth_from_turn`` (default 0) sets the first smoothed turn.
+  from a misspelt config key), a gate evaluated per micro-batch (``dp_actor.py:778``); ``smooth_from_turn``
+  (default 0) sets the first smoothed turn, judged per turn over the whole batch.
 * A turn index absent from a step's rollouts does not enter that index's average (the official code left-pads the
   per-turn list with zeros, which shifts indices); ``history_window`` > 0 keeps the last k steps only (official:
   all).

@@ -4,7 +4,7 @@ Each group of ``G`` rollouts is split into ``k = len(budgets)`` equal sub-groups
 get budget ``b_j``); each row is sampled **and trained** under its prompt with the budget sentence (``prompt``,
 official "I will answer the question with {budget} tokens") -- sampling stage. The correctness column of a correct
 response of ``n`` tokens becomes the budget-aware reward (official ``min(f1, f2)``, or the paper's piecewise ``f1`` /
-``f2``), 0 for a wrong one -- reward stage; the advantages are the hierarchical ones, ``(R - mean) / (std + 1e-6)`` over
+``f2``), 0 for a wrong one, -1 for one without ``</think>`` or an extractable answer (official) -- reward stage; the advantages are the hierarchical ones, ``(R - mean) / (std + 1e-6)`` over
 the group plus ``w (mean of the sub-group's R - f2(b))`` (official ``w = 2``, the paper's equation ``w = 1``), in place
 of TRL's (``scale_rewards`` does not apply) -- advantage stage. Evaluation batches keep their prompts, rewards and
 advantages (the paper evaluates without budget sentences).
@@ -29,6 +29,12 @@ restated, not copied):
   ``f1(n, b) = beta cos(pi n / (2 L_max)) - alpha |n - b|`` and ``f2(b) = beta cos(pi b / (2 L_max))``: the paper's
   piecewise rule is ``f1`` for ``n > b`` and ``f2`` for ``n <= b``; the official code pays ``min(f1, f2)`` for every
   ``n`` (the two differ for short answers, where ``alpha |n - b|`` exceeds the cosine gap). Wrong answers get 0.
+* **Format error.** The official reward gives ``-1`` (``format_error_reward`` / ``unk_error_reward``) to a response
+  without ``</think>`` or without an extractable (``\\boxed{}``) answer in the text after it, whether or not the answer
+  would grade as correct (ZJU-REAL/HBPO@5c8991d ``rllm/rewards/math_reward.py:52, 62``,
+  ``rllm/rewards/reward_types.py:24``): the default here (``format_reward: -1``, ``think_end``, ``answer_extractor``);
+  ``format_reward: null`` turns the check off (only the correctness column decides: 0 for every incorrect response,
+  the plugin's behaviour before 2026-11-27, for models without reasoning tags).
   Official constants: ``beta = 4``, ``L_max = 4096`` (the response length), ``alpha = 1 / L_max``.
 * **Hierarchical advantage** of response ``j`` of sub-group ``i``: ``A_inter = (R_ij - mean(R)) / (std(R) + 1e-6)``
   over the whole group (unbiased std) plus ``A_intra_i = mean_j(R_ij) - f2(b_i)``. The paper adds ``A_intra`` once;
@@ -52,7 +58,9 @@ from trl_plugins import (
     hookimpl,
     option,
 )
+from trl_plugins.answers import get_extractor
 from trl_plugins.success import verifier_column
+from trl_plugins.text import completion_text
 
 from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 
@@ -90,6 +98,23 @@ class HbpoOptions(CorrectnessOptions):
         None, min=1, help="L_max of the cosine terms (default: max_completion_length; official: the 4096-token "
         "response length).",
     )
+    format_reward: float | None = option(
+        -1.0,
+        help="Reward of a response without think_end or without an extractable answer after it, correct or not "
+        "(official: -1, ZJU-REAL/HBPO@5c8991d math_reward.py:52, 62); null: no format check (0 for every incorrect "
+        "response, e.g. for models without reasoning tags).",
+    )
+    think_end: str | None = option(
+        "</think>",
+        help="Tag that ends the reasoning (official: '</think>'); the answer is looked for in the text between its "
+        "first and second occurrence (official split(...)[1]). null: no tag needed, the whole completion is searched.",
+    )
+    answer_extractor: str | None = option(
+        "boxed",
+        help="Extractor of the final answer for the format check (trl_plugins.answers: boxed, last_number, "
+        "boxed_or_last_number, task, or 'package.module:function'; official: the last \\boxed{}); null: no answer "
+        "check.",
+    )
     intra_weight: float = option(
         2.0, min=0.0,
         help="Weight of the intra-sub-group advantage mean_i(R) - f2(b_i). Official code: 2 (the term is added twice); "
@@ -106,6 +131,11 @@ class HbpoOptions(CorrectnessOptions):
             raise PluginConfigError(
                 f"Option 'prompt' of plugin 'hbpo' got {self.prompt!r}; it must contain the placeholder '{{budget}}'."
             )
+        if self.answer_extractor is not None:
+            try:
+                get_extractor(self.answer_extractor)
+            except ValueError as exc:
+                raise PluginConfigError(f"Option 'answer_extractor' of plugin 'hbpo': {exc}") from exc
 
 
 def budget_slots(index_in_group: torch.Tensor, group_size: int, num_budgets: int) -> torch.Tensor:
@@ -150,6 +180,17 @@ def budget_rewards(lengths: torch.Tensor, budgets: torch.Tensor, correct: torch.
     return torch.where(correct & (lengths <= max_length), shaped, torch.zeros_like(shaped))
 
 
+def well_formed(text: str, think_end: str | None, extractor) -> bool:
+    """Official format check: ``think_end`` occurs in ``text`` and ``extractor`` finds an answer in the text after its
+    first occurrence (up to the second, as ``text.split(think_end)[1]``); ``think_end=None`` searches the whole text,
+    ``extractor=None`` only asks for the tag."""
+    if think_end is not None:
+        if think_end not in text:
+            return False
+        text = text.split(think_end)[1]
+    return extractor is None or extractor(text) is not None
+
+
 def hierarchical_advantages(rewards: torch.Tensor, slots: torch.Tensor, budgets: torch.Tensor, group_size: int,
                             max_length: int, beta: float, intra_weight: float, eps: float = 1e-6) -> torch.Tensor:
     """HBPO's advantage per row (N,): ``(R - mean_g) / (std_g + eps) + intra_weight (mean_{g,i}(R) - f2(b_i))``.
@@ -179,7 +220,7 @@ class HbpoPlugin(Plugin):
 
     name = "hbpo"
     multi_turn = MULTI_TURN_REASON
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "Hierarchical Budget Policy Optimization for Adaptive Reasoning (HBPO), arXiv:2507.15844"
     summary = "Budget sub-groups sampled with budget sentences, budget-aware rewards, hierarchical advantages."
     Options = HbpoOptions
@@ -243,10 +284,18 @@ class HbpoPlugin(Plugin):
             return
         o = self.options
         device = ctx.rewards_per_func.device
-        lengths = torch.tensor(ctx.gather_object([len(row) for row in ids]), device=device)
+        extractor = None if o.answer_extractor is None else get_extractor(o.answer_extractor)
+        local = [(len(row), o.format_reward is None or well_formed(completion_text(c), o.think_end, extractor))
+                 for row, c in zip(ids, ctx.local_completions)]
+        gathered = ctx.gather_object(local)
+        lengths = torch.tensor([n for n, _ in gathered], device=device)
+        ok = torch.tensor([f for _, f in gathered], dtype=torch.bool, device=device)
         budgets = self._row_budgets(ctx.index_in_group, ctx.num_generations).to(device)
         L, alpha = self._constants()
         reward = budget_rewards(lengths, budgets, correct_rows(ctx, o).to(device), L, o.beta, alpha, o.reward)
+        if o.format_reward is not None:
+            reward = torch.where(ok, reward, torch.full_like(reward, o.format_reward))
+            ctx.log_metric("format_error_fraction", (~ok).float().mean().item())
         K = ctx.rewards_per_func.shape[1]
         flags = ctx.run.placeholder_columns if len(ctx.run.placeholder_columns) == K else ()
         col = verifier_column(ctx.reward_func_names, flags, o.correctness_column)

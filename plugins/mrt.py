@@ -3,7 +3,10 @@
 Outcome-reward RL rewards only the end of a long trace, so the model is not pushed to make *progress* with its
 intermediate tokens. MRT splits the output into episodes and rewards each episode by the change it brings in the
 probability of eventual success, estimated by a "meta-prover" ``mu``: the policy itself, forced to stop thinking
-after a prefix and to give its best-guess answer. Facts from the paper (and its public MRT-online recipe):
+after a prefix and to give its best-guess answer. Facts from the paper; no public MRT-online recipe could be found
+(the "MRT-online" values below are the paper's, reconstructed here), and the official README describes a different
+estimator, advantage = reward - termination reward (the reward of the forced answer), which this plugin neither
+implements nor reproduces:
 
 1. Episodes ``z_1 .. z_k`` are segments of the output stream (the paper: thinking episodes; MRT-online segments at
    most 6 episodes per rollout).

@@ -16,15 +16,18 @@ trainer's advantage step and ``compute_prm_outcome_advantage``; restated, not co
 3. ``advantage="raw"`` (official ``prm.adv=prm``): the outcome term is the raw reward ``R`` and every token keeps its
    own ``r_t = R - S_t / eta`` (no normalisation, no steps).
 
-Defaults are the official run script's: ``eta = 200``, ``step_len = 256``, ``step_split = "length"``,
-``advantage = "outcome"``. The reference policy (TRL's reference model when ``beta != 0``; under PEFT the model with
+Defaults: ``eta = 200``, ``step_len = 256``, ``step_split = "length"``, ``advantage = "outcome"`` (the ``prm``
+branch's settings, not a published PRL run: the official run script @1ee49fa trains plain GRPO, so it fixes none of
+PRL's values). The reference policy (TRL's reference model when ``beta != 0``; under PEFT the model with
 its adapter switched off; for full fine-tuning with ``beta = 0`` a frozen copy of the initial policy kept by the
 trainer) comes from :meth:`~trl_plugins.AdvantageContext.reference_logprobs`; the official recipe sets the KL loss
 coefficient to 0, i.e. ``beta = 0``. The log-probs of the sampling policy are the advantage stage's no-grad forward
 (:meth:`~trl_plugins.AdvantageContext.policy_stats`). The official code fills each token from the next *non-zero*
 step value; this plugin takes the value at the step's end even when it is exactly 0 (a deliberate difference that
 only matters on exact zeros). The newline split compares each token id with the first id of the tokenizer's
-encoding of ``"\\n"`` (``"\\n\\n"``), as the official code does. Neutral setting: ``eta = inf`` leaves TRL's
+encoding of ``"\\n"`` (``"\\n\\n"``) without special tokens; the official code encodes with special tokens
+included, so its "newline" id is the BOS id on tokenizers that prepend one (Llama-3) and its newline split never
+fires there. Neutral setting: ``eta = inf`` leaves TRL's
 advantages untouched.
 """
 

@@ -2,8 +2,9 @@
 
 ReMax drops PPO's value model: the baseline of a prompt is the reward of the policy's own **greedy** completion
 of that prompt, so the advantage of a sampled completion says whether it beats what the policy would answer
-deterministically. Facts from the paper (Algorithm 1) and the official code (liziniu/ReMax; verl ships the same
-estimator as ``adv_estimator=remax``):
+deterministically. Facts from the paper (Algorithm 1) and verl's estimator (``adv_estimator=remax``), which this
+plugin equals to float precision. The original repository (liziniu/ReMax) is not the same estimator: it discounts the
+return by 0.99 per token and clips rewards at +-5; neither is reproduced here:
 
 1. For every prompt ``x``, sample completions ``y_i`` (the paper samples one; TRL samples G) and decode one greedy
    completion ``y_greedy`` with the same policy (no sampling).

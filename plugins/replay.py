@@ -11,6 +11,9 @@ per-prompt splice with SPEAR's staleness limit and advantage treatments as optio
     store         after generation: the successful rows the policy sampled itself under the prompt (no off-policy
                   token, no prompt swap, not a replay), newest last, at most buffer_size per prompt
     evict         entries older than max_age_steps optimizer steps (None: kept until pushed out)
+    gate          replay_gate 'full' (the SPEAR default): replays only in a step whose buffers hold more than
+                  1.5 x gate_capacity rollouts (all prompts together), and empties every buffer after that step,
+                  this step's successes included; 'always' (the RAPO default): every step, entries kept
     splice        a group with no success whose prompt has a stored entry: slot replace_index gets the entry
                   (pick='latest': the newest one), annotated ``replayed``; the group keeps exactly G rows
     provenance    replay_tokens='offpolicy': every replayed token is off-policy, trained through the shaped branch
@@ -24,7 +27,7 @@ per-prompt splice with SPEAR's staleness limit and advantage treatments as optio
                   'spear_decay': A_replay = (advantage the row had when it was stored) * advantage_decay, the own
                   rows as in 'spear_baseline'.
     coefficient   A_replay *= replay_coef * ramp(step), ramp = (1 - cos(pi * min(step / warmup, 1))) / 2
-                  (replay_coef_warmup_steps = 0: ramp = 1). The loss of a row is linear in its advantage on both
+                  (replay_coef_warmup_steps = 0: ramp = 1; default 300 with a SPEAR advantage, 0 with 'group'). The loss of a row is linear in its advantage on both
                   branches, so this scales the replayed row's loss, as SPEAR's replay_loss_coef does.
 
 Facts from SPEAR's official code (TrajectoryBufferBatch in its verl recipe): stored rows are those with a positive
@@ -32,8 +35,11 @@ advantage; rows more than trajectory_tolerate_steps (5 to 10 in the scripts, cap
 dropped; the baseline history keeps per-group reward means and stds of the last baseline_buffer_size = 10240
 groups; recalibrated advantages are ``r - p50`` (``/ (p50_std + 1e-6)`` with std normalisation) and negative ones
 are dropped (here: set to 0, the row stays in its group); the decay variant multiplies the stored advantage
-(weight_decay_trajectory_replay in (0, 1]); replay_loss_coef = 1 ramps up over max_replay_loss_steps = 200 steps
-with a cosine schedule. SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
+(weight_decay_trajectory_replay in (0, 1]); replay_loss_coef = 1 ramps up over max_replay_loss_steps steps with a
+cosine schedule (200 is the yaml default, the recipe scripts pass 300: the default here with a SPEAR advantage).
+The buffer is replayed only once it holds more than 1.5 x buffer_size trajectories (``is_full_capacity``, buffer_size
+2048 by default), and is emptied after the replay (``reset_buffer``): ``replay_gate: full`` with ``gate_capacity``,
+the default with a SPEAR advantage (``'always'`` keeps the per-step replay of RAPO). SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
 behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
 framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no
 training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
@@ -122,10 +128,22 @@ class ReplayOptions(SuccessOptions):
     replay_coef: float = option(
         1.0, min=0.0, help="Multiplies the replayed rows' advantages, i.e. their loss (SPEAR's replay_loss_coef, 1)."
     )
-    replay_coef_warmup_steps: int = option(
-        0, min=0,
+    replay_coef_warmup_steps: int | None = option(
+        None, min=0,
         help="The coefficient rises from 0 to replay_coef over this many steps, (1 - cos(pi t / T)) / 2 (SPEAR's "
-        "max_replay_loss_steps, 200 in its scripts); 0 = constant.",
+        "max_replay_loss_steps: 200 is its yaml default, its recipe scripts pass 300); 0 = constant. Default (null): "
+        "300 with a SPEAR advantage, 0 with 'group'.",
+    )
+    replay_gate: Literal["auto", "full", "always"] = option(
+        "auto",
+        help="When the buffers are replayed. 'full': only in a step whose buffers hold more than 1.5 x gate_capacity "
+        "rollouts (all prompts), after which every buffer is emptied (SPEAR's is_full_capacity / reset_buffer); "
+        "'always': every step, entries kept (RAPO). 'auto': 'full' with a SPEAR advantage, 'always' with 'group'.",
+    )
+    gate_capacity: int = option(
+        2048, min=1,
+        help="replay_gate 'full': SPEAR's buffer_size (2048 by default); the buffers replay once they hold more than "
+        "1.5 x this many rollouts.",
     )
 
     def validate(self) -> None:
@@ -133,6 +151,12 @@ class ReplayOptions(SuccessOptions):
             raise PluginConfigError(
                 "Option 'key_column' of plugin 'replay' got ''; allowed: a dataset column name, or None for the prompt."
             )
+
+
+#: SPEAR's recipe scripts' max_replay_loss_steps (the ramp of the replay loss coefficient).
+SPEAR_WARMUP_STEPS = 300
+#: SPEAR replays once its buffer holds more than this times buffer_size trajectories.
+SPEAR_FULL_FACTOR = 1.5
 
 
 # ============================================================================================= pure functions
@@ -180,7 +204,7 @@ class ReplayPlugin(Plugin):
     multi_turn = edits_completions("stored successes spliced into all-fail groups")
 
     name = "replay"
-    version = "0.1.0"
+    version = "0.2.0"
     paper = (
         "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
         "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
@@ -260,6 +284,20 @@ class ReplayPlugin(Plugin):
             else:
                 del self.buffers[key]
 
+    def _gate(self) -> str:
+        """'full' or 'always' (``replay_gate``; 'auto' follows the advantage: SPEAR's gate with a SPEAR advantage)."""
+        gate = self.options.replay_gate
+        if gate == "auto":
+            return "always" if self.options.advantage == "group" else "full"
+        return gate
+
+    def _warmup(self) -> int:
+        """Ramp length of the replay coefficient (``replay_coef_warmup_steps``; None follows the advantage)."""
+        steps = self.options.replay_coef_warmup_steps
+        if steps is None:
+            return 0 if self.options.advantage == "group" else SPEAR_WARMUP_STEPS
+        return steps
+
     def _pick(self, entries: list[dict], step: int, group: int) -> dict:
         if self.options.pick == "latest" or len(entries) == 1:
             return entries[-1]
@@ -284,13 +322,19 @@ class ReplayPlugin(Plugin):
         self.evict(ctx.step)
         splices: dict[int, dict] = {}  # global row -> entry
         all_fail = ~ok.view(n_groups, G).any(dim=1)
-        for g in torch.nonzero(all_fail).flatten().tolist():
+        held = sum(len(v) for v in self.buffers.values())
+        full = self._gate() == "full"
+        ready = not full or held > SPEAR_FULL_FACTOR * o.gate_capacity
+        for g in torch.nonzero(all_fail).flatten().tolist() if ready else []:
             target = g * G + o.replace_index
             entries = self.buffers.get(keys[target])
             if entries:
                 splices[target] = self._pick(entries, ctx.step, g)
         to_store = self._rows_to_store(storable, keys, G)
-        self._store(ctx, to_store, keys)
+        if full and ready:  # SPEAR's reset_buffer after a replay: this step's batch (already added there) goes too
+            self.buffers, self._pending, to_store = {}, {}, []
+        else:
+            self._store(ctx, to_store, keys)
         for i in range(B):
             entry = splices.get(ctx.global_index[i])
             if entry is not None:
@@ -366,7 +410,7 @@ class ReplayPlugin(Plugin):
                 adv[n] = value
             if o.advantage == "spear_baseline":
                 self._record_groups(rewards, set(replayed), G)
-        coef = o.replay_coef * cosine_ramp(ctx.step, o.replay_coef_warmup_steps)
+        coef = o.replay_coef * cosine_ramp(ctx.step, self._warmup())
         for n in replayed:
             adv[n] = adv[n] * coef
         ctx.advantages = adv

@@ -13,7 +13,9 @@ running policy iteration with a clipped surrogate. Facts from the official code 
    ``U = 0`` at the last position, with ``ml = mean_v log softmax(z)_v = mean_v z_v - logsumexp_v z_v`` over the whole
    vocabulary of the temperature-scaled logits (``ml`` of the current policy, ``ml_old`` of the sampling policy).
 4. Target ``y = sg(A + c_U * U)`` (``c_U`` = ``next_q_scale_factor`` = 1).
-5. Loss: the token-mean of ``(Q - y)^2`` over the valid tokens (``loss_type='dapo'``: TRL's global token-mean).
+5. Loss: the token-mean of ``(Q - y)^2`` over the valid tokens. Officially each micro-batch's token-mean, averaged
+   over the micro-batches; here ``loss_type='dapo'``, TRL's global token-mean over the batch (equal when every
+   micro-batch holds as many valid tokens).
    Optional "rover clip": where ``y > Q > ln(1 + eps_high)`` the Q is replaced by the constant ``ln(1 + eps_high)``,
    and where ``y < Q < ln(1 - eps_low)`` by ``ln(1 - eps_low)`` (no gradient through those tokens).
 6. On-policy (one pass over each batch, old log-probs = ``sg(lp)``), ``Q = 0`` and ``U = 0`` in value, and the
@@ -120,7 +122,8 @@ class RoverPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         if args.loss_type != "dapo":
             warnings.warn(
-                f"rover: the official loss is a token-mean over the batch (loss_type='dapo'); got {args.loss_type!r}.",
+                f"rover: the official loss is a token-mean (per micro-batch; loss_type='dapo' is the closest, a "
+                f"batch-global token-mean); got {args.loss_type!r}.",
                 stacklevel=2,
             )
         generate_every = args.steps_per_generation * args.num_iterations

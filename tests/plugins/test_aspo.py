@@ -50,6 +50,23 @@ def test_earlier_calls_gain_among_correct_rows_only():
     assert terms[3] == 0 and terms[:3].sum().abs() < 1e-5  # standardised among the correct rows
 
 
+def test_only_correct_rows_with_a_tool_call_are_shaped_by_default():
+    # the third-party verl recipe shapes correct rollouts with at least one tool call; a correct row without one keeps
+    # TRL's advantage and does not enter the statistics; shaped_rows='correct' shapes it too (the paper's text)
+    turns = [_turns(2), _turns(8), _turns(4, calls=0), _turns(1)]
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    ctx = make_advantage_context(rewards, num_generations=4, turns=turns)
+    before = ctx.advantages.clone()
+    run_hook("aspo", "trl_plugins_transform_advantages", ctx)
+    assert ctx.advantages[2] == before[2] and ctx.advantages[3] == before[3]
+    expected = shaping_terms(torch.tensor([2.0, 8.0, 11.0, 1.0]), torch.tensor([True, True, False, False]),
+                             torch.zeros(4, dtype=torch.long), -1.0)
+    torch.testing.assert_close(ctx.advantages, bounded_shaping(before, expected, 0.7))
+    every = make_advantage_context(rewards, num_generations=4, turns=turns)
+    run_hook("aspo", "trl_plugins_transform_advantages", every, {"aspo": {"shaped_rows": "correct"}})
+    assert every.advantages[2] != before[2]  # the row without a call (position = its length 11) loses
+
+
 def test_neutral_delta_leaves_trls_advantages():
     turns = [_turns(2), _turns(8)]
     ctx = make_advantage_context(torch.tensor([1.0, 0.0]), num_generations=2, turns=turns)

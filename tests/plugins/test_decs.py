@@ -24,8 +24,13 @@ from trl_plugins_builtin.decs import (
     curriculum_keep,
     decs_token_rewards,
     nrp_split,
+    official_chunks,
     per_position_advantages,
+    redundant_span,
 )
+
+#: The plugin's behaviour before the official chunker was the default (no </think> cut, no merging).
+LEGACY = {"think_end": None, "merge_single_line": False}
 
 
 def test_chunks_cut_before_split_tokens():
@@ -39,6 +44,66 @@ def test_rule_judge_matches_whole_answers_only():
     assert not contains_answer("so x = 125", "12")
     assert not contains_answer("so x = 3.12", "12")
     assert not contains_answer("anything", "")
+
+
+def test_official_chunker_stops_at_think_end_and_merges_one_line_chunks():
+    # split token 1, newline token 9, </think> token 8 (pixas/DECS@0d12e53 reward_manager.py:78-85, 557)
+    ids = [5, 9, 5, 1, 5, 9, 5, 1, 5, 1, 5, 9, 5, 8, 5, 5]
+    # split before each 1: (0,3) (3,7) (7,9) (9,16); the last is cut before the 8: (9,13); (7,9) = [1, 5] has no line
+    # break, so it is merged into the next (last) chunk; the answer after </think> (13..15) is in no chunk
+    assert official_chunks(ids, {1}, {9}, 8) == [(0, 3), (3, 7), (7, 13)]
+    assert official_chunks(ids, {1}) == [(0, 3), (3, 7), (7, 9), (9, 16)]  # the legacy split
+    # [5, 9]: a break only at its end -- one line, merged; [1, 9, 5, 9]: a break after its first and before its last
+    # non-newline token (read from both ends) -- multi-line
+    assert official_chunks([5, 9, 1, 9, 5, 9, 1, 5], {1}, {9}, 8) == [(0, 6), (6, 8)]
+    assert official_chunks([5, 5, 8, 5], {1}, {9}, 8) == [(0, 2)]  # no split token: the whole reasoning, cut at 8
+    assert official_chunks([5, 8, 1, 5], {1}, {9}, 8) == [(0, 4)]  # only the last chunk is cut (officially too)
+    # redundant span: the chunks after the first with the answer, to the end of the last chunk (the </think> cut)
+    spans = [(0, 3), (3, 7), (7, 13)]
+    assert redundant_span(spans, [False, True, False]) == (7, 13, 2 / 3)
+    assert redundant_span(spans, [True, False, True]) == (3, 13, 1 / 3)
+    assert redundant_span(spans, [False, False, True]) == (-1, 0, 1.0)
+    assert redundant_span(spans, [False, False, False]) == (-1, 0, 0.0)
+    assert redundant_span([(0, 3), (3, 3)], [True, False]) == (-1, 0, 0.5)  # an empty last chunk: nothing redundant
+
+
+def test_final_answer_after_think_end_is_never_redundant():
+    tok = CharTokenizer()
+    completions = ["x=7\nok\nWait\nno\nsure\n</think>x=7", "x=7\nWait\n</think>x=7"]
+    ids = [tok.encode(c) for c in completions]
+    rows = [{"prompt": "p", "answer": "7"}] * 2
+
+    def spans(plugin):
+        ctx = make_reward_context(torch.tensor([1.0, 1.0]), num_generations=2, rows=rows, completions=completions,
+                                  local_completion_ids=ids)
+        ctx.set_active_plugin("decs")
+        plugin.trl_plugins_transform_rewards(ctx)
+        return plugin._batch
+
+    wait, end = completions[0].index("Wait"), completions[0].index("</think>")
+    # row 0: "x=7\nok\n" holds the answer, "Wait\nno\nsure\n" is redundant up to </think>; row 1: "x=7\n" is one
+    # line, merged with "Wait\n" -- one chunk holding the answer, nothing redundant
+    assert spans(_plugin(newline_words=["\n"])) == [(wait, end, 0.5), (-1, 0, 1.0)]
+    legacy = spans(_plugin(**LEGACY))  # every token to the end could be redundant
+    assert legacy == [(wait, len(ids[0]), 0.5), (completions[1].index("Wait"), len(ids[1]), 0.5)]
+    # through the advantages: the final answer's tokens of row 0 are not pushed down
+    plugin = _plugin(newline_words=["\n"], curriculum=False)
+    spans(plugin)
+    T = len(ids[0])
+    mask = torch.tensor([[1.0] * T, [1.0] * len(ids[1]) + [0.0] * (T - len(ids[1]))])
+    actx = make_advantage_context(torch.tensor([1.0, 1.0]), num_generations=2,
+                                  policy_stats=stub_policy_stats(2, T, mask=mask))
+    actx.set_active_plugin("decs")
+    plugin.trl_plugins_transform_advantages(actx)
+    assert torch.all(actx.advantages[0, wait:end] < 0) and torch.all(actx.advantages[0, end:] == 0)
+    assert torch.all(actx.advantages[0, :wait] == 0)
+
+
+def test_redundant_end_bounds_the_penalised_span():
+    r = decs_token_rewards(torch.tensor([1.0]), torch.tensor([2]), torch.tensor([6]), 6, 10, 0.1,
+                           redundant_end=torch.tensor([4]))
+    shaped = 1.0 + 0.1 * (1 - 6 / 10)
+    torch.testing.assert_close(r, torch.tensor([[1.1, 1.1, shaped, shaped, 1.1, 1.1]]))
 
 
 def test_nrp_split():
@@ -122,7 +187,7 @@ def _run(plugin, verdict=(1.0, 1.0, 0.0, 1.0)):
 
 
 def test_hooks_build_token_advantages_from_the_answer_column():
-    plugin = _plugin(curriculum=False)
+    plugin = _plugin(curriculum=False, **LEGACY)  # one-line completions: the legacy chunker keeps their chunks
     actx, mask = _run(plugin)
     adv = actx.advantages
     assert adv.shape == mask.shape
@@ -137,7 +202,7 @@ def test_hooks_build_token_advantages_from_the_answer_column():
 
 
 def test_curriculum_drops_easy_groups_and_kappa_follows_the_nrp_ratio():
-    plugin = _plugin(kappa_lr=0.5)
+    plugin = _plugin(kappa_lr=0.5, **LEGACY)
     actx, _ = _run(plugin)
     assert torch.all(actx.advantages[:2] == 0)  # kappa = 0: the all-correct group is dropped
     assert actx.metrics["plugins/decs/kept_group_fraction"] == [0.5]

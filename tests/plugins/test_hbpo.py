@@ -94,7 +94,8 @@ def test_reward_replaces_the_correctness_column_in_training_only():
     plugin = _plugin(reward="paper_piecewise")
     ids = [[7], [7] * 5, [7] * 10, [7] * 3]
     rewards = [[1.0, 0.5], [1.0, 0.5], [0.0, 0.5], [1.0, float("nan")]]
-    ctx = make_reward_context(rewards, num_generations=4, reward_func_names=["acc", "fmt"], completions=["c"] * 4,
+    done = ["<think>r</think> \\boxed{4}"] * 4  # well formed: the official format check passes
+    ctx = make_reward_context(rewards, num_generations=4, reward_func_names=["acc", "fmt"], completions=done,
                               local_completion_ids=ids)
     ctx.set_active_plugin("hbpo")
     plugin.trl_plugins_transform_rewards(ctx)
@@ -104,6 +105,34 @@ def test_reward_replaces_the_correctness_column_in_training_only():
     ev = make_reward_context(rewards, num_generations=4, completions=["c"] * 4, local_completion_ids=ids, mode="eval")
     plugin.trl_plugins_transform_rewards(ev)
     assert ev.rewards_per_func[:, 0].tolist() == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_format_errors_get_minus_one_as_officially():
+    # The official reward (ZJU-REAL/HBPO@5c8991d math_reward.py:52, 62): no </think> -> -1; </think> but no \boxed{}
+    # in the text after it (up to a second </think>) -> -1, even when the answer grades correct; well formed and wrong
+    # -> 0; well formed and correct -> the budget reward.
+    completions = [
+        "<think>x</think> The answer is \\boxed{4}.",  # correct, well formed: budget reward
+        "<think>x The answer is \\boxed{4}.",  # correct by the column, but no </think>: -1
+        "<think>x</think> The answer is 4.",  # correct by the column, no boxed answer after </think>: -1
+        "<think>\\boxed{4}</think> 4 </think> \\boxed{4}",  # boxed only outside split(...)[1]: -1
+        "<think>x</think> \\boxed{5}",  # wrong, well formed: 0
+        [{"role": "assistant", "content": "</think>\\boxed{4}"}],  # conversational, well formed, correct
+    ]
+    rewards = [[1.0], [1.0], [1.0], [1.0], [0.0], [1.0]]
+    ids = [[7] * 3] * 6
+    ctx = make_reward_context(rewards, num_generations=2, completions=completions, local_completion_ids=ids)
+    ctx.set_active_plugin("hbpo")
+    _plugin().trl_plugins_transform_rewards(ctx)
+    budget = [min(_f1(3, 2), _f2(2)), min(_f1(3, 8), _f2(8))]
+    expected = [budget[0], -1.0, -1.0, -1.0, 0.0, budget[1]]
+    torch.testing.assert_close(ctx.rewards_per_func[:, 0], torch.tensor(expected))
+    assert ctx.metrics["plugins/hbpo/format_error_fraction"] == [pytest.approx(0.5)]
+    # format_reward: null -- only the correctness column decides (the plugin's behaviour before)
+    off = make_reward_context(rewards, num_generations=2, completions=completions, local_completion_ids=ids)
+    off.set_active_plugin("hbpo")
+    _plugin(format_reward=None).trl_plugins_transform_rewards(off)
+    torch.testing.assert_close(off.rewards_per_func[:, 0], torch.tensor([budget[0], budget[1]] * 2 + [0.0, budget[1]]))
 
 
 def test_advantages_are_hierarchical_in_training_and_trls_in_eval():

@@ -62,6 +62,8 @@ def stack(**options):
 
 
 FAIL = ["no a", "no b", "no c", "no d"]
+#: SPEAR's advantages with the per-step replay and no ramp (its official gate and ramp are pinned separately).
+EVERY_STEP = {"replay_gate": "always", "replay_coef_warmup_steps": 0}
 
 
 # ============================================================================================ splice
@@ -230,7 +232,7 @@ def test_group_advantage_is_trls_with_the_replay_as_a_member():
 
 
 def test_spear_baseline_recalibrates_the_replay_and_leaves_own_rows_as_without_it():
-    s = stack(advantage="spear_baseline")
+    s = stack(advantage="spear_baseline", **EVERY_STEP)
     plugin = plugin_of(s)
     ctx = _replayed_batch(s)
     assert plugin.group_means == [0.25]  # step 0's group (no replay in it)
@@ -243,6 +245,40 @@ def test_spear_baseline_recalibrates_the_replay_and_leaves_own_rows_as_without_i
     assert plugin.group_means == [0.25, 0.0]  # this step's own rows (replay excluded)
 
 
+def test_spear_replays_only_over_one_and_a_half_full_and_then_empties_its_buffers():
+    # SPEAR's is_full_capacity (size > 1.5 buffer_size) and reset_buffer after the replay; gate_capacity 2: replay
+    # once more than 3 rollouts are held. buffer_size 4 per prompt so Q0's successes accumulate.
+    s = stack(advantage="spear_baseline", gate_capacity=2, buffer_size=4)
+    plugin = plugin_of(s)
+    run_hook(s, AFTER, rollout([["right a", "right b", "no", "no"]], step=0))  # 2 stored
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=1))  # 2 held, not over 3: no replay, entries kept
+    assert ctx.changed == set() and sum(map(len, plugin.buffers.values())) == 2
+    run_hook(s, AFTER, rollout([["no", "no", "no", "right c"]], step=2))  # 3 held: still not over 3
+    ctx = run_hook(s, AFTER, rollout([FAIL], step=3))
+    assert ctx.changed == set()
+    run_hook(s, AFTER, rollout([["no", "right d", "no", "no"]], step=4))  # 4 held > 3
+    ctx = run_hook(s, AFTER, rollout([FAIL, ["right e", "no", "no", "no"]], step=5))  # the replay step
+    assert ctx.changed == {0} and ctx.completion_ids[0] == char_encode("right d")  # the newest (pick='latest')
+    assert plugin.buffers == {}  # emptied after the replay, this step's success (Q1's "right e") included
+    assert ctx.metrics["plugins/replay/buffer_rollouts"] == [0]
+    assert run_hook(s, AFTER, rollout([FAIL, FAIL], step=6)).changed == set()
+    # the RAPO path ('group') and replay_gate 'always' keep replaying every step
+    for options in ({}, {"advantage": "spear_baseline", "replay_gate": "always"}):
+        every = stack(gate_capacity=2, **options)
+        run_hook(every, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
+        assert run_hook(every, AFTER, rollout([FAIL], step=1)).changed == {0}
+        assert run_hook(every, AFTER, rollout([FAIL], step=2)).changed == {0}  # the entry stays
+
+
+def test_spear_ramp_defaults_to_the_recipe_scripts_300_steps():
+    from trl_plugins_builtin.replay import SPEAR_WARMUP_STEPS
+
+    assert SPEAR_WARMUP_STEPS == 300
+    assert plugin_of(stack(advantage="spear_decay"))._warmup() == 300
+    assert plugin_of(stack())._warmup() == 0  # RAPO: no ramp
+    assert plugin_of(stack(advantage="spear_decay", replay_coef_warmup_steps=5))._warmup() == 5
+
+
 def test_spear_baseline_clamps_negative_advantages_to_zero():
     assert spear_baseline_advantage(0.2, [0.5, 0.9, 0.7], [0.1, 0.1, 0.1], scale_by_std=False) == 0.0
     assert spear_baseline_advantage(1.0, [0.5, 0.9, 0.7], [0.1, 0.3, 0.2], scale_by_std=True) == pytest.approx(
@@ -250,7 +286,7 @@ def test_spear_baseline_clamps_negative_advantages_to_zero():
 
 
 def test_spear_decay_uses_the_stored_advantage():
-    s = stack(advantage="spear_decay", advantage_decay=0.5)
+    s = stack(advantage="spear_decay", advantage_decay=0.5, **EVERY_STEP)
     ctx = _replayed_batch(s)
     stored = make_advantage_context([0.0, 1.0, 0.0, 0.0], num_generations=G).advantages[1].item()
     assert ctx.annotations[0][REPLAY_ADVANTAGE] == pytest.approx(stored)
@@ -280,13 +316,13 @@ def test_own_rows_advantages_follow_trls_scaling():
 
 # ============================================================================================ checkpoints
 def test_state_round_trip_and_the_resumed_plugin_keeps_replaying():
-    s = stack(advantage="spear_baseline", buffer_size=2)
+    s = stack(advantage="spear_baseline", buffer_size=2, **EVERY_STEP)
     _replayed_batch(s)
     state = plugin_of(s).trl_plugins_state_dict()
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    resumed = stack(advantage="spear_baseline", buffer_size=2)
+    resumed = stack(advantage="spear_baseline", buffer_size=2, **EVERY_STEP)
     plugin_of(resumed).trl_plugins_load_state_dict(torch.load(buffer, weights_only=True))
     assert plugin_of(resumed).buffers == plugin_of(s).buffers
     assert plugin_of(resumed).group_means == plugin_of(s).group_means
