@@ -60,6 +60,20 @@ def test_demonstration_loss_gradient():
     assert torch.allclose(lp.grad, -1.5 * p)  # 'no_reshape': -A p
 
 
+def test_no_reshape_has_no_exploration_term():
+    # official no_reshape (rlplus_core_alg.py:168-169): loss = -A * p_theta, whatever eta is
+    lp = torch.log(torch.tensor([[0.2, 0.7]])).requires_grad_(True)
+    old = lp.detach() + 0.3
+    adv = torch.tensor([[-2.0]])
+    loss = demonstration_loss(lp, old, adv, off_policy_weight="none", eba_exponent=0.5)
+    torch.testing.assert_close(loss, torch.tensor([[0.4, 1.4]]))
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, 2.0 * lp.detach().exp())
+    # our variant keeps (1 - p)^eta on p
+    eba = demonstration_loss(lp.detach(), old, adv, off_policy_weight="none_eba", eba_exponent=0.5)
+    torch.testing.assert_close(eba, torch.tensor([[0.4 * 0.8 ** 0.5, 1.4 * 0.3 ** 0.5]]))
+
+
 def _rollout(G=4, **kwargs):
     rows = stub_rows(2, G, solution=["1+1=2\nAnswer: 2", "2+2=4\nAnswer: 4"])
     completions = [[f"try {g}{j}" for j in range(G)] for g in range(2)]
