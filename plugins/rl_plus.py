@@ -9,7 +9,9 @@ demonstrations** into every group and trains on them with two corrections. Facts
 1. Groups (sampling stage): ``G`` rollouts per prompt (8), of which ``num_demonstrations`` (``n_prefix=1``) are the
    dataset's demonstration in full (prefix ratio 1.0), placed in the first slots of the group and followed by EOS,
    truncated to ``max_completion_length``. The demonstration follows the original prompt; its tokens are off-policy
-   (NaN sampling log-probs, never masked by TRL's off-policy mask).
+   (NaN sampling log-probs, never masked by TRL's off-policy mask). As the official loader does
+   (``rl_dataset_with_target.py:129-130``), a demonstration starting with ``"<think>\\n"`` loses it when the training
+   prompt (as tokenized) already ends with ``"<think>\\n"`` (``strip_think_prefix``; false keeps the text as written).
 2. Advantage: ``A = r - mean`` over the whole group, demonstration included, without std scaling
    (``grpo_use_std=False``): set ``scale_rewards="none"`` (warned otherwise).
 3. **Multiple Importance Sampling** on demonstration tokens, with the unknown demonstrator's probability estimated
@@ -59,6 +61,10 @@ class RlPlusOptions(SuccessOptions):
         "mis", help="Weight of demonstration tokens: the MIS ratio p / (0.75 p_old + 0.25) with the exploration term "
         "(official 'RL-PLUS'); 'none': p itself without the exploration term (official 'no_reshape'); 'none_eba': p "
         "with the exploration term (not in the official code)."
+    )
+    strip_think_prefix: bool = option(
+        True, help="Drop a leading '<think>\\n' from the demonstration when the training prompt ends with one "
+        "(official loader); false: the demonstration as written."
     )
     eba_exponent: float = option(
         0.5, min=0.0, help="eta of the Exploration-Based Advantage A (1 - sg(p))^eta on demonstration tokens "
@@ -123,6 +129,22 @@ def demonstration_ids(text: str, tokenizer: Any, max_length: int | None) -> list
     return ids[:max_length] if max_length else ids
 
 
+THINK_PREFIX = "<think>\n"
+
+
+def strip_think_prefix(text: str, prompt_text: str) -> str:
+    """The official loader's rule: a demonstration starting with ``"<think>\\n"`` loses it when the prompt already
+    ends with ``"<think>\\n"`` (the chat template opened the thinking block); otherwise ``text`` unchanged."""
+    if prompt_text.endswith(THINK_PREFIX) and text.startswith(THINK_PREFIX):
+        return text[len(THINK_PREFIX):]
+    return text
+
+
+def prompt_text(ctx: RolloutContext, i: int) -> str:
+    """Row ``i``'s training prompt as the policy sees it (its token ids decoded, special tokens kept)."""
+    return ctx.tokenizer.decode(list(ctx.prompt_ids[i]), skip_special_tokens=False)
+
+
 def is_demonstration(value: Any) -> bool:
     """Whether a dataset value can be a demonstration (a non-blank string)."""
     return isinstance(value, str) and bool(value.strip())
@@ -181,6 +203,8 @@ class RlPlusPlugin(Plugin):
                     f"rl_plus: row {ctx.global_index[i]} has no demonstration in column {o.demonstration_column!r} "
                     f"(got {text!r}); a non-blank string is needed."
                 )
+            if o.strip_think_prefix:
+                text = strip_think_prefix(text, prompt_text(ctx, i))
             ctx.replace_row(i, demonstration_ids(text, ctx.tokenizer, ctx.run.max_completion_length), offpolicy=True)
             ctx.annotations[i]["demonstration"] = True
         ctx.log_metric("demonstration_rows", len(rows))
