@@ -29,9 +29,11 @@ Here (reward stage): one backbone forward (no LM head, no logits) over the compl
 plugin's reward column ``repexp`` (TRL's reward weights and normalisation apply). Memory is bounded: ``(N, k)``
 features and one ``k x k`` matrix per group, never token-level hidden states.
 
-Reconstructed / different: the official features come from a **frozen copy of the base model** (the reward-model
-worker loads the initial checkpoint and never updates it); here they come from the current policy (the framework
-has no reference-model feature forward yet). Neutral setting: ``beta = 0`` (an all-zero column, no forward).
+Features: the official ones come from a **frozen copy of the base model** (the reward-model worker loads the initial
+checkpoint and never updates it): ``features="reference"`` (default) takes them from the reference policy
+(:meth:`~trl_plugins.RewardContext.reference_features`: TRL's reference model when ``beta > 0``, the PEFT model with
+its adapter off, else a frozen copy of the initial policy kept by the trainer -- one more copy of the weights);
+``"policy"`` uses the current policy. Neutral setting: ``beta = 0`` (an all-zero column, no forward, no reference).
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class RepExpOptions(PluginOptions):
     )
     redraw_projection: bool = option(
         True, help="Draw a new projection every step (official randomize_sparse_matrix=True); false: one fixed matrix.",
+    )
+    features: Literal["reference", "policy"] = option(
+        "reference", help="Whose hidden states: 'reference' (official: the frozen base model; TRL's reference model, "
+        "the PEFT model with its adapter off, or a frozen copy of the initial policy) or 'policy' (the current "
+        "policy; no extra model in memory).",
     )
     center: bool = option(True, help="Centre each group's features on their mean before the bonus (official).")
     zero_if_none_correct: bool = option(
@@ -140,13 +147,13 @@ class RepExpPlugin(Plugin):
     )
     summary = "Exploration bonus: leverage score of each response's mean hidden state within its group."
     Options = RepExpOptions
-    reconstructed = (
-        "features from the current policy (official: a frozen copy of the base model)",
-    )
+    reconstructed = ()
 
     def __init__(self, options=None):
         super().__init__(options)
         self._projection: torch.Tensor | None = None
+        # the reference policy's hidden states (features="reference") need a reference model in the trainer
+        self.needs_reference_model = self.options.beta > 0 and self.options.features == "reference"
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
@@ -169,7 +176,8 @@ class RepExpPlugin(Plugin):
         o = self.options
         if o.beta == 0:
             return
-        local = self._project(ctx.policy_features().float(), ctx.step)
+        hidden = ctx.reference_features() if o.features == "reference" else ctx.policy_features()
+        local = self._project(hidden.float(), ctx.step)
         features = ctx.gather(local)
         score = leverage_bonus if o.bonus == "leverage" else leave_one_out_bonus
         bonus = o.beta * score(features, ctx.num_generations, o.ridge, o.center)

@@ -85,7 +85,8 @@ def _ctx(features, verdict=(1.0, 0.0, 1.0, 1.0)):
 
     rewards = [[v, 0.0] for v in verdict]
     ctx = make_reward_context(rewards, num_generations=2, reward_func_names=["acc", "repexp"],
-                              completions=["a", "b", "c", "d"], policy_features=policy_features)
+                              completions=["a", "b", "c", "d"], policy_features=policy_features,
+                              reference_features=policy_features)
     ctx.calls = calls
     return ctx
 
@@ -138,6 +139,24 @@ def test_the_projection_is_redrawn_every_step():
     assert torch.equal(seen[3], seen[4])  # fixed matrix: the step does not matter
 
 
+def test_features_come_from_the_reference_policy_by_default():
+    # official: the elliptical reward model is a frozen copy of the base model
+    calls = []
+    ref = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    policy = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    for options, expected in (({}, ref), ({"features": "policy"}, policy)):
+        ctx = make_reward_context([[1.0, 0.0]] * 4, num_generations=2, reward_func_names=["acc", "repexp"],
+                                  completions=["a", "b", "c", "d"],
+                                  policy_features=lambda p, c: calls.append("policy") or policy,
+                                  reference_features=lambda p, c: calls.append("reference") or ref)
+        run_hook("repexp", "trl_plugins_transform_rewards", ctx, {"repexp": {"projection_dim": 0, **options}})
+        torch.testing.assert_close(ctx.rewards_per_func[:, 1], 0.01 * leverage_bonus(expected, 2, 0.01))
+    assert calls == ["reference", "policy"]
+    assert build_plugins(["repexp"]).plugins[0].needs_reference_model
+    assert not build_plugins(["repexp"], {"repexp": {"features": "policy"}}).plugins[0].needs_reference_model
+    assert not build_plugins(["repexp"], {"repexp": {"beta": 0.0}}).plugins[0].needs_reference_model
+
+
 def test_zero_beta_skips_the_forward():
     ctx = _ctx(torch.zeros(4, 2))
     run_hook("repexp", "trl_plugins_transform_rewards", ctx, {"repexp": {"beta": 0.0}})
@@ -171,6 +190,8 @@ def test_neutral_is_vanilla_and_a_run_uses_the_backbone_forward(tmp_path):
                                 output_dir=str(tmp_path / "a"), **RUN)
     features = trainer.policy_probe.features([[5, 6], [5]], [[7, 8, 9], [7]])
     assert features.shape == (2, trainer.model.config.hidden_size)
+    assert trainer.reference_copy is not None  # features="reference" (default), full fine-tuning, beta = 0
+    torch.testing.assert_close(trainer.policy_probe.features([[5, 6]], [[7, 8, 9]], reference=True), features[:1])
     acting = record_run(trainer)
     assert all(float(r[:, 1].min()) > 0 for r in acting.rewards)  # every response has some novelty
     logs = [log for log in acting.logs if "loss" in log]
