@@ -44,6 +44,10 @@ rollouts (``:63``), 4 teacher solutions at most (``:26``), ``pass_num`` 4 with a
    the original prompt, fully off-policy: shaped branch ``-A p/(p+gamma)``, ``gamma = 0.1``
    (``off_policy_reshape="p_div_p_0.1"``), NaN sampling log-probs.
 
+Advantages: the official run centres them without std scaling (``norm_adv_by_std_in_grpo=False``,
+``exp_scripts/train_ampo.sh:117``): set ``scale_rewards="none"`` (warned otherwise, as TRL's default ``"group"``
+divides by the group std).
+
 Rewards of the injected rows are computed by the run's reward functions like every row. Scoring costs one no-grad
 forward over the candidate solutions of the guided groups, on the processes holding them. With teacher models, each
 process queries the teachers for the guided groups whose rows it holds (a group split across two processes is asked
@@ -55,6 +59,7 @@ Metrics: ``guided_group_fraction``, ``injected_rows`` (teacher rollouts, counted
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -256,6 +261,14 @@ class AmpoPlugin(Plugin):
     def trl_plugins_configure(self, trainer, args):
         o = self.options
         o.check_gamma(self.name, args)
+        scale = getattr(args, "scale_rewards", "group")
+        if scale not in ("none", False):
+            warnings.warn(
+                f"ampo: the official run centres advantages without std scaling (norm_adv_by_std_in_grpo=False, "
+                f"train_ampo.sh:117); scale_rewards={scale!r} divides by the group std. Set scale_rewards='none' to "
+                "match it.",
+                stacklevel=2,
+            )
         dataset = getattr(trainer, "train_dataset", None)
         if o.teachers == "column":
             check_column_values(self.name, dataset, o.solutions_column, solutions_ok, SOLUTIONS_ALLOWED)

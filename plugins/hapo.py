@@ -2,16 +2,22 @@
 Policy Optimization to Every Token's Nature").
 
 HAPO treats tokens differently by their entropy at every stage where GRPO/DAPO treat them alike. Facts from the
-official code (starriver030515/HAPO @7671dde: ``compute_hapo_outcome_advantage``, ``compute_entropy_h``,
-``ada_clip``, ``ada_advantage`` and the hapo branch of ``compute_policy_loss``; restated, not copied):
+official code (starriver030515/HAPO @7671dde, verl/trainer/ppo/core_algos.py: ``compute_hapo_outcome_advantage``,
+``compute_entropy_h``, ``ada_clip``, ``ada_advantage`` and the hapo branch of ``compute_policy_loss``; restated, not
+copied):
 
 1. **Token-level group average advantage** (advantage stage). In a group with rewards ``R_i`` and lengths ``L_i``
    every *token* counts once: ``mu = sum_i L_i R_i / sum_i L_i``,
    ``sigma = sqrt(sum_i L_i (R_i - mu)^2 / sum_i L_i)`` (population std over tokens) and
-   ``A_i = (R_i - mu) / (sigma + 1e-6)``. When some ``|A_i| >= 5`` in a group, that whole group keeps the ordinary
-   GRPO advantage instead (TRL's own, ``std + 1e-4``; the official code's GRPO uses ``+ 1e-6``).
+   ``A_i = (R_i - mu) / (sigma + 1e-6)``. When some ``|A| >= 5`` in a group, that whole group keeps the ordinary
+   GRPO advantage instead (TRL's own, ``std + 1e-4``; the official code's GRPO uses ``+ 1e-6``). The official test
+   runs over the padded (rows, max length) tensor of scores, so the padding positions of a row shorter than the
+   padded length count with score 0, i.e. ``|(0 - mu) / (sigma + 1e-6)| >= 5`` alone makes the group fall back
+   (core_algos.py:330, 361 @7671dde): with rewards in {0.9, 1.0} every group that has a short row falls back.
+   ``fallback_test="padded"`` (default) reproduces that with the padded length ``max_completion_length``;
+   ``"real"`` tests the real rows only.
 2. **Entropy normalisation** (loss stage, no gradient, over the valid tokens of the micro-batch, current-policy
-   entropies ``H``): ``l = ln(max(H, 1e-6))``; ``med`` = the nearest-rank ``entropy_pivot`` quantile of ``l``;
+   entropies ``H``): ``l = ln(max(H, 1e-8))`` (core_algos.py:88, 104); ``med`` = the nearest-rank ``entropy_pivot`` quantile of ``l``;
    ``h = (l - med) / s`` with ``s = sqrt(mean (l - med)^2)``; ``h_hat = h / max(h)`` for ``h > 0`` and
    ``h / |min(h)|`` for ``h <= 0``, so ``h_hat`` lies in ``[-1, 1]`` (+1 at the highest-entropy token, -1 at the
    lowest). The official code multiplies the non-positive side by ``1 / min(h)`` (a negative number), which makes
@@ -84,6 +90,12 @@ class HapoOptions(PluginOptions):
         5.0, min=0.0, min_exclusive=True,
         help="A group whose token-level advantage has some |A| >= this keeps TRL's GRPO advantage (official: 5).",
     )
+    fallback_test: Literal["padded", "real"] = option(
+        "padded",
+        help="Rows the fallback test looks at. 'padded' (official): also the padding positions (score 0) of every row "
+        "shorter than max_completion_length, as the official test runs over the padded score tensor; 'real': the "
+        "real rows only.",
+    )
     entropy_pivot: float = option(
         0.8, min=0.0, max=1.0, help="Quantile of the log-entropies used as the centre of h (official recipe: 0.8)."
     )
@@ -114,6 +126,22 @@ class HapoOptions(PluginOptions):
 
 
 # --------------------------------------------------------------------------------------------- advantage stage
+def token_level_group_stats(
+    rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group (num_groups, 1): the token-weighted mean, the divisor (token-weighted population std + ``eps``, or 1
+    without ``scale``) and the token count. NaN rewards count as 0 (TRL's nansum)."""
+    R = torch.nan_to_num(rewards.float(), nan=0.0).view(-1, group_size)
+    L = lengths.float().view(-1, group_size)
+    total = L.sum(dim=1, keepdim=True)
+    safe = total.clamp(min=1.0)
+    mu = (L * R).sum(dim=1, keepdim=True) / safe
+    denom = torch.ones_like(mu)
+    if scale:
+        denom = ((L * (R - mu) ** 2).sum(dim=1, keepdim=True) / safe).sqrt() + eps
+    return mu, denom, total
+
+
 def token_level_group_advantages(
     rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -126,32 +154,42 @@ def token_level_group_advantages(
     Returns:
         (N,) advantages; a group with no tokens gets 0.
     """
+    mu, denom, total = token_level_group_stats(rewards, lengths, group_size, scale, eps)
     R = torch.nan_to_num(rewards.float(), nan=0.0).view(-1, group_size)
-    L = lengths.float().view(-1, group_size)
-    total = L.sum(dim=1, keepdim=True)
-    safe = total.clamp(min=1.0)
-    mu = (L * R).sum(dim=1, keepdim=True) / safe
-    adv = R - mu
-    if scale:
-        sigma = ((L * (R - mu) ** 2).sum(dim=1, keepdim=True) / safe).sqrt()
-        adv = adv / (sigma + eps)
+    adv = (R - mu) / denom
     return torch.where(total > 0, adv, torch.zeros_like(adv)).view(-1)
 
 
+def padding_advantages(
+    rewards: torch.Tensor, lengths: torch.Tensor, group_size: int, padded_length: int, scale: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """(num_groups,) the value the official test sees at a group's padding positions, ``(0 - mu) / (sigma + eps)``;
+    0 for a group whose rows all reach ``padded_length`` (no padding) or that has no tokens."""
+    mu, denom, total = token_level_group_stats(rewards, lengths, group_size, scale, eps)
+    has_padding = (lengths.view(-1, group_size) < padded_length).any(dim=1)
+    pad = (-mu / denom).view(-1)
+    return torch.where(has_padding & (total.view(-1) > 0), pad, torch.zeros_like(pad))
+
+
 def with_grpo_fallback(
-    token_adv: torch.Tensor, grpo_adv: torch.Tensor, group_size: int, threshold: float
+    token_adv: torch.Tensor, grpo_adv: torch.Tensor, group_size: int, threshold: float,
+    pad_adv: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Groups with some ``|token_adv| >= threshold`` take ``grpo_adv``. Returns (N,) advantages and the
-    (num_groups,) bool mask of the groups that fell back."""
+    """Groups with some ``|token_adv| >= threshold`` (or ``|pad_adv| >= threshold``, the (num_groups,) value at their
+    padding positions, when given) take ``grpo_adv``. Returns (N,) advantages and the (num_groups,) bool mask of the
+    groups that fell back."""
     t = token_adv.view(-1, group_size)
     fallback = (t.abs() >= threshold).any(dim=1)
+    if pad_adv is not None:
+        fallback = fallback | (pad_adv.abs() >= threshold)
     out = torch.where(fallback.unsqueeze(1), grpo_adv.view(-1, group_size).to(t.dtype), t)
     return out.view(-1), fallback
 
 
 # --------------------------------------------------------------------------------------------- loss stage
 def normalized_entropy(
-    entropies: torch.Tensor, mask: torch.Tensor, pivot: float, code_sign: bool = False, eps: float = 1e-6
+    entropies: torch.Tensor, mask: torch.Tensor, pivot: float, code_sign: bool = False, eps: float = 1e-8
 ) -> torch.Tensor:
     """``h_hat`` (B, T): log-entropy centred at its nearest-rank ``pivot`` quantile over the valid tokens, divided by
     the RMS deviation, then scaled into [-1, 1] per side (``code_sign``: the official code's non-positive side, >= 0).
@@ -246,13 +284,13 @@ def entropy_statistics(entropies: torch.Tensor, pivot: float, code_sign: bool = 
 
 
 def adaptive_temperatures(logits: torch.Tensor, stats: EntropyStats, temperature: float, tau: float,
-                          eps: float = 1e-6) -> torch.Tensor:
+                          eps: float = 1e-6, floor: float = 1e-8) -> torch.Tensor:
     """HAPO's per-token sampling temperature (B,) from one decoding step's raw (B, V) logits:
-    ``T (1 + tau clip(h * scale, -1, 1))``, ``h = (ln max(H, eps) - median) / (std + eps)``, ``H`` the entropy of
+    ``T (1 + tau clip(h * scale, -1, 1))``, ``h = (ln max(H, floor) - median) / (std + eps)``, ``H`` the entropy of
     ``softmax(logits)``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * torch.nan_to_num(logp, neginf=0.0)).sum(dim=-1)
-    h = (torch.log(entropy.clamp(min=eps)) - stats.median) / (stats.std + eps)
+    h = (torch.log(entropy.clamp(min=floor)) - stats.median) / (stats.std + eps)
     h_hat = torch.where(h > 0, h * stats.scale_pos, h * stats.scale_neg).clamp(-1.0, 1.0)
     return temperature * (1.0 + tau * h_hat)
 
@@ -294,12 +332,14 @@ class HapoPlugin(Plugin):
     def __init__(self, options=None):
         super().__init__(options)
         self.temperature = 1.0
+        self.padded_length: int | None = None  # max_completion_length, the official padded response length
         self.entropy_stats: EntropyStats | None = None  # of the previous optimizer step
         self._step_entropies: list[torch.Tensor] = []
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
+        self.padded_length = getattr(args, "max_completion_length", None)
         if o.temperature_tau > 0:
             if args.use_vllm:
                 raise IncompatiblePluginsError(
@@ -335,7 +375,11 @@ class HapoPlugin(Plugin):
         G = ctx.num_generations
         token_adv = token_level_group_advantages(ctx.rewards, ctx.completion_lengths, G, scale=o.scale == "group")
         grpo = ctx.advantages if ctx.advantages.dim() == 1 else ctx.advantages[:, 0]
-        adv, fallback = with_grpo_fallback(token_adv, grpo, G, o.fallback_threshold)
+        pad_adv = None
+        if o.fallback_test == "padded":
+            padded = self.padded_length or int(ctx.completion_lengths.max())
+            pad_adv = padding_advantages(ctx.rewards, ctx.completion_lengths, G, padded, scale=o.scale == "group")
+        adv, fallback = with_grpo_fallback(token_adv, grpo, G, o.fallback_threshold, pad_adv)
         ctx.advantages = adv.to(ctx.advantages.dtype)
         ctx.log_metric("fallback_group_fraction", fallback.float().mean().item())
 

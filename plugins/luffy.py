@@ -12,6 +12,8 @@ Facts from the official code (``ElliottYan/LUFFY``, ``exp_scripts/train.sh`` and
 
 * one demonstration per group of 8 (``n_prefix=1``), the whole trace (prefix ratio 1.0), the dataset's target
   solution (DeepSeek-R1 traces from OpenR1-Math) followed by EOS, in the first slot(s) of the group;
+* the loader (``rl_dataset_with_target.py:129-130``) drops a demonstration's leading ``"<think>\\n"`` when the
+  prompt already ends with ``"<think>\\n"`` (``strip_think_prefix``, default true; false keeps the text as written);
 * ``off_policy_reshape="p_div_p_0.1"``: f(p) = p / (p + 0.1) on demonstration tokens, no clip on them;
 * advantage estimator ``grpo`` with ``grpo_use_std=False``: reward minus the mean over all G rows (the demonstration
   included), no std scaling -- TRL's ``scale_rewards="none"``; the code's alternative ``grpo_split`` (mean and std over
@@ -53,6 +55,8 @@ from trl_plugins.data_checks import check_column_filled
 from trl_plugins.option_groups import OffPolicyOptions
 from trl_plugins.reasons import edits_completions
 
+from .rl_plus import prompt_text, strip_think_prefix
+
 #: Annotation of the rows holding a demonstration.
 DEMONSTRATION = "luffy_demonstration"
 
@@ -77,6 +81,10 @@ class LuffyOptions(TeacherOptions, OffPolicyOptions):
         "policy rollouts only (official 'grpo_split'; std from them too when scale_rewards divides by it).",
     )
     append_eos: bool = option(True, help="End each demonstration with the EOS token (official).")
+    strip_think_prefix: bool = option(
+        True, help="Drop a leading '<think>\\n' from the demonstration when the training prompt ends with one "
+        "(official loader); false: the demonstration as written."
+    )
 
     def validate(self) -> None:
         if self.source == "teacher":
@@ -191,6 +199,8 @@ class LuffyPlugin(Plugin):
         eos = [tok.eos_token_id] if o.append_eos else []
         lengths, truncated = [], []
         for i, text in zip(rows, texts):
+            if o.strip_think_prefix:
+                text = strip_think_prefix(text, prompt_text(ctx, i))
             ids = list(tok(text, add_special_tokens=False)["input_ids"]) + eos
             truncated.append(float(limit is not None and len(ids) > limit))
             ids = ids[:limit] if limit else ids

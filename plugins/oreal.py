@@ -52,6 +52,14 @@ Official code facts (``InternLM/OREAL@2859cc092ddfd7c530da183f6a667a94a6b36d37``
    therefore freeze the policy for the first 10 steps while the head learns. To run the ``w`` recipe set
    ``token_rm=true, filter="one_pair", actor_freeze_steps=10``.
 
+7. Actor freeze (``actor_freeze_steps``): the official trainer skips the actor's update during those steps
+   (``train_oreal.py:426-430``). Here OREAL's loss is zeroed and, through a ``TrainerCallback.on_pre_optimizer_step``
+   added at construction, the policy's gradients are set to None just before each frozen optimizer step, so the
+   optimizer (PyTorch's, which skips parameters without a gradient) leaves the policy and its state untouched: no KL,
+   entropy-bonus or weight-decay update and no Adam step count. Differences left: TRL's learning-rate schedule still
+   advances during the freeze, and with DeepSpeed (which keeps its own gradients) only the loss is zeroed (warned at
+   construction).
+
 Not here: the official difficulty re-balancing of the prompt set.
 
 Neutral setting: ``baseline="trl", positive_objective="policy_gradient", filter="none", normalisation="run"`` (and
@@ -65,10 +73,12 @@ positive / negative rows' tokens).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from transformers import TrainerCallback
 from trl_plugins import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -146,8 +156,9 @@ class OrealOptions(SuccessOptions):
         "train_oreal.py default 0.5; a commented-out config line: 0.25)."
     )
     actor_freeze_steps: int = option(
-        0, min=0, help="Optimizer steps at the start during which OREAL's policy loss is zeroed while the token "
-        "reward model trains (official: 0 in the wo_tokenrm config, 10 in the with-token-RM configs)."
+        0, min=0, help="Optimizer steps at the start during which the policy is not updated (OREAL's loss zeroed and "
+        "the policy's optimizer step skipped, as officially) while the token reward model trains (official: 0 in the "
+        "wo_tokenrm config, 10 in the with-token-RM configs). The learning-rate schedule still advances."
     )
 
     def validate(self) -> None:
@@ -250,6 +261,18 @@ def oreal_token_loss(
 
 
 # ============================================================================================= plugin
+class FreezeActorCallback(TrainerCallback):
+    """Skips the policy's optimizer step while ``state.global_step < steps``: its gradients become None just before
+    the step, and PyTorch's optimizers leave a parameter without a gradient (and its state) untouched."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is not None and state.global_step < self.steps:
+            model.zero_grad(set_to_none=True)
+
+
 class OrealPlugin(Plugin):
     """Behaviour cloning on positives, reshaped rewards on negatives, one pair per mixed group (advantage, loss)."""
     multi_turn = True
@@ -296,6 +319,15 @@ class OrealPlugin(Plugin):
         if o.token_rm and config is not None:  # built now so that every process holds it before the first step
             text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
             self.token_rm.build(int(text_config.hidden_size), trainer.accelerator.device)
+        if o.actor_freeze_steps and hasattr(trainer, "add_callback"):
+            trainer.add_callback(FreezeActorCallback(o.actor_freeze_steps))
+            if getattr(trainer, "is_deepspeed_enabled", False):
+                warnings.warn(
+                    "oreal: with DeepSpeed actor_freeze_steps only zeroes OREAL's loss; DeepSpeed's optimizer step "
+                    "still applies the KL, entropy-bonus and weight-decay terms during the freeze (the official code "
+                    "skips the actor update).",
+                    stacklevel=2,
+                )
         accelerator = getattr(trainer, "accelerator", None)
         if getattr(accelerator, "num_processes", 1) > 1:
             self._reduce = lambda t: accelerator.reduce(t, reduction="sum")

@@ -2,30 +2,45 @@
 Models: From Test-Time to Post-Training").
 
 An exploration bonus from the model's own hidden states: a response is rewarded for being novel, in representation
-space, with respect to the other responses. What the paper states: the feature of a response ``y`` to prompt ``x`` is
-the mean over its tokens of the model's hidden states, ``h(x, y) = (1/T) sum_t h(x, y_{1:t})``; features are reduced by
-a sparse random projection and mean-centred; novelty is the **elliptical bonus** of linear bandits,
-``b(h) = sqrt(h^T (lambda I + sum_j h_j h_j^T)^{-1} h)`` over the other responses' features ``h_j``; in RL
-post-training the bonus is added to the reward.
+space, with respect to the other responses of its prompt. The feature of a response ``y`` to prompt ``x`` is the mean
+over its tokens of the model's last hidden states, ``h(x, y) = (1/T) sum_t h(x, y_{1:t})``; features are reduced by a
+sparse random projection and centred on their group's mean; the bonus, times ``beta``, is added to the reward.
+
+Official post-training recipe: ``volcengine/verl@a9fd825`` ``recipe/rep_exp`` (``train_elliptical.sh``,
+``workers/elliptical_reward_model_worker.py``, ``README.md``; restated, not copied). Its settings are the defaults:
+
+- bonus ``reward_type=leverage`` (``bonus="leverage"``): the **leverage score**
+  ``b_i = z_i^T (lambda I + sum_j z_j z_j^T)^{-1} z_i`` with the sum over **all** responses of the group (``z_i``
+  included) and no square root (``_compute_bonuses``; the inverse built by rank-one updates from ``I / lambda``),
+  ``lambda = 0.01`` (``ridge``); ``bonus="leave_one_out_sqrt"`` (the elliptical bonus of the paper's test-time
+  section, against the other responses only, with a square root) is our variant;
+- projection: sklearn's ``SparseRandomProjection(density="auto")`` to ``sparse_dim`` = 32 (MATH, GSM8K) or 128
+  (DAPO with AIME) dimensions (``projection_dim``, default 32): entries ``+-sqrt(s / k)`` with probability
+  ``1 / (2 s)`` each, ``s = sqrt(d)`` (``projection_density="auto"``; ``"achlioptas"``: ``s = 3``), **redrawn every
+  step** (``randomize_sparse_matrix=True``; ``redraw_projection``, here seeded by ``seed`` and the step, the same on
+  every process); the features are projected in float32 and the covariance computed in float64;
+- no normalisation of the bonuses (``normalization=none``), ``beta = 0.01`` (``train_elliptical.sh``: ``BETA`` 0.01);
+- ``turn_off_elliptical_if_none_correct=True``: the bonus is 0 for every response of a group with no correct
+  response (``zero_if_none_correct``; correct = verifier value >= ``correct_threshold``); the other gates are off
+  (``only_correct=false`` is ``turn_off_elliptical_if_rollout_incorrect=False``).
 
 Here (reward stage): one backbone forward (no LM head, no logits) over the completions gives ``(N, d)`` features
-(:meth:`~trl_plugins.RewardContext.policy_features`); a fixed sparse random projection (Achlioptas: entries
-``+-sqrt(3/k)`` with probability 1/6 each, 0 otherwise; seeded) maps them to ``k = projection_dim``; each group is
-centred on its mean and each response gets the elliptical bonus against the **other responses of its group**
-(leave-one-out); ``beta * b`` fills the plugin's reward column ``repexp`` (TRL's reward weights and normalisation
-apply). Memory is bounded: ``(N, k)`` features and one ``k x k`` matrix per group, never token-level hidden states
-(the forward keeps only each chunk's per-row means).
+(:meth:`~trl_plugins.RewardContext.policy_features`), projected on each process and gathered; ``beta * b`` fills the
+plugin's reward column ``repexp`` (TRL's reward weights and normalisation apply). Memory is bounded: ``(N, k)``
+features and one ``k x k`` matrix per group, never token-level hidden states.
 
-Reconstructed (the post-training recipe's details were not available to us; each is an option): the leave-one-out
-scope (the group), ``lambda = 1``, ``k = 64``, ``beta = 0.1``, features from the current policy (not a frozen copy),
-the bonus paid to every response (``only_correct=false``). Neutral setting: ``beta = 0`` (an all-zero column, no
-forward).
+Features: the official ones come from a **frozen copy of the base model** (the reward-model worker loads the initial
+checkpoint and never updates it): ``features="reference"`` (default) takes them from the reference policy
+(:meth:`~trl_plugins.RewardContext.reference_features`: TRL's reference model when ``beta > 0``, the PEFT model with
+its adapter off, else a frozen copy of the initial policy kept by the trainer -- one more copy of the weights);
+``"policy"`` uses the current policy. Neutral setting: ``beta = 0`` (an all-zero column, no forward, no reference).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -37,42 +52,77 @@ COLUMN = "repexp"
 
 @dataclass
 class RepExpOptions(PluginOptions):
-    beta: float = option(0.1, min=0.0, help="Weight of the elliptical bonus in the reward column.", reconstructed=True)
+    beta: float = option(0.01, min=0.0, help="Weight of the bonus in the reward column (official 0.01).")
     ridge: float = option(
-        1.0, min=0.0, min_exclusive=True, help="lambda of (lambda I + sum_j h_j h_j^T).", reconstructed=True
+        0.01, min=0.0, min_exclusive=True, help="lambda of (lambda I + sum_j z_j z_j^T) (official 0.01)."
+    )
+    bonus: Literal["leverage", "leave_one_out_sqrt"] = option(
+        "leverage", help="'leverage' (official): z_i^T (lambda I + sum over the whole group)^-1 z_i, no square root; "
+        "'leave_one_out_sqrt': sqrt of the same against the other responses of the group only (our variant).",
     )
     projection_dim: int = option(
-        64, min=0, help="Sparse random projection to this many dimensions (0: the full hidden size).",
-        reconstructed=True,
+        32, min=0, help="Sparse random projection to this many dimensions (official 32 for MATH/GSM8K, 128 for "
+        "DAPO with AIME; 0: the full hidden size).",
     )
-    center: bool = option(True, help="Centre each group's features on their mean before the bonus.")
+    projection_density: Literal["auto", "achlioptas"] = option(
+        "auto", help="Non-zero share of the projection: 'auto' (official, sklearn's 1 / sqrt(d)) or 'achlioptas' "
+        "(1/3).",
+    )
+    redraw_projection: bool = option(
+        True, help="Draw a new projection every step (official randomize_sparse_matrix=True); false: one fixed matrix.",
+    )
+    features: Literal["reference", "policy"] = option(
+        "reference", help="Whose hidden states: 'reference' (official: the frozen base model; TRL's reference model, "
+        "the PEFT model with its adapter off, or a frozen copy of the initial policy) or 'policy' (the current "
+        "policy; no extra model in memory).",
+    )
+    center: bool = option(True, help="Centre each group's features on their mean before the bonus (official).")
+    zero_if_none_correct: bool = option(
+        True, help="Bonus 0 for every response of a group with no correct response (official "
+        "turn_off_elliptical_if_none_correct=True; correct: verifier value >= correct_threshold).",
+    )
     only_correct: bool = option(
-        False, help="Pay the bonus to correct responses only (verifier column, see correct_threshold).",
-        reconstructed=True,
+        False, help="Pay the bonus to correct responses only (official turn_off_elliptical_if_rollout_incorrect, "
+        "false).",
     )
-    correct_threshold: float = option(1.0, help="With only_correct: a response is correct when its verifier value is "
-                                      ">= this.")
-    seed: int = option(0, help="Seed of the sparse random projection.")
+    correct_threshold: float = option(1.0, help="A response is correct when its verifier value is >= this.")
+    seed: int = option(0, help="Seed of the sparse random projection (with redraw_projection: mixed with the step).")
 
 
-def sparse_projection(d: int, k: int, seed: int) -> torch.Tensor:
-    """(d, k) Achlioptas sparse random projection: ``sqrt(3/k) * {+1, 0, -1}`` with probabilities 1/6, 2/3, 1/6."""
+def sparse_projection(d: int, k: int, seed: int, density: str = "achlioptas") -> torch.Tensor:
+    """(d, k) sparse random projection: ``sqrt(s/k) * {+1, 0, -1}`` with probabilities ``1/(2s)``, ``1 - 1/s``,
+    ``1/(2s)``; ``s = 3`` (``"achlioptas"``) or ``sqrt(d)`` (``"auto"``, sklearn's ``density="auto"``)."""
+    s = math.sqrt(d) if density == "auto" else 3.0
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(d, k, generator=g)
-    signs = torch.where(u < 1 / 6, 1.0, torch.where(u > 5 / 6, -1.0, 0.0))
-    return signs * math.sqrt(3.0 / k)
+    signs = torch.where(u < 1 / (2 * s), 1.0, torch.where(u > 1 - 1 / (2 * s), -1.0, 0.0))
+    return signs * math.sqrt(s / k)
+
+
+def _grouped(features: torch.Tensor, group_size: int, center: bool) -> torch.Tensor:
+    z = features.double().view(-1, group_size, features.size(1))
+    return z - z.mean(dim=1, keepdim=True) if center else z
+
+
+def leverage_bonus(features: torch.Tensor, group_size: int, ridge: float, center: bool = True) -> torch.Tensor:
+    """The official leverage score of each row in its group (N,):
+    ``b_i = z_i^T (ridge I + sum_j z_j z_j^T)^{-1} z_i``, the sum over the whole group (row ``i`` included), ``z`` the
+    features (N, k) centred on the group mean when ``center``; float64."""
+    z = _grouped(features, group_size, center)
+    eye = torch.eye(z.size(2), dtype=z.dtype, device=z.device)
+    cov = ridge * eye + z.transpose(1, 2) @ z  # (num_groups, k, k)
+    solved = torch.linalg.solve(cov, z.transpose(1, 2))  # (num_groups, k, G)
+    return (z * solved.transpose(1, 2)).sum(-1).view(-1).to(features.dtype)
 
 
 def leave_one_out_bonus(features: torch.Tensor, group_size: int, ridge: float, center: bool = True) -> torch.Tensor:
-    """Elliptical bonus of each row against the other rows of its group (N,).
+    """Elliptical bonus of each row against the other rows of its group (N,) (``bonus="leave_one_out_sqrt"``).
 
     ``b_i = sqrt(z_i^T (ridge I + sum_{j != i} z_j z_j^T)^{-1} z_i)`` with ``z`` the features (N, k), centred on the
     group mean when ``center``.
     """
-    N, k = features.shape
-    z = features.double().view(-1, group_size, k)
-    if center:
-        z = z - z.mean(dim=1, keepdim=True)
+    k = features.size(1)
+    z = _grouped(features, group_size, center)
     eye = torch.eye(k, dtype=z.dtype, device=z.device)
     bonus = torch.zeros(z.shape[:2], dtype=z.dtype, device=z.device)
     for g in range(z.size(0)):
@@ -95,28 +145,30 @@ class RepExpPlugin(Plugin):
         "Representation-Based Exploration for Language Models: From Test-Time to Post-Training (RepExp), "
         "arXiv:2510.11686"
     )
-    summary = "Exploration bonus: elliptical novelty of each response's mean hidden state against its group."
+    summary = "Exploration bonus: leverage score of each response's mean hidden state within its group."
     Options = RepExpOptions
-    reconstructed = (
-        "leave-one-out within the group, lambda=1, projection_dim=64, beta=0.1, current-policy features, bonus for "
-        "every response (the post-training recipe's details were not available)",
-    )
+    reconstructed = ()
 
     def __init__(self, options=None):
         super().__init__(options)
         self._projection: torch.Tensor | None = None
+        # the reference policy's hidden states (features="reference") need a reference model in the trainer
+        self.needs_reference_model = self.options.beta > 0 and self.options.features == "reference"
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):
         # the bonus needs whole groups: the reward transform fills the column in
         return [placeholder_column("repexp")]
 
-    def _project(self, features: torch.Tensor) -> torch.Tensor:
-        k = self.options.projection_dim
+    def _project(self, features: torch.Tensor, step: int) -> torch.Tensor:
+        o = self.options
+        k = o.projection_dim
         if k == 0 or k >= features.size(1):
             return features
-        if self._projection is None or self._projection.size(0) != features.size(1):
-            self._projection = sparse_projection(features.size(1), k, self.options.seed)
+        if o.redraw_projection:  # a new matrix every step, the same on every process
+            self._projection = sparse_projection(features.size(1), k, o.seed * 1_000_003 + step, o.projection_density)
+        elif self._projection is None or self._projection.size(0) != features.size(1):
+            self._projection = sparse_projection(features.size(1), k, o.seed, o.projection_density)
         return features @ self._projection.to(features.device, features.dtype)
 
     @hookimpl
@@ -124,12 +176,19 @@ class RepExpPlugin(Plugin):
         o = self.options
         if o.beta == 0:
             return
-        local = self._project(ctx.policy_features().float())
+        hidden = ctx.reference_features() if o.features == "reference" else ctx.policy_features()
+        local = self._project(hidden.float(), ctx.step)
         features = ctx.gather(local)
-        bonus = o.beta * leave_one_out_bonus(features, ctx.num_generations, o.ridge, o.center)
-        if o.only_correct:
+        score = leverage_bonus if o.bonus == "leverage" else leave_one_out_bonus
+        bonus = o.beta * score(features, ctx.num_generations, o.ridge, o.center)
+        if o.only_correct or o.zero_if_none_correct:
             verdict = torch.nan_to_num(ctx.verifier().float(), nan=-math.inf) >= o.correct_threshold
-            bonus = torch.where(verdict.to(bonus.device), bonus, torch.zeros_like(bonus))
+            verdict = verdict.to(bonus.device)
+            if o.zero_if_none_correct:  # a group with no correct response gets no bonus
+                any_correct = verdict.view(-1, ctx.num_generations).any(dim=1)
+                bonus = bonus * any_correct.repeat_interleave(ctx.num_generations).to(bonus.dtype)
+            if o.only_correct:
+                bonus = torch.where(verdict, bonus, torch.zeros_like(bonus))
         rewards = ctx.rewards_per_func.clone()
         rewards[:, ctx.reward_func_names.index(COLUMN)] = bonus.to(rewards.device, rewards.dtype)
         ctx.rewards_per_func = rewards

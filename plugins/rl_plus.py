@@ -9,7 +9,9 @@ demonstrations** into every group and trains on them with two corrections. Facts
 1. Groups (sampling stage): ``G`` rollouts per prompt (8), of which ``num_demonstrations`` (``n_prefix=1``) are the
    dataset's demonstration in full (prefix ratio 1.0), placed in the first slots of the group and followed by EOS,
    truncated to ``max_completion_length``. The demonstration follows the original prompt; its tokens are off-policy
-   (NaN sampling log-probs, never masked by TRL's off-policy mask).
+   (NaN sampling log-probs, never masked by TRL's off-policy mask). As the official loader does
+   (``rl_dataset_with_target.py:129-130``), a demonstration starting with ``"<think>\\n"`` loses it when the training
+   prompt (as tokenized) already ends with ``"<think>\\n"`` (``strip_think_prefix``; false keeps the text as written).
 2. Advantage: ``A = r - mean`` over the whole group, demonstration included, without std scaling
    (``grpo_use_std=False``): set ``scale_rewards="none"`` (warned otherwise).
 3. **Multiple Importance Sampling** on demonstration tokens, with the unknown demonstrator's probability estimated
@@ -18,9 +20,12 @@ demonstrations** into every group and trains on them with two corrections. Facts
        r_MIS = p_theta / (0.5 p_old + 0.5 omega) = p_theta / (0.75 p_old + 0.25)
 
    bounded by 4 and never exploding when the policy finds a demonstration token unlikely (``off_policy_weight``:
-   ``"mis"``; ``"none"`` uses ``p_theta`` itself, the official ``no_reshape`` strategy).
+   ``"mis"``; ``"none"`` is the official ``no_reshape`` strategy, ``-A p_theta`` with no exploration term either,
+   ``YihongDong/RL-PLUS@eb4aa4d rl_plus/verl/verl/recipe/rlplus_core_alg.py:168-169``; ``"none_eba"``, our variant,
+   keeps the exploration term on ``p_theta``).
 4. **Exploration-Based Advantage** on demonstration tokens: ``A_t = A * (1 - sg(p_theta))^eta`` (``eta = 0.5`` in
    the official code), so correct tokens the policy finds unlikely -- the paths it would not explore -- weigh most.
+   Official with ``"mis"`` only (``"none"`` drops it, ``"none_eba"`` keeps it).
 5. Demonstration-token loss ``-r_MIS * A_t`` (no clip); every other token keeps the run's surrogate. The official
    recipe also removes the clip on policy tokens (``loss_remove_clip``), sums tokens over the longest length
    (``loss_type="dr_grpo"``), uses entropy bonus 0.001 and no KL; those are GRPOConfig settings left to the user.
@@ -52,9 +57,14 @@ class RlPlusOptions(SuccessOptions):
     num_demonstrations: int = option(
         1, min=0, help="Group slots (the first ones) filled with the demonstration (official n_prefix = 1; 0 = off)."
     )
-    off_policy_weight: Literal["mis", "none"] = option(
-        "mis", help="Weight of demonstration tokens: the MIS ratio p / (0.75 p_old + 0.25) (official 'RL-PLUS') or "
-        "p itself (official 'no_reshape')."
+    off_policy_weight: Literal["mis", "none", "none_eba"] = option(
+        "mis", help="Weight of demonstration tokens: the MIS ratio p / (0.75 p_old + 0.25) with the exploration term "
+        "(official 'RL-PLUS'); 'none': p itself without the exploration term (official 'no_reshape'); 'none_eba': p "
+        "with the exploration term (not in the official code)."
+    )
+    strip_think_prefix: bool = option(
+        True, help="Drop a leading '<think>\\n' from the demonstration when the training prompt ends with one "
+        "(official loader); false: the demonstration as written."
     )
     eba_exponent: float = option(
         0.5, min=0.0, help="eta of the Exploration-Based Advantage A (1 - sg(p))^eta on demonstration tokens "
@@ -90,7 +100,8 @@ def demonstration_loss(
     off_policy_weight: str = "mis",
     eba_exponent: float = 0.5,
 ) -> torch.Tensor:
-    """Per-token loss of demonstration tokens: ``-w * A * (1 - sg(p))^eta``, ``w`` = :func:`mis_ratio` or ``p``.
+    """Per-token loss of demonstration tokens: ``-w * A * (1 - sg(p))^eta`` with ``w`` = :func:`mis_ratio` ("mis") or
+    ``p`` ("none_eba"); ``-p * A`` ("none", the official ``no_reshape``: no exploration term).
 
     Args:
         per_token_logps, old_per_token_logps: (B, T).
@@ -101,9 +112,11 @@ def demonstration_loss(
     if off_policy_weight == "mis":
         weight = mis_ratio(per_token_logps, old_per_token_logps)
     elif off_policy_weight == "none":
+        return -per_token_logps.exp() * advantages
+    elif off_policy_weight == "none_eba":
         weight = per_token_logps.exp()
     else:
-        raise ValueError(f"off_policy_weight={off_policy_weight!r} is unknown; allowed: mis, none.")
+        raise ValueError(f"off_policy_weight={off_policy_weight!r} is unknown; allowed: mis, none, none_eba.")
     return -weight * (advantages * exploration_weight(per_token_logps, eba_exponent))
 
 
@@ -114,6 +127,22 @@ def demonstration_ids(text: str, tokenizer: Any, max_length: int | None) -> list
     if tokenizer.eos_token_id is not None:
         ids.append(int(tokenizer.eos_token_id))
     return ids[:max_length] if max_length else ids
+
+
+THINK_PREFIX = "<think>\n"
+
+
+def strip_think_prefix(text: str, prompt_text: str) -> str:
+    """The official loader's rule: a demonstration starting with ``"<think>\\n"`` loses it when the prompt already
+    ends with ``"<think>\\n"`` (the chat template opened the thinking block); otherwise ``text`` unchanged."""
+    if prompt_text.endswith(THINK_PREFIX) and text.startswith(THINK_PREFIX):
+        return text[len(THINK_PREFIX):]
+    return text
+
+
+def prompt_text(ctx: RolloutContext, i: int) -> str:
+    """Row ``i``'s training prompt as the policy sees it (its token ids decoded, special tokens kept)."""
+    return ctx.tokenizer.decode(list(ctx.prompt_ids[i]), skip_special_tokens=False)
 
 
 def is_demonstration(value: Any) -> bool:
@@ -174,6 +203,8 @@ class RlPlusPlugin(Plugin):
                     f"rl_plus: row {ctx.global_index[i]} has no demonstration in column {o.demonstration_column!r} "
                     f"(got {text!r}); a non-blank string is needed."
                 )
+            if o.strip_think_prefix:
+                text = strip_think_prefix(text, prompt_text(ctx, i))
             ctx.replace_row(i, demonstration_ids(text, ctx.tokenizer, ctx.run.max_completion_length), offpolicy=True)
             ctx.annotations[i]["demonstration"] = True
         ctx.log_metric("demonstration_rows", len(rows))

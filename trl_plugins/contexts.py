@@ -454,6 +454,15 @@ class RewardContext(_VerdictMixin, _StageContext):
         prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
         return self._service("policy_features")(prompt_ids, [list(c) for c in self.local_completion_ids])
 
+    def reference_features(self) -> torch.Tensor:
+        """(B, d) as :meth:`policy_features`, under the **reference policy** (TRL's reference model, the PEFT model
+        with its adapter off, or the trainer's frozen copy of the initial policy). Only for plugins declaring
+        ``needs_reference_model = True``; collective."""
+        if self.local_completion_ids is None:
+            raise PluginError("RewardContext.reference_features: the completions' token ids are not available here.")
+        prompt_ids = self._service("tokenize_prompts")(list(self.local_prompts))
+        return self._service("reference_features")(prompt_ids, [list(c) for c in self.local_completion_ids])
+
     def _reward_names(self) -> list[str]:
         return list(self.reward_func_names)
 

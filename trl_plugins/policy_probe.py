@@ -141,10 +141,20 @@ class PolicyProbe:
         )
         return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
 
-    def features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+    def features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                 reference: bool = False) -> torch.Tensor:
         """(R, d) no-grad mean of the backbone's last hidden state over each completion's tokens
-        (``RewardContext.policy_features``). Runs the backbone only (no LM head, no logits), in chunks of
-        ``per_device_train_batch_size`` rows; collective-safe like :meth:`entropies`."""
+        (``RewardContext.policy_features``; ``reference``: the reference policy's, ``RewardContext.reference_features``).
+        Runs the backbone only (no LM head, no logits), in chunks of ``per_device_train_batch_size`` rows;
+        collective-safe like :meth:`entropies`."""
+        if reference:
+            from .reference import reference_model
+
+            with reference_model(self.trainer) as model:
+                return self._features(model, prompt_ids, completion_ids)
+        return self._features(self.trainer.model, prompt_ids, completion_ids)
+
+    def _features(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
         from .head_stats import backbone_of
 
         tr = self.trainer
@@ -155,7 +165,7 @@ class PolicyProbe:
         pad_id = tr.text_tokenizer.pad_token_id
         rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
         rows += [([eos_id], [eos_id])] * (max_n - n_local)
-        backbone, step, means = backbone_of(tr.model), tr.args.per_device_train_batch_size, []
+        backbone, step, means = backbone_of(model), tr.args.per_device_train_batch_size, []
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
             input_ids, attention_mask, c_len = prompt_completion_batch(

@@ -18,6 +18,7 @@ Where the reference log-probs come from, in TRL's own order:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -66,6 +67,27 @@ def frozen_reference_copy(trainer: Any, plugins: list) -> torch.nn.Module:
     return ref
 
 
+@contextlib.contextmanager
+def reference_model(trainer: Any):
+    """The model that computes the reference policy, by the rules above (a PEFT model with its adapter switched off
+    for the duration); a ``PluginError`` when there is none."""
+    if trainer.ref_model is not None:
+        yield trainer.ref_model
+    elif _is_peft(trainer.accelerator.unwrap_model(trainer.model)):
+        from trl.trainer.utils import use_adapter
+
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            yield trainer.model
+    elif getattr(trainer, "reference_copy", None) is not None:
+        yield trainer.reference_copy
+    else:
+        raise PluginError(
+            "no reference policy is available (declare needs_reference_model = True on the plugin so that the "
+            "trainer keeps one)."
+        )
+
+
 def reference_logprobs(trainer: Any, output: dict, cache: dict) -> torch.Tensor:
     """(B, T) no-grad reference log-probs of the local generation batch ``output`` (TRL's dict), cached in ``cache``."""
     if "reference" in cache:
@@ -84,21 +106,7 @@ def reference_logprobs(trainer: Any, output: dict, cache: dict) -> torch.Tensor:
         )
         return logps
 
-    with torch.no_grad():
-        if trainer.ref_model is not None:
-            logps = forward(trainer.ref_model)
-        elif _is_peft(trainer.accelerator.unwrap_model(trainer.model)):
-            from trl.trainer.utils import use_adapter
-
-            unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
-                logps = forward(trainer.model)
-        elif getattr(trainer, "reference_copy", None) is not None:
-            logps = forward(trainer.reference_copy)
-        else:
-            raise PluginError(
-                "reference_logprobs(): no reference policy is available (declare needs_reference_model = True on the "
-                "plugin so that the trainer keeps one)."
-            )
+    with torch.no_grad(), reference_model(trainer) as model:
+        logps = forward(model)
     cache["reference"] = logps
     return logps

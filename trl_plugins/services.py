@@ -66,6 +66,8 @@ class StageServices:
             of the completion tokens under the current policy (temperature applied; runs on this process only).
         policy_features: ``(prompt_ids, completion_ids) -> (R, d)``, no-grad mean of the policy's last hidden state
             over each completion's tokens (collective, padded to the same number of rows on every process).
+        reference_features: the same as ``policy_features`` under the reference policy (plugins declaring
+            ``needs_reference_model``).
         policy_stats: ``(head_stats: bool) -> PolicyStats`` of the local generation batch (advantage stage).
         completion_mask: ``() -> (N, T_max)`` loss mask of all rows (advantage stage, collective).
         reference_logprobs: ``() -> (B, T)`` no-grad log-probs of the local completion tokens under the reference
@@ -85,6 +87,7 @@ class StageServices:
     policy_entropies: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None
     policy_logprobs: Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]] | None = None
     policy_features: Callable[[list[list[int]], list[list[int]]], torch.Tensor] | None = None
+    reference_features: Callable[[list[list[int]], list[list[int]]], torch.Tensor] | None = None
     policy_stats: Callable[[bool], Any] | None = None
     completion_mask: Callable[[], torch.Tensor] | None = None
     reference_logprobs: Callable[[], torch.Tensor] | None = None

@@ -234,6 +234,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             gather_object=gather_object,
             policy_entropies=self.policy_probe.entropies,
             policy_features=self.policy_probe.features,
+            reference_features=functools.partial(self.policy_probe.features, reference=True),
             policy_logprobs=self.policy_probe.logprobs,
             masked_mean=functools.partial(_global_masked_mean, self),
         )

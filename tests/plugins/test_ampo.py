@@ -7,6 +7,7 @@ with NaN sampling log-probs, G kept), endpoint teachers through a loopback OpenA
 construction, the neutral setting and a tiny-model run."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -228,3 +229,12 @@ def test_default_score_is_the_ground_truth_after_the_answer_tag_plus_format():
 def test_format_tags_are_checked():
     with pytest.raises(PluginConfigError, match="format_tags"):
         build_stack("ampo", {"ampo": {"format_tags": ["<answer>"]}})
+
+
+def test_std_scaled_advantages_are_warned_about():
+    # official: norm_adv_by_std_in_grpo=False (train_ampo.sh:117), i.e. TRL's scale_rewards="none"
+    with pytest.warns(UserWarning, match="scale_rewards='none'"):
+        build_stack("ampo", num_generations=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_stack("ampo", num_generations=4, scale_rewards="none")

@@ -23,6 +23,7 @@ from trl_plugins_builtin.hapo import (
     adaptive_clip_ranges,
     hapo_token_loss,
     normalized_entropy,
+    padding_advantages,
     redistributed_advantages,
     token_level_group_advantages,
     with_grpo_fallback,
@@ -66,6 +67,42 @@ def test_advantage_hook_replaces_with_token_level_and_falls_back_on_outlier_grou
     expected = token_level_group_advantages(rewards[4:], lengths[4:], 4)
     torch.testing.assert_close(ctx.advantages[4:], expected)
     assert ctx.metrics["plugins/hapo/fallback_group_fraction"] == [0.5]
+
+
+def test_official_fallback_test_counts_the_padding_positions():
+    # Official test over the padded score tensor (rows x padded length): a row shorter than the padded length has
+    # padding positions with score 0, normalised to (0 - mu) / (sigma + 1e-6). Rewards 0.9 / 1.0, lengths 2, 2, 4, 4
+    # (padded length 4): mu = (0.9*2 + 1.0*2 + 0.9*4 + 1.0*4) / 12 = 0.95, sigma = 0.05 -> padding value -19 -> fallback.
+    rewards = torch.tensor([0.9, 1.0, 0.9, 1.0])
+    lengths = torch.tensor([2.0, 2.0, 4.0, 4.0])
+    pad = padding_advantages(rewards, lengths, 4, padded_length=4)
+    torch.testing.assert_close(pad, torch.tensor([-0.95 / (0.05 + 1e-6)]), rtol=1e-4, atol=1e-4)
+    ctx = make_advantage_context(rewards, num_generations=4, completion_lengths=lengths)
+    trl_adv = ctx.advantages.clone()
+    run_hook("hapo", "trl_plugins_transform_advantages", ctx)
+    torch.testing.assert_close(ctx.advantages, trl_adv)
+    assert ctx.metrics["plugins/hapo/fallback_group_fraction"] == [1.0]
+    # the real rows alone stay at |A| = 1: 'real' keeps the token-level advantage
+    ctx = make_advantage_context(rewards, num_generations=4, completion_lengths=lengths)
+    run_hook("hapo", "trl_plugins_transform_advantages", ctx, {"hapo": {"fallback_test": "real"}})
+    torch.testing.assert_close(ctx.advantages, token_level_group_advantages(rewards, lengths, 4))
+    assert ctx.metrics["plugins/hapo/fallback_group_fraction"] == [0.0]
+
+
+def test_no_padding_no_padding_test():
+    # every row at the padded length: nothing is padded, the test sees the real rows only
+    pad = padding_advantages(torch.tensor([0.9, 1.0]), torch.tensor([4.0, 4.0]), 2, padded_length=4)
+    assert pad.tolist() == [0.0]
+
+
+def test_entropy_floor_before_the_log_is_the_official_1e_8():
+    ent = torch.tensor([[0.0, 1e-7, 1.0, 2.0]])
+    mask = torch.ones_like(ent)
+    logh = torch.log(ent.clamp(min=1e-8))
+    med = torch.quantile(logh[0], 0.8, interpolation="nearest")
+    h = (logh - med) / (logh - med).pow(2).mean().sqrt()
+    expected = torch.where(h > 0, h / h.max(), h / h.min().abs())
+    torch.testing.assert_close(normalized_entropy(ent, mask, 0.8), expected)
 
 
 def test_advantage_hook_is_idle_when_switched_off():

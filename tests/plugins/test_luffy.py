@@ -101,6 +101,20 @@ def test_deferred_slots_are_filled_with_the_demonstration_off_policy_with_nan_lo
     assert ctx.metrics["plugins/luffy/teacher_rollouts"] == [2.0]
 
 
+def test_a_leading_think_tag_is_dropped_when_the_prompt_ends_with_one():
+    # official loader (rl_dataset_with_target.py:129-130): prompt ending "<think>\n" + target starting with it
+    demo = "<think>\n1+1=2</think>\nAnswer: 2"
+    rows = stub_rows(2, 4, solution=demo)
+    annotations = [{DEMONSTRATION: True} if i % 4 == 0 else {} for i in range(8)]
+    prompts = [_ids("Q0<think>\n")] * 4 + [_ids("Q1")] * 4
+    for options, first in (({}, demo[len("<think>\n"):]), ({"strip_think_prefix": False}, demo)):
+        ctx = make_rollout_context([["", "a", "b", "c"], ["", "d", "e", "f"]], rows=rows, tokenizer=TOK,
+                                   deferred=[0, 4], annotations=[dict(a) for a in annotations], prompt_ids=prompts)
+        run_hook("luffy", "trl_plugins_after_generation", ctx, {"luffy": options}, scale_rewards="none")
+        assert ctx.completion_ids[0] == _ids(first) + [EOS]
+        assert ctx.completion_ids[4] == _ids(demo) + [EOS]
+
+
 def test_a_list_column_gives_each_slot_its_own_demonstration_and_a_blank_row_is_an_error():
     assert demonstration_text(["x", "y"], 0) == "x" and demonstration_text(["x", "y"], 3) == "y"
     assert demonstration_text("  ", 0) is None and demonstration_text([], 0) is None

@@ -208,3 +208,26 @@ def test_tiny_run_trains_the_head():
     assert "plugins/oreal/token_rm_loss" in logs and plugin.token_rm.steps == 2
     assert not torch.equal(before, plugin.token_rm.weight)
     assert trainer.plugin_state_dict()["oreal"]["token_rm"]["steps"] == 2
+
+
+def _frozen_run(freeze_steps):
+    """Two steps of a tiny run with weight decay; the policy's parameters before and after."""
+    from trl_plugins.testing import digit_fraction_reward
+    trainer = make_tiny_trainer(plugins=["oreal"], loss_type="dapo", max_steps=2, reward_funcs=[digit_fraction_reward],
+                                weight_decay=0.1,
+                                plugin_config={"oreal": {**TOKEN_RM, "actor_freeze_steps": freeze_steps,
+                                                         "filter": "none", "success_threshold": 0.2}})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    run = record_run(trainer)
+    return trainer, all(torch.equal(before[n], p) for n, p in run.params.items())
+
+
+def test_actor_freeze_skips_the_policy_update():
+    # official train_oreal.py:426-430: no actor update during the freeze. With weight decay a zeroed loss alone would
+    # still move the policy; the skipped step leaves it and the optimizer state untouched.
+    trainer, unchanged = _frozen_run(2)
+    assert unchanged
+    assert not any(trainer.optimizer.state.get(p) for p in trainer.model.parameters())
+    assert trainer.plugin_stack.plugins[0].token_rm.steps == 2  # the head trained meanwhile
+    _, unchanged = _frozen_run(1)  # one frozen step of two: the second step updates the policy
+    assert not unchanged

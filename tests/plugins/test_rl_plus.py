@@ -24,7 +24,13 @@ from trl_plugins.testing import (
     run_hook,
     stub_rows,
 )
-from trl_plugins_builtin.rl_plus import demonstration_ids, demonstration_loss, exploration_weight, mis_ratio
+from trl_plugins_builtin.rl_plus import (
+    demonstration_ids,
+    demonstration_loss,
+    exploration_weight,
+    mis_ratio,
+    strip_think_prefix,
+)
 
 
 def test_mis_ratio_closed_form_and_bounds():
@@ -58,6 +64,36 @@ def test_demonstration_loss_gradient():
     lp.grad = None
     demonstration_loss(lp, old, adv, off_policy_weight="none", eba_exponent=0.0).sum().backward()
     assert torch.allclose(lp.grad, -1.5 * p)  # 'no_reshape': -A p
+
+
+def test_no_reshape_has_no_exploration_term():
+    # official no_reshape (rlplus_core_alg.py:168-169): loss = -A * p_theta, whatever eta is
+    lp = torch.log(torch.tensor([[0.2, 0.7]])).requires_grad_(True)
+    old = lp.detach() + 0.3
+    adv = torch.tensor([[-2.0]])
+    loss = demonstration_loss(lp, old, adv, off_policy_weight="none", eba_exponent=0.5)
+    torch.testing.assert_close(loss, torch.tensor([[0.4, 1.4]]))
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, 2.0 * lp.detach().exp())
+    # our variant keeps (1 - p)^eta on p
+    eba = demonstration_loss(lp.detach(), old, adv, off_policy_weight="none_eba", eba_exponent=0.5)
+    torch.testing.assert_close(eba, torch.tensor([[0.4 * 0.8 ** 0.5, 1.4 * 0.3 ** 0.5]]))
+
+
+def test_think_prefix_is_stripped_when_the_prompt_opens_the_block():
+    # official loader: prompt ends with "<think>\n" and the target starts with it -> the target loses it
+    demo = "<think>\n1+1=2</think>\nAnswer: 2"
+    rows = stub_rows(2, 4, solution=demo)
+    prompts = [char_encode("Q0<think>\n")] * 4 + [char_encode("Q1")] * 4
+    for options, first in (({}, demo[len("<think>\n"):]), ({"strip_think_prefix": False}, demo)):
+        ctx = make_rollout_context([[f"try {j}" for j in range(4)]] * 2, rows=rows, prompt_ids=prompts,
+                                   run=RunInfo(max_completion_length=64))
+        run_hook("rl_plus", "trl_plugins_after_generation", ctx, {"rl_plus": options}, scale_rewards="none")
+        assert ctx.completion_ids[0] == char_encode(first) + [0]
+        assert ctx.completion_ids[4] == char_encode(demo) + [0]  # its prompt does not end with "<think>\n"
+    assert strip_think_prefix("<think>\nabc", "x<think>\n") == "abc"
+    assert strip_think_prefix("abc", "x<think>\n") == "abc"
+    assert strip_think_prefix("<think>\nabc", "x<think>") == "<think>\nabc"
 
 
 def _rollout(G=4, **kwargs):
