@@ -51,6 +51,10 @@ def check_dist(dist: Path) -> None:
     missing = [p for p in framework if p not in names]
     if missing:
         fail(f"the wheel lacks framework modules {missing}")
+    shipped = [f"trl_plugins/tasks/weights/{w.name}" for w in (ROOT / "trl_plugins" / "tasks" / "weights").glob("*")]
+    missing = [w for w in shipped if w not in names]
+    if missing:
+        fail(f"the wheel lacks the shipped model weights {missing} (pyproject.toml [tool.setuptools.package-data])")
     leaked = [n for n in names if n.startswith(("tests/", "scripts/")) or "/tests/" in n or "conftest" in n]
     if leaked:
         fail(f"the wheel holds files from tests/ or scripts/: {leaked[:5]}")

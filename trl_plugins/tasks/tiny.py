@@ -531,19 +531,19 @@ def demo_model(
     return _build_or_load(target, settings, verbose, progress)
 
 
-def _build_or_load(
-    target: Path | None, settings: DemoSettings, verbose: bool, progress: bool
-) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    if target is not None and (target / "config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        model = AutoModelForCausalLM.from_pretrained(target)
-        model.eval()
-        return model, tokenizer
-    if progress:
-        where = f"into {target} (once per machine; later runs load it)" if target is not None else "(not cached)"
-        print(f"[builtin:tiny] first use: warm-starting the tiny model {where}; a few minutes on a CPU.",
-              file=sys.stderr, flush=True)
+#: Folder of the warm-started weights shipped in the package, one ``tiny-<DemoSettings.cache_key()>.safetensors`` per
+#: shipped setting (the default ``DemoSettings()``): byte-identical on every machine, where a warm start on the machine
+#: itself would round differently. ``python -m trl_plugins.tasks.tiny --write-shipped`` remakes them with the recipe.
+SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
+
+def shipped_weights(settings: DemoSettings) -> Path | None:
+    """The shipped weights file of ``settings``, or None when these settings are not shipped (they are warm-started)."""
+    path = SHIPPED_WEIGHTS / f"tiny-{settings.cache_key()}.safetensors"
+    return path if path.is_file() else None
+
+
+def _tiny_skeleton(settings: DemoSettings) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     tokenizer = build_tokenizer()
     model = build_tiny_model(
         tokenizer,
@@ -553,6 +553,46 @@ def _build_or_load(
         num_heads=settings.num_heads,
         intermediate_size=settings.intermediate_size,
     )
+    return model, tokenizer
+
+
+def _load_shipped(path: Path, settings: DemoSettings) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    from safetensors.torch import load_file
+
+    model, tokenizer = _tiny_skeleton(settings)
+    model.load_state_dict(load_file(str(path)), strict=True)
+    model.eval()
+    return model, tokenizer
+
+
+def _build_or_load(
+    target: Path | None, settings: DemoSettings, verbose: bool, progress: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    if target is not None and (target / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target)
+        model.eval()
+        return model, tokenizer
+    shipped = shipped_weights(settings)
+    if shipped is not None:  # no warm start: the same weights on every machine
+        model, tokenizer = _load_shipped(shipped, settings)
+        if target is not None:
+            save_atomically(model, tokenizer, target)
+        return model, tokenizer
+    return warm_started_model(target, settings, verbose, progress)
+
+
+def warm_started_model(
+    target: Path | None, settings: DemoSettings, verbose: bool = False, progress: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The recipe: a fresh tiny model warm-started with ``settings`` on this machine (saved under ``target`` when
+    given). It made the shipped weights; elsewhere its rounding, and so its weights, differ from machine to machine."""
+    if progress:
+        where = f"into {target} (once per machine; later runs load it)" if target is not None else "(not cached)"
+        print(f"[builtin:tiny] first use: warm-starting the tiny model {where}; a few minutes on a CPU.",
+              file=sys.stderr, flush=True)
+
+    model, tokenizer = _tiny_skeleton(settings)
     start = time.perf_counter()
     warm_start(
         model,
@@ -586,3 +626,23 @@ def save_atomically(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, 
         shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "config.json").exists():
             raise
+
+
+def write_shipped_weights(settings: DemoSettings | None = None) -> Path:
+    """Warm-start the tiny model with ``settings`` (default: the demo's) on this machine and write its weights as the
+    shipped file (:data:`SHIPPED_WEIGHTS`); returns the path. Run by maintainers when the recipe changes."""
+    from safetensors.torch import save_file
+
+    settings = settings or DemoSettings()
+    model, _ = warm_started_model(None, settings, progress=True)
+    SHIPPED_WEIGHTS.mkdir(parents=True, exist_ok=True)
+    path = SHIPPED_WEIGHTS / f"tiny-{settings.cache_key()}.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"settings": json.dumps(dataclasses.asdict(settings), default=str)})
+    return path
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-shipped"]:
+        raise SystemExit("usage: python -m trl_plugins.tasks.tiny --write-shipped")
+    print(write_shipped_weights())
