@@ -14,11 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from trl_plugins import PluginConfigError, PluginError, PluginOptions, RewardContext, option
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 from trl_plugins.success import SuccessRule
 
-#: Why these plugins refuse multi-turn tool rollouts (one home: trl_plugins.reasons).
-MULTI_TURN_REASON = LENGTH_COUNTS_TOOL_TOKENS
 
 
 @dataclass

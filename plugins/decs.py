@@ -48,8 +48,9 @@ from dataclasses import dataclass
 import torch
 from trl_plugins import AdvantageContext, Plugin, PluginError, RewardContext, hookimpl, option
 from trl_plugins.success import SuccessRule
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
-from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns, local_completion_ids
+from ._length import CorrectnessOptions, check_reward_columns, local_completion_ids
 
 #: The official split words (their first token id cuts chunks).
 SPLIT_WORDS = ("Wait", " Wait", "But", " But", "Alternatively", " Alternatively", "Hmm", " Hmm", "Let", " Let",
@@ -227,7 +228,7 @@ class DecsPlugin(Plugin):
     curriculum (reward and advantage stages)."""
 
     name = "decs"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.2.0"
     paper = "Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling (DECS), arXiv:2509.25827"
     summary = ("Penalises only the tokens after the first correct answer (per-position advantages), with a curriculum "

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 from trl_plugins import Plugin, RewardContext, hookimpl, option
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import (
-    MULTI_TURN_REASON,
     CorrectnessOptions,
     check_reward_columns,
     correct_rows,
@@ -65,7 +65,7 @@ class DlerPlugin(Plugin):
     """DLER's truncation penalty, optionally with difficulty-aware caps (reward stage)."""
 
     name = "dler"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = ("DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via Reinforcement Learning, "
              "arXiv:2510.15110")

@@ -61,8 +61,9 @@ from trl_plugins import (
 from trl_plugins.answers import get_extractor
 from trl_plugins.success import verifier_column
 from trl_plugins.text import completion_text
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
-from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
+from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 
 #: The paper's budgets (tokens).
 PAPER_BUDGETS = (512, 1024, 2048, 2560)
@@ -219,7 +220,7 @@ class HbpoPlugin(Plugin):
     advantage (sampling, reward and advantage stages)."""
 
     name = "hbpo"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.2.0"
     paper = "Hierarchical Budget Policy Optimization for Adaptive Reasoning (HBPO), arXiv:2507.15844"
     summary = "Budget sub-groups sampled with budget sentences, budget-aware rewards, hierarchical advantages."

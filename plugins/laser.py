@@ -39,9 +39,9 @@ from typing import Literal
 import torch
 from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.success import placeholder_column
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import (
-    MULTI_TURN_REASON,
     CorrectnessOptions,
     check_reward_columns,
     correct_rows,
@@ -209,7 +209,7 @@ class LaserPlugin(Plugin):
     """LASER / LASER-D / LASER-DE length step bonus in the plugin's own reward column (reward stage)."""
 
     name = "laser"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), arXiv:2505.15612"
     summary = ("Step bonus for correct answers within a target length; LASER-D adapts the targets per difficulty, "

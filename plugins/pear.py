@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 from trl_plugins import Plugin, RewardContext, hookimpl, option
 from trl_plugins.success import placeholder_column
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
-from ._length import MULTI_TURN_REASON, CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
+from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 from ._phases import phase_boundary
 
 
@@ -59,7 +60,7 @@ class PearPlugin(Plugin):
     """PEAR's phase-entropy bonus in the plugin's own reward column (reward stage)."""
 
     name = "pear"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "PEAR: Phase Entropy Aware Reward for Efficient Reasoning, arXiv:2510.08026"
     summary = "Penalises the thinking phase's token entropy (reconstructed formula), tolerating the answer phase's."

@@ -21,8 +21,9 @@ from typing import Literal
 
 import torch
 from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
-from ._length import MULTI_TURN_REASON, eos_ids, lengths_and_unfinished, truncation_mask, zero_rows
+from ._length import eos_ids, lengths_and_unfinished, truncation_mask, zero_rows
 
 
 @dataclass
@@ -52,7 +53,7 @@ class SiriPlugin(Plugin):
     """SIRI's oscillating rollout length cap with the length-capping reward (lifecycle and reward stage)."""
 
     name = "siri"
-    multi_turn = MULTI_TURN_REASON
+    multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, arXiv:2509.25176"
     summary = "Oscillating rollout length cap (compression / expansion phases) with zero reward beyond it."
