@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from trl_plugins import PluginConfigError
+from trl_plugins.api import PluginConfigError
 
 #: The hint sentence of GHPO (and SEELE's hint in the prompt): the hint is the beginning of the answer.
 DEFAULT_TEMPLATE = "{question}\n\nThe following text is the beginning of the answer, which you can refer to:\n{hint}"

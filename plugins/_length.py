@@ -4,7 +4,7 @@
 
 Lengths are completion tokens (EOS included, as TRL's completion mask counts them); correctness is
 ``value >= correct_threshold`` on the correctness column (NaN counts as incorrect): ``correctness_column``, by default
-the first reward function that is not a placeholder column (the success rule of :mod:`trl_plugins.success`).
+the first reward function that is not a placeholder column (the success rule of :mod:`trl_plugins.api.success`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import PluginConfigError, PluginError, PluginOptions, RewardContext, option
-from trl_plugins.success import SuccessRule
+from trl_plugins.api import PluginConfigError, PluginError, PluginOptions, RewardContext, option
+from trl_plugins.api.success import SuccessRule
 
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
 EPS = 1e-6
 
@@ -52,7 +52,7 @@ class AspoOptions(PluginOptions):
 
 
 def row_features(turns: list, feature: str) -> torch.Tensor:
-    """(B,) feature per row from its :class:`~trl_plugins.turns.TurnStructure`."""
+    """(B,) feature per row from its :class:`~trl_plugins.api.turns.TurnStructure`."""
     values = []
     for t in turns:
         if feature == "tool_calls":

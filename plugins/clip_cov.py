@@ -39,9 +39,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
-from trl_plugins.reasons import ENTROPY_PICK_ONE
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginOptions,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 PICK_KEY = "clip_cov_pick"
 

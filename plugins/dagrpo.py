@@ -78,7 +78,7 @@ from typing import Any, Literal
 
 import torch
 
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     Plugin,
     PluginConfigError,
@@ -89,14 +89,20 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.collectives import gather_objects_together
-from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeEndpointOptions, JudgeRequest, RubricJudge
-from trl_plugins.components.prm import STEP_VERIFIERS
-from trl_plugins.components.steps import split_steps
-from trl_plugins.contexts import context_device
-from trl_plugins.text import completion_text
-from trl_plugins.success import SuccessOptions
-from trl_plugins.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.collectives import gather_objects_together
+from trl_plugins.api.components import (
+    STEP_VERIFIERS,
+    EndpointJudge,
+    HFJudge,
+    JudgeEndpointOptions,
+    JudgeRequest,
+    RubricJudge,
+)
+from trl_plugins.api.components import split_steps
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.text import completion_text
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
 
 ANCHOR_ANNOTATION = "dagrpo_anchor"
 RESERVED_ANNOTATION = "dagrpo_reserved"

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
-from trl_plugins.success import SuccessOptions
-from trl_plugins.reasons import REFILLS_GROUPS
+from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import REFILLS_GROUPS
 
 
 def extra_rollouts(acc: float, n: int, n_max: int, schedule: str = "ET", use_std: bool = False) -> int:

@@ -16,7 +16,7 @@ is too low), by mixing that target into the advantages. Facts from the official 
 6. ``A'[i,t] = (1 - alpha) A_i + alpha c_i w[i,t]`` (token-level), trained with the usual surrogate.
 
 Mapping onto TRL: steps 3-6 at the advantage stage (one extra no-grad forward; ``lp_tau`` and ``lp_1`` from the
-chunked LM-head statistics of :mod:`trl_plugins.head_stats`, never the full logits, both from the raw logits as in
+chunked LM-head statistics of :mod:`trl_plugins.runtime.head_stats`, never the full logits, both from the raw logits as in
 the official code whatever the run's ``temperature``); step 1 from the loss stage (the token-mean of ``-lp`` over
 the micro-steps since the previous generation batch, all processes), measured on TRL's loss log-probs at the run's
 ``temperature``; the official entropy is measured at temperature 1 (equal only when ``temperature = 1``). Correctness is decided on the verifier column
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
@@ -39,7 +39,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.success import SuccessOptions
+from trl_plugins.api.success import SuccessOptions
 
 #: Why DCPO refuses the other entropy regulators (``Plugin.conflict_reason``).
 ENTROPY_CONTROL_PICK_ONE = (

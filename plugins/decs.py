@@ -46,9 +46,9 @@ import re
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginError, RewardContext, hookimpl, option
-from trl_plugins.success import SuccessRule
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api import AdvantageContext, Plugin, PluginError, RewardContext, hookimpl, option
+from trl_plugins.api.success import SuccessRule
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import CorrectnessOptions, check_reward_columns, local_completion_ids
 

@@ -45,8 +45,8 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, LossContext, Plugin, hookimpl, option
-from trl_plugins.success import SuccessOptions
+from trl_plugins.api import AdvantageContext, LossContext, Plugin, hookimpl, option
+from trl_plugins.api.success import SuccessOptions
 
 
 @dataclass

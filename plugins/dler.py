@@ -23,8 +23,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import Plugin, RewardContext, hookimpl, option
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api import Plugin, RewardContext, hookimpl, option
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import (
     CorrectnessOptions,

@@ -34,7 +34,7 @@ limit reached: verl raises                     ``refill_at_limit: error`` (defau
 ============================================ ======================================================================
 
 verl keeps drawing whole generation batches from the training dataloader; the refill stream here is a seeded
-permutation of the training set of its own (see ``trl_plugins.refill``), so the epoch length is unchanged.
+permutation of the training set of its own (see ``trl_plugins.runtime.refill``), so the epoch length is unchanged.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import Plugin, RefillContext, hookimpl, option
-from trl_plugins.success import SuccessOptions
-from trl_plugins.reasons import REFILLS_GROUPS
+from trl_plugins.api import Plugin, RefillContext, hookimpl, option
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import REFILLS_GROUPS
 
 
 @dataclass

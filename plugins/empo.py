@@ -1,7 +1,7 @@
 """EMPO — Entropy Minimized Policy Optimization (arXiv:2504.05812), with a TTRL majority-vote mode (arXiv:2504.16084).
 
 Label-free RL: no reference answer is needed. The G completions of a prompt are clustered by meaning — for math,
-by their final answers (extracted, then compared by normalised exact match, :mod:`trl_plugins.answers`) — and
+by their final answers (extracted, then compared by normalised exact match, :mod:`trl_plugins.api.answers`) — and
 
 * ``mode="semantic_cluster"`` (EMPO): each completion is rewarded with the empirical probability of its cluster,
   ``r_i = |C(i)| / G``. Maximising it minimises the semantic entropy of the group's answers (the model is pushed
@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     Plugin,
     PluginConfigError,
@@ -49,7 +49,7 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import (
+from trl_plugins.api.answers import (
     batch_clusters,
     cluster_answers,
     cluster_fractions,
@@ -57,8 +57,8 @@ from trl_plugins.answers import (
     majority_votes,
     semantic_entropy,
 )
-from trl_plugins.success import placeholder_column
-from trl_plugins.reasons import CORRECTNESS_PICK_ONE
+from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE
 
 
 COLUMN = "empo"

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginConfigError
-from trl_plugins import PluginOptions, hookimpl, option
-from trl_plugins.reasons import ENTROPY_PICK_ONE
+from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginConfigError
+from trl_plugins.api import PluginOptions, hookimpl, option
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
-from trl_plugins.data_checks import cell_problem, check_column_values
-from trl_plugins.tool_calls import GOLD_CALLS_ALLOWED, call_key, gold_calls_ok, parse_gold_calls
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api.data_checks import cell_problem, check_column_values
+from trl_plugins.api.tool_calls import GOLD_CALLS_ALLOWED, call_key, gold_calls_ok, parse_gold_calls
 
 from ._phases import phase_boundary
 

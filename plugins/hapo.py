@@ -41,7 +41,7 @@ copied):
    driver; here each process uses the tokens of its own micro-batches [reconstructed]; ``code_sign_compat`` applies
    to the scale of the negative side as in item 2 (the official sampler's scale is negative there too, so it only
    ever raises the temperature). Transformers generation only
-   (:meth:`~trl_plugins.PluginGRPOTrainer.set_token_temperature`, :mod:`trl_plugins.token_temperature`): vLLM samples
+   (:meth:`~trl_plugins.PluginGRPOTrainer.set_token_temperature`, :mod:`trl_plugins.runtime.token_temperature`): vLLM samples
    every token of a request at one temperature, so ``temperature_tau > 0`` is refused with ``use_vllm=True``.
    Log-probs: as in the official code (old log-probs recomputed at the rollout's base temperature), the loss, the
    old log-probs and the importance ratio use the single temperature ``T``; the tokens are treated as samples of
@@ -60,7 +60,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
@@ -69,8 +69,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
-from trl_plugins.reasons import ADVANTAGE_PICK_ONE, ENTROPY_PICK_ONE
+from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
+from trl_plugins.api.reasons import ADVANTAGE_PICK_ONE, ENTROPY_PICK_ONE
 
 
 #: Plugins that compute the advantages from scratch: HAPO's token-level advantage is refused together with them.

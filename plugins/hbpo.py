@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     Plugin,
     PluginConfigError,
@@ -58,10 +58,10 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.answers import get_extractor
-from trl_plugins.success import verifier_column
-from trl_plugins.text import completion_text
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api.answers import get_extractor
+from trl_plugins.api.success import verifier_column
+from trl_plugins.api.text import completion_text
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 
@@ -112,7 +112,7 @@ class HbpoOptions(CorrectnessOptions):
     )
     answer_extractor: str | None = option(
         "boxed",
-        help="Extractor of the final answer for the format check (trl_plugins.answers: boxed, last_number, "
+        help="Extractor of the final answer for the format check (trl_plugins.api.answers: boxed, last_number, "
         "boxed_or_last_number, task, or 'package.module:function'; official: the last \\boxed{}); null: no answer "
         "check.",
     )

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_plugins import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 MASK_KEY = "hicra_planning_mask"
 

@@ -37,11 +37,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
-from trl_plugins.text import check_template
-from trl_plugins.turns import accumulate_turn_rewards as accumulate
-from trl_plugins.turns import expand_turn_values
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginOptions,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
+from trl_plugins.api.text import check_template
+from trl_plugins.api.turns import accumulate_turn_rewards as accumulate
+from trl_plugins.api.turns import expand_turn_values
 
 EPS = 1e-4  # TRL's epsilon in the group normalisation
 #: Extra carrying A2TGPO's per-turn clip factors (N, U) from the advantage stage to the loss stage.

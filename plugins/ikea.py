@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
-from trl_plugins.errors import suggest
-from trl_plugins.success import SuccessOptions, placeholder_column
+from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.errors import suggest
+from trl_plugins.api.success import SuccessOptions, placeholder_column
 
 COLUMN = "ikea"
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     LossContext,
     Plugin,
@@ -47,14 +47,13 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.collectives import gather_floats, run_together
-from trl_plugins.components.steps import question_text
-from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
-from trl_plugins.data_checks import check_column_filled
-from trl_plugins.option_groups import OffPolicyOptions
-from trl_plugins.success import SuccessOptions
-from trl_plugins.text import check_template
-from trl_plugins.reasons import edits_completions
+from trl_plugins.api.collectives import gather_floats, run_together
+from trl_plugins.api.components import TeacherOptions, question_text, teacher_from_options
+from trl_plugins.api.data_checks import check_column_filled
+from trl_plugins.api.option_groups import OffPolicyOptions
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.text import check_template
+from trl_plugins.api.reasons import edits_completions
 
 HINT_REQUEST = (
     "A student could not solve the following problem. Write one short hint that points to the key idea or the first "

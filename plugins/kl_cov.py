@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.loss import policy_moves_before_loss
-from trl_plugins.reasons import ENTROPY_PICK_ONE
+from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api.loss_types import policy_moves_before_loss
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 from .clip_cov import (
     CLIPPED_LOSS_TYPES,

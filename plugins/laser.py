@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
-from trl_plugins.success import placeholder_column
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import (
     CorrectnessOptions,

@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trl_plugins import Moved, Plugin, PluginOptions, option
-from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api import Moved, Plugin, PluginOptions, option
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 CORRECTNESS = ("correctness_column", "correct_threshold")
 LASER = (*CORRECTNESS, "alpha", "target_length", "num_budgets", "target_estimator", "ecr_min", "explore_gate",

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.loss import policy_moves_before_loss
-from trl_plugins.reasons import LIKELIHOOD_PICK_ONE
+from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api.loss_types import policy_moves_before_loss
+from trl_plugins.api.reasons import LIKELIHOOD_PICK_ONE
 
 
 

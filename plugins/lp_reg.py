@@ -36,8 +36,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.reasons import ENTROPY_PICK_ONE
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginOptions,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 
 PROXY_KEY = "lp_reg_proxy_logps"

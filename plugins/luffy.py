@@ -48,12 +48,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
-from trl_plugins.collectives import run_together
-from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
-from trl_plugins.data_checks import check_column_filled
-from trl_plugins.option_groups import OffPolicyOptions
-from trl_plugins.reasons import edits_completions
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
+from trl_plugins.api.collectives import run_together
+from trl_plugins.api.components import TeacherOptions, teacher_from_options
+from trl_plugins.api.data_checks import check_column_filled
+from trl_plugins.api.option_groups import OffPolicyOptions
+from trl_plugins.api.reasons import edits_completions
 
 from .rl_plus import prompt_text, strip_think_prefix
 

@@ -38,11 +38,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
-from trl_plugins.collectives import fail_together
-from trl_plugins.data_checks import cell_problem, check_column_values
-from trl_plugins.tool_calls import GOLD_CALLS_ALLOWED, call_arguments, gold_calls_ok, normalise_value, parse_gold_calls
-from trl_plugins.turns import accumulate_turn_rewards
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api.collectives import fail_together
+from trl_plugins.api.data_checks import cell_problem, check_column_values
+from trl_plugins.api.tool_calls import (
+    GOLD_CALLS_ALLOWED,
+    call_arguments,
+    gold_calls_ok,
+    normalise_value,
+    parse_gold_calls,
+)
+from trl_plugins.api.turns import accumulate_turn_rewards
 
 EPS = 1e-6  # the official code's epsilon of the normalisations
 

@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
-from trl_plugins.success import SuccessOptions
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.api.success import SuccessOptions
 
 #: Annotation key: ``[(b_j, J_j) for j = 0..k]``, episode boundaries (completion token index) and success rates.
 PROGRESS_KEY = "mrt_progress"

@@ -79,7 +79,7 @@ from typing import Literal
 
 import torch
 from transformers import TrainerCallback
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
@@ -88,8 +88,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.head_stats import unwrap_causal_lm
-from trl_plugins.success import SuccessOptions
+from trl_plugins.api.model_utils import unwrap_causal_lm
+from trl_plugins.api.success import SuccessOptions
 
 from ._oreal_token_rm import TokenRewardHead, oreal_token_weights, sequence_bce
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import IncompatiblePluginsError, Plugin, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.success import verifier_column
+from trl_plugins.api import IncompatiblePluginsError, Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api.success import verifier_column
 
 
 @dataclass

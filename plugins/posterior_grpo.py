@@ -30,7 +30,7 @@ one instance -- SCOPE locates errors in failures, Posterior-GRPO rewards the pro
 their own reasoning / thinking reward models; using a PRM's aggregated step scores is our reconstruction, as are the
 aggregation (mean), the weight in posterior mode (1.0), the outcome threshold (0.5), and in trust mode the annealing
 horizon T (the run's max_steps; the official configuration uses 500 steps). The outcome column is chosen by the
-success rule (:mod:`trl_plugins.success`): ``outcome_reward``, by default the first reward function that is not a
+success rule (:mod:`trl_plugins.api.success`): ``outcome_reward``, by default the first reward function that is not a
 placeholder column. Metrics: ``process_reward_mean`` (over paid rows), ``paid_fraction``, ``trust_weight_mean``,
 ``anneal_factor``.
 """
@@ -42,11 +42,11 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, RewardContext, hookimpl, option
-from trl_plugins.collectives import gather_objects_together
-from trl_plugins.components.prm import PRMOptions, prm_from_options
-from trl_plugins.success import SuccessRule, mark_placeholder
-from trl_plugins.text import completion_text
+from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.collectives import gather_objects_together
+from trl_plugins.api.components import PRMOptions, prm_from_options
+from trl_plugins.api.success import SuccessRule, mark_placeholder
+from trl_plugins.api.text import completion_text
 
 COLUMN = "posterior_process"
 

@@ -39,8 +39,8 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
-from trl_plugins.reasons import ADVANTAGE_PICK_ONE
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api.reasons import ADVANTAGE_PICK_ONE
 
 
 

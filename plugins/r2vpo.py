@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
 
 
 @dataclass

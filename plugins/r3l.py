@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     LossContext,
     Plugin,
@@ -76,12 +76,12 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.collectives import gather_id_lists
-from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
-from trl_plugins.contexts import context_device
-from trl_plugins.success import SuccessOptions
-from trl_plugins.text import completion_text
-from trl_plugins.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.collectives import gather_id_lists
+from trl_plugins.api.components import VERIFIER_FEEDBACK, feedback_oracle
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.text import completion_text
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"

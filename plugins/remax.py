@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginError, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.api import AdvantageContext, Plugin, PluginError, PluginOptions, RolloutContext, hookimpl, option
 
 #: Annotation key of the greedy baseline's reward, on the first row of each group.
 BASELINE_KEY = "remax_greedy_reward"

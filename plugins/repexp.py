@@ -44,8 +44,8 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import Plugin, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.success import placeholder_column
+from trl_plugins.api import Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api.success import placeholder_column
 
 COLUMN = "repexp"
 

@@ -7,7 +7,7 @@ Ropes, Then Trust the Wins", arXiv:2509.22601) is self-imitation learning: a buf
 trajectories, replayed off-policy, with a staleness limit and a recalibrated advantage. This plugin is RAPO's
 per-prompt splice with SPEAR's staleness limit and advantage treatments as options::
 
-    success(row)  = verifier column of the row > success_threshold        (trl_plugins.success's rule)
+    success(row)  = verifier column of the row > success_threshold        (trl_plugins.api.success's rule)
     store         after generation: the successful rows the policy sampled itself under the prompt (no off-policy
                   token, no prompt swap, not a replay), newest last, at most buffer_size per prompt
     evict         entries older than max_age_steps optimizer steps (None: kept until pushed out)
@@ -65,12 +65,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
-from trl_plugins.collectives import gather_id_lists
-from trl_plugins.contexts import context_device
-from trl_plugins.success import SuccessOptions
-from trl_plugins.text import stable_key
-from trl_plugins.reasons import edits_completions
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.api.collectives import gather_id_lists
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.text import stable_key
+from trl_plugins.api.reasons import edits_completions
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
 REPLAYED = "replayed"

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import LossContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
-from trl_plugins.data_checks import check_column_filled
-from trl_plugins.success import SuccessOptions
-from trl_plugins.reasons import edits_completions
+from trl_plugins.api import LossContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+from trl_plugins.api.data_checks import check_column_filled
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import edits_completions
 
 
 @dataclass

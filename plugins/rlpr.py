@@ -49,10 +49,10 @@ from typing import Any, Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
-from trl_plugins.data_checks import check_column_filled
-from trl_plugins.text import check_template, completion_text
-from trl_plugins.reasons import CORRECTNESS_PICK_ONE
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
+from trl_plugins.api.data_checks import check_column_filled
+from trl_plugins.api.text import check_template, completion_text
+from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE
 
 COLUMN = "rlpr"
 

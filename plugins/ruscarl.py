@@ -58,9 +58,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trl_plugins import Plugin, PluginConfigError, PromptContext, hookimpl, option
-from trl_plugins.answers import extract_boxed_or_last_number, normalize_answer
-from trl_plugins.components.judge import (
+from trl_plugins.api import Plugin, PluginConfigError, PromptContext, hookimpl, option
+from trl_plugins.api.answers import extract_boxed_or_last_number, normalize_answer
+from trl_plugins.api.components import (
     RUBRIC_VERDICTS,
     EndpointJudge,
     HFJudge,
@@ -69,7 +69,7 @@ from trl_plugins.components.judge import (
     RubricJudge,
     RuleJudge,
 )
-from trl_plugins.text import completion_text
+from trl_plugins.api.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
 BASE_SYSTEM = "You are a helpful assistant."
@@ -253,7 +253,7 @@ def rule_verdict(item: dict, completion: str) -> bool | None:
 
     An item is rule-checked when one of its ``tags`` starts with ``verifier:rule`` and it names
     ``function:math_verify`` with ``parameters:<answer>`` (the official tags): it is met when the completion's final
-    answer (last ``\\boxed{}``, else last number) equals ``<answer>`` after :func:`~trl_plugins.answers.normalize_answer`.
+    answer (last ``\\boxed{}``, else last number) equals ``<answer>`` after :func:`~trl_plugins.api.answers.normalize_answer`.
     """
     tags = [str(t) for t in (item.get("tags") or [])]
     if not any(t.startswith("verifier:rule") for t in tags):

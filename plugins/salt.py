@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
-from trl_plugins.text import stable_key
+from trl_plugins.api.text import stable_key
 
 
 @dataclass
@@ -61,7 +61,7 @@ def turn_actions(turns, completion_ids: list[int], action: str) -> list[int]:
     """(U,) hashed action of each assistant turn of one completion.
 
     Args:
-        turns: the completion's :class:`~trl_plugins.turns.TurnStructure`.
+        turns: the completion's :class:`~trl_plugins.api.turns.TurnStructure`.
         completion_ids: its token ids. action: ``SaltOptions.action``.
     """
     out = []

@@ -46,21 +46,27 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     Plugin,
     PluginConfigError,
     RolloutContext,
     hookimpl,
     option,
 )
-from trl_plugins.collectives import run_together
-from trl_plugins.components.prm import PRMOptions, prm_from_options
-from trl_plugins.components.steps import first_error, token_boundary
-from trl_plugins.components.teacher import ReferenceTeacher, TeacherEndpointOptions, shared_teacher
-from trl_plugins.contexts import context_device
-from trl_plugins.option_groups import OffPolicyOptions, WarmupOptions
-from trl_plugins.success import SuccessOptions
-from trl_plugins.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.collectives import run_together
+from trl_plugins.api.components import (
+    PRMOptions,
+    ReferenceTeacher,
+    TeacherEndpointOptions,
+    first_error,
+    prm_from_options,
+    shared_teacher,
+    token_boundary,
+)
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
 
 
 @dataclass

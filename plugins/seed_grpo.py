@@ -5,7 +5,7 @@ scales each group's advantages by a decreasing function of that *semantic entrop
 uncertain prompts, the original signal on confident ones.
 
 1. Cluster the group's completions by meaning: final answers extracted and compared by normalised exact match
-   (:mod:`trl_plugins.answers`).
+   (:mod:`trl_plugins.api.answers`).
 2. Semantic entropy with the paper's Monte-Carlo form over the K clusters, ``SE = -(1/K) sum_k log p(C_k)``, and
    its maximum ``SE_max = log G`` (all answers different).
 3. ``A_hat_i = A_i * f(alpha * SE / SE_max)`` with ``f`` linear ``1 - x`` (default), exponential ``exp(-x)`` or
@@ -29,8 +29,8 @@ from typing import Literal
 
 import torch
 
-from trl_plugins import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
-from trl_plugins.answers import batch_clusters, get_extractor, max_semantic_entropy, semantic_entropy
+from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api.answers import batch_clusters, get_extractor, max_semantic_entropy, semantic_entropy
 
 
 @dataclass

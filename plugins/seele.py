@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins import (
+from trl_plugins.api import (
     AdvantageContext,
     LossContext,
     Plugin,
@@ -48,8 +48,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins.option_groups import WarmupOptions
-from trl_plugins.success import SuccessOptions
+from trl_plugins.api.option_groups import WarmupOptions
+from trl_plugins.api.success import SuccessOptions
 
 from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key
 

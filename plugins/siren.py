@@ -39,8 +39,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
-from trl_plugins.reasons import ENTROPY_PICK_ONE
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    Plugin,
+    PluginOptions,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 
 

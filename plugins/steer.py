@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
-from trl_plugins.loss_rules import CLIPPED_LOSS_TYPES
+from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 
 OLD_ENTROPY_KEY = "steer_old_entropy"
 MIN_SCALE = 0.02  # floor of max|Omega| in the exp mapping (official code)

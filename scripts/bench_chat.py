@@ -187,7 +187,7 @@ def run_chat(job: dict) -> dict:
     import torch
     from transformers import AutoTokenizer, TrainerCallback
 
-    from trl_plugins.equal_budget import count_policy_rollouts
+    from trl_plugins.cli.equal_budget import count_policy_rollouts
     from trl_plugins.tasks.chat_arith import chat_accuracy_reward
 
     device, task, budget = job["device"], job["task"], job["budget"]
@@ -353,7 +353,7 @@ def main(args, command: str) -> int:
     if args.model_path:
         model_path = args.model_path
     else:
-        from trl_plugins.models import smollm2_path
+        from trl_plugins.runtime.models import smollm2_path
 
         model_path = str(smollm2_path())
     weights = weights_hash(model_path)

@@ -142,7 +142,7 @@ def load_real_model(device: str):
     for batched generation."""
     from transformers import AutoTokenizer
 
-    from trl_plugins.models import smollm2_path
+    from trl_plugins.runtime.models import smollm2_path
 
     path = str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(path)

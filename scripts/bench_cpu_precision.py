@@ -49,7 +49,7 @@ def run_setting(bf16: bool, steps: int, max_completion_length: int) -> dict:
     from transformers import TrainerCallback
 
     from trl_plugins import PluginGRPOConfig, PluginGRPOTrainer
-    from trl_plugins.config import checkpointing_off
+    from trl_plugins.runtime.config import checkpointing_off
     from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
 
     class StepTimer(TrainerCallback):
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from trl_plugins.precision import cpu_bf16_is_native
+    from trl_plugins.runtime.precision import cpu_bf16_is_native
 
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")

@@ -10,7 +10,7 @@ Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS`
 
 Equal rollouts: every run has the same budget of policy rollouts (completions sampled from the policy: TRL's own
 generation round plus every completion a plugin asks the generation service for, counted by the generation service
-where they are sampled, ``trl_plugins.equal_budget.count_policy_rollouts``); a run stops at the first optimizer step
+where they are sampled, ``trl_plugins.cli.equal_budget.count_policy_rollouts``); a run stops at the first optimizer step
 where its cumulative rollouts reach the budget.
 Vanilla GRPO spends 64 rollouts per step; a plugin that asks for extra completions takes fewer optimizer steps.
 Reference solutions spliced in by a plugin (SCOPE's reference_suffix, DaGRPO's anchors) cost no rollouts.
@@ -55,11 +55,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agentic as ba  # noqa: E402
 import bench_common as bc  # noqa: E402
 
-from trl_plugins.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
-from trl_plugins.equal_budget import mean_std as _mean_std  # noqa: E402
-from trl_plugins.equal_budget import run_mean as _run_mean  # noqa: E402
-from trl_plugins.equal_budget import tail_mean as _tail_mean  # noqa: E402
-from trl_plugins.trl_seam import replace_trl_method  # noqa: E402
+from trl_plugins.cli.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
+from trl_plugins.cli.equal_budget import mean_std as _mean_std  # noqa: E402
+from trl_plugins.cli.equal_budget import run_mean as _run_mean  # noqa: E402
+from trl_plugins.cli.equal_budget import tail_mean as _tail_mean  # noqa: E402
+from trl_plugins.runtime.trl_seam import replace_trl_method  # noqa: E402
 
 STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "laser+canon"]
 # Options a plugin takes in one stack only: canon recomputes the advantages, so fbos_rl re-centres canon's advantages
@@ -328,7 +328,7 @@ def _claim_metric(method: str, plugins: list[str]) -> tuple[str | None, str | No
     """The table's per-step quantity of a method: CLAIM_METRICS, else the first plugin's ``Plugin.claim_metric``."""
     if method in CLAIM_METRICS:
         return CLAIM_METRICS[method]
-    from trl_plugins.manager import get_plugin_class
+    from trl_plugins.runtime.manager import get_plugin_class
 
     for name in plugins:
         metric = get_plugin_class(name).claim_metric

@@ -34,7 +34,7 @@ plugin's defaults, and its named variants such as ``igpo_a2tgpo``). Its rows als
 so their cost. On the arithmetic task a configuration may name a
 variant of a plugin as ``plugin:variant`` (:data:`VARIANTS`, e.g. ``laser:laser_de``).
 
-Part 2 (LM-head statistics): ``trl_plugins.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
+Part 2 (LM-head statistics): ``trl_plugins.runtime.head_stats.HeadStats`` with a random head of V=150,000 x d=64 and
 1024 valid completion tokens computes Lp-Reg's min-p proxy log-probs and SIREN's nucleus entropy (no grad, and
 with grad + backward) at chunk sizes 1024, 256 and 64; we measure the peak of live tensor bytes (profiler, as
 above), the largest single allocation and the peak RSS growth, against the (T, V) float32 logits a full-logits
@@ -429,7 +429,7 @@ def _measure(fn) -> dict:
 def bench_head_stats(vocab: int, dim: int, tokens: int, chunks: list[int], seed: int = 0) -> dict:
     import torch
 
-    from trl_plugins.head_stats import HeadStats
+    from trl_plugins.runtime.head_stats import HeadStats
 
     torch.manual_seed(seed)
     B = 8

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": gs.environment(args.device), "settings": vars(args), "rows": []}
     with tempfile.TemporaryDirectory(prefix="trl_plugins_gpu_overhead_") as tmp:
         if args.model == "smollm2":
-            from trl_plugins.models import smollm2_path
+            from trl_plugins.runtime.models import smollm2_path
 
             model_path = smollm2_path()
         else:

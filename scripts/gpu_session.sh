@@ -84,7 +84,7 @@ say "phase 1: convert builtin:smollm2 || tiny smoke"
 pids=()
 if [ $smol = 1 ]; then
     (PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/gpu_wheels python3 -c \
-        "from trl_plugins.models import smollm2_path; print(smollm2_path())" > "$RES/smollm2_convert.log" 2>&1;
+        "from trl_plugins.runtime.models import smollm2_path; print(smollm2_path())" > "$RES/smollm2_convert.log" 2>&1;
      say "smollm2 conversion exit $?") &
     pids+=($!)
 fi

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device; use --device cpu --settings fp32 for a CPU dry run")
-    from trl_plugins.manager import available_plugins
+    from trl_plugins.runtime.manager import available_plugins
 
     builtins = sorted(n for n, cls in available_plugins().items()
                       if cls.distribution() == "trl-plugins (built-in)" and not cls.deprecated())
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trl_plugins_gpu_smoke_") as tmp:
         root = Path(tmp)
         if args.model == "smollm2":
-            from trl_plugins.models import smollm2_path
+            from trl_plugins.runtime.models import smollm2_path
 
             model_path = smollm2_path()
         else:

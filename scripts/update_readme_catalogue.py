@@ -15,7 +15,7 @@ START, END = "<!-- catalogue:start -->", "<!-- catalogue:end -->"
 
 
 def catalogue_table() -> str:
-    from trl_plugins.manager import _builtin_plugins
+    from trl_plugins.runtime.manager import _builtin_plugins
 
     lines = ["| plugin | stages | method | paper |", "|---|---|---|---|"]
     for name, cls in sorted(_builtin_plugins().items()):

@@ -1,10 +1,10 @@
-"""trl_plugins.answers: answer extraction, normalised exact-match clustering, EMPO / TTRL rewards, semantic entropy."""
+"""trl_plugins.api.answers: answer extraction, normalised exact-match clustering, EMPO / TTRL rewards, semantic entropy."""
 
 import math
 
 import pytest
 
-from trl_plugins.answers import (
+from trl_plugins.api.answers import (
     batch_clusters,
     cluster_answers,
     cluster_fractions,
@@ -34,11 +34,11 @@ def test_extractors():
     assert extract_boxed_or_last_number(r"x = 3 so \boxed{5}, not 7") == "5"
     assert extract_boxed_or_last_number("x = 3, y = 7") == "7"
     assert get_extractor("task") is extract_task_answer
-    assert get_extractor("trl_plugins.answers:extract_boxed") is extract_boxed
+    assert get_extractor("trl_plugins.api.answers:extract_boxed") is extract_boxed
     with pytest.raises(ValueError, match="unknown answer extractor 'nope'"):
         get_extractor("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
-        get_extractor("trl_plugins.answers:missing")
+        get_extractor("trl_plugins.api.answers:missing")
 
 
 def test_normalisation_and_clusters():

@@ -20,7 +20,7 @@ def tiny_smollm2(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from trl_plugins.models import smollm2_path
+    from trl_plugins.runtime.models import smollm2_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_path()))
     torch.manual_seed(0)

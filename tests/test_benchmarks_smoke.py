@@ -152,7 +152,7 @@ def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_ref
 
 def test_bench_learning_claim_metric_falls_back_to_the_plugins_own():
     bl = _bench_learning_module()
-    from trl_plugins.manager import get_plugin_class
+    from trl_plugins.runtime.manager import get_plugin_class
 
     metric, label = get_plugin_class("remax").claim_metric
     assert bl._claim_metric("remax", ["remax"]) == (f"plugins/remax/{metric}", label)

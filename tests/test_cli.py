@@ -4,13 +4,13 @@ from importlib import metadata
 
 import pytest
 
-from trl_plugins.cli import main
-from trl_plugins.docs import check
+from trl_plugins.cli.main import main
+from trl_plugins.cli.docs import check
 
 
 def test_console_script_is_registered():
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("trl-plugins") == "trl_plugins.cli:main"
+    assert scripts.get("trl-plugins") == "trl_plugins.cli.main:main"
 
 
 def test_list_shows_builtins_with_stages_papers_and_distribution(capsys):
@@ -138,8 +138,8 @@ def test_plugin_config_json_on_the_command_line_replaces_the_files(tmp_path):
     """The README's `--plugins ... --plugin_config '{...}'` form: names and a JSON object keyed by plugin name."""
     from trl import ModelConfig, TrlParser
 
-    from trl_plugins.config import PluginGRPOConfig
-    from trl_plugins.train import TrainScriptArguments, parse_config
+    from trl_plugins.runtime.config import PluginGRPOConfig
+    from trl_plugins.cli.train import TrainScriptArguments, parse_config
 
     config = tmp_path / "config.yaml"
     config.write_text(f"output_dir: {tmp_path / 'out'}\nplugins: [hint_scaffold, canon]\n"
@@ -177,7 +177,7 @@ def test_a_module_in_the_working_directory_never_shadows_an_installed_package(tm
     )
     root = str(Path(trl_plugins.__file__).parents[1])
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from trl_plugins.cli import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from trl_plugins.cli.main import main; sys.exit(main(sys.argv[1:]))",
          "train", "config.yaml"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": root},
@@ -193,7 +193,7 @@ def test_the_commands_run_with_the_working_directory_last_on_sys_path(tmp_path, 
     import os
     import sys
 
-    import trl_plugins.compare as compare
+    import trl_plugins.cli.compare as compare
 
     seen = []
     monkeypatch.chdir(tmp_path)

@@ -1,4 +1,4 @@
-"""trl_plugins.collectives: gathers that fail together, on simulated processes (threads with a working all-gather,
+"""trl_plugins.api.collectives: gathers that fail together, on simulated processes (threads with a working all-gather,
 ``trl_plugins.testing.run_on_processes``)."""
 
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trl_plugins.collectives import (
+from trl_plugins.api.collectives import (
     HeldRewardErrors,
     fail_together,
     gather_floats,
@@ -16,7 +16,7 @@ from trl_plugins.collectives import (
     raise_together,
     run_together,
 )
-from trl_plugins.errors import PluginConfigError, PluginError
+from trl_plugins.api.errors import PluginConfigError, PluginError
 from trl_plugins.testing import run_on_processes
 
 

@@ -1,4 +1,4 @@
-"""``trl-plugins compare`` and :mod:`trl_plugins.equal_budget`: equal rollout budgets (extra rollouts counted),
+"""``trl-plugins compare`` and :mod:`trl_plugins.cli.equal_budget`: equal rollout budgets (extra rollouts counted),
 held-out scores, the table / JSON / plots, resuming without redoing finished runs."""
 
 import json
@@ -7,9 +7,9 @@ import math
 import pytest
 import yaml
 
-from trl_plugins import compare
-from trl_plugins.cli import main as cli_main
-from trl_plugins.equal_budget import (
+from trl_plugins.cli.main import compare
+from trl_plugins.cli.main import main as cli_main
+from trl_plugins.cli.equal_budget import (
     EqualBudget,
     count_policy_rollouts,
     held_out_score,

@@ -1,9 +1,9 @@
-"""Readable console output (``trl_plugins.console``): a progress bar with the headline metrics and a closing summary
+"""Readable console output (``trl_plugins.cli.console``): a progress bar with the headline metrics and a closing summary
 instead of TRL's per-step metrics dict; every metric still reaches the log file and ``trainer.state.log_history``."""
 
 import json
 
-from trl_plugins.console import headline_metrics, install, table
+from trl_plugins.cli.console import headline_metrics, install, table
 from trl_plugins.tasks.arithmetic import accuracy_reward
 from trl_plugins.testing import build_stack, digit_fraction_reward, make_tiny_trainer
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from trl_plugins import LossContext, PluginError, RolloutContext
-from trl_plugins.contexts import group_layout, masked_sampling_logprobs
-from trl_plugins.services import StageServices, gather_padded
+from trl_plugins.api.contexts import group_layout, masked_sampling_logprobs
+from trl_plugins.api.services import StageServices, gather_padded
 
 # ---------------------------------------------------------------------------------------------- group layout
 

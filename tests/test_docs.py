@@ -1,6 +1,6 @@
 """Docs discipline: every hook documented, every option with help, every plugin citing its arXiv paper, the
 generated reference pages in docs/ identical to what the code generates now (regenerate them with
-``python -m trl_plugins.docs`` whenever a plugin, a hook spec or a context changes), and the examples of
+``python -m trl_plugins.cli.docs`` whenever a plugin, a hook spec or a context changes), and the examples of
 docs/writing-a-plugin.md run."""
 
 import re
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from trl_plugins import hookspecs
-from trl_plugins.docs import GENERATED, builtin_plugins, check, main, render_all, write
+from trl_plugins.api import hookspecs
+from trl_plugins.cli.docs import GENERATED, builtin_plugins, check, main, render_all, write
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 GUIDE = DOCS / "writing-a-plugin.md"
 ARXIV_ID = re.compile(r"arXiv:\d{4}\.\d{4,5}")
-REGENERATE = "regenerate them with `python -m trl_plugins.docs` (or `trl-plugins docs`) and commit docs/"
+REGENERATE = "regenerate them with `python -m trl_plugins.cli.docs` (or `trl-plugins docs`) and commit docs/"
 
 
 @pytest.fixture(scope="module")
@@ -252,8 +252,8 @@ def test_the_index_links_every_page_and_the_readme_links_the_index():
 def test_configuration_reference_has_every_field_option_and_variable(plugins):
     import dataclasses
 
-    from trl_plugins.compare import build_parser
-    from trl_plugins.train import TrainScriptArguments
+    from trl_plugins.cli.compare import build_parser
+    from trl_plugins.cli.train import TrainScriptArguments
 
     page = render_all(plugins)["configuration.md"]
     for name in ("plugins", "plugin_config", "offpolicy_shaping_gamma", "plugin_generation_budget"):

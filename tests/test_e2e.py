@@ -26,7 +26,7 @@ from trl_plugins.testing import (
     tiny_model,
     tiny_tokenizer,
 )
-from trl_plugins.trainer import PLUGIN_STATE_FILE
+from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
 
 BUILTINS = ["hint_scaffold", "canon", "lp_reg"]
 # Settings under which every built-in acts on an untrained tiny model within two steps: every group "fails"

@@ -7,7 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_plugins.head_stats import (
+from trl_plugins.runtime.head_stats import (
     OUT_OF_KEEP_SET,
     HeadStats,
     backbone_of,
@@ -409,7 +409,7 @@ def test_capture_through_module_wrapper():
 def test_logit_scale_and_softcap_read_like_trl():
     from transformers import LlamaConfig
 
-    from trl_plugins.head_stats import _read_logit_scale_and_softcap
+    from trl_plugins.runtime.head_stats import _read_logit_scale_and_softcap
 
     cfg = LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=4)
     assert _read_logit_scale_and_softcap(cfg) == (1.0, None)

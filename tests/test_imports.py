@@ -12,8 +12,8 @@ PACKAGES = {"trl_plugins": REPO / "trl_plugins", "trl_plugins_builtin": REPO / "
 
 LOADED_TASKS = """
 import importlib, json, sys
-from trl_plugins.manager import BUILTIN_PACKAGE, builtin_modules
-names = ["trl_plugins.generation", "trl_plugins.trainer"] + [f"{BUILTIN_PACKAGE}.{m}" for m in builtin_modules()]
+from trl_plugins.runtime.manager import BUILTIN_PACKAGE, builtin_modules
+names = ["trl_plugins.runtime.generation", "trl_plugins.runtime.trainer"] + [f"{BUILTIN_PACKAGE}.{m}" for m in builtin_modules()]
 culprits = []
 for name in names:
     importlib.import_module(name)
@@ -34,8 +34,8 @@ def test_framework_and_plugin_modules_do_not_import_the_bundled_tasks():
 
 #: The only modules outside ``trl_plugins.tasks`` that may import it: the entry points that run the demo task
 #: itself (``trl-plugins demo`` / ``compare`` / ``train`` with its built-in datasets) and the testing kit (tiny
-#: trainers on the demo data). Everything else names a registered oracle (:mod:`trl_plugins.registry`).
-TASK_IMPORTERS = {"trl_plugins.demo", "trl_plugins.compare", "trl_plugins.train", "trl_plugins.testing"}
+#: trainers on the demo data). Everything else names a registered oracle (:mod:`trl_plugins.api.registry`).
+TASK_IMPORTERS = {"trl_plugins.cli.demo", "trl_plugins.cli.compare", "trl_plugins.cli.train", "trl_plugins.testing"}
 
 
 def test_no_production_module_imports_the_bundled_tasks():
@@ -50,7 +50,7 @@ def test_no_production_module_imports_the_bundled_tasks():
         if target == "trl_plugins.tasks" or target.startswith("trl_plugins.tasks.")
     )
     assert offenders == [], "the bundled task is imported by production code: " + "; ".join(offenders)
-    assert {"trl_plugins.tasks.arithmetic", "trl_plugins.tasks.tiny"} <= graph["trl_plugins.demo"]  # the scan sees
+    assert {"trl_plugins.tasks.arithmetic", "trl_plugins.tasks.tiny"} <= graph["trl_plugins.cli.demo"]  # the scan sees
 
 
 def test_the_task_scan_catches_an_import(tmp_path):
@@ -117,8 +117,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_inside_the_packages():
     graph = import_graph()
-    assert "trl_plugins.tasks.arithmetic" in graph["trl_plugins.demo"]  # the graph sees imports inside functions
-    assert "trl_plugins.text" in graph["trl_plugins.tasks.arithmetic"]
+    assert "trl_plugins.tasks.arithmetic" in graph["trl_plugins.cli.demo"]  # the graph sees imports inside functions
+    assert "trl_plugins.api.text" in graph["trl_plugins.tasks.arithmetic"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 

@@ -6,8 +6,8 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins import loss_rules as rules
-from trl_plugins.loss_rules import shaped_offpolicy_loss
+from trl_plugins.runtime import loss_rules as rules
+from trl_plugins.runtime.loss_rules import shaped_offpolicy_loss
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,

@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 import torch
 
-import trl_plugins.manager as manager
+import trl_plugins.runtime.manager as manager
 from trl_plugins import (
     IncompatiblePluginsError,
     Moved,
@@ -344,15 +344,15 @@ def test_builtins_are_registered_as_entry_points():
 
 def test_every_builtin_module_is_registered_as_an_entry_point():
     """pyproject's entry points and the built-in package stay in step."""
-    from trl_plugins.manager import _builtin_plugins
+    from trl_plugins.runtime.manager import _builtin_plugins
 
     names = {ep.name for ep in metadata.entry_points(group="trl_plugins")}
     assert set(_builtin_plugins()) <= names
 
 
 def test_the_loss_path_hooks_are_the_ones_the_trainer_switches_on():
-    from trl_plugins.loss import LOSS_PATH_HOOKS
-    from trl_plugins.trainer import LOSS_HOOKS, SAMPLING_HOOKS
+    from trl_plugins.api.loss_types import LOSS_PATH_HOOKS
+    from trl_plugins.runtime.trainer import LOSS_HOOKS, SAMPLING_HOOKS
 
     assert set(LOSS_PATH_HOOKS) == set(SAMPLING_HOOKS + LOSS_HOOKS)  # what Plugin.supported_loss_types() reads
 

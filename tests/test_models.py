@@ -11,8 +11,8 @@ import json
 import pytest
 
 from trl_plugins import ModelNotFoundError
-from trl_plugins import models
-from trl_plugins.models import SOURCE_FILE, GgufSource, cache_root, check_loadable, convert_gguf, fetch_wheel
+from trl_plugins.runtime import models
+from trl_plugins.runtime.models import SOURCE_FILE, GgufSource, cache_root, check_loadable, convert_gguf, fetch_wheel
 
 
 def test_cache_root_env_precedence(monkeypatch, tmp_path):
@@ -180,7 +180,7 @@ def test_a_local_model_folder_passes_unchanged(tmp_path):
 def test_trainer_and_cli_refuse_an_unloadable_name_with_the_same_error(tmp_path):
     from trl_plugins import PluginGRPOTrainer
     from trl_plugins.testing import tiny_config, tiny_dataset
-    from trl_plugins.train import main
+    from trl_plugins.cli.train import main
 
     missing = str(tmp_path / "nothing-here")
     with pytest.raises(ModelNotFoundError, match="Tried: "):
@@ -193,7 +193,7 @@ def test_trainer_and_cli_refuse_an_unloadable_name_with_the_same_error(tmp_path)
 
 
 def test_cli_prints_the_error_without_a_traceback(tmp_path, capsys):
-    from trl_plugins.cli import main
+    from trl_plugins.cli.main import main
 
     config = tmp_path / "c.yaml"
     config.write_text(f"model_name_or_path: builtin:nope\noutput_dir: {tmp_path / 'out'}\n")

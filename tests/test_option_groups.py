@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins, reasons
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
+from trl_plugins.api import reasons
 from trl_plugins.components.client import ENDPOINT_FIELDS, EndpointOptions, endpoint_options
-from trl_plugins.manager import BUILTIN_PACKAGE, builtin_modules
-from trl_plugins.option_groups import OffPolicyOptions, WarmupOptions
+from trl_plugins.runtime.manager import BUILTIN_PACKAGE, builtin_modules
+from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 
 PLUGINS_DIR = Path(__file__).resolve().parents[1] / "plugins"
 #: Being split into one plugin per paper in another change (issue 25, deliverable 2): checked once that lands.
@@ -116,7 +117,7 @@ def test_group_checks():
 
 
 def test_shared_reasons_are_framework_constants():
-    """A refusal or conflict reason that two plugins give is a constant of trl_plugins.reasons; no plugin imports a
+    """A refusal or conflict reason that two plugins give is a constant of trl_plugins.api.reasons; no plugin imports a
     'pick one' reason from a peer plugin."""
     constants = {v for k, v in vars(reasons).items() if k.isupper() and isinstance(v, str)}
     seen: dict[str, list[str]] = {}
@@ -128,7 +129,7 @@ def test_shared_reasons_are_framework_constants():
     for text, names in seen.items():
         if len(set(names)) > 1:
             assert text in constants or made.fullmatch(text), (
-                f"{sorted(set(names))} repeat a reason that is not in trl_plugins.reasons: {text!r}"
+                f"{sorted(set(names))} repeat a reason that is not in trl_plugins.api.reasons: {text!r}"
             )
     for path in PLUGINS_DIR.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -7,8 +7,8 @@ import warnings
 import pytest
 
 from trl_plugins import PluginGRPOConfig
-from trl_plugins import precision
-from trl_plugins.precision import SlowCpuPrecisionWarning
+from trl_plugins.runtime import precision
+from trl_plugins.runtime.precision import SlowCpuPrecisionWarning
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_yaml_without_bf16_gets_the_fast_setting_through_trls_parser(cpu_only, t
     cpu_only(native=False)
     from trl import ModelConfig, TrlParser
 
-    from trl_plugins.train import TrainScriptArguments
+    from trl_plugins.cli.train import TrainScriptArguments
 
     path = tmp_path / "c.yaml"
     path.write_text(f"output_dir: {tmp_path}\nreport_to: none\n")

@@ -1,5 +1,5 @@
 """Credentials written inside an endpoint URL never reach a message or a saved copy of the arguments: one helper,
-``trl_plugins.errors.redact_secrets``, used for every ``PluginError`` (so every ``EndpointError``) and for
+``trl_plugins.api.errors.redact_secrets``, used for every ``PluginError`` (so every ``EndpointError``) and for
 ``training_args.bin`` / ``repr(args)`` / ``args.to_dict()``. Keys given through ``*_api_key_env`` never appear anyway."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trl_plugins.components import (
     chat_response,
     serve_openai_compatible,
 )
-from trl_plugins.errors import PluginConfigError, PluginError, redact_secrets, redact_url
+from trl_plugins.api.errors import PluginConfigError, PluginError, redact_secrets, redact_url
 
 SECRET_URL = "https://alice:S3CRET@judge.example.com:8443/v1?api_key=K3Y&model=m#access_token=T0K"
 

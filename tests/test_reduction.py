@@ -11,7 +11,7 @@ import pytest
 from trl import GRPOTrainer
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins.loss_rules import LOSS_TYPES as ALL_LOSS_TYPES
+from trl_plugins.api.loss_types import LOSS_TYPES as ALL_LOSS_TYPES
 from trl_plugins.tasks.tiny import build_and_save
 from trl_plugins.testing import (
     assert_runs_equal, digit_fraction_reward, make_tiny_trainer, make_tool_trainer, record_run,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_plugins import GenerationBudgetExceeded, Plugin, PluginConfigError, PluginError, hookimpl
-from trl_plugins.refill import RefillStream, zero_group_advantages
+from trl_plugins.runtime.refill import RefillStream, zero_group_advantages
 from trl_plugins.testing import (
     assert_reduces_to_vanilla,
     digit_fraction_reward,

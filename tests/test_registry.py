@@ -10,8 +10,8 @@ from trl_plugins.components.feedback import VERIFIER_FEEDBACK, VerifierFeedback,
 from trl_plugins.components.judge import RUBRIC_VERDICTS, JudgeRequest, RuleJudge
 from trl_plugins.components.local_server import QUESTION_ROWS
 from trl_plugins.components.prm import STEP_VERIFIERS, ProgrammaticPRM, build_prm
-from trl_plugins.models import BUILTIN_MODEL_CODE
-from trl_plugins.registry import Registry, import_path
+from trl_plugins.runtime.models import BUILTIN_MODEL_CODE
+from trl_plugins.api.registry import Registry, import_path
 
 
 def double(x):

@@ -23,7 +23,7 @@ from trl_plugins import Plugin, PluginGRPOTrainer, hookimpl
 from trl_plugins.components import chat_response, serve_openai_compatible
 from trl_plugins.components.judge import rule_judge_handler
 from trl_plugins.components.prm import ProgrammaticPRM, arithmetic_row, prm_handler
-from trl_plugins.manager import available_plugins
+from trl_plugins.runtime.manager import available_plugins
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
 from trl_plugins.testing import digit_fraction_reward, temporary_plugin, tiny_config
 
@@ -36,7 +36,7 @@ RUN = dict(per_device_train_batch_size=4, num_generations=2, max_completion_leng
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from trl_plugins.models import smollm2_path
+    from trl_plugins.runtime.models import smollm2_path
 
     return str(smollm2_path())
 
@@ -101,7 +101,7 @@ def _teacher_logprob_handler(calls):
     is loaded at the first request."""
     from trl_plugins.components.teacher import HFTeacher
     from trl_plugins.components.teacher_logprobs import teacher_logprob_handler
-    from trl_plugins.models import smollm2_path
+    from trl_plugins.runtime.models import smollm2_path
 
     served = {}
 

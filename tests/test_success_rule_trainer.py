@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_plugins import Plugin, PluginConfigError, RolloutContext, hookimpl
-from trl_plugins.success import mark_placeholder
+from trl_plugins.api.success import mark_placeholder
 from trl_plugins.testing import (
     digit_fraction_reward,
     make_tiny_trainer,

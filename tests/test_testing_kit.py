@@ -23,8 +23,8 @@ from trl_plugins import (
     hookimpl,
     option,
 )
-from trl_plugins import loss_rules as rules
-from trl_plugins.contexts import OFFPOLICY_KEY
+from trl_plugins.runtime import loss_rules as rules
+from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.testing import (
     StubGenerationService,
     assert_group_sizes,

@@ -1,6 +1,6 @@
-"""trl_plugins.text: completion text and stable keys."""
+"""trl_plugins.api.text: completion text and stable keys."""
 
-from trl_plugins.text import completion_text, stable_key
+from trl_plugins.api.text import completion_text, stable_key
 
 
 def test_completion_text_of_a_string_and_of_messages():

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from trl_plugins.errors import PluginConfigError
-from trl_plugins.tool_guard import ToolError, ToolGuard, ToolInputError, ToolPolicy, check_tool_result
+from trl_plugins.api.errors import PluginConfigError
+from trl_plugins.guards.tool_guard import ToolError, ToolGuard, ToolInputError, ToolPolicy, check_tool_result
 
 FAST = ToolPolicy(timeout=0.5, retries=2, backoff=0.0)
 

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from trl_plugins.cli import main
+from trl_plugins.cli.main import main
 
 BASE = {"model_name_or_path": "builtin:tiny", "report_to": "none", "use_cpu": True, "max_steps": 1,
         "dataset_name": "builtin:tools", "reward_funcs": ["tool_answer"]}
@@ -32,7 +32,7 @@ class NoTools:
 
 
 def _train(tmp_path, capsys, monkeypatch, **config):
-    import trl_plugins.train as train_module
+    import trl_plugins.cli.train as train_module
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded: the config was not refused first")
@@ -70,7 +70,7 @@ def test_bad_tool_settings_are_refused_before_the_model_loads(tmp_path, capsys, 
 @pytest.mark.parametrize("agent", [{"environment_factory": "trl_plugins.tasks.tools.ToolEnvironment"},
                                    {"tools": ["trl_plugins.tasks.tools.search", "trl_plugins.tasks.tools.calculator"]}])
 def test_train_runs_the_bundled_tool_environment(tmp_path, agent):
-    from trl_plugins.train import main as train_main
+    from trl_plugins.cli.train import main as train_main
 
     config = {**BASE, **agent, "output_dir": str(tmp_path / "out"), "task_size": 8, "per_device_train_batch_size": 4,
               "num_generations": 4, "max_completion_length": 24, "plugins": ["lp_reg"], "save_strategy": "no",

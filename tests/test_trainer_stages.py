@@ -8,7 +8,7 @@ import torch
 import trl
 
 from trl_plugins import GenerationBudgetExceeded, Plugin, PluginConfigError, PluginError, hookimpl
-from trl_plugins.contexts import OFFPOLICY_KEY
+from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, temporary_plugin
 
 G = 4
@@ -850,7 +850,7 @@ class Counter(Plugin):
 
 def test_missing_plugin_state_on_resume_warns_and_starts_fresh(tmp_path):
     """A checkpoint without the state file, or whose file lacks a plugin, says so (the plugin starts fresh)."""
-    from trl_plugins.trainer import PLUGIN_STATE_FILE
+    from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
 
     with temporary_plugin(Counter):
         trainer = make_tiny_trainer(plugins=["test_counter"], reward_funcs=[digit_fraction_reward], log_level="error")

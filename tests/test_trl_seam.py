@@ -23,8 +23,8 @@ import pytest
 import trl
 from transformers import Trainer
 
-from trl_plugins import trl_seam
-from trl_plugins.trainer import PluginGRPOTrainer
+from trl_plugins.runtime import trl_seam
+from trl_plugins.runtime.trainer import PluginGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 SEAM = Path("trl_plugins/trl_seam.py")
@@ -217,7 +217,7 @@ def test_the_scan_fails_on_a_planted_violation_in_a_framework_module():
 
 # ------------------------------------------------------------------------------------------ no monkey-patching
 def test_counting_policy_rollouts_replaces_nothing_on_the_trainer():
-    from trl_plugins.equal_budget import count_policy_rollouts
+    from trl_plugins.cli.equal_budget import count_policy_rollouts
     from trl_plugins.testing import make_tiny_trainer
 
     trainer = make_tiny_trainer()

@@ -1,4 +1,4 @@
-"""Turn structure of multi-turn tool rollouts: the unit (trl_plugins.turns) and what the stage contexts carry."""
+"""Turn structure of multi-turn tool rollouts: the unit (trl_plugins.api.turns) and what the stage contexts carry."""
 
 import math
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins.errors import IncompatiblePluginsError
-from trl_plugins.manager import available_plugins, build_plugins
-from trl_plugins.turns import build_turn_structure, expand_turn_values, single_turn, turn_ids_tensor
+from trl_plugins.api.errors import IncompatiblePluginsError
+from trl_plugins.runtime.manager import available_plugins, build_plugins
+from trl_plugins.api.turns import build_turn_structure, expand_turn_values, single_turn, turn_ids_tensor
 
 MESSAGES = [
     {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "search",
@@ -152,7 +152,7 @@ def test_an_environment_turn_reward_that_cannot_enter_the_loss_is_refused_naming
 
 
 def test_environment_call_rewards_refuses_what_is_not_a_list_of_finite_numbers():
-    from trl_plugins.turns import environment_call_rewards
+    from trl_plugins.api.turns import environment_call_rewards
 
     class Env:
         turn_rewards = 1.0

@@ -1,34 +1,45 @@
-"""trl-plugins: research methods for RL on LLMs as stackable pluggy plugins for TRL's GRPOTrainer."""
+"""trl-plugins: research methods for RL on LLMs as stackable pluggy plugins for TRL's GRPOTrainer.
 
-from .contexts import (
+The user surface: the trainer and its config, the plugin manager's functions, and the plugin-facing API
+re-exported. The package is laid out by role: ``api/`` (what plugins import), ``runtime/`` (the trainer and what
+runs a step), ``guards/`` (checks of user input), ``components/`` (judges, PRMs, teachers), ``cli/`` (the command
+line and its tools), ``testing/`` (the testing kit) and ``tasks/`` (the bundled demo tasks and tiny model).
+"""
+
+from trl_plugins.api import (
     AdvantageContext,
     Completion,
+    GenerationBudgetExceeded,
+    IncompatiblePluginsError,
     LossContext,
+    ModelNotFoundError,
+    Moved,
+    Plugin,
+    PluginConfigError,
+    PluginError,
+    PluginOptions,
     PolicyStats,
     PromptContext,
     RefillContext,
     RewardContext,
     RolloutContext,
-)
-from .errors import (
-    GenerationBudgetExceeded,
-    IncompatiblePluginsError,
-    ModelNotFoundError,
-    PluginConfigError,
-    PluginError,
+    RunInfo,
+    StageServices,
+    TurnStructure,
     UnknownPluginError,
+    hookimpl,
+    option,
 )
-from .hookspecs import hookimpl
-from .manager import available_plugins, build_plugins, register_plugin, unregister_plugin
-from .options import PluginOptions, option
-from .plugin import Moved, Plugin
-from .services import RunInfo, StageServices
-from .tool_guard import ToolError, ToolInputError
-from .turns import TurnStructure
+from trl_plugins.guards.tool_guard import ToolError, ToolInputError
+from trl_plugins.runtime.manager import available_plugins, build_plugins, register_plugin, unregister_plugin
 
 __version__ = "0.1.0"
 
-_LAZY = {"PluginGRPOConfig": "config", "PluginGRPOTrainer": "trainer", "resolve_model": "models"}
+_LAZY = {
+    "PluginGRPOConfig": "runtime.config",
+    "PluginGRPOTrainer": "runtime.trainer",
+    "resolve_model": "runtime.models",
+}
 
 
 def __getattr__(name: str):

@@ -83,7 +83,7 @@ def test_timeout_is_retried_then_reported():
 
 def test_api_key_from_env_reads_the_named_variable_and_refuses_an_unset_one(monkeypatch):
     from trl_plugins.components.client import api_key_from_env
-    from trl_plugins.errors import PluginConfigError
+    from trl_plugins.api.errors import PluginConfigError
 
     assert api_key_from_env(None) is None
     monkeypatch.setenv("TRLP_TEST_KEY", "sk-123")

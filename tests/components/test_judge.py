@@ -14,7 +14,7 @@ from trl_plugins.components.judge import (
     parse_verdict,
     rule_judge_handler,
 )
-from trl_plugins.errors import PluginError
+from trl_plugins.api.errors import PluginError
 from trl_plugins.tasks.arithmetic import Problem, make_rubrics, rubric_score, rubric_verdict
 
 PROBLEM = Problem.from_expression([3, 4, 2], ["+", "*"])  # 3+4=7, 7*2=14

@@ -26,7 +26,7 @@ from trl_plugins.components.prm import (
     shared_prm,
 )
 from trl_plugins.components.steps import first_error, split_steps, token_boundary
-from trl_plugins.errors import PluginConfigError
+from trl_plugins.api.errors import PluginConfigError
 from trl_plugins.tasks import arithmetic
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.testing import tiny_tokenizer

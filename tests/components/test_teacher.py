@@ -14,7 +14,7 @@ from trl_plugins.components.teacher import (
     cut_at_stop,
     shared_teacher,
 )
-from trl_plugins.errors import PluginConfigError
+from trl_plugins.api.errors import PluginConfigError
 from trl_plugins.tasks.arithmetic import Problem
 from trl_plugins.tasks.tiny import build_and_save
 

@@ -20,7 +20,7 @@ from trl_plugins.components.teacher_logprobs import (
     parse_echo_logprobs,
     teacher_logprob_handler,
 )
-from trl_plugins.contexts import TEACHER_LOGPS_EXTRA
+from trl_plugins.api.contexts import TEACHER_LOGPS_EXTRA
 from trl_plugins.testing import (
     make_advantage_context,
     make_tiny_trainer,

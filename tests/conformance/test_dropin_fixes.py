@@ -81,9 +81,9 @@ def test_train_cli_reads_trust_remote_code_from_the_config(monkeypatch):
     """``trl-plugins train`` resolves the model with the config's ``trust_remote_code`` (model_init_kwargs win)."""
     from types import SimpleNamespace
 
-    import trl_plugins.models as models
-    from trl_plugins import train
-    from trl_plugins.models import hub_kwargs_of
+    import trl_plugins.runtime.models as models
+    from trl_plugins.cli.main import train
+    from trl_plugins.runtime.models import hub_kwargs_of
 
     assert hub_kwargs_of(None, True) == {"trust_remote_code": True}
     assert hub_kwargs_of({"trust_remote_code": False, "revision": "v1"}, True) == {"trust_remote_code": False,

@@ -13,7 +13,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
-from trl_plugins.checkpoints import load_plugin_state, save_plugin_state
+from trl_plugins.runtime.checkpoints import load_plugin_state, save_plugin_state
 from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.testing import (
     assert_runs_equal,
@@ -23,7 +23,7 @@ from trl_plugins.testing import (
     record_run,
     tiny_dataset,
 )
-from trl_plugins.trainer import PLUGIN_STATE_FILE
+from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
 from trl_plugins_builtin.adaptive_sampler import (
     AdaptiveRepeatSampler,
     domain_weights_from_buffer,

@@ -15,7 +15,7 @@ import torch
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.local_server import chat_response, serve_openai_compatible
 from trl_plugins.components.teacher import clear_shared_teachers
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.testing import (
     assert_group_sizes,
     assert_offpolicy_logprobs_nan,
@@ -28,7 +28,7 @@ from trl_plugins.testing import (
     run_hook,
     stub_rows,
 )
-from trl_plugins.text import completion_text
+from trl_plugins.api.text import completion_text
 from trl_plugins_builtin.ampo import (
     answer_token_span,
     format_reward,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trl_plugins.testing import make_advantage_context, run_hook
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.aspo import bounded_shaping, row_features, shaping_terms
 
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
-from trl_plugins.contexts import PolicyStats
+from trl_plugins.api.contexts import PolicyStats
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,

@@ -14,7 +14,7 @@ from trl_plugins import Completion, IncompatiblePluginsError, PluginConfigError,
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.local_server import chat_response, serve_openai_compatible
 from trl_plugins.components.teacher import EndpointTeacher
-from trl_plugins.contexts import OFFPOLICY_KEY
+from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward
 from trl_plugins.testing import (
     assert_runs_equal,

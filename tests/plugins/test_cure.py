@@ -12,7 +12,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import Completion, Plugin, PluginConfigError, build_plugins, hookimpl
-from trl_plugins.contexts import group_layout
+from trl_plugins.api.contexts import group_layout
 from trl_plugins.testing import (
     SimulatedCollective,
     assert_runs_equal,

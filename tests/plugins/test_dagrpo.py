@@ -23,7 +23,7 @@ from trl_plugins.testing import (
     tiny_dataset,
     tiny_tokenizer,
 )
-from trl_plugins.text import completion_text
+from trl_plugins.api.text import completion_text
 from trl_plugins_builtin.dagrpo import (
     ANCHOR_ANNOTATION,
     DaGRPOOptions,
@@ -506,7 +506,7 @@ def test_reserved_anchor_slot_adds_the_anchor_or_one_more_rollout(tmp_path, monk
     the reference solution there (off-policy, NaN sampling log-probs), the group with a success one more rollout
     through the generation service -- at most G rollouts per group."""
     from trl_plugins.components.prm import arithmetic_row
-    from trl_plugins.contexts import OFFPOLICY_KEY
+    from trl_plugins.api.contexts import OFFPOLICY_KEY
 
     trainer = make_tiny_trainer(plugins=["dagrpo"], max_completion_length=40, output_dir=str(tmp_path),
                                 plugin_config={"dagrpo": {"anchor_placement": "reserve", "scorer": "reward"}},

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.contexts import PolicyStats
-from trl_plugins.head_stats import HeadStats
+from trl_plugins.api.contexts import PolicyStats
+from trl_plugins.runtime.head_stats import HeadStats
 from trl_plugins.testing import (
     assert_reduces_to_vanilla,
     build_stack,

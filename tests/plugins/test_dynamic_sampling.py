@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.testing import make_refill_context, make_tiny_trainer, record_run, run_hook
 
 HOOK = "trl_plugins_reject_groups"

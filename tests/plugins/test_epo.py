@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
-from trl_plugins.contexts import TURN_IDS_KEY
+from trl_plugins.api.contexts import TURN_IDS_KEY
 from trl_plugins.testing import (
     assert_reduces_to_vanilla, build_stack, loss_from_context, make_advantage_context, make_loss_context, run_hook,
     run_on_processes, stub_policy_stats,
 )
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.epo import band_penalty, historical_means, phase_weight
 
 

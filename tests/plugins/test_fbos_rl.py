@@ -13,7 +13,7 @@ import trl
 
 from trl_plugins import Completion, PluginConfigError, build_plugins
 from trl_plugins.components.prm import arithmetic_row
-from trl_plugins.contexts import OFFPOLICY_KEY
+from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, feedback
 from trl_plugins.testing import (
     assert_runs_equal,
@@ -334,7 +334,7 @@ def test_end_to_end_fbos_rl_with_canon(tmp_path):
 
 # ------------------------------------------------------------------------------------------ rule-based feedback
 def test_rule_feedback_format_violations_correctness_and_error_location():
-    from trl_plugins.answers import get_extractor
+    from trl_plugins.api.answers import get_extractor
     from trl_plugins_builtin.fbos_rl import rule_feedback
 
     boxed = get_extractor("boxed_or_last_number")

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from trl_plugins.contexts import PolicyStats
+from trl_plugins.api.contexts import PolicyStats
 from trl_plugins.testing import build_stack, group_normalized_advantages, make_advantage_context, run_hook
 from trl_plugins_builtin.funrl import (
     call_key,

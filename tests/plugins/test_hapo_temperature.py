@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, PluginGRPOTrainer
-from trl_plugins.generation import greedy_decoding
+from trl_plugins.runtime.generation import greedy_decoding
 from trl_plugins.testing import build_stack, make_loss_context, make_tiny_trainer
-from trl_plugins.token_temperature import TokenTemperatureProcessor
+from trl_plugins.runtime.token_temperature import TokenTemperatureProcessor
 from trl_plugins_builtin.hapo import EntropyStats, adaptive_temperatures, entropy_statistics
 
 NEUTRAL_LOSS = {"token_level_advantage": False, "clip_alpha": 0.0, "adv_beta": 0.0, "dual_clip_c": None}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trl_plugins import Completion, PluginConfigError, build_plugins
-from trl_plugins.contexts import group_layout
+from trl_plugins.api.contexts import group_layout
 from trl_plugins.testing import (
     SimulatedCollective,
     build_stack,

@@ -13,7 +13,7 @@ from trl_plugins.testing import (
     make_loss_context,
     run_hook,
 )
-from trl_plugins.turns import build_turn_structure, turn_ids_tensor
+from trl_plugins.api.turns import build_turn_structure, turn_ids_tensor
 from trl_plugins_builtin.igpo import CLIP_FACTORS_EXTRA, accumulate, clip_factors, normalise, turn_reward_matrix
 
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}

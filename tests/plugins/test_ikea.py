@@ -5,7 +5,7 @@ import torch
 
 from trl_plugins import PluginConfigError
 from trl_plugins.testing import build_stack, make_reward_context, run_hook
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.ikea import knowledge_boundary_reward, retrieval_count
 
 TOOL = {"role": "tool", "name": "search", "content": "doc"}

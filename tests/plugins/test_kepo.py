@@ -161,7 +161,7 @@ def test_only_successful_rows_are_scored_by_the_teacher():
 
 
 def _stack_of(plugin):
-    from trl_plugins.manager import PluginStack
+    from trl_plugins.runtime.manager import PluginStack
 
     return PluginStack([plugin])
 

@@ -5,7 +5,7 @@ the correctness column chosen by the success rule (never a placeholder)."""
 import torch
 
 from trl_plugins import build_plugins
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.testing import make_reward_context
 from trl_plugins_builtin.laser import (
     band_sizes,

@@ -34,7 +34,7 @@ SPELLINGS = {
 def test_every_mode_builds_its_plugin_with_renamed_options_and_warns(mode, caplog):
     old, new, options = SPELLINGS[mode]
     with pytest.warns(DeprecationWarning, match=rf"'length_shaping' with mode='{mode}' is deprecated.*plugin '{new}'"):
-        with caplog.at_level(logging.WARNING, logger="trl_plugins.manager"):
+        with caplog.at_level(logging.WARNING, logger="trl_plugins.runtime.manager"):
             plugin = build_plugins(["length_shaping"], {"length_shaping": old}).plugins[0]
     assert any(f"plugin '{new}'" in r.getMessage() for r in caplog.records)  # the log says it too
     expected = build_plugins([new], {new: options}).plugins[0]

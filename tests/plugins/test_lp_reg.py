@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
-from trl_plugins.contexts import PolicyStats
-from trl_plugins.head_stats import OUT_OF_KEEP_SET, HeadStats
+from trl_plugins.api.contexts import PolicyStats
+from trl_plugins.runtime.head_stats import OUT_OF_KEEP_SET, HeadStats
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,

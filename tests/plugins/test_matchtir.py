@@ -9,8 +9,8 @@ import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError
 from trl_plugins.testing import build_stack, group_normalized_advantages, make_advantage_context, run_hook
-from trl_plugins.trainer import PluginGRPOTrainer
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.runtime.trainer import PluginGRPOTrainer
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.matchtir import (
     MatchtirOptions, call_similarity, dual_level_advantages, greedy_assignment, optimal_assignment, sinkhorn_plan,
     turn_call_rewards,

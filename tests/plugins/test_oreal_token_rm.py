@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError
-from trl_plugins.head_stats import HeadStats
-from trl_plugins.checkpoints import load_plugin_state, save_plugin_state
+from trl_plugins.runtime.head_stats import HeadStats
+from trl_plugins.runtime.checkpoints import load_plugin_state, save_plugin_state
 from trl_plugins.testing import build_stack, loss_from_context, make_loss_context, make_tiny_trainer, record_run
 from trl_plugins_builtin._oreal_token_rm import (
     TokenRewardHead,

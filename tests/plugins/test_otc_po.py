@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trl_plugins.testing import make_reward_context, run_hook
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.otc_po import cosine_coefficient, grpo_coefficient, optimal_calls
 
 CALL = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "search", "arguments": {}}}]}

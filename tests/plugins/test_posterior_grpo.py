@@ -11,9 +11,9 @@ import trl
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, clear_shared_prms
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.tasks.arithmetic import accuracy_reward
-from trl_plugins.errors import PluginError
+from trl_plugins.api.errors import PluginError
 from trl_plugins.testing import (
     digit_fraction_reward,
     make_reward_context,

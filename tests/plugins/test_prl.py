@@ -186,7 +186,7 @@ def _policy_logps(trainer, batch):
 def test_peft_reference_is_the_initial_model_with_the_adapter_off(tmp_path):
     from peft import LoraConfig
 
-    from trl_plugins.reference import reference_logprobs
+    from trl_plugins.runtime.reference import reference_logprobs
 
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = _trainer(tmp_path, "d", plugins=["prl"], plugin_config={"prl": {"eta": 0.5}}, peft_config=lora,

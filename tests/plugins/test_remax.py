@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, PluginError, build_plugins
-from trl_plugins.generation import greedy_decoding
+from trl_plugins.runtime.generation import greedy_decoding
 from trl_plugins.testing import (
     StubGenerationService,
     assert_reduces_to_vanilla,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.testing import (
     assert_group_sizes,
     assert_offpolicy_logprobs_nan,

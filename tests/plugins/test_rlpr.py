@@ -18,7 +18,7 @@ from trl_plugins.testing import (
     record_run,
     run_hook,
 )
-from trl_plugins.policy_probe import prompt_completion_batch
+from trl_plugins.api.model_utils import prompt_completion_batch
 from trl_plugins_builtin.rlpr import (
     StdThresholdSchedule,
     debiased_reward,

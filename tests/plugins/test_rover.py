@@ -8,7 +8,7 @@ import torch
 from trl import GRPOTrainer
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
-from trl_plugins.head_stats import HeadStats
+from trl_plugins.runtime.head_stats import HeadStats
 from trl_plugins.testing import (
     build_stack,
     digit_fraction_reward,

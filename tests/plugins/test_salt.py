@@ -5,7 +5,7 @@ import torch
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.testing import make_advantage_context, run_hook, run_on_processes
-from trl_plugins.turns import build_turn_structure
+from trl_plugins.api.turns import build_turn_structure
 from trl_plugins_builtin.salt import graph_advantages, step_keys, step_values
 
 PATTERN = [1, 1, 0, 0, 1, 1]  # turn 0 (tokens 0-1), tool result (2-3), turn 1 (4-5)

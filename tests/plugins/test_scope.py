@@ -16,7 +16,7 @@ from trl_plugins import (
 )
 from trl_plugins.components.prm import FunctionPRM, ProgrammaticPRM, arithmetic_row
 from trl_plugins.components.teacher import ReferenceTeacher
-from trl_plugins.contexts import OFFPOLICY_KEY, group_layout
+from trl_plugins.api.contexts import OFFPOLICY_KEY, group_layout
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, make_dataset
 from trl_plugins.testing import (
     assert_runs_equal,

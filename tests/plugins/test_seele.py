@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.services import RunInfo
+from trl_plugins.api.services import RunInfo
 from trl_plugins.testing import (
     StubGenerationService,
     assert_reduces_to_vanilla,

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
-from trl_plugins.contexts import PolicyStats
-from trl_plugins.head_stats import HeadStats
+from trl_plugins.api.contexts import PolicyStats
+from trl_plugins.runtime.head_stats import HeadStats
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,

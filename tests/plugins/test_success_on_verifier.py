@@ -12,8 +12,8 @@ import torch
 
 from trl_plugins import PluginConfigError, build_plugins
 from trl_plugins.components.prm import ProgrammaticPRM
-from trl_plugins.services import RunInfo
-from trl_plugins.success import (
+from trl_plugins.api.services import RunInfo
+from trl_plugins.api.success import (
     RewardColumns,
     SuccessRule,
     mark_placeholder,

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trl_plugins import IncompatiblePluginsError, PluginGRPOConfig
-from trl_plugins.cli import main
+from trl_plugins.cli.main import main
 
 BASE = {
     "model_name_or_path": "builtin:tiny",
@@ -20,7 +20,7 @@ BASE = {
 
 
 def _train(tmp_path, capsys, monkeypatch, overrides=(), **config):
-    import trl_plugins.train as train_module
+    import trl_plugins.cli.train as train_module
 
     def never(*args, **kwargs):  # a refused config must never get as far as loading the model
         raise AssertionError("the model was loaded: the config was not refused while parsing")

@@ -13,8 +13,8 @@ import torch
 from datasets import Dataset
 
 from trl_plugins import PluginConfigError, PluginError
-from trl_plugins.collectives import HeldRewardErrors
-from trl_plugins.rewards_guard import (
+from trl_plugins.api.collectives import HeldRewardErrors
+from trl_plugins.guards.rewards_guard import (
     RewardValueError,
     check_reward_values,
     guard_reward_funcs,

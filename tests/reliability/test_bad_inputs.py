@@ -32,9 +32,9 @@ import yaml
 from datasets import Dataset
 
 from trl_plugins import PluginError, PluginGRPOConfig
-from trl_plugins.checkpoints import PLUGIN_STATE_FILE
-from trl_plugins.cli import main
-from trl_plugins.manager import available_plugins, builtin_modules
+from trl_plugins.runtime.checkpoints import PLUGIN_STATE_FILE
+from trl_plugins.cli.main import main
+from trl_plugins.runtime.manager import available_plugins, builtin_modules
 from trl_plugins.testing import (
     build_stack,
     digit_fraction_reward,
@@ -431,7 +431,7 @@ def run_config(case, tmp_path):
 
 
 def run_cli(case, tmp_path, capsys, monkeypatch):
-    import trl_plugins.train as train_module
+    import trl_plugins.cli.train as train_module
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded: the config was not refused first")
@@ -515,7 +515,7 @@ def run_env(case, monkeypatch):
     monkeypatch.delenv("TRL_PLUGINS_LOAD", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    from trl_plugins.manager import build_plugins
+    from trl_plugins.runtime.manager import build_plugins
 
     _expect(case.message, lambda: build_plugins([plugin] if plugin else ["canon"]))
 
@@ -549,7 +549,7 @@ def run_resume(case, tmp_path, trainer):
 
 
 def run_compare(case, tmp_path, capsys, monkeypatch):
-    import trl_plugins.compare as compare
+    import trl_plugins.cli.compare as compare
 
     monkeypatch.setattr(compare, "run_one", lambda *a, **k: pytest.fail("a run started: the input was not refused"))
     config, flags = case.input

@@ -18,8 +18,8 @@ import torch
 import transformers.trainer as hf_trainer
 from transformers.trainer_utils import get_last_checkpoint
 
-import trl_plugins.checkpoints as checkpoints
-from trl_plugins.checkpoints import (
+import trl_plugins.runtime.checkpoints as checkpoints
+from trl_plugins.runtime.checkpoints import (
     PLUGIN_STATE_FILE,
     TRAINER_STATE_FILE,
     last_complete_checkpoint,
@@ -224,7 +224,7 @@ def _same(a, b):
 
 
 def test_every_stateful_builtin_is_listed():
-    from trl_plugins.manager import available_plugins
+    from trl_plugins.runtime.manager import available_plugins
 
     stateful = {name for name, cls in available_plugins().items()
                 if cls.__module__.startswith("trl_plugins_builtin") and hasattr(cls, "trl_plugins_state_dict")}
@@ -267,7 +267,7 @@ def test_a_full_disk_while_writing_the_plugin_state_is_named_and_leaves_no_tempo
 
 
 def test_an_unwritable_output_dir_is_refused_when_the_config_is_built(tmp_path, monkeypatch):
-    import trl_plugins.config as config_module
+    import trl_plugins.runtime.config as config_module
     from trl_plugins import PluginConfigError, PluginGRPOConfig
 
     locked = tmp_path / "locked"

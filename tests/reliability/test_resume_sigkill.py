@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_plugins.trainer import PLUGIN_STATE_FILE
+from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "resume_worker.py"

@@ -29,9 +29,10 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from trl_plugins import GenerationBudgetExceeded, PluginError  # noqa: E402
-from trl_plugins.contexts import group_layout  # noqa: E402
-from trl_plugins.generation import GenerationService  # noqa: E402
-from trl_plugins.loss_rules import LOSS_TYPES, aggregate  # noqa: E402
+from trl_plugins.api.contexts import group_layout  # noqa: E402
+from trl_plugins.runtime.generation import GenerationService  # noqa: E402
+from trl_plugins.api.loss_types import LOSS_TYPES  # noqa: E402
+from trl_plugins.runtime.loss_rules import aggregate  # noqa: E402
 from trl_plugins.testing import (  # noqa: E402
     SimulatedCollective,
     build_stack,

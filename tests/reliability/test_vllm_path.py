@@ -19,7 +19,7 @@ import torch
 from accelerate.utils import gather_object
 
 from trl_plugins import Plugin, hookimpl
-from trl_plugins.contexts import OFFPOLICY_KEY
+from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.tasks.arithmetic import accuracy_reward
 from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, temporary_plugin
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from ..errors import PluginConfigError, PluginError
-from ..options import PluginOptions, option
+from trl_plugins.api.errors import PluginConfigError, PluginError
+from trl_plugins.api.options import PluginOptions, option
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -34,7 +34,7 @@ class EndpointError(PluginError, RuntimeError):
     """An external component (judge, PRM, teacher) could not be reached or answered garbage.
 
     Its message names the URL with any credentials redacted (``https://***@host/v1?api_key=***``, as every
-    :class:`~trl_plugins.errors.PluginError`)."""
+    :class:`~trl_plugins.api.errors.PluginError`)."""
 
 
 def api_key_from_env(env: str | None) -> str | None:
@@ -156,7 +156,7 @@ def check_base_url(url: Any) -> None:
     """Refuse a malformed endpoint URL when the client is made (at trainer construction), not at the first request."""
     from urllib.parse import urlsplit
 
-    from ..errors import PluginConfigError
+    from trl_plugins.api.errors import PluginConfigError
 
     problem = None
     if not isinstance(url, str) or not url.strip():

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import PluginError
-from ..registry import Registry
+from trl_plugins.api.errors import PluginError
+from trl_plugins.api.registry import Registry
 
 __all__ = ["VERIFIER_FEEDBACK", "VerifierFeedback", "feedback_oracle"]
 

@@ -39,9 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..registry import Registry
-from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options
-from .local_server import QUESTION_ROWS
+from trl_plugins.api.registry import Registry
+from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options
+from trl_plugins.components.local_server import QUESTION_ROWS
 
 __all__ = [
     "EndpointJudge",
@@ -404,7 +404,7 @@ class RuleJudge(RubricJudge):
         self.calls = 0
 
     def grade(self, requests: Sequence[JudgeRequest]) -> list[bool]:
-        from ..errors import PluginError
+        from trl_plugins.api.errors import PluginError
 
         out = []
         for r in requests:
@@ -443,7 +443,7 @@ def rule_judge_handler(seen: list | None = None, oracle: str = "arithmetic", pro
     row_of, verdict = QUESTION_ROWS.get(oracle), RUBRIC_VERDICTS.get(oracle)
 
     def handler(path: str, payload: dict):
-        from .local_server import chat_response
+        from trl_plugins.components.local_server import chat_response
 
         prompt = payload["messages"][-1]["content"]
         if seen is not None:

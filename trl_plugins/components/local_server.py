@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..registry import Registry
+from trl_plugins.api.registry import Registry
 
 Handler = Callable[[str, dict], Any]
 

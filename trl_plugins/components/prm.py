@@ -49,13 +49,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..text import completion_text
-from ..errors import PluginConfigError
-from ..options import option
-from ..registry import Registry
-from .client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env, endpoint_options
-from .local_server import QUESTION_ROWS
-from .steps import StepSpan, first_error, question_text, split_steps
+from trl_plugins.api.text import completion_text
+from trl_plugins.api.errors import PluginConfigError
+from trl_plugins.api.options import option
+from trl_plugins.api.registry import Registry
+from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env, endpoint_options
+from trl_plugins.components.local_server import QUESTION_ROWS
+from trl_plugins.components.steps import StepSpan, first_error, question_text, split_steps
 
 __all__ = [
     "QWEN_PRM_SYSTEM",
@@ -566,7 +566,7 @@ def prm_handler(prm: ProcessRewardModel, row_of: Callable[[str], Any] = arithmet
     """An HTTP handler for :func:`~trl_plugins.components.local_server.serve_openai_compatible` that serves ``prm``
     over both :class:`EndpointPRM` protocols (``/pooling`` and ``/v1/chat/completions``). ``row_of(question)`` rebuilds
     the row the local PRM needs; ``seen`` collects ``(path, question, steps)`` of every request."""
-    from .local_server import chat_response
+    from trl_plugins.components.local_server import chat_response
 
     def handler(path: str, payload: dict):
         if path.rstrip("/").endswith("/pooling"):

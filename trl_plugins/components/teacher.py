@@ -36,11 +36,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from ..errors import PluginConfigError
-from ..options import option
-from .client import EndpointConfig, OpenAICompatibleClient, api_key_from_env, endpoint_options
-from .steps import split_steps
-from .teacher_logprobs import (
+from trl_plugins.api.errors import PluginConfigError
+from trl_plugins.api.options import option
+from trl_plugins.components.client import EndpointConfig, OpenAICompatibleClient, api_key_from_env, endpoint_options
+from trl_plugins.components.steps import split_steps
+from trl_plugins.components.teacher_logprobs import (
     ECHO_PARAMS,
     check_same_tokenizer,
     hf_completion_logprobs,

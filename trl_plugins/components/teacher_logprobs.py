@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ..errors import PluginConfigError
-from .client import EndpointError
+from trl_plugins.api.errors import PluginConfigError
+from trl_plugins.components.client import EndpointError
 
 __all__ = [
     "PROBE_TEXT",
@@ -87,10 +87,10 @@ def hf_completion_logprobs(
 ) -> list[torch.Tensor]:
     """No-grad log pi_teacher(completion_ids[i][t] | prompt, completion[:t]) for every row (raw logits, temperature 1).
 
-    Rows are batched in TRL's layout (:func:`~trl_plugins.policy_probe.prompt_completion_batch`). Returns one
+    Rows are batched in TRL's layout (:func:`~trl_plugins.api.model_utils.prompt_completion_batch`). Returns one
     (len(completion_ids[i]),) float32 CPU tensor per row (an empty completion gives an empty tensor).
     """
-    from ..policy_probe import prompt_completion_batch
+    from trl_plugins.api.model_utils import prompt_completion_batch
 
     out: list[torch.Tensor] = []
     device = next(model.parameters()).device
@@ -211,7 +211,7 @@ def teacher_logprob_handler(teacher: Any, chat_text: str | None = None, seen: li
     teacher's model; a text prompt is tokenized without special tokens. ``/v1/chat/completions`` answers
     ``chat_text`` when given (e.g. a hint), else 404. Every request payload is appended to ``seen`` when given.
     """
-    from .local_server import chat_response
+    from trl_plugins.components.local_server import chat_response
 
     tok = teacher.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

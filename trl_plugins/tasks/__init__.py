@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import arithmetic as _arithmetic
-from .arithmetic import *  # noqa: F403 -- exactly the names of arithmetic.__all__
+from trl_plugins.tasks import arithmetic as _arithmetic
+from trl_plugins.tasks.arithmetic import *  # noqa: F403 -- exactly the names of arithmetic.__all__
 
 _TINY_NAMES = (
     "CHAT_TEMPLATE",
@@ -30,7 +30,7 @@ __all__ = [*_arithmetic.__all__, *_TINY_NAMES]
 
 def __getattr__(name: str) -> Any:
     if name in _TINY_NAMES:
-        from . import tiny
+        from trl_plugins.tasks import tiny
 
         return getattr(tiny, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -52,10 +52,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..answers import ANSWER_LINE_RE as _ANSWER_RE
-from ..answers import ANSWER_PREFIX_RE as _ANSWER_PREFIX_RE
-from ..answers import answer_line_value
-from ..text import completion_text  # re-exported: the bundled reward functions read it
+from trl_plugins.api.answers import ANSWER_LINE_RE as _ANSWER_RE
+from trl_plugins.api.answers import ANSWER_PREFIX_RE as _ANSWER_PREFIX_RE
+from trl_plugins.api.answers import answer_line_value
+from trl_plugins.api.text import completion_text  # re-exported: the bundled reward functions read it
 
 __all__ = [
     "LEVELS",
@@ -426,7 +426,7 @@ def _not_an_integer(value: Any) -> bool:
 
 def _check_answer_column(dataset: Any) -> None:
     """Construction-time check of ``accuracy_reward``'s ``answer`` column (the trainer calls ``check_dataset``)."""
-    from ..data_checks import check_column_filled
+    from trl_plugins.api.data_checks import check_column_filled
 
     check_column_filled("accuracy_reward", dataset, "answer", "the verifier compares the completion's integer final "
                         "answer with it", blank=_not_an_integer, blank_means="not an integer")

@@ -25,8 +25,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..text import completion_text
-from .arithmetic import Problem, in_split
+from trl_plugins.api.text import completion_text
+from trl_plugins.tasks.arithmetic import Problem, in_split
 
 __all__ = [
     "CHAT_INSTRUCTION",

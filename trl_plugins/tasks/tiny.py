@@ -57,7 +57,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from .arithmetic import Problem, in_split, make_problem, verify
+from trl_plugins.tasks.arithmetic import Problem, in_split, make_problem, verify
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -471,7 +471,7 @@ class DemoSettings:
 
     def grpo_config_fields(self, output_dir: str, seed: int) -> dict:
         """GRPOConfig fields of the GRPO run on the warm-started model (CPU, no checkpoints, no reporting)."""
-        from ..config import checkpointing_off
+        from trl_plugins.runtime.config import checkpointing_off
 
         return dict(
             output_dir=output_dir,
@@ -517,14 +517,14 @@ def demo_model(
     The cache entry is ``cache_dir/tiny-<settings.cache_key()>`` (written atomically, under a file lock so that
     processes started together warm it up once); a later call with the same settings loads it by path instead of
     training. ``builtin:tiny`` (the demo, ``trl-plugins train``, ``compare``, the trainer) uses the per-user cache
-    folder (:func:`trl_plugins.models.cache_root`), so it is warm-started once per machine. ``cache_dir=None``
+    folder (:func:`trl_plugins.runtime.models.cache_root`), so it is warm-started once per machine. ``cache_dir=None``
     disables caching. ``progress`` announces a first-use warm-up and shows a progress bar on stderr; ``verbose``
     prints the loss every 50 steps instead.
     """
     settings = settings or DemoSettings()
     target = Path(cache_dir).expanduser() / f"tiny-{settings.cache_key()}" if cache_dir is not None else None
     if target is not None and not (target / "config.json").exists():
-        from ..locks import exclusive_file_lock
+        from trl_plugins.runtime.locks import exclusive_file_lock
 
         with exclusive_file_lock(target.parent / f".{target.name}.lock"):
             return _build_or_load(target, settings, verbose, progress)

@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from .tool_corpus import FACTS, PLACES
-from .tools import ToolEnvironment, enable_tool_calling, make_tool_dataset, tool_answer_reward
+from trl_plugins.tasks.tool_corpus import FACTS, PLACES
+from trl_plugins.tasks.tools import ToolEnvironment, enable_tool_calling, make_tool_dataset, tool_answer_reward
 
 __all__ = [
     "PREAMBLES",
@@ -243,7 +243,7 @@ def tool_demo_model(cache_dir: str | Path | None, demo_settings: Any = None,
     template. Cached under ``cache_dir/tiny-tools-<key>`` (built once under a file lock; ``None``: not cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import DemoSettings, demo_model, save_atomically
+    from trl_plugins.tasks.tiny import DemoSettings, demo_model, save_atomically
 
     demo_settings = demo_settings or DemoSettings()
     settings = settings or ToolWarmStartSettings()
@@ -268,7 +268,7 @@ def tool_demo_model(cache_dir: str | Path | None, demo_settings: Any = None,
 
     if target is None:
         return build()
-    from ..locks import exclusive_file_lock
+    from trl_plugins.runtime.locks import exclusive_file_lock
 
     with exclusive_file_lock(target.parent / f".{target.name}.lock"):
         if (target / "config.json").exists():

@@ -37,9 +37,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..tool_guard import ToolInputError
-from .arithmetic import extract_answer
-from .tool_corpus import FACTS, PLACES, Place
+from trl_plugins.guards.tool_guard import ToolInputError
+from trl_plugins.tasks.arithmetic import extract_answer
+from trl_plugins.tasks.tool_corpus import FACTS, PLACES, Place
 
 __all__ = [
     "CHATML_TOOL_TEMPLATE",
@@ -141,7 +141,7 @@ class ToolEnvironment:
 
     * ``calls``: ``[{"name", "arguments", "result"}]`` in call order;
     * ``turn_rewards``: one float per tool call (the framework sums them per assistant turn, see
-      :class:`~trl_plugins.turns.TurnStructure`): 1.0 when a search returned a document about a place the question
+      :class:`~trl_plugins.api.turns.TurnStructure`): 1.0 when a search returned a document about a place the question
       asks about, or the calculator returned the answer; else 0.0.
     """
 
@@ -342,7 +342,7 @@ def enable_tool_calling(tokenizer: Any) -> Any:
     """
     from trl.chat_template_utils import supports_tool_calling
 
-    from .tiny import CHAT_TEMPLATE
+    from trl_plugins.tasks.tiny import CHAT_TEMPLATE
 
     template = getattr(tokenizer, "chat_template", None) or ""
     if supports_tool_calling(tokenizer) and getattr(tokenizer, "response_template", None) is not None:

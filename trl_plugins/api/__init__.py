@@ -1,0 +1,69 @@
+"""The plugin-facing API: everything a plugin module may import, built-in or third party.
+
+A plugin imports only from ``trl_plugins.api`` and its submodules (``tests/test_layout.py`` enforces it for the
+built-in plugins and the scaffolded template). This package re-exports the core; the rest lives in submodules:
+
+- :mod:`~trl_plugins.api.plugin` (``Plugin``, ``Moved``), :mod:`~trl_plugins.api.hookspecs` (``hookimpl``, the hook
+  specifications), :mod:`~trl_plugins.api.contexts` (the stage contexts), :mod:`~trl_plugins.api.options` and
+  :mod:`~trl_plugins.api.option_groups` (typed options), :mod:`~trl_plugins.api.errors`;
+- helpers plugins call: :mod:`~trl_plugins.api.reasons` (shared refusal reasons), :mod:`~trl_plugins.api.success`
+  (the success rule), :mod:`~trl_plugins.api.text`, :mod:`~trl_plugins.api.answers`,
+  :mod:`~trl_plugins.api.collectives`, :mod:`~trl_plugins.api.data_checks`, :mod:`~trl_plugins.api.turns`,
+  :mod:`~trl_plugins.api.tool_calls`, :mod:`~trl_plugins.api.loss_types`, :mod:`~trl_plugins.api.model_utils`,
+  :mod:`~trl_plugins.api.registry`, :mod:`~trl_plugins.api.services`;
+- :mod:`~trl_plugins.api.components`: the component classes plugins build on (judges, PRMs, teachers, verifier
+  feedback, step helpers), re-exported from :mod:`trl_plugins.components`. It is not imported here (the
+  components themselves build on this package), so import it by name: ``from trl_plugins.api.components import
+  shared_teacher``.
+
+Nothing in ``trl_plugins.api`` imports the runtime, the guards, the CLI or the testing kit.
+"""
+
+from trl_plugins.api.contexts import (
+    AdvantageContext,
+    Completion,
+    LossContext,
+    PolicyStats,
+    PromptContext,
+    RefillContext,
+    RewardContext,
+    RolloutContext,
+)
+from trl_plugins.api.errors import (
+    GenerationBudgetExceeded,
+    IncompatiblePluginsError,
+    ModelNotFoundError,
+    PluginConfigError,
+    PluginError,
+    UnknownPluginError,
+)
+from trl_plugins.api.hookspecs import hookimpl
+from trl_plugins.api.options import PluginOptions, option
+from trl_plugins.api.plugin import Moved, Plugin
+from trl_plugins.api.services import RunInfo, StageServices
+from trl_plugins.api.turns import TurnStructure
+
+__all__ = [
+    "AdvantageContext",
+    "Completion",
+    "GenerationBudgetExceeded",
+    "IncompatiblePluginsError",
+    "LossContext",
+    "ModelNotFoundError",
+    "Moved",
+    "Plugin",
+    "PluginConfigError",
+    "PluginError",
+    "PluginOptions",
+    "PolicyStats",
+    "PromptContext",
+    "RefillContext",
+    "RewardContext",
+    "RolloutContext",
+    "RunInfo",
+    "StageServices",
+    "TurnStructure",
+    "UnknownPluginError",
+    "hookimpl",
+    "option",
+]

@@ -1,0 +1,201 @@
+"""The generation service: in-step (re-)generation for sampling plugins through TRL's own backend."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from trl_plugins.api.collectives import HeldRewardErrors
+from trl_plugins.api.contexts import Completion
+from trl_plugins.api.errors import GenerationBudgetExceeded, PluginError
+
+
+#: How a process that waited names the failure of another process's reward scoring in the sampling stage.
+SCORING_FAILED = "reward functions (sampling-stage scoring)"
+
+
+class GenerationService:
+    """Extra completions within a training step, through the trainer's generation backend.
+
+    * **Same backend as TRL.** Requests go through TRL's generation backend (the trainer's
+      :meth:`~trl_plugins.runtime.trl_seam.TrlSeamTrainer.sample_completions`) with one completion per prompt: HF
+      ``generate`` (with TRL's generation config and model unwrapping) or vLLM (server or colocate; weights
+      already synced for this step).
+    * **Collective-safe.** Every process first all-gathers its request count; all pad to the largest count
+      with dummy prompts, so every process issues the same number of calls with the same number of prompts
+      (vLLM server mode slices results by process, ZeRO-3/FSDP gather parameters). Dummy results are dropped.
+      Call :meth:`generate` on every process the same number of times (decide from gathered data).
+    * **Budget.** Real (non-dummy) completions are counted per generation batch and process
+      (``used_this_batch``) and in total over all processes (``total``, identical on every process and saved
+      in checkpoints);
+      ``PluginGRPOConfig.plugin_generation_budget`` caps them per batch and process. The decision to refuse is
+      taken on the gathered counts, so every process raises together rather than deadlocking.
+    * **Policy rollouts.** ``policy_rollouts`` counts the completions sampled from the policy on this process while
+      training: this service's requests (dummy padding rows included: the backend samples them too) and TRL's own
+      generation rounds, which the trainer reports with :meth:`count_rollouts`. The later turns of a tool episode
+      continue a rollout already counted. Equal-budget runs read it
+      (:func:`trl_plugins.cli.equal_budget.count_policy_rollouts`).
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.budget = getattr(trainer.args, "plugin_generation_budget", None)
+        self.used_this_batch = 0
+        self.total = 0
+        self.policy_rollouts = 0
+        self._dummy_ids: list[int] | None = None
+
+    def begin_batch(self, dummy_prompt_ids: list[int]) -> None:
+        """Reset the per-batch counter; ``dummy_prompt_ids`` pads this process when it has nothing to ask."""
+        self.used_this_batch = 0
+        self._dummy_ids = list(dummy_prompt_ids)
+
+    @property
+    def remaining(self) -> int | float:
+        """Completions still allowed in this generation batch on this process (inf when unlimited)."""
+        return math.inf if self.budget is None else self.budget - self.used_this_batch
+
+    def count_rollouts(self, n: int) -> None:
+        """Count ``n`` completions just sampled from the policy (not counted in evaluation mode)."""
+        if self.trainer.model.training:
+            self.policy_rollouts += int(n)
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        """Prompt token ids exactly as TRL builds them for generation (chat template with generation prompt)."""
+        if not prompts:
+            return []
+        prompt_ids, _, _ = self.trainer.tokenize_prompts(prompts)
+        return [list(ids) for ids in prompt_ids]
+
+    def generate(
+        self,
+        prompts: list | None = None,
+        *,
+        prompt_ids: list[list[int]] | None = None,
+        prefix_ids: list[list[int]] | None = None,
+        greedy: bool = False,
+    ) -> list[Completion]:
+        """Generate one completion per prompt (collective: call on every process, possibly with zero prompts).
+
+        Args:
+            prompts: prompts in the dataset's format (conversational or text); or give ``prompt_ids``.
+            prompt_ids: already tokenized generation prompts (one list of ids per request).
+            prefix_ids: optional completion prefix per request; generation continues after it and the returned
+                ``completion_ids`` are ``prefix + new tokens`` (cut to ``max_completion_length``), with NaN
+                sampling log-probs on the prefix.
+            greedy: decode greedily (argmax at every step) instead of sampling with the run's settings, e.g. for a
+                greedy baseline; every process must pass the same value. Counted in the budget like any request.
+
+        Returns:
+            One :class:`~trl_plugins.api.contexts.Completion` per request, in order.
+        """
+        if (prompts is None) == (prompt_ids is None):
+            raise PluginError("GenerationService.generate: pass exactly one of `prompts` or `prompt_ids`.")
+        ids = self.tokenize(prompts) if prompt_ids is None else [list(p) for p in prompt_ids]
+        prefixes = [list(p) for p in prefix_ids] if prefix_ids is not None else [[] for _ in ids]
+        if len(prefixes) != len(ids):
+            raise PluginError(f"GenerationService.generate: {len(prefixes)} prefixes for {len(ids)} prompts.")
+        n_local = len(ids)
+        # (P, 2): what each process asks for now and has already used; every process takes the same decision
+        gathered = self._gather_counts(n_local)
+        counts, used = gathered[:, 0], gathered[:, 1]
+        max_n = int(counts.max().item())
+        if self.budget is not None and int((used + counts).max().item()) > self.budget:
+            j = int(torch.argmax(used + counts).item())
+            raise GenerationBudgetExceeded(
+                f"Plugins requested {int(counts[j].item())} more completions on process {j}, which already used "
+                f"{int(used[j].item())} in this generation batch; plugin_generation_budget is {self.budget} per "
+                "generation batch and process."
+            )
+        if max_n == 0:
+            return []
+        full = [p + q for p, q in zip(ids, prefixes)]
+        dummy = full[0] if full else (self._dummy_ids or [self.trainer.text_tokenizer.eos_token_id])
+        padded = full + [dummy] * (max_n - n_local)
+        with greedy_decoding(self.trainer) if greedy else contextlib.nullcontext():
+            completion_ids, logprobs = self.trainer.sample_completions(padded, num_generations=1)
+        self.count_rollouts(len(completion_ids))
+        self.used_this_batch += n_local
+        self.total += int(counts.sum().item())  # all processes: the same on every process, so rank 0 saves it
+        limit = self.trainer.max_completion_length
+        results = []
+        for j in range(n_local):
+            new_ids = list(completion_ids[j])
+            # vLLM reports a NaN log-prob as None: NaN here, as TRL maps it
+            new_lps = [math.nan if x is None else x for x in logprobs[j]] if logprobs is not None else None
+            out_ids = (prefixes[j] + new_ids)[:limit]
+            out_lps = None if new_lps is None else ([math.nan] * len(prefixes[j]) + new_lps)[:limit]
+            text = self.trainer.processing_class.batch_decode([out_ids], skip_special_tokens=True)[0]
+            results.append(Completion(completion_ids=out_ids, logprobs=out_lps, text=text))
+        return results
+
+    def _gather_counts(self, n_local: int) -> torch.Tensor:
+        """(num_processes, 2) long tensor: each process's request count and completions already used this batch.
+
+        A reward-function error that the sampling stage holds on some process (see the trainer) rides in the same
+        collective and is raised here on every process, before anything is generated.
+        """
+        acc = self.trainer.accelerator
+        held = getattr(self.trainer, "held_reward_errors", None) or HeldRewardErrors()  # (a bare stand-in trainer)
+        return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
+
+    def state_dict(self) -> dict:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total = int(state.get("total", 0))
+
+
+@contextlib.contextmanager
+def greedy_decoding(trainer: Any) -> Iterator[None]:
+    """Within the block, the trainer's generation backend decodes greedily; its own settings are restored after.
+
+    vLLM (server or colocate): temperature 0, vLLM's greedy decoding. Transformers: ``do_sample=False``, with the
+    sampling-only settings unset (:func:`transformers_generation_settings`).
+    """
+    if getattr(trainer, "use_vllm", False):
+        vllm = trainer.vllm_generation
+        saved = vllm.temperature
+        vllm.temperature = 0.0
+        try:
+            yield
+        finally:
+            vllm.temperature = saved
+        return
+    with transformers_generation_settings(trainer, {"do_sample": False}, unset=SAMPLING_SETTINGS):
+        yield
+
+
+#: Generation settings that only sampling reads.
+SAMPLING_SETTINGS = ("temperature", "top_p", "top_k", "min_p")
+
+
+@contextlib.contextmanager
+def transformers_generation_settings(trainer: Any, settings: dict, unset: tuple[str, ...] = ()) -> Iterator[None]:
+    """Within the block, TRL's transformers generation uses ``settings`` (and leaves the names in ``unset`` unset);
+    the trainer's own settings are restored after.
+
+    TRL passes both ``trainer.generation_config`` to ``generate`` and ``trainer.generation_kwargs`` written over the
+    model's own generation config, so both get the change: a setting left in either one would win.
+    """
+    saved_config, saved_kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
+    config = copy.deepcopy(saved_config)
+    for name in unset:
+        if hasattr(config, name):
+            setattr(config, name, None)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    trainer.generation_config = config
+    if saved_kwargs is not None:
+        trainer.generation_kwargs = {**{k: v for k, v in saved_kwargs.items() if k not in unset}, **settings}
+    try:
+        yield
+    finally:
+        trainer.generation_config = saved_config
+        if saved_kwargs is not None:
+            trainer.generation_kwargs = saved_kwargs

@@ -1,0 +1,168 @@
+"""The policy probe: no-grad forwards of the current policy that the stage contexts offer plugins.
+
+``ctx.policy_entropies`` (rollout context), ``ctx.policy_features`` (reward context), ``ctx.policy_logprobs`` and
+``ctx.policy_stats`` (advantage context) are methods of :class:`PolicyProbe`, one per trainer
+(``trainer.policy_probe``). Every forward runs through TRL's fused log-prob head
+(:meth:`~trl_plugins.runtime.trl_seam.TrlSeamTrainer.per_token_logps_and_entropies`: the run's temperature applied, no
+(B, T, V) logits kept), in chunks of ``per_device_train_batch_size`` rows, on TRL's prompt/completion layout
+(:func:`prompt_completion_batch`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trl_plugins.api.contexts import PolicyStats
+from trl_plugins.runtime.generation import SCORING_FAILED
+from trl_plugins.api.model_utils import prompt_completion_batch
+
+
+class PolicyProbe:
+    """No-grad forwards of ``trainer``'s current policy (a :class:`~trl_plugins.PluginGRPOTrainer`)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def stats(self, output: dict, cache: dict, head_stats: bool) -> PolicyStats:
+        """:class:`~trl_plugins.api.contexts.PolicyStats` of the local generation batch ``output`` (TRL's dict): one
+        no-grad forward, kept in ``cache`` (the batch's) for the next call; ``head_stats`` also captures the hidden
+        states for :class:`~trl_plugins.runtime.head_stats.HeadStats`."""
+        key = "with_head" if head_stats else "plain"
+        if key in cache:
+            return cache[key]
+        if "with_head" in cache:
+            return cache["with_head"]
+        tr = self.trainer
+        prompt_completion_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        logits_to_keep = output["completion_ids"].size(1)
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        batch_size = tr.args.per_device_train_batch_size
+        stats_obj = None
+        with torch.no_grad():
+            if head_stats:
+                from trl_plugins.runtime.head_stats import HeadStats, capture_hidden_states, lm_head_of
+
+                hidden_parts = []
+                logps_parts, ent_parts = [], []
+                for start in range(0, prompt_completion_ids.size(0), batch_size):
+                    sl = slice(start, start + batch_size)
+                    with capture_hidden_states(tr.model) as cap:
+                        lp, ent, _ = tr.per_token_logps_and_entropies(
+                            tr.model, prompt_completion_ids[sl], attention_mask[sl], logits_to_keep,
+                            compute_entropy=True,
+                        )
+                    hidden_parts.append(cap.hidden[:, -(logits_to_keep + 1):])
+                    logps_parts.append(lp)
+                    ent_parts.append(ent)
+                logps, entropies = torch.cat(logps_parts), torch.cat(ent_parts)
+                weight, bias, logit_scale, softcap = lm_head_of(tr.model)
+                stats_obj = HeadStats(
+                    torch.cat(hidden_parts), logits_to_keep, mask, weight, bias, logit_scale=logit_scale,
+                    softcap=softcap, temperature=tr.temperature, chunk_size=tr.args.head_stats_chunk_size,
+                )
+            else:
+                logps, entropies, _ = tr.per_token_logps_and_entropies(
+                    tr.model, prompt_completion_ids, attention_mask, logits_to_keep,
+                    batch_size=batch_size, compute_entropy=True,
+                )
+        mean_entropy = (entropies * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        result = PolicyStats(
+            per_token_logps=logps,
+            entropies=entropies,
+            mask=mask,
+            completion_ids=output["completion_ids"],
+            mean_entropy=tr.accelerator.gather(mean_entropy),
+            head_stats=stats_obj,
+        )
+        cache[key] = result
+        return result
+
+    def forward(self, prompt_ids: list[list[int]], completion_ids: list[list[int]], entropy: bool) -> torch.Tensor:
+        """No-grad forward of the current policy over prompt+completion rows in TRL's layout (prompts left-padded,
+        completions right-padded; an empty prompt or completion stands as one EOS token).
+
+        Returns (R, C) per-token entropies (``entropy``) or log-probs of the completion positions, C the longest
+        completion; chunks of ``per_device_train_batch_size`` rows.
+        """
+        tr = self.trainer
+        eos_id = tr.eos_token_ids[0]
+        pad_id = tr.text_tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        input_ids, attention_mask, c_len = prompt_completion_batch(
+            [p for p, _ in rows], [c for _, c in rows], eos_id if pad_id is None else pad_id, tr.accelerator.device
+        )
+        with torch.no_grad():
+            logps, entropies, _ = tr.per_token_logps_and_entropies(
+                tr.model, input_ids, attention_mask, c_len,
+                batch_size=tr.args.per_device_train_batch_size, compute_entropy=entropy,
+            )
+        return entropies if entropy else logps
+
+    def _largest_count(self, n_local: int) -> int:
+        """The largest request count across processes (a held reward error raises here, on every process)."""
+        acc = self.trainer.accelerator
+        counts = self.trainer.held_reward_errors.gather_with_flag(acc.gather, [n_local], acc.device, SCORING_FAILED)
+        return int(counts.max().item())
+
+    def entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """No-grad per-token entropies of the current policy over completions (``RolloutContext.policy_entropies``).
+
+        Collective-safe: every process runs the same number of forward chunks (requests padded with dummy rows to the
+        largest count across processes), as ZeRO-3/FSDP forwards require. Returns one (len(completion),) tensor each.
+        """
+        n_local = len(completion_ids)
+        max_n = self._largest_count(n_local)
+        if max_n == 0:
+            return []
+        dummy = [self.trainer.eos_token_ids[0]]
+        entropies = self.forward(
+            list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), True
+        )
+        return [entropies[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def features(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                 reference: bool = False) -> torch.Tensor:
+        """(R, d) no-grad mean of the backbone's last hidden state over each completion's tokens
+        (``RewardContext.policy_features``; ``reference``: the reference policy's, ``RewardContext.reference_features``).
+        Runs the backbone only (no LM head, no logits), in chunks of ``per_device_train_batch_size`` rows;
+        collective-safe like :meth:`entropies`."""
+        if reference:
+            from trl_plugins.runtime.reference import reference_model
+
+            with reference_model(self.trainer) as model:
+                return self._features(model, prompt_ids, completion_ids)
+        return self._features(self.trainer.model, prompt_ids, completion_ids)
+
+    def _features(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+        from trl_plugins.runtime.head_stats import backbone_of
+
+        tr = self.trainer
+        acc = tr.accelerator
+        n_local = len(completion_ids)
+        max_n = self._largest_count(n_local)
+        eos_id = tr.eos_token_ids[0]
+        pad_id = tr.text_tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        rows += [([eos_id], [eos_id])] * (max_n - n_local)
+        backbone, step, means = backbone_of(model), tr.args.per_device_train_batch_size, []
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            input_ids, attention_mask, c_len = prompt_completion_batch(
+                [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id, acc.device
+            )
+            with torch.no_grad():
+                hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            mask = attention_mask[:, -c_len:].unsqueeze(-1).float()
+            means.append((hidden[:, -c_len:].float() * mask).sum(1) / mask.sum(1).clamp(min=1.0))
+        return torch.cat(means)[:n_local] if means else torch.zeros(0, 0, device=acc.device)
+
+    def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
+        process only. Returns one (len(completion),) tensor each."""
+        if not completion_ids:
+            return []
+        logps = self.forward(prompt_ids, completion_ids, False)
+        return [logps[j, : len(c)].detach() for j, c in enumerate(completion_ids)]
