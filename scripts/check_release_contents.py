@@ -62,10 +62,10 @@ def check_dist(dist: Path) -> None:
     entry_points = zipfile.ZipFile(wheel).read(info).decode()
     builtins = [p[:-3] for p in plugins if not p.startswith("_")]
     missing = [b for b in builtins if f"trl_plugins_builtin.{b}:" not in entry_points]
-    if missing or "trl-plugins = trl_plugins.cli.main:main" not in entry_points:
+    if missing or "trl-plugins = trl_plugins.cli:main" not in entry_points:
         fail(f"entry points missing for {missing or 'the trl-plugins script'}")
     members = tarfile.open(sdist).getnames()
-    for needed in ("README.md", "CHANGELOG.md", "pyproject.toml", "trl_plugins/cli.py", "plugins/lp_reg.py"):
+    for needed in ("README.md", "CHANGELOG.md", "pyproject.toml", "trl_plugins/cli/commands.py", "plugins/lp_reg.py"):
         if not any(m.endswith("/" + needed) for m in members):
             fail(f"the sdist lacks {needed}")
     print(f"contents ok: {wheel.name} ({len(names)} files, {len(builtins)} built-in plugins), {sdist.name}")

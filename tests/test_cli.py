@@ -4,13 +4,13 @@ from importlib import metadata
 
 import pytest
 
-from trl_plugins.cli.main import main
+from trl_plugins.cli import main
 from trl_plugins.cli.docs import check
 
 
 def test_console_script_is_registered():
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("trl-plugins") == "trl_plugins.cli.main:main"
+    assert scripts.get("trl-plugins") == "trl_plugins.cli:main"
 
 
 def test_list_shows_builtins_with_stages_papers_and_distribution(capsys):
@@ -177,7 +177,7 @@ def test_a_module_in_the_working_directory_never_shadows_an_installed_package(tm
     )
     root = str(Path(trl_plugins.__file__).parents[1])
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from trl_plugins.cli.main import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from trl_plugins.cli import main; sys.exit(main(sys.argv[1:]))",
          "train", "config.yaml"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "PYTHONPATH": root},

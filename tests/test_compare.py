@@ -7,8 +7,8 @@ import math
 import pytest
 import yaml
 
-from trl_plugins.cli.main import compare
-from trl_plugins.cli.main import main as cli_main
+from trl_plugins.cli import compare
+from trl_plugins.cli import main as cli_main
 from trl_plugins.cli.equal_budget import (
     EqualBudget,
     count_policy_rollouts,

@@ -193,7 +193,7 @@ def test_trainer_and_cli_refuse_an_unloadable_name_with_the_same_error(tmp_path)
 
 
 def test_cli_prints_the_error_without_a_traceback(tmp_path, capsys):
-    from trl_plugins.cli.main import main
+    from trl_plugins.cli import main
 
     config = tmp_path / "c.yaml"
     config.write_text(f"model_name_or_path: builtin:nope\noutput_dir: {tmp_path / 'out'}\n")

@@ -167,7 +167,7 @@ def test_scaffolded_packages_install_pass_their_tests_and_train_stacked(tmp_path
         assert re.search(r"\b26 passed\b", done.stdout), done.stdout[-2000:]
 
         # 2. listed with their distributions
-        done = _run([sys.executable, "-m", "trl_plugins.cli.main", "list"], tmp_path, 600)
+        done = _run([sys.executable, "-m", "trl_plugins.cli", "list"], tmp_path, 600)
         assert done.returncode == 0, done.stderr
         for n, stage in zip(names, STAGES):
             line = next(line for line in done.stdout.splitlines() if line.startswith(n.name + " "))
@@ -178,7 +178,7 @@ def test_scaffolded_packages_install_pass_their_tests_and_train_stacked(tmp_path
         tiny = build_and_save(tmp_path / "tiny")
         config_path = tmp_path / "stacked.yaml"
         config_path.write_text(yaml.safe_dump(_stacked_config(roots, names, tiny, tmp_path / "run")))
-        done = _run([sys.executable, "-m", "trl_plugins.cli.main", "train", str(config_path)], tmp_path, 900)
+        done = _run([sys.executable, "-m", "trl_plugins.cli", "train", str(config_path)], tmp_path, 900)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
         metrics = {"sampling": "retried_rows", "reward": "mean_bonus", "advantage": "positive_fraction",
                    "loss": "mean_weight"}

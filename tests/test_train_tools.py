@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from trl_plugins.cli.main import main
+from trl_plugins.cli import main
 
 BASE = {"model_name_or_path": "builtin:tiny", "report_to": "none", "use_cpu": True, "max_steps": 1,
         "dataset_name": "builtin:tools", "reward_funcs": ["tool_answer"]}

@@ -1,4 +1,4 @@
-"""One seam to TRL's internals: ``trl_plugins/trl_seam.py`` is the only module of ``trl_plugins/`` and ``plugins/``
+"""One seam to TRL's internals: ``trl_plugins/runtime/trl_seam.py`` is the only module of ``trl_plugins/`` and ``plugins/``
 that names a private member of ``trl.GRPOTrainer`` or ``transformers.Trainer``, so a TRL upgrade is a change to that
 file plus the reduction tests.
 
@@ -27,7 +27,7 @@ from trl_plugins.runtime import trl_seam
 from trl_plugins.runtime.trainer import PluginGRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
-SEAM = Path("trl_plugins/trl_seam.py")
+SEAM = Path("trl_plugins/runtime/trl_seam.py")
 SCANNED = ("trl_plugins", "plugins")
 GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")
 
@@ -136,7 +136,7 @@ def test_only_the_seam_names_trl_private_members():
     ]
     assert not offenders, (
         "These modules name private members of TRL's trainer; reach them through the public override points and "
-        "accessors of trl_plugins/trl_seam.py (add one there if needed):\n" + "\n".join(offenders)
+        "accessors of trl_plugins/runtime/trl_seam.py (add one there if needed):\n" + "\n".join(offenders)
     )
 
 
@@ -209,7 +209,7 @@ def test_the_checker_flags_planted_violations_and_nothing_else():
 
 
 def test_the_scan_fails_on_a_planted_violation_in_a_framework_module():
-    source = (REPO / "trl_plugins/refill.py").read_text(encoding="utf-8")
+    source = (REPO / "trl_plugins/runtime/refill.py").read_text(encoding="utf-8")
     assert private_uses(source, trl_private_names()) == []
     planted = source + "\n\ndef _peek(trainer):\n    return trainer._pending_extra_logs\n"
     assert private_uses(planted, trl_private_names()) == [(source.count("\n") + 4, "_pending_extra_logs")]

@@ -82,7 +82,7 @@ def test_train_cli_reads_trust_remote_code_from_the_config(monkeypatch):
     from types import SimpleNamespace
 
     import trl_plugins.runtime.models as models
-    from trl_plugins.cli.main import train
+    from trl_plugins.cli import train
     from trl_plugins.runtime.models import hub_kwargs_of
 
     assert hub_kwargs_of(None, True) == {"trust_remote_code": True}

@@ -1,4 +1,4 @@
-"""The success rule (trl_plugins/success.py) in every plugin that decides success: the verdict is taken on the
+"""The success rule (trl_plugins/api/success.py) in every plugin that decides success: the verdict is taken on the
 verifier column, so adding a partial-credit reward column (here a format reward that pays every completion) changes
 nothing a plugin does -- while the same column would have flipped a verdict taken on the weighted sum of rewards.
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trl_plugins import IncompatiblePluginsError, PluginGRPOConfig
-from trl_plugins.cli.main import main
+from trl_plugins.cli import main
 
 BASE = {
     "model_name_or_path": "builtin:tiny",

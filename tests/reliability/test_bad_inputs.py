@@ -33,7 +33,7 @@ from datasets import Dataset
 
 from trl_plugins import PluginError, PluginGRPOConfig
 from trl_plugins.runtime.checkpoints import PLUGIN_STATE_FILE
-from trl_plugins.cli.main import main
+from trl_plugins.cli import main
 from trl_plugins.runtime.manager import available_plugins, builtin_modules
 from trl_plugins.testing import (
     build_stack,

@@ -1,5 +1,5 @@
 """Crash safety of checkpoints: a run stopped at any point of a save resumes from the newest complete checkpoint, and a
-damaged ``trl_plugins_state.pt`` is an error naming the file (``trl_plugins/checkpoints.py``).
+damaged ``trl_plugins_state.pt`` is an error naming the file (``trl_plugins/runtime/checkpoints.py``).
 
 Damaged or foreign plugin state files are cases of ``test_bad_inputs.py`` (stage ``resume``). The kills are simulated in-process: one trained run leaves a complete ``checkpoint-1``; then, for each point of the
 save of step 2 (the plugin state half-written, written but the model not, the model but not the optimizer, a

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from trl_plugins.api.hookspecs import HOOK_STAGES, STAGE_ORDER
+from trl_plugins.api.loss_types import LOSS_PATH_HOOKS, SUPPORTED_LOSS_TYPES
 from trl_plugins.api.options import PluginOptions, option_choices
 
 #: Chained stage quantities a plugin may recompute from scratch (``Plugin.overwrites``) -> the hook that chains them.
@@ -172,8 +173,6 @@ class Plugin:
         Plugins with sampling or loss hooks run the plugin loss path (:mod:`trl_plugins.runtime.loss`), which implements
         ``SUPPORTED_LOSS_TYPES``; :attr:`loss_types` narrows that further.
         """
-        from trl_plugins.api.loss_types import LOSS_PATH_HOOKS, SUPPORTED_LOSS_TYPES
-
         if cls.loss_types:
             return tuple(cls.loss_types)
         if any(hook in LOSS_PATH_HOOKS for hook in cls.hook_names()):

@@ -1,3 +1,8 @@
-"""The command line and the tools behind it: ``trl-plugins`` (:mod:`~trl_plugins.cli.main`), ``train``, ``demo``,
-``compare``, ``docs`` and ``new`` (the plugin scaffold). ``python -m trl_plugins.cli.main`` is ``trl-plugins``.
+"""The command line and the tools behind it: ``trl-plugins`` (:func:`main`, in :mod:`~trl_plugins.cli.commands`)
+and its ``train``, ``demo``, ``compare``, ``docs`` and ``new`` (the plugin scaffold) commands.
+``python -m trl_plugins.cli`` is ``trl-plugins``.
 """
+
+from trl_plugins.cli.commands import main
+
+__all__ = ["main"]

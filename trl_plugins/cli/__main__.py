@@ -1,7 +1,7 @@
-"""``python -m trl_plugins.cli.main``: the ``trl-plugins`` command."""
+"""``python -m trl_plugins.cli``: the ``trl-plugins`` command."""
 
 import sys
 
-from trl_plugins.cli.main import main
+from trl_plugins.cli.commands import main
 
 sys.exit(main())

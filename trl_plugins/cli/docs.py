@@ -436,7 +436,7 @@ def hooks_page() -> str:
     from trl_plugins.api import contexts, hookspecs, services
 
     lines = [GENERATED, "", "# Hooks and stage contexts", "",
-             "The reference of `trl_plugins/hookspecs.py` and `trl_plugins/contexts.py` (their docstrings). A guide: "
+             "The reference of `trl_plugins/api/hookspecs.py` and `trl_plugins/api/contexts.py` (their docstrings). A guide: "
              "[writing-a-plugin.md](writing-a-plugin.md).", "", _fenced(inspect.cleandoc(hookspecs.__doc__ or "")), ""]
     for stage in ("lifecycle",) + hookspecs.STAGE_ORDER:
         hooks = [h for h, s in hookspecs.HOOK_STAGES.items() if s == stage]
@@ -503,7 +503,7 @@ def configuration_page(plugins: Mapping[str, type]) -> str:
 
     from trl import GRPOConfig
 
-    from trl_plugins.cli.main import compare
+    from trl_plugins.cli import compare
     from trl_plugins.runtime import manager, models
     from trl_plugins.runtime.config import PluginGRPOConfig
     from trl_plugins.cli.train import TrainScriptArguments

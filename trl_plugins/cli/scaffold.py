@@ -146,7 +146,7 @@ def _combined_plugin(names: PackageNames, modules: list[str], stages: Sequence[s
     for stage, text in zip(stages, modules):
         doc = _section(text, "The code below is a complete ", '"""\n')
         docs.append(f"**{stage.capitalize()} stage.** " + doc.split("example to start from. ", 1)[1].strip())
-        imports.update(n.strip() for n in _section(text, "from trl_plugins import ", "\n").split(","))
+        imports.update(n.strip() for n in _section(text, "from trl_plugins.api import ", "\n").split(","))
         constants.append(_section(text, imports_line(text), "@dataclass").strip())
         body = _section(text, f"class {names.options_cls}(PluginOptions):\n", "\n\n\n")
         fields.append(body.split('"""', 2)[2].strip("\n"))
@@ -172,7 +172,7 @@ def _combined_plugin(names: PackageNames, modules: list[str], stages: Sequence[s
             "are its neutral setting, so the plugin as a whole changes nothing until an option is set.", 115)
         + "\n\n" + "\n\n".join(docs) + '\n"""\n\n',
         "from __future__ import annotations\n\nfrom dataclasses import dataclass\n\nimport torch\n"
-        "from trl_plugins import (\n" + "".join(f"    {n},\n" for n in sorted(imports)) + ")\n",
+        "from trl_plugins.api import (\n" + "".join(f"    {n},\n" for n in sorted(imports)) + ")\n",
         *["\n" + c + "\n" for c in constants if c],
         f"\n@dataclass\nclass {names.options_cls}(PluginOptions):\n"
         f'    """Options of ``{names.name}`` (``plugin_config: {{{names.name}: {{...}}}}``), validated when the trainer '
@@ -187,8 +187,8 @@ def _combined_plugin(names: PackageNames, modules: list[str], stages: Sequence[s
 
 
 def imports_line(text: str) -> str:
-    """The line of a template module that imports from trl_plugins (the module constants follow it)."""
-    start = text.index("from trl_plugins import ")
+    """The line of a template module that imports the plugin API (the module constants follow it)."""
+    start = text.index("from trl_plugins.api import ")
     return text[start : text.index("\n", start) + 1]
 
 
@@ -264,7 +264,7 @@ filterwarnings = ["ignore::DeprecationWarning", "ignore::FutureWarning"]
 _INIT = '''\
 """${name}: a trl-plugins plugin (see plugin.py)."""
 
-from trl_plugins.api.plugin import ${options_cls}, ${cls}
+from .plugin import ${options_cls}, ${cls}
 
 __all__ = ["${options_cls}", "${cls}"]
 '''
@@ -369,7 +369,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
 
 @dataclass
@@ -435,7 +435,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 
 
 @dataclass
@@ -511,7 +511,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import Plugin, PluginOptions, RolloutContext, hookimpl, option
+from trl_plugins.api import Plugin, PluginOptions, RolloutContext, hookimpl, option
 
 
 @dataclass
@@ -586,7 +586,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins import IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
+from trl_plugins.api import IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 

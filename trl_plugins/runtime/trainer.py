@@ -801,7 +801,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def save_checkpoint(self, model, trial):
         # Plugin state first, written atomically; transformers writes trainer_state.json last, which marks the folder
-        # complete (trl_plugins/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
+        # complete (trl_plugins/runtime/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
         # skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
         if self.args.should_save:
             folder = self.checkpoint_folder(trial)
