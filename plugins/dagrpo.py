@@ -90,15 +90,9 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import gather_objects_together
-from trl_plugins.api.components import (
-    STEP_VERIFIERS,
-    EndpointJudge,
-    HFJudge,
-    JudgeEndpointOptions,
-    JudgeRequest,
-    RubricJudge,
-)
-from trl_plugins.api.components import split_steps
+from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeEndpointOptions, JudgeRequest, RubricJudge
+from trl_plugins.components.prm import STEP_VERIFIERS
+from trl_plugins.components.steps import split_steps
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.text import completion_text
 from trl_plugins.api.success import SuccessOptions

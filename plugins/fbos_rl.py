@@ -80,14 +80,10 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.answers import extract_boxed, find_numbers, get_extractor, normalize_answer
 from trl_plugins.api.collectives import gather_id_lists, run_together
-from trl_plugins.api.components import (
-    VERIFIER_FEEDBACK,
-    JudgeEndpointOptions,
-    feedback_oracle,
-    question_text,
-    split_steps,
-)
-from trl_plugins.api.components import shared_teacher
+from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
+from trl_plugins.components.judge import JudgeEndpointOptions
+from trl_plugins.components.steps import question_text, split_steps
+from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.api.success import SuccessOptions

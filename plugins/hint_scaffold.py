@@ -55,7 +55,8 @@ from typing import Any, Literal
 import torch
 from trl_plugins.api import Moved, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
-from trl_plugins.api.components import question_text, shared_teacher
+from trl_plugins.components.steps import question_text
+from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.api.success import SuccessOptions
 
 from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key

@@ -48,7 +48,8 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import gather_floats, run_together
-from trl_plugins.api.components import TeacherOptions, question_text, teacher_from_options
+from trl_plugins.components.steps import question_text
+from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
 from trl_plugins.api.success import SuccessOptions

@@ -77,7 +77,7 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import gather_id_lists
-from trl_plugins.api.components import VERIFIER_FEEDBACK, feedback_oracle
+from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text

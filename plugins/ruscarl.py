@@ -60,7 +60,7 @@ from typing import Any, Literal
 
 from trl_plugins.api import Plugin, PluginConfigError, PromptContext, hookimpl, option
 from trl_plugins.api.answers import extract_boxed_or_last_number, normalize_answer
-from trl_plugins.api.components import (
+from trl_plugins.components.judge import (
     RUBRIC_VERDICTS,
     EndpointJudge,
     HFJudge,

@@ -54,15 +54,9 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import run_together
-from trl_plugins.api.components import (
-    PRMOptions,
-    ReferenceTeacher,
-    TeacherEndpointOptions,
-    first_error,
-    prm_from_options,
-    shared_teacher,
-    token_boundary,
-)
+from trl_plugins.components.prm import PRMOptions, prm_from_options
+from trl_plugins.components.steps import first_error, token_boundary
+from trl_plugins.components.teacher import ReferenceTeacher, TeacherEndpointOptions, shared_teacher
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.api.success import SuccessOptions

@@ -4,10 +4,12 @@ the CLI and tools, the components, the testing kit and the bundled tasks, and th
 The rule, in full:
 
 * a plugin module (every module of ``plugins/``, and the plugin module ``trl-plugins new`` writes) imports from
-  ``trl_plugins`` only ``trl_plugins.api`` and its submodules; components reach plugins through
-  ``trl_plugins.api.components``;
-* ``trl_plugins.api`` imports only itself, except ``api/components.py``, which re-exports
-  ``trl_plugins.components``; the components import only the API and each other;
+  ``trl_plugins`` only the plugin-facing API: ``trl_plugins.api`` (the contract: base class, hook specs, stage
+  contexts, options, errors, the helpers plugins call) and its submodules, and ``trl_plugins.components`` (the
+  judges, PRMs, teachers and verifier feedback plugins build on; a library on top of the API, which nothing of the
+  runtime uses). Never the top-level ``trl_plugins`` (the user surface: it loads the runtime), never the runtime,
+  the guards, the CLI, the testing kit or the tasks;
+* ``trl_plugins.api`` imports only itself; the components import only the API and each other;
 * each subpackage imports only the layers below it (:data:`MAY_IMPORT`): api < components, guards < runtime
   < tasks < cli, testing;
 * the top level of ``trl_plugins/`` holds ``__init__.py`` and the subpackages, nothing else.
@@ -39,8 +41,8 @@ MAY_IMPORT = {
     "testing": {"api", "components", "guards", "runtime", "tasks", "testing"},
     "": {"api", "guards", "runtime"},
 }
-#: The one module of the API that may import another subpackage: the components' face for plugins.
-API_FACADES = {"trl_plugins.api.components": {"components"}}
+#: What a plugin module may import from trl_plugins (with their submodules).
+PLUGIN_FACING = ("trl_plugins.api", "trl_plugins.components")
 
 
 def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
@@ -67,7 +69,7 @@ def framework_names(imports: set[str]) -> set[str]:
 
 
 def plugin_violations(source: str, module: str) -> list[str]:
-    """The import statements of a plugin module that reach ``trl_plugins`` outside the plugin-facing API
+    """The import statements of a plugin module that reach ``trl_plugins`` outside :data:`PLUGIN_FACING`
     (``from trl_plugins import X`` included: the top-level package is the user surface, and it loads the runtime)."""
     bad = []
     for node in ast.walk(ast.parse(source)):
@@ -75,12 +77,13 @@ def plugin_violations(source: str, module: str) -> list[str]:
             sources = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             names = {alias.name for alias in node.names}
-            sources = ["trl_plugins.api"] if node.module == "trl_plugins" and names == {"api"} else [node.module or ""]
+            facing = names <= {"api", "components"}
+            sources = ["trl_plugins.api"] if node.module == "trl_plugins" and facing else [node.module or ""]
         else:
             continue  # relative imports stay inside the plugin's own package
         for name in sources:
             if name in ("trl_plugins", "trl_plugins.api") or name.startswith("trl_plugins."):
-                if not (name == "trl_plugins.api" or name.startswith("trl_plugins.api.")):
+                if not any(name == ok or name.startswith(ok + ".") for ok in PLUGIN_FACING):
                     bad.append(f"{module}:{node.lineno} imports {name}")
     return bad
 
@@ -93,7 +96,7 @@ def _subpackage(module: str) -> str:
 def layer_violations(source: str, module: str, is_package: bool = False) -> list[str]:
     """Imports of ``module`` (a framework module) that run against :data:`MAY_IMPORT`."""
     own = _subpackage(module)
-    allowed = MAY_IMPORT[own] | API_FACADES.get(module, set())
+    allowed = MAY_IMPORT[own]
     bad = []
     for name in sorted(framework_names(imported_modules(source, module, is_package))):
         parts = name.split(".")
@@ -118,11 +121,11 @@ def framework_modules() -> dict[str, Path]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_built_in_plugins_import_only_the_api():
+def test_built_in_plugins_import_only_the_plugin_facing_api():
     modules = sorted(PLUGINS.glob("*.py"))
     assert len(modules) > 50
     bad = [v for p in modules for v in plugin_violations(p.read_text(encoding="utf-8"), f"trl_plugins_builtin.{p.stem}")]
-    assert bad == [], "plugins may import only trl_plugins.api (and its submodules):\n" + "\n".join(bad)
+    assert bad == [], "plugins may import only trl_plugins.api and trl_plugins.components:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("stage", [*STAGES, ("advantage", "loss")], ids=lambda s: s if isinstance(s, str) else "+".join(s))
@@ -138,7 +141,8 @@ def test_scaffolded_plugin_imports_only_the_api(stage, tmp_path):
 @pytest.mark.parametrize("statement", [
     "from trl_plugins import Plugin",
     "from trl_plugins.runtime.loss import compute_loss_with_plugins",
-    "from trl_plugins.components.teacher import shared_teacher",
+    "from trl_plugins.testing import make_rollout_context",
+    "from trl_plugins.tasks.arithmetic import verify",
     "import trl_plugins.runtime.head_stats",
     "def f():\n    from trl_plugins.guards.tool_guard import ToolError",
 ])
@@ -147,7 +151,7 @@ def test_the_plugin_check_catches_an_import_outside_the_api(statement):
 
 
 def test_the_plugin_check_accepts_the_api():
-    source = ("from trl_plugins.api import Plugin, hookimpl\nfrom trl_plugins.api.components import shared_teacher\n"
+    source = ("from trl_plugins.api import Plugin, hookimpl\nfrom trl_plugins.components.teacher import shared_teacher\n"
               "import trl_plugins.api.success\nfrom ._length import x\n")
     assert plugin_violations(source, "trl_plugins_builtin.probe") == []
 
@@ -166,10 +170,10 @@ def test_every_module_imports_only_the_layers_below_it():
 
 
 def test_the_api_imports_nothing_but_itself():
-    """Stated separately from the table: no module of ``api/`` (the components' face aside) imports the runtime,
-    the guards, the CLI, the testing kit, the tasks or the components."""
+    """Stated separately from the table: no module of ``api/`` imports the runtime, the guards, the CLI, the
+    testing kit, the tasks or the components."""
     for name, path in framework_modules().items():
-        if name.startswith("trl_plugins.api") and name not in API_FACADES:
+        if name.startswith("trl_plugins.api"):
             outside = {n for n in framework_names(imported_modules(path.read_text(encoding="utf-8"), name,
                                                                    path.name == "__init__.py"))
                        if n.split(".")[1:2] and n.split(".")[1] in SUBPACKAGES - {"api"}}

@@ -1,7 +1,9 @@
-"""The plugin-facing API: everything a plugin module may import, built-in or third party.
+"""The plugin-facing API: what a plugin module may import, built-in or third party, beside the components.
 
-A plugin imports only from ``trl_plugins.api`` and its submodules (``tests/test_layout.py`` enforces it for the
-built-in plugins and the scaffolded template). This package re-exports the core; the rest lives in submodules:
+A plugin imports from ``trl_plugins`` only this package (and its submodules) and :mod:`trl_plugins.components`
+(judges, PRMs, teachers, verifier feedback: a library built on this API); ``tests/test_layout.py`` enforces it
+for the built-in plugins and the scaffolded template. This package re-exports the core; the rest lives in
+submodules:
 
 - :mod:`~trl_plugins.api.plugin` (``Plugin``, ``Moved``), :mod:`~trl_plugins.api.hookspecs` (``hookimpl``, the hook
   specifications), :mod:`~trl_plugins.api.contexts` (the stage contexts), :mod:`~trl_plugins.api.options` and
@@ -10,13 +12,10 @@ built-in plugins and the scaffolded template). This package re-exports the core;
   (the success rule), :mod:`~trl_plugins.api.text`, :mod:`~trl_plugins.api.answers`,
   :mod:`~trl_plugins.api.collectives`, :mod:`~trl_plugins.api.data_checks`, :mod:`~trl_plugins.api.turns`,
   :mod:`~trl_plugins.api.tool_calls`, :mod:`~trl_plugins.api.loss_types`, :mod:`~trl_plugins.api.model_utils`,
-  :mod:`~trl_plugins.api.registry`, :mod:`~trl_plugins.api.services`;
-- :mod:`~trl_plugins.api.components`: the component classes plugins build on (judges, PRMs, teachers, verifier
-  feedback, step helpers), re-exported from :mod:`trl_plugins.components`. It is not imported here (the
-  components themselves build on this package), so import it by name: ``from trl_plugins.api.components import
-  shared_teacher``.
+  :mod:`~trl_plugins.api.registry`, :mod:`~trl_plugins.api.services`.
 
-Nothing in ``trl_plugins.api`` imports the runtime, the guards, the CLI or the testing kit.
+The API is the ground floor: nothing in it imports the runtime, the guards, the components, the CLI, the testing
+kit or the tasks.
 """
 
 from trl_plugins.api.contexts import (
