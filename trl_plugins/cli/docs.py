@@ -33,7 +33,7 @@ ARXIV = re.compile(r"arXiv:(\d{4}\.\d{4,5})(v\d+)?")
 
 def docs_dir() -> Path:
     """The checkout's ``docs/`` when running from a source tree, else ``./docs``."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if (root / "pyproject.toml").is_file() and (root / "trl_plugins").is_dir():
         return root / "docs"
     return Path.cwd() / "docs"
