@@ -16,8 +16,8 @@ is too low), by mixing that target into the advantages. Facts from the official 
 6. ``A'[i,t] = (1 - alpha) A_i + alpha c_i w[i,t]`` (token-level), trained with the usual surrogate.
 
 Mapping onto TRL: steps 3-6 at the advantage stage (one extra no-grad forward; ``lp_tau`` and ``lp_1`` from the
-chunked LM-head statistics of :mod:`trl_plugins.runtime.head_stats`, never the full logits, both from the raw logits as in
-the official code whatever the run's ``temperature``); step 1 from the loss stage (the token-mean of ``-lp`` over
+chunked LM-head statistics of :mod:`trl_plugins.runtime.head_stats`, never the full logits, both from the raw logits as
+in the official code whatever the run's ``temperature``); step 1 from the loss stage (the token-mean of ``-lp`` over
 the micro-steps since the previous generation batch, all processes), measured on TRL's loss log-probs at the run's
 ``temperature``; the official entropy is measured at temperature 1 (equal only when ``temperature = 1``). Correctness is decided on the verifier column
 (``success_column`` above ``success_threshold``; the official code thresholds the total score). Reconstructed: a

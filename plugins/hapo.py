@@ -17,9 +17,9 @@ copied):
    ``fallback_test="padded"`` (default) reproduces that with the padded length ``max_completion_length``;
    ``"real"`` tests the real rows only.
 2. **Entropy normalisation** (loss stage, no gradient, over the valid tokens of the micro-batch, current-policy
-   entropies ``H``): ``l = ln(max(H, 1e-8))`` (core_algos.py:88, 104); ``med`` = the nearest-rank ``entropy_pivot`` quantile of ``l``;
-   ``h = (l - med) / s`` with ``s = sqrt(mean (l - med)^2)``; ``h_hat = h / max(h)`` for ``h > 0`` and
-   ``h / |min(h)|`` for ``h <= 0``, so ``h_hat`` lies in ``[-1, 1]`` (+1 at the highest-entropy token, -1 at the
+   entropies ``H``): ``l = ln(max(H, 1e-8))`` (core_algos.py:88, 104); ``med`` = the nearest-rank ``entropy_pivot``
+   quantile of ``l``; ``h = (l - med) / s`` with ``s = sqrt(mean (l - med)^2)``; ``h_hat = h / max(h)`` for ``h > 0``
+   and ``h / |min(h)|`` for ``h <= 0``, so ``h_hat`` lies in ``[-1, 1]`` (+1 at the highest-entropy token, -1 at the
    lowest). The official code multiplies the non-positive side by ``1 / min(h)`` (a negative number), which makes
    every ``h_hat >= 0`` and sends low-entropy tokens through the high-entropy branches, against the paper's text;
    ``code_sign_compat=True`` reproduces that.
@@ -41,8 +41,8 @@ copied):
    driver; here each process uses the tokens of its own micro-batches [reconstructed]; ``code_sign_compat`` applies
    to the scale of the negative side as in item 2 (the official sampler's scale is negative there too, so it only
    ever raises the temperature). Transformers generation only
-   (:meth:`~trl_plugins.PluginGRPOTrainer.set_token_temperature`, :mod:`trl_plugins.runtime.token_temperature`): vLLM samples
-   every token of a request at one temperature, so ``temperature_tau > 0`` is refused with ``use_vllm=True``.
+   (:meth:`~trl_plugins.PluginGRPOTrainer.set_token_temperature`, :mod:`trl_plugins.runtime.token_temperature`): vLLM
+   samples every token of a request at one temperature, so ``temperature_tau > 0`` is refused with ``use_vllm=True``.
    Log-probs: as in the official code (old log-probs recomputed at the rollout's base temperature), the loss, the
    old log-probs and the importance ratio use the single temperature ``T``; the tokens are treated as samples of
    ``pi_T`` and the small mismatch (``|T_t / T - 1| <= tau``) is not importance-corrected.

@@ -23,10 +23,10 @@ running policy iteration with a clipped surrogate. Facts from the official code 
 
 Mapping onto TRL: the loss hook replaces the surrogate on every on-policy token (off-policy tokens spliced by
 sampling plugins keep their shaped branch). ``ml`` comes from the chunked LM-head statistics of the loss forward
-(:mod:`trl_plugins.runtime.head_stats`; the ``(B, T, V)`` logits are never built), ``ml_old`` from one extra no-grad forward
-at the advantage stage. ``next_value="auto"`` computes ``U`` only when TRL keeps separate old log-probs (the loss can
-run off-policy: ``gradient_accumulation_steps`` not a multiple of ``steps_per_generation * num_iterations``, or vLLM
-importance-sampling correction); otherwise ``U`` is exactly 0, as in the official on-policy path.
+(:mod:`trl_plugins.runtime.head_stats`; the ``(B, T, V)`` logits are never built), ``ml_old`` from one extra no-grad
+forward at the advantage stage. ``next_value="auto"`` computes ``U`` only when TRL keeps separate old log-probs (the
+loss can run off-policy: ``gradient_accumulation_steps`` not a multiple of ``steps_per_generation * num_iterations``, or
+vLLM importance-sampling correction); otherwise ``U`` is exactly 0, as in the official on-policy path.
 """
 
 from __future__ import annotations

@@ -253,7 +253,8 @@ def rule_verdict(item: dict, completion: str) -> bool | None:
 
     An item is rule-checked when one of its ``tags`` starts with ``verifier:rule`` and it names
     ``function:math_verify`` with ``parameters:<answer>`` (the official tags): it is met when the completion's final
-    answer (last ``\\boxed{}``, else last number) equals ``<answer>`` after :func:`~trl_plugins.api.answers.normalize_answer`.
+    answer (last ``\\boxed{}``, else last number) equals ``<answer>`` after
+    :func:`~trl_plugins.api.answers.normalize_answer`.
     """
     tags = [str(t) for t in (item.get("tags") or [])]
     if not any(t.startswith("verifier:rule") for t in tags):

@@ -1,4 +1,5 @@
-"""trl_plugins.api.answers: answer extraction, normalised exact-match clustering, EMPO / TTRL rewards, semantic entropy."""
+"""trl_plugins.api.answers: answer extraction, normalised exact-match clustering, EMPO / TTRL rewards, semantic
+entropy."""
 
 import math
 

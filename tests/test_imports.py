@@ -13,7 +13,8 @@ PACKAGES = {"trl_plugins": REPO / "trl_plugins", "trl_plugins_builtin": REPO / "
 LOADED_TASKS = """
 import importlib, json, sys
 from trl_plugins.runtime.manager import BUILTIN_PACKAGE, builtin_modules
-names = ["trl_plugins.runtime.generation", "trl_plugins.runtime.trainer"] + [f"{BUILTIN_PACKAGE}.{m}" for m in builtin_modules()]
+names = ["trl_plugins.runtime.generation", "trl_plugins.runtime.trainer"]
+names += [f"{BUILTIN_PACKAGE}.{m}" for m in builtin_modules()]
 culprits = []
 for name in names:
     importlib.import_module(name)

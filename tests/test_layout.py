@@ -124,11 +124,13 @@ def framework_modules() -> dict[str, Path]:
 def test_built_in_plugins_import_only_the_plugin_facing_api():
     modules = sorted(PLUGINS.glob("*.py"))
     assert len(modules) > 50
-    bad = [v for p in modules for v in plugin_violations(p.read_text(encoding="utf-8"), f"trl_plugins_builtin.{p.stem}")]
+    bad = [v for p in modules
+           for v in plugin_violations(p.read_text(encoding="utf-8"), f"trl_plugins_builtin.{p.stem}")]
     assert bad == [], "plugins may import only trl_plugins.api and trl_plugins.components:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("stage", [*STAGES, ("advantage", "loss")], ids=lambda s: s if isinstance(s, str) else "+".join(s))
+@pytest.mark.parametrize("stage", [*STAGES, ("advantage", "loss")],
+                         ids=lambda s: s if isinstance(s, str) else "+".join(s))
 def test_scaffolded_plugin_imports_only_the_api(stage, tmp_path):
     root = scaffold("layout_probe", tmp_path / "pkg", stage, check_taken=False)
     plugin = root / "src" / "trl_plugins_layout_probe" / "plugin.py"
@@ -151,7 +153,8 @@ def test_the_plugin_check_catches_an_import_outside_the_api(statement):
 
 
 def test_the_plugin_check_accepts_the_api():
-    source = ("from trl_plugins.api import Plugin, hookimpl\nfrom trl_plugins.components.teacher import shared_teacher\n"
+    source = ("from trl_plugins.api import Plugin, hookimpl\n"
+              "from trl_plugins.components.teacher import shared_teacher\n"
               "import trl_plugins.api.success\nfrom ._length import x\n")
     assert plugin_violations(source, "trl_plugins_builtin.probe") == []
 

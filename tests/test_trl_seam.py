@@ -1,6 +1,6 @@
-"""One seam to TRL's internals: ``trl_plugins/runtime/trl_seam.py`` is the only module of ``trl_plugins/`` and ``plugins/``
-that names a private member of ``trl.GRPOTrainer`` or ``transformers.Trainer``, so a TRL upgrade is a change to that
-file plus the reduction tests.
+"""One seam to TRL's internals: ``trl_plugins/runtime/trl_seam.py`` is the only module of ``trl_plugins/`` and
+``plugins/`` that names a private member of ``trl.GRPOTrainer`` or ``transformers.Trainer``, so a TRL upgrade is a
+change to that file plus the reduction tests.
 
 TRL's private names are found by introspection of the installed TRL (not listed by hand): every single-underscore
 name the classes of ``GRPOTrainer``'s MRO define, plus every single-underscore attribute their source assigns on

@@ -79,9 +79,9 @@ def raise_together(gather: Any, device: torch.device, what: str, error: BaseExce
 class HeldRewardErrors:
     """Reward-function errors of this process, held back while :attr:`holding` until the next framework collective.
 
-    With several processes the trainer holds the errors of the reward guards (:mod:`trl_plugins.guards.rewards_guard`) and
-    of ``RolloutContext.score``: a failing call records its error and returns placeholder zeros, the remaining reward
-    functions of the step return zeros without running, every process reaches the next collective, and
+    With several processes the trainer holds the errors of the reward guards (:mod:`trl_plugins.guards.rewards_guard`)
+    and of ``RolloutContext.score``: a failing call records its error and returns placeholder zeros, the remaining
+    reward functions of the step return zeros without running, every process reaches the next collective, and
     :meth:`gather_with_flag` raises there on every process together. Thread-safe: TRL runs async reward functions
     on its own event-loop thread.
     """

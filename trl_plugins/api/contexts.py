@@ -269,7 +269,8 @@ class RolloutContext(_StageContext):
         self, indices: Sequence[int], completions: Sequence[Any] | None = None, rule: SuccessRule = DEFAULT_RULE
     ) -> torch.Tensor:
         """(len(indices),) bool: which completions succeed under ``rule`` -- decided on the verifier column only
-        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.api.success`."""
+        (default: the first reward function that is not a placeholder, above 0.0); see
+        :mod:`trl_plugins.api.success`."""
         return self.reward_columns(indices, completions).success(rule)
 
     def tokenize_prompts(self, prompts: list) -> list[list[int]]:
@@ -378,7 +379,8 @@ class _VerdictMixin:
 
     def success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
         """(N,) bool: which rows succeed under ``rule``, decided on the verifier column of ``rewards_per_func`` only
-        (default: the first reward function that is not a placeholder, above 0.0); see :mod:`trl_plugins.api.success`."""
+        (default: the first reward function that is not a placeholder, above 0.0); see
+        :mod:`trl_plugins.api.success`."""
         return success_mask(self.rewards_per_func, self._reward_names(), rule, self._placeholders())
 
     def verifier(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
@@ -825,7 +827,8 @@ class RefillContext(_VerdictMixin, _StageContext):
         return self.rewards.view(-1, self.num_generations)
 
     def group_success(self, rule: SuccessRule = DEFAULT_RULE) -> torch.Tensor:
-        """(S, G) bool: which rollouts succeed under ``rule`` (the verifier column; see :mod:`trl_plugins.api.success`)."""
+        """(S, G) bool: which rollouts succeed under ``rule`` (the verifier column; see
+        :mod:`trl_plugins.api.success`)."""
         return self.success(rule).view(-1, self.num_generations)
 
     def reject(self, groups: Sequence[int] | torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """Checks of the columns plugins read, at configure (the dataset itself: :mod:`trl_plugins.guards.dataset_guard`).
 
-:func:`check_column_filled` is for plugins: a column the method depends on that is empty in *every* row (None, blank text, empty list) defeats the method and is
-refused; empty in *some* rows is a warning with the count and the first such row. Datasets without ``column_names``
-or without a length (streaming ``IterableDataset``) are not checked.
+:func:`check_column_filled` is for plugins: a column the method depends on that is empty in *every* row (None, blank
+text, empty list) defeats the method and is refused; empty in *some* rows is a warning with the count and the first such
+row. Datasets without ``column_names`` or without a length (streaming ``IterableDataset``) are not checked.
 """
 
 from __future__ import annotations

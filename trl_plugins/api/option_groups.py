@@ -22,9 +22,9 @@ __all__ = ["OffPolicyOptions", "WarmupOptions", "check_offpolicy_gamma"]
 def check_offpolicy_gamma(plugin: str, gamma: float, args: Any) -> None:
     """Refuse (at construction) a plugin whose shaping gamma differs from the run's ``offpolicy_shaping_gamma``.
 
-    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss (:func:`~trl_plugins.runtime.loss_rules.shaped_offpolicy_loss`)
-    is shared by every plugin of a run, so a plugin's documented gamma (LUFFY: 0.1) is a check on the run setting,
-    not a second knob.
+    The shaped off-policy branch ``-A p/(p+gamma)`` of the loss
+    (:func:`~trl_plugins.runtime.loss_rules.shaped_offpolicy_loss`) is shared by every plugin of a run, so a plugin's
+    documented gamma (LUFFY: 0.1) is a check on the run setting, not a second knob.
     """
     run_gamma = getattr(args, "offpolicy_shaping_gamma", 0.1)
     if not math.isclose(float(run_gamma), float(gamma)):

@@ -41,8 +41,8 @@ def check_template(plugin: str, option: str, template: Any, fields: tuple[str, .
     ``ValueError`` mid-run, or a template that silently leaves out what it must carry.
 
     ``fields``: the ``{names}`` the plugin fills in; ``required`` (default: all of them) must each appear. Refused
-    (a :class:`~trl_plugins.api.errors.PluginConfigError` naming plugin, option, value and the allowed fields): text that
-    is not a template (unbalanced braces), a field the plugin does not fill (``{questoin}``), a positional ``{}``,
+    (a :class:`~trl_plugins.api.errors.PluginConfigError` naming plugin, option, value and the allowed fields): text
+    that is not a template (unbalanced braces), a field the plugin does not fill (``{questoin}``), a positional ``{}``,
     attribute or index access (``{answer.upper}``, ``{answer[0]}``), a nested field in a format spec, and a missing
     required field.
     """

@@ -1,10 +1,11 @@
 """Tool calls as data: gold traces read from a dataset column, call arguments and values in comparable form.
 
 Shared by the plugins that compare a rollout's tool calls with gold calls (``funrl``'s exact match, ``matchtir``'s
-bipartite matching). Predicted calls come from TRL's parsed messages (see :class:`~trl_plugins.api.turns.TurnStructure`'s
-``tool_calls``: ``[{"name", "arguments"}]`` per assistant turn); gold calls from a dataset column holding a JSON list
-(or a list) of ``{"name": ..., "arguments": {...}}`` -- the bundled tool environment's ``gold_calls``
-(:func:`trl_plugins.tasks.tools.make_tool_dataset`). ``"parameters"`` is accepted for ``"arguments"``.
+bipartite matching). Predicted calls come from TRL's parsed messages (see
+:class:`~trl_plugins.api.turns.TurnStructure`'s ``tool_calls``: ``[{"name", "arguments"}]`` per assistant turn); gold
+calls from a dataset column holding a JSON list (or a list) of ``{"name": ..., "arguments": {...}}`` -- the bundled tool
+environment's ``gold_calls`` (:func:`trl_plugins.tasks.tools.make_tool_dataset`). ``"parameters"`` is accepted for
+``"arguments"``.
 """
 
 from __future__ import annotations

@@ -436,8 +436,9 @@ def hooks_page() -> str:
     from trl_plugins.api import contexts, hookspecs, services
 
     lines = [GENERATED, "", "# Hooks and stage contexts", "",
-             "The reference of `trl_plugins/api/hookspecs.py` and `trl_plugins/api/contexts.py` (their docstrings). A guide: "
-             "[writing-a-plugin.md](writing-a-plugin.md).", "", _fenced(inspect.cleandoc(hookspecs.__doc__ or "")), ""]
+             "The reference of `trl_plugins/api/hookspecs.py` and `trl_plugins/api/contexts.py` (their docstrings). "
+             "A guide: [writing-a-plugin.md](writing-a-plugin.md).", "",
+             _fenced(inspect.cleandoc(hookspecs.__doc__ or "")), ""]
     for stage in ("lifecycle",) + hookspecs.STAGE_ORDER:
         hooks = [h for h, s in hookspecs.HOOK_STAGES.items() if s == stage]
         if not hooks:

@@ -301,7 +301,8 @@ def _main(argv: list[str] | None) -> int:
     model, tokenizer = load_model(model_args, training_args)
     uses_tools = any(v is not None for v in agent.values())
     if uses_tools and (model_args.model_name_or_path or "builtin:tiny").startswith("builtin:"):
-        from trl_plugins.tasks.tools import enable_tool_calling  # the built-in models ship no tool-calling chat template
+        # the built-in models ship no tool-calling chat template
+        from trl_plugins.tasks.tools import enable_tool_calling
 
         if tokenizer is None:  # builtin:smollm2 is loaded by path; its tokenizer gets the template here
             from transformers import AutoTokenizer

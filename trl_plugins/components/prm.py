@@ -53,7 +53,13 @@ from trl_plugins.api.text import completion_text
 from trl_plugins.api.errors import PluginConfigError
 from trl_plugins.api.options import option
 from trl_plugins.api.registry import Registry
-from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env, endpoint_options
+from trl_plugins.components.client import (
+    EndpointConfig,
+    EndpointError,
+    OpenAICompatibleClient,
+    api_key_from_env,
+    endpoint_options,
+)
 from trl_plugins.components.local_server import QUESTION_ROWS
 from trl_plugins.components.steps import StepSpan, first_error, question_text, split_steps
 

@@ -32,7 +32,8 @@ class PluginGRPOConfig(GRPOConfig):
     One default differs from GRPOConfig's on a CPU (``use_cpu=True`` or no GPU): when ``bf16`` is not set and the
     CPU has no AMX bf16 units, ``bf16=False`` (bf16 autocast brings no speed there and TRL's default would stop a
     GPU-less machine); ``bf16=True`` set by hand on such a CPU gives a
-    :class:`~trl_plugins.runtime.precision.SlowCpuPrecisionWarning` with the measured cost. See :mod:`trl_plugins.runtime.precision`.
+    :class:`~trl_plugins.runtime.precision.SlowCpuPrecisionWarning` with the measured cost. See
+    :mod:`trl_plugins.runtime.precision`.
 
     Parameters:
         plugins (`list[str]`): plugins to enable, in the order their hooks chain within each stage.

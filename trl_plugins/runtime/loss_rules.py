@@ -3,8 +3,8 @@
 This module is the one home of the rules that turn per-token log-probs into the micro-batch loss when plugins
 take part: TRL 1.16's surrogate per ``loss_type`` (``GRPOTrainer._compute_loss``, same operations in the same
 order, so that neutral plugins reproduce TRL bit for bit), the shaped off-policy branch, how plugin contributions
-combine, and the aggregation per ``loss_type``. :mod:`trl_plugins.runtime.loss` (the trainer's loss path) and the testing
-kit (:func:`trl_plugins.testing.make_loss_context`, :func:`trl_plugins.testing.loss_from_context`) call them.
+combine, and the aggregation per ``loss_type``. :mod:`trl_plugins.runtime.loss` (the trainer's loss path) and the
+testing kit (:func:`trl_plugins.testing.make_loss_context`, :func:`trl_plugins.testing.loss_from_context`) call them.
 
 Order of a micro-batch (B rows, T completion positions; steps marked + are ours, the rest is TRL's):
 

@@ -9,8 +9,8 @@ Accepted forms (YAML, command line or Python):
   string (``--plugin_config '{"lp_reg": {"kappa": 0.05}}'``).
 
 Anything else (a number where options belong, a list of options, a non-string plugin name, JSON that does not parse,
-the same plugin's options given twice) is a :class:`~trl_plugins.api.errors.PluginConfigError` naming the setting, the bad
-value and the expected shape.
+the same plugin's options given twice) is a :class:`~trl_plugins.api.errors.PluginConfigError` naming the setting, the
+bad value and the expected shape.
 """
 
 from __future__ import annotations

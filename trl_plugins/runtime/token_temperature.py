@@ -81,9 +81,9 @@ def token_temperature_generation(trainer: Any, rule: TemperatureRule) -> Iterato
     """Within the block, TRL's transformers ``generate`` samples with ``rule``'s per-token temperatures.
 
     The taken-over settings are neutral in TRL's generation config and kwargs
-    (:func:`~trl_plugins.runtime.generation.transformers_generation_settings`), and the model's ``generate`` gets the processor
-    as ``logits_processor`` (set on the unwrapped model instance for the block, removed after). Greedy decoding
-    (``do_sample=False``) is left alone: a per-row temperature does not move an argmax.
+    (:func:`~trl_plugins.runtime.generation.transformers_generation_settings`), and the model's ``generate`` gets the
+    processor as ``logits_processor`` (set on the unwrapped model instance for the block, removed after). Greedy
+    decoding (``do_sample=False``) is left alone: a per-row temperature does not move an argmax.
     """
     config = trainer.generation_config
     if not getattr(config, "do_sample", True):

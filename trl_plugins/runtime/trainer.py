@@ -447,9 +447,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         return turns
 
     def tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
-        """TRL's tool loop with every tool call guarded (:mod:`trl_plugins.guards.tool_guard`): the model's bad calls go back
-        to it as TRL does; a tool that raises, hangs or returns garbage is retried and, failing every attempt, stops
-        every process together with an error naming the tool and the row."""
+        """TRL's tool loop with every tool call guarded (:mod:`trl_plugins.guards.tool_guard`): the model's bad calls go
+        back to it as TRL does; a tool that raises, hangs or returns garbage is retried and, failing every attempt,
+        stops every process together with an error naming the tool and the row."""
         B = len(prompts)
         start = self.accelerator.process_index * B
         guard = self._tool_guard
@@ -801,8 +801,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def save_checkpoint(self, model, trial):
         # Plugin state first, written atomically; transformers writes trainer_state.json last, which marks the folder
-        # complete (trl_plugins/runtime/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
-        # skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
+        # complete (trl_plugins/runtime/checkpoints.py): a run killed at any point of the save leaves a folder that
+        # resuming skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
         if self.args.should_save:
             folder = self.checkpoint_folder(trial)
             mark_incomplete(folder)

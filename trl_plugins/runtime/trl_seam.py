@@ -6,8 +6,8 @@ generation service calls TRL's generation backend, plugin metrics join TRL's ``_
 here and nowhere else, so a TRL upgrade is a change to this file plus a run of the reduction tests
 (``tests/test_reduction.py`` and every plugin's neutral-setting check); ``tests/test_trl_seam.py`` fails when any
 other module of ``trl_plugins/`` or ``plugins/`` names a private member of ``trl.GRPOTrainer`` or
-``transformers.Trainer``. (The loss path, :mod:`trl_plugins.runtime.loss`, re-implements TRL's ``_compute_loss`` through the
-public names below; the reduction tests check it against TRL's own.)
+``transformers.Trainer``. (The loss path, :mod:`trl_plugins.runtime.loss`, re-implements TRL's ``_compute_loss`` through
+the public names below; the reduction tests check it against TRL's own.)
 
 Three parts:
 
