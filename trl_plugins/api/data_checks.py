@@ -15,6 +15,7 @@ from trl_plugins.api.errors import PluginConfigError
 
 
 def dataset_columns(dataset: Any) -> list[str] | None:
+    """The column names of a dataset (of a ``DatasetDict``'s first split); None when it has none."""
     columns = getattr(dataset, "column_names", None)
     if isinstance(columns, dict):  # DatasetDict
         columns = next(iter(columns.values()), None)
@@ -22,6 +23,7 @@ def dataset_columns(dataset: Any) -> list[str] | None:
 
 
 def is_sized(dataset: Any) -> bool:
+    """Whether the dataset has a length (a streaming ``IterableDataset`` has none)."""
     try:
         len(dataset)
     except TypeError:

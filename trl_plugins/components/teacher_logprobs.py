@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from trl_plugins.api.errors import PluginConfigError
+from trl_plugins.api.model_utils import prompt_completion_batch
 from trl_plugins.components.client import EndpointError
 
 __all__ = [
@@ -90,8 +91,6 @@ def hf_completion_logprobs(
     Rows are batched in TRL's layout (:func:`~trl_plugins.api.model_utils.prompt_completion_batch`). Returns one
     (len(completion_ids[i]),) float32 CPU tensor per row (an empty completion gives an empty tensor).
     """
-    from trl_plugins.api.model_utils import prompt_completion_batch
-
     out: list[torch.Tensor] = []
     device = next(model.parameters()).device
     was_training = model.training
