@@ -4,7 +4,7 @@ Task: the bundled chained-arithmetic task at the demo's levels (1, 2), with the 
 (settings pinned in ``bench_common.BENCH_SETTINGS``): its sampled pass rate at temperature 1 is about 15 % (greedy
 held-out accuracy about 23 %). Training: ``PluginGRPOTrainer`` with the demo's GRPO settings (G=8, 64 completions
 per step, lr 5e-5, constant schedule, beta 0, at most 40 completion tokens) and the exact verifier
-``accuracy_reward``; "grpo" is the same trainer with no plugins (identical to ``trl.GRPOTrainer``, ``tests/test_reduction.py``).
+``accuracy_reward``; "grpo" is the same trainer with no plugins (identical to ``trl.GRPOTrainer``, ``tests/runtime/test_reduction.py``).
 Plugin options and GRPOConfig fields per method: ``bench_common.PLUGIN_SETTINGS`` (overridden by
 ``LEARNING_SETTINGS`` below); they are each paper's recommended settings where the task allows.
 

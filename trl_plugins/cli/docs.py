@@ -12,7 +12,7 @@ Writes, under the checkout's ``docs/`` (or ``--out``):
 * ``configuration.md``: every field, command-line option and environment variable trl-plugins adds, and every
   plugin option.
 
-``--check`` writes nothing and exits 1 when a page is missing, different or stale (``tests/test_docs.py`` does
+``--check`` writes nothing and exits 1 when a page is missing, different or stale (``tests/cli/test_docs.py`` does
 the same in memory), so the pages never drift from the code: regenerate them whenever a plugin, a hook spec
 or a context changes.
 """

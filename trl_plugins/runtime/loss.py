@@ -3,7 +3,7 @@
 Used instead of TRL's method only when a stack has loss hooks or sampling hooks (which may inject off-policy
 tokens); with no plugins the trainer calls TRL's own method. With no loss contribution and no off-policy
 tokens this function reproduces TRL's loss and gradients bit for bit, for every loss type (checked by
-``tests/test_reduction.py`` and ``tests/test_loss_stage.py``). The formulas live in
+``tests/runtime/test_reduction.py`` and ``tests/runtime/test_loss_stage.py``). The formulas live in
 :mod:`trl_plugins.runtime.loss_rules`; this module runs the forward, calls the hooks and TRL's helpers, and logs TRL's
 metrics, reaching TRL's private state only through the public accessors of :mod:`trl_plugins.runtime.trl_seam`
 (``per_token_logps_and_entropies``, ``micro_step``, ``entropy_bonus``, ``record_metric``). Order of operations (TRL's,

@@ -1,9 +1,9 @@
 """``PluginGRPOTrainer``: TRL's ``GRPOTrainer`` with the plugin stages wired in.
 
 The trainer names no private member of TRL: it subclasses :class:`~trl_plugins.runtime.trl_seam.TrlSeamTrainer`, the one
-module that does (``tests/test_trl_seam.py`` checks it), and overrides the seam's public override points, reaching
+module that does (``tests/runtime/test_trl_seam.py`` checks it), and overrides the seam's public override points, reaching
 TRL's own code with ``super()``. With no plugins enabled every override defers to TRL's method, so the trainer is
-identical to ``trl.GRPOTrainer`` (``tests/test_reduction.py``).
+identical to ``trl.GRPOTrainer`` (``tests/runtime/test_reduction.py``).
 
 Where each stage runs inside TRL 1.16's ``_generate_and_score_completions`` (override point in brackets):
 

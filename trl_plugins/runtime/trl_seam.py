@@ -4,7 +4,7 @@ TRL keeps GRPO's pipeline in private methods and its bookkeeping in private attr
 the plugin stages run inside ``_generate_and_score_completions``, the plugin loss replaces ``_compute_loss``, the
 generation service calls TRL's generation backend, plugin metrics join TRL's ``_metrics``. Every such contact is made
 here and nowhere else, so a TRL upgrade is a change to this file plus a run of the reduction tests
-(``tests/test_reduction.py`` and every plugin's neutral-setting check); ``tests/test_trl_seam.py`` fails when any
+(``tests/runtime/test_reduction.py`` and every plugin's neutral-setting check); ``tests/runtime/test_trl_seam.py`` fails when any
 other module of ``trl_plugins/`` or ``plugins/`` names a private member of ``trl.GRPOTrainer`` or
 ``transformers.Trainer``. (The loss path, :mod:`trl_plugins.runtime.loss`, re-implements TRL's ``_compute_loss`` through
 the public names below; the reduction tests check it against TRL's own.)
@@ -33,7 +33,7 @@ Three parts:
 * the **accessors** of TRL's private state and helpers, each a public, documented method or property of
   :class:`TrlSeamTrainer` (``record_metric``, ``per_token_logps_and_entropies``, ``sample_completions``, ...): the
   trainer, the refill stage, the generation service, the reference policy, the loss path and the policy probe use
-  these. (``OVERRIDE_POINTS`` and ``ACCESSORS`` name them all; ``tests/test_trl_seam.py`` checks that none of them
+  these. (``OVERRIDE_POINTS`` and ``ACCESSORS`` name them all; ``tests/runtime/test_trl_seam.py`` checks that none of them
   shadows a member of TRL's own.)
 * :func:`replace_trl_method`: how the testing kit replaces one of TRL's methods on one trainer instance, on any
   ``GRPOTrainer`` (vanilla included): scripted generation backends, recorded runs.

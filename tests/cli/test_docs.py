@@ -11,7 +11,7 @@ import pytest
 from trl_plugins.api import hookspecs
 from trl_plugins.cli.docs import GENERATED, builtin_plugins, check, main, render_all, write
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 GUIDE = DOCS / "writing-a-plugin.md"
 ARXIV_ID = re.compile(r"arXiv:\d{4}\.\d{4,5}")

@@ -26,7 +26,7 @@ from transformers import Trainer
 from trl_plugins.runtime import trl_seam
 from trl_plugins.runtime.trainer import PluginGRPOTrainer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SEAM = Path("trl_plugins/runtime/trl_seam.py")
 SCANNED = ("trl_plugins", "plugins")
 GETATTR_FAMILY = ("getattr", "setattr", "hasattr", "delattr")

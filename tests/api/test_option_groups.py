@@ -16,7 +16,7 @@ from trl_plugins.components.client import ENDPOINT_FIELDS, EndpointOptions, endp
 from trl_plugins.runtime.manager import BUILTIN_PACKAGE, builtin_modules
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 
-PLUGINS_DIR = Path(__file__).resolve().parents[1] / "plugins"
+PLUGINS_DIR = Path(__file__).resolve().parents[2] / "plugins"
 #: Being split into one plugin per paper in another change (issue 25, deliverable 2): checked once that lands.
 PENDING_SPLIT = {"length_shaping", "hint_scaffold"}
 
