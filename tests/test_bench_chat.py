@@ -126,3 +126,22 @@ def test_guidance_methods_get_the_columns_they_read():
         for key in ("solution_column", "demonstration_column", "problem_column"):
             assert opts.get(key, "solution" if key != "problem_column" else "problem") in row
     assert bc.method_settings("scope")[1]["scope"]["min_prefix_steps"] == 0
+
+
+def test_runs_cut_short_by_the_deadline_are_listed_but_never_averaged_in(tmp_path):
+    """The committed GPU table (docs/benchmarks/learning_smollm2_chat.json) holds 7 runs cut by --max-minutes:
+    re-rendered, its rows average only the runs that spent their whole budget."""
+    source = json.loads((ROOT / "docs" / "benchmarks" / "learning_smollm2_chat.json").read_text())
+    cut = {(r["method"], r["seed"]) for r in source["runs"] if r.get("truncated")}
+    assert cut, "the committed table is expected to hold cut-short runs"
+    proc = _run(["--from-json", str(ROOT / "docs" / "benchmarks" / "learning_smollm2_chat.json"),
+                 "--out-dir", str(tmp_path)], timeout=300)
+    assert proc.returncode == (1 if source["failed"] else 0), proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "learning_smollm2_chat.json").read_text())
+    finished = [r for r in result["runs"] if not r.get("truncated")]
+    table = (tmp_path / "learning_smollm2_chat.md").read_text()
+    assert f"{len(finished)} finished runs" in table and "left out of the table" in table
+    for row in result["summary"]:
+        seeds = sum(1 for r in finished if r["method"] == row["method"])
+        assert f"| {row['method']} |" in table
+        assert any(line.startswith(f"| {row['method']} |") and f"/{seeds} |" in line for line in table.splitlines())
