@@ -4,7 +4,10 @@ The simplest length penalty is truncation: a response longer than the cap (or cu
 ``max_completion_length``) gets **zero reward** on every reward column (NaN, "not applicable", stays NaN). The rest of
 DLER's recipe is not in this plugin: batch-level reward normalisation and the higher clip are GRPOConfig settings
 (``scale_rewards="batch"``, ``epsilon_high``); DAPO's dynamic sampling (drop groups with zero reward variance and
-refill the batch) is the ``dynamic_sampling`` plugin -- without it such groups simply get zero advantage.
+refill the batch) is the ``dynamic_sampling`` plugin -- without it such groups simply get zero advantage. Stacked,
+``dynamic_sampling`` judges the rewards *before* DLER's truncation (the refill stage runs before the reward-stage
+transforms and sees no completion lengths), so a group whose only correct answers are truncated (all 0 afterwards) is
+kept with zero advantage where DLER's recipe would drop and resample it [not reproduced].
 
 **Difficulty-aware DLER** (``difficulty_aware=true``) tightens the cap on easy prompts:
 ``cap_g = max(min_cap, round(cap (1 - shrink acc_g)))`` with ``acc_g`` the group's accuracy on the correctness column
