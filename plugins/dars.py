@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins import OfficialSource
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
 from trl_plugins.success import SuccessOptions
 from trl_plugins.reasons import REFILLS_GROUPS
@@ -129,6 +130,12 @@ class DarsPlugin(Plugin):
     paper = "DARS / DARS-B (Depth-Breadth Synergy in RLVR), arXiv:2508.13755"
     summary = "Extra groups of rollouts for low-accuracy prompts (ET / HW schedule); pooled R - mean advantages."
     Options = DarsOptions
+    official = OfficialSource(
+        "yangzhch6/DARS", "9b21b71", verdict="faithful",
+        files=("verl/verl/trainer/ppo/ray_dars_trainer.py",),
+        note="A fixed-size batch: prompts whose full extra rollouts find no slot leave the batch (evicted_prompts); "
+        "the official batch grows.",
+    )
     replaces = ("the advantages",)
     conflicts_with = {
         "dynamic_sampling": (

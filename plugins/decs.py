@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins import OfficialSource
 from trl_plugins import AdvantageContext, Plugin, PluginError, RefillContext, RewardContext, hookimpl, option
 from trl_plugins.success import SuccessRule
 from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS, REFILLS_GROUPS
@@ -277,6 +278,12 @@ class DecsPlugin(Plugin):
     summary = ("Penalises only the tokens after the first correct answer (per-position advantages), with a curriculum "
                "over all-correct groups.")
     Options = DecsOptions
+    official = OfficialSource(
+        "pixas/DECS", "0d12e53", verdict="faithful",
+        files=("src_valid/reward_manager.py", "src_valid/valid_ray_trainer.py"),
+        note="The chunk judge is a rule (the reference answer in the chunk); officially a fine-tuned 1.5B judge.",
+        variants=("think_end", "merge_single_line", "curriculum_drop"),
+    )
     claim_metric = ("redundant_fraction", "correct responses with a redundant tail")
     reconstructed = (
         "the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",

@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from trl_plugins import OfficialSource
 from trl_plugins import Plugin, RewardContext, hookimpl, option
 from trl_plugins.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
@@ -74,6 +75,11 @@ class DlerPlugin(Plugin):
              "arXiv:2510.15110")
     summary = "Zero reward past a length cap (truncation penalty), tighter caps on easy prompts when difficulty-aware."
     Options = DlerOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found: the truncation penalty follows the paper; the difficulty-aware cap (shrink, "
+        "floor) is reconstructed; the recipe's dynamic sampling of truncated groups is not reproduced.",
+    )
     claim_metric = ("truncated_fraction", "responses zeroed by the cap")
     reconstructed = ("difficulty_aware: cap * (1 - shrink * group accuracy), shrink=0.5, floor min_cap",)
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins import OfficialSource
 from trl_plugins import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.reasons import ENTROPY_PICK_ONE
 
@@ -116,6 +117,10 @@ class LpRegPlugin(Plugin):
     )
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
+    official = OfficialSource(
+        "CarlanLark/Lp-Reg-dev", "33b27e2", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py", "verl/workers/actor/dp_actor.py"),
+    )
     claim_metric = ("regularised_token_fraction", "tokens regularised")
     replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)
     needs_head_stats = True

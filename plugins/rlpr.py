@@ -57,6 +57,7 @@ from typing import Any, Literal
 
 import torch
 
+from trl_plugins import OfficialSource
 from trl_plugins import (
     AdvantageContext,
     Plugin,
@@ -245,6 +246,13 @@ class RlprPlugin(Plugin):
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"
     summary = "Verifier-free reward: the policy's mean probability of the reference answer after its own reasoning."
     Options = RlprOptions
+    official = OfficialSource(
+        "sharkchill-xy/DPPR", "76b76f3", verdict="faithful",
+        files=("verl/trainer/ppo/ray_trainer.py", "verl/workers/reward_manager/prob.py"),
+        note="OpenBMB/RLPR was not reachable; DPPR is derived from it (near-official). The official 0.1-weighted "
+        "format score is not included (add a format reward).",
+        variants=("baseline", "filter_drop", "threshold_uses_current_batch"),
+    )
     claim_metric = ("answer_probability", "reference-answer probability")
     replaces = ("the correctness reward (reference-answer probability column)",)
     conflicts_with = ("empo",)

@@ -21,6 +21,7 @@ from .errors import (
 from .hookspecs import hookimpl
 from .manager import available_plugins, build_plugins, register_plugin, unregister_plugin
 from .options import PluginOptions, option
+from .faithfulness import OfficialSource
 from .plugin import Moved, Plugin
 from .services import RunInfo, StageServices
 from .tool_guard import ToolError, ToolInputError
@@ -48,6 +49,7 @@ __all__ = [
     "LossContext",
     "ModelNotFoundError",
     "Moved",
+    "OfficialSource",
     "Plugin",
     "PluginConfigError",
     "PluginError",
