@@ -156,7 +156,7 @@ class ClipCovPlugin(Plugin):
     official = OfficialSource(
         "PRIME-RL/Entropy-Mechanism-of-RL", "8850579", verdict="faithful",
         files=("verl/trainer/ppo/core_algos.py",),
-        note="Selection per TRL micro-batch (scope); TRL's clip range unless set (the recipe's 1.0 / 9.0).",
+        note="Selection per TRL micro-batch (scope); TRL's clip range unless set (the recipe's epsilon is 1).",
     )
     claim_metric = ("clipped_token_fraction", "tokens clipped")
     conflicts_with = ("lp_reg", "kl_cov", "siren")

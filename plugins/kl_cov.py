@@ -119,7 +119,7 @@ class KlCovPlugin(Plugin):
     official = OfficialSource(
         "PRIME-RL/Entropy-Mechanism-of-RL", "8850579", verdict="faithful",
         files=("verl/trainer/ppo/core_algos.py",),
-        note="Selection per TRL micro-batch (scope).",
+        note="Selection per TRL micro-batch (scope); on-policy (num_iterations=1) the KL penalty is exactly 0 (warned).",
     )
     claim_metric = ("selected_token_fraction", "tokens penalised")
     replaces = ("the base surrogate on on-policy tokens (unclipped -A r plus the KL penalty)",)

@@ -120,6 +120,7 @@ class LpRegPlugin(Plugin):
     official = OfficialSource(
         "CarlanLark/Lp-Reg-dev", "33b27e2", verdict="faithful",
         files=("verl/trainer/ppo/core_algos.py", "verl/workers/actor/dp_actor.py"),
+        note="TRL's clip range unless set (the recipe's 1.0 / 9.0); selection per TRL micro-batch (selection_scope).",
     )
     claim_metric = ("regularised_token_fraction", "tokens regularised")
     replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)

@@ -92,3 +92,10 @@ def test_the_plugin_page_names_the_official_code(plugins):
     pages = render_all()
     assert "| Official code | `yangzhch6/DARS@9b21b71` (faithful with documented options;" in pages["plugins/dars.md"]
     assert "| Official code | `no official code reachable` (reconstructed;" in pages["plugins/dler.md"]
+
+
+def test_show_names_the_official_code():
+    from trl_plugins.cli import describe_plugin
+
+    assert "Official code: pixas/DECS@0d12e53 (faithful with documented options)" in describe_plugin("decs")
+    assert "Official code: no official code reachable (reconstructed)" in describe_plugin("salt")
