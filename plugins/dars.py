@@ -127,6 +127,7 @@ class DarsPlugin(Plugin):
     claim_metric = ("extra_groups", "extra rollout groups spent on hard prompts")
     overwrites = ("advantages",)  # pooled R - mean over the prompt's enlarged group, from the rewards
     name = "dars"
+    version = "0.2.0"
     paper = "DARS / DARS-B (Depth-Breadth Synergy in RLVR), arXiv:2508.13755"
     summary = "Extra groups of rollouts for low-accuracy prompts (ET / HW schedule); pooled R - mean advantages."
     Options = DarsOptions

@@ -86,7 +86,7 @@ class DlerPlugin(Plugin):
 
     name = "dler"
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
-    version = "0.1.0"
+    version = "0.2.0"
     paper = ("DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via Reinforcement Learning, "
              "arXiv:2510.15110")
     summary = "Zero reward past a length cap (truncation penalty), tighter caps on easy prompts when difficulty-aware."

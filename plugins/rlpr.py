@@ -242,7 +242,7 @@ class RlprPlugin(Plugin):
 
     name = "rlpr"
     multi_turn = True
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"
     summary = "Verifier-free reward: the policy's mean probability of the reference answer after its own reasoning."
     Options = RlprOptions
