@@ -218,7 +218,7 @@ class LaserPlugin(Plugin):
     Options = LaserOptions
     official = OfficialSource(
         "hkust-nlp/Laser", "c9e7c4e", verdict="faithful",
-        files=("verl/utils/reward_score/length_penalty.py", "count_length_distribution.py"),
+        files=("verl/utils/reward_score/length_penalty.py", "verl/utils/reward_score/count_length_distribution.py"),
         variants=("target_estimator", "explore_gate"),
     )
     claim_metric = ("bonus", "length bonus")

@@ -215,9 +215,8 @@ class ReplayPlugin(Plugin):
     Options = ReplayOptions
     official = OfficialSource(
         "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
-        files=("ray_trainer_hybrid.py", "dp_actor.py"),
-        note="The SPEAR parts; RAPO (FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its "
-        "parts are reconstructed.",
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py); RAPO "
+        "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
     )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
