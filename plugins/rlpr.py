@@ -60,6 +60,7 @@ import torch
 from trl_plugins import OfficialSource
 from trl_plugins import (
     AdvantageContext,
+    IncompatiblePluginsError,
     Plugin,
     PluginConfigError,
     PluginOptions,
@@ -168,6 +169,18 @@ def group_std(values: torch.Tensor, group_size: int) -> torch.Tensor:
     sq = torch.where(valid, (v - mean.unsqueeze(1)) ** 2, 0).sum(1)
     std = torch.sqrt(sq / (n - 1).clamp(min=1))
     return torch.where(n >= 2, std, torch.zeros_like(std))
+
+
+def _sharded_engine(trainer: Any) -> str | None:
+    """"FSDP" or "ZeRO-3" when the run shards the policy over several processes (a forward is a collective), else
+    None."""
+    accelerator = getattr(trainer, "accelerator", None)
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        return None
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP"
+    deepspeed = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return "ZeRO-3" if getattr(deepspeed, "zero_stage", None) == 3 else None
 
 
 def _finite_mean(values: torch.Tensor) -> float:
@@ -283,6 +296,14 @@ class RlprPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        engine = _sharded_engine(trainer)
+        if self._refills() and engine is not None:
+            raise IncompatiblePluginsError(
+                f"rlpr: filter_drop='refill' is not supported under {engine} with several processes: the refill stage "
+                "scores the regenerated rows on the processes that hold them, and the rlpr reward runs a policy "
+                "forward there, which is a collective under sharded engines (the processes would not all join it). "
+                "Use filter_drop='zero_advantage' (or std_filter=false)."
+            )
         # the reward function runs inside TRL's reward call, outside any stage context: it keeps the run's services
         self.services = trainer.plugin_services
         self.dataset = getattr(trainer, "train_dataset", None)  # scanned once for the initial-policy baselines

@@ -4,12 +4,13 @@ The reward is checked exactly against a direct forward of the tiny policy; the f
 AdvantageContext; the neutral setting (weight 0, no filter) reproduces trl.GRPOTrainer; a short run trains."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.testing import (
     build_stack,
     digit_fraction_reward,
@@ -267,6 +268,27 @@ def test_filter_off_or_zero_advantage_does_not_refill():
         assert not plugin.hook_enabled("trl_plugins_reject_groups") and plugin.multi_turn_refusal() is None
     with pytest.raises(PluginConfigError, match="filter_drop"):
         build_plugins(["rlpr"], {"rlpr": {"filter_drop": "drop"}})
+
+
+@pytest.mark.parametrize("engine, attributes", [
+    ("FSDP", {"is_fsdp_enabled": True}),
+    ("ZeRO-3", {"state": SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))}),
+])
+def test_refill_is_refused_under_sharded_engines_with_several_processes(engine, attributes):
+    """The refill stage scores regenerated rows only where they are; the rlpr reward's policy forward would then be a
+    collective not every process joins."""
+    from trl_plugins.testing import stub_trainer, tiny_config
+
+    def trainer(processes, **extra):
+        accelerator = SimpleNamespace(num_processes=processes, process_index=0, is_main_process=True,
+                                      device=torch.device("cpu"), **{k: v for k, v in attributes.items() if k == "state"})
+        fsdp = {k: v for k, v in attributes.items() if k != "state"}
+        return stub_trainer(tiny_config("/tmp/rlpr-engine"), accelerator=accelerator, **fsdp, **extra)
+
+    with pytest.raises(IncompatiblePluginsError, match=f"filter_drop='refill' is not supported under {engine}"):
+        build_stack("rlpr", trainer=trainer(2))
+    build_stack("rlpr", {"rlpr": ZERO}, trainer=trainer(2))  # no refill: accepted
+    build_stack("rlpr", trainer=trainer(1))  # one process: accepted
 
 
 def test_schedule_options_validated():
