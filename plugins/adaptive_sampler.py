@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, PluginError, RewardContext, hookimpl, option
 from trl_plugins.api.text import completion_text
 from trl_plugins.api.success import SuccessOptions
@@ -234,6 +235,12 @@ class AdaptiveSamplerPlugin(Plugin):
     )
     summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
     Options = AdaptiveSamplerOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official training code of MMR1's variance-aware sampling was found; compared with the paper's "
+        "abstract and summaries: the mix of variance and diversity, the priors, the history decay and the pruning are "
+        "reconstructed.",
+    )
     claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
     reconstructed = (

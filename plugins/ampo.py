@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
 from trl_plugins.components.teacher import shared_teacher
@@ -240,6 +241,12 @@ class AmpoPlugin(Plugin):
     paper = "More Than One Teacher: Adaptive Multi-Guidance Policy Optimization for Diverse Exploration, arXiv:2510.02227"
     summary = "Failing groups get teacher solutions (several teachers), the ones the policy finds likeliest, off-policy."
     Options = AmpoOptions
+    official = OfficialSource(
+        "EnigmaYYYY/AMPO", "647e2e4", verdict="faithful",
+        files=("exp_scripts/train_ampo.sh",),
+        note="The official run does not scale advantages by the group std (train_ampo.sh:117): use "
+        "scale_rewards='none' (warned).",
+    )
     replaces = ("failed completions of guided groups (teacher solutions, off-policy)",)
     reconstructed = (
         "answer_span='answer_tag': the ground truth is tokenized apart from the text around it, and a solution "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
 EPS = 1e-6
@@ -92,6 +93,12 @@ class AspoPlugin(Plugin):
     paper = "Understanding Tool-Integrated Reasoning (ASPO: Advantage Shaping Policy Optimization), arXiv:2508.19201"
     summary = "Bounded advantage shaping of correct rollouts towards a tool-use behaviour (e.g. earlier tool calls)."
     Options = AspoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code and the paper's equation were reachable; the shaped rows follow a third-party verl "
+        "recipe (correct rollouts with a tool call); delta and k are reconstructed.",
+        variants=("shaped_rows",),
+    )
     reconstructed = ("delta = -1.0 and k = 0.7", "first-call position of a row without calls = its length",
                      "shaped_rows='correct_with_call' standardises over the shaped rows")
 

@@ -36,6 +36,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 
@@ -131,6 +132,12 @@ class CanonPlugin(Plugin):
     )
     summary = "Advantages from comparing each response with the other half of its group, split by entropy or length."
     Options = CanonOptions
+    official = OfficialSource(
+        "biuboomc/CANON", "7d6f814", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+        note="lam_schedule='linear' is a schedule of this plugin, not of the paper; the batch mean of 'annealed' is "
+        "clamped to [0, 1].",
+    )
     claim_metric = ("high_minus_low_reward", "reward gap between the two halves of a group")
     replaces = ("the advantages",)
     overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -160,6 +161,11 @@ class ClipCovPlugin(Plugin):
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov), arXiv:2505.22617"
     summary = "Zeroes the surrogate of a small random subset of tokens whose logp-advantage covariance is in a window."
     Options = ClipCovOptions
+    official = OfficialSource(
+        "PRIME-RL/Entropy-Mechanism-of-RL", "8850579", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+        note="Selection per TRL micro-batch (scope); TRL's clip range unless set (the recipe's epsilon is 1).",
+    )
     claim_metric = ("clipped_token_fraction", "tokens clipped")
     conflicts_with = ("lp_reg", "kl_cov", "siren")
     conflict_reason = ENTROPY_PICK_ONE

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists, run_together
 from trl_plugins.components.client import endpoint_options
@@ -133,6 +134,14 @@ class CritiqueGrpoPlugin(Plugin):
     paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"
     summary = "Responses get critiques, the policy refines them; one refinement per group replaces slot 0 off-policy."
     Options = CritiqueGrpoOptions
+    official = OfficialSource(
+        "zhangxy-2019/critique-GRPO", "e8f03a2", verdict="faithful",
+        files=(
+            "verl/verl/critique_grpo/critique_core_algos.py",
+            "verl/verl/critique_grpo/critique_vllm_rollout_spmd.py",
+        ),
+        variants=("require_success",),
+    )
     claim_metric = ("refinement_success_rate", "refinement success rate")
     replaces = ("one completion per group (slot 0: a refinement, off-policy)",)
     reconstructed = (

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
@@ -139,6 +140,10 @@ class CurePlugin(Plugin):
     paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"
     summary = "Re-generates part of each group from the prefixes before the originals' high-entropy critical tokens."
     Options = CureOptions
+    official = OfficialSource(
+        "bytedance/CURE", "a2a0217", verdict="faithful",
+        files=("recipe/CURE_First_Stage/dapo_ray_trainer.py",),
+    )
     claim_metric = ("critical_token_entropy", "entropy at the critical tokens")
     replaces = ("part of each group's completions (re-generated from critical-token prefixes)",)
     reconstructed = (

@@ -78,6 +78,7 @@ from typing import Any, Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     Plugin,
@@ -333,6 +334,11 @@ class DaGRPOPlugin(Plugin):
     )
     summary = "Masks low-distinctiveness rollout pairs in the centred advantage; anchors all-fail groups."
     Options = DaGRPOOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found (abstract only): the distinctiveness scorer, the pair normaliser and the "
+        "anchors with their placement are reconstructed.",
+    )
     claim_metric = ("anchored_group_fraction", "groups anchored with the reference")
     replaces = (
         "the advantages (pair-masked)",

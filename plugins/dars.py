@@ -19,14 +19,20 @@ In TRL the group size G is fixed and the batch has a fixed number of group slots
 the refill stage (``trl_plugins_reject_groups``):
 
 * round 0: each group's accuracy ``a`` (the verifier column, ``success_threshold``) gives ``delta_N(a)``; the plugin
-  asks for ``ceil(delta_N / G)`` extra groups of the same prompt (``ctx.repeat``), hardest prompts first.
+  asks for ``ceil(delta_N / G)`` extra groups of the same prompt (``ctx.repeat``).
   **[reconstructed]** extra rollouts come in whole groups of G (the official code adds ``delta_N`` single rollouts);
   ``extra_rounding="floor"`` spends at most ``delta_N``;
-* extra groups take the slots of the groups the DARS filter drops (point 4): all-correct groups at once, and pools
-  (a prompt's groups together) whose merged accuracy is 0 or ``>= upper_threshold`` once their extra groups are in;
-  other dropped slots are refilled from the trainer's refill stream, and those new prompts get the same treatment in
-  the next round. **[reconstructed]** in a fixed-size batch extra groups only fit in freed slots: extras that find no
-  slot are not generated (``plugins/dars/unplaced_groups``; the official batch grows instead);
+* as officially (``ray_dars_trainer.py:1006-1017``), every prompt that stays in the batch gets **all** its extra
+  rollouts, zero-accuracy prompts included; a prompt is never trained with part of its extras, and a zero-accuracy
+  prompt's slot never goes to another prompt while it is kept. Extra groups take the slots of the groups the DARS
+  filter drops (point 4; ``ray_dars_trainer.py:1084-1092``): all-correct groups at once, and pools (a prompt's groups
+  together) whose merged accuracy is 0 or ``>= upper_threshold`` once their extra groups are in.
+  **[reconstructed]** the official train batch grows by the extra rollouts; here the batch has a fixed number of group
+  slots, so when the prompts' extras need more slots than the filter frees, prompts are admitted hardest first (most
+  extra groups; then by slot) as long as the admitted prompts' extras fit into the freed slots plus the slots of the
+  prompts not admitted; those leave the batch before training (``plugins/dars/evicted_prompts``) -- as if the
+  generation batch had held fewer prompts. Free slots left over are refilled from the trainer's refill stream, and
+  those new prompts get the same treatment in the next round;
 * advantage: ``R - mean`` over the pool (``AdvantageContext.pool_ids``), divided by the pool's std only with
   ``use_std`` (point 5). This replaces TRL's advantages (``scale_rewards`` does not apply);
 * breadth (``breadth=True``): the plugin cannot change the batch size; it checks at construction that the run does
@@ -45,6 +51,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.reasons import REFILLS_GROUPS
@@ -62,6 +69,28 @@ def extra_rollouts(acc: float, n: int, n_max: int, schedule: str = "ET", use_std
         s_acc, peak = 2.0 * acc * (1.0 - acc), 0.5 * n
     target = peak if schedule == "ET" else 2.0 * (1.0 - acc) * peak
     return max(0, min(math.ceil((target - n * s_acc) / s_acc), n_max - n))
+
+
+def admit_prompts(extras: list[int], free: int) -> list[bool]:
+    """Which prompts keep their slot and get all their ``extras[i]`` extra groups, in a batch where ``free`` slots are
+    freed by the filter and a prompt not admitted frees its own slot.
+
+    Hardest first (most extra groups; then the given order): the longest run of prompts whose extras fit into ``free``
+    plus the slots of the prompts after the run, then any later prompt whose extras still fit into what is left (it
+    keeps its own slot). Never a part of a prompt's extras. [reconstructed: the official batch grows instead]"""
+    order = sorted(range(len(extras)), key=lambda i: (-extras[i], i))
+    admitted = [False] * len(extras)
+    spent, k = 0, 0
+    while k < len(order) and spent + extras[order[k]] <= free + len(order) - k - 1:
+        spent += extras[order[k]]
+        admitted[order[k]] = True
+        k += 1
+    left = free + len(order) - k - spent  # every prompt after the run counted as evicted
+    for i in order[k:]:
+        if extras[i] + 1 <= left:  # admitting it keeps its own slot too
+            admitted[i] = True
+            left -= extras[i] + 1
+    return admitted
 
 
 @dataclass
@@ -98,9 +127,16 @@ class DarsPlugin(Plugin):
     claim_metric = ("extra_groups", "extra rollout groups spent on hard prompts")
     overwrites = ("advantages",)  # pooled R - mean over the prompt's enlarged group, from the rewards
     name = "dars"
+    version = "0.2.0"
     paper = "DARS / DARS-B (Depth-Breadth Synergy in RLVR), arXiv:2508.13755"
     summary = "Extra groups of rollouts for low-accuracy prompts (ET / HW schedule); pooled R - mean advantages."
     Options = DarsOptions
+    official = OfficialSource(
+        "yangzhch6/DARS", "9b21b71", verdict="faithful",
+        files=("verl/verl/trainer/ppo/ray_dars_trainer.py",),
+        note="A fixed-size batch: prompts whose full extra rollouts find no slot leave the batch (evicted_prompts); "
+        "the official batch grows.",
+    )
     replaces = ("the advantages",)
     conflicts_with = {
         "dynamic_sampling": (
@@ -111,7 +147,7 @@ class DarsPlugin(Plugin):
     }
     reconstructed = (
         "extra rollouts in whole groups of G (extra_rounding)",
-        "extra groups only fill the slots of dropped groups in a fixed-size batch (the official batch grows)",
+        "a fixed-size batch: prompts whose full extras find no slot leave the batch (official: the batch grows)",
     )
 
     def __init__(self, options=None):
@@ -154,36 +190,32 @@ class DarsPlugin(Plugin):
         keys = ctx.prompt_keys.tolist()
         fresh = ctx.fresh.tolist()
         upper = self.options.upper_threshold
-        judged, plans = set(self._pending), []
+        for key in self._pending:  # the pools whose extra groups arrived: merged accuracy over the prompt's groups
+            slots = [g for g in range(ctx.num_groups) if keys[g] == key]
+            acc = float(success[slots].mean())
+            if acc <= 0.0 or acc >= upper:
+                ctx.reject(slots)
+        plans = []
         for g in range(ctx.num_groups):
             if not fresh[g] or keys[g] in self._pending:
                 continue
             acc = float(success[g].mean())
             extra = self._extra_groups(acc, G)
             if extra > 0:
-                plans.append((-extra, g, extra))
-            else:
-                judged.add(keys[g])
-        for key in judged:  # merged accuracy over every group of the prompt
-            slots = [g for g in range(ctx.num_groups) if keys[g] == key]
-            acc = float(success[slots].mean())
-            if acc <= 0.0 or acc >= upper:
-                ctx.reject(slots)
-        free = int(ctx.rejected.sum())
-        placed = 0
-        self._pending = set()
-        for _, g, extra in sorted(plans):  # hardest first (most extra groups), then by slot
-            take = min(extra, free - placed)
-            if take > 0:
-                ctx.repeat(g, take)
-                placed += take
-                self._pending.add(keys[g])  # judged next round, with its extra groups
-            elif float(success[g].mean()) <= 0.0:  # no slot for its extras: stays at accuracy 0, dropped now
+                plans.append((g, extra))
+            elif acc <= 0.0 or acc >= upper:  # no extras: the group is its own pool, filtered at once
                 ctx.reject([g])
-                free += 1
-        wanted = sum(extra for _, _, extra in plans)
-        ctx.log_metric("extra_groups", float(placed))
-        ctx.log_metric("unplaced_groups", float(wanted - placed))
+        admitted = admit_prompts([extra for _, extra in plans], int(ctx.rejected.sum()))
+        self._pending = set()
+        for (g, extra), admit in zip(plans, admitted):
+            if admit:
+                ctx.repeat(g, extra)
+                self._pending.add(keys[g])  # judged next round, with its extra groups
+        for (g, _), admit in zip(plans, admitted):
+            if not admit:
+                ctx.reject([g])
+        ctx.log_metric("extra_groups", float(sum(extra for (_, extra), a in zip(plans, admitted) if a)))
+        ctx.log_metric("evicted_prompts", float(sum(not a for a in admitted)))
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -139,6 +140,10 @@ class DcpoPlugin(Plugin):
     )
     summary = "Entropy control by mixing an on-policy temperature-tau target distribution into the advantages."
     Options = DcpoOptions
+    official = OfficialSource(
+        "597358816/DCPO", "33f8073", verdict="faithful",
+        files=("verl/trainer/ray_trainer.py",),
+    )
     replaces = ("the advantages (mixed with the temperature-tau target term, token-level)",)
     conflicts_with = ("siren", "clip_cov", "kl_cov", "lp_reg")
     conflict_reason = ENTROPY_CONTROL_PICK_ONE

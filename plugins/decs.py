@@ -5,7 +5,9 @@ first chunk (cut before reflection words such as "Wait", "But", one-line chunks 
 stopping at ``</think>``) that contains the correct answer, the end of the *necessary reasoning prefix* (NRP), up to
 ``</think>`` -- lose reward; advantages are normalised per position over the group (reward and
 advantage stages); a curriculum keeps all groups with reward variance and ``int(kappa n / (1 - kappa))`` all-correct
-ones (the others get zero advantages, TRL having no dynamic sampling), ``kappa`` following the change of the NRP ratio.
+ones and drops the others, refilling the batch through the refill stage as the official trainer filters and
+resamples (``curriculum_drop="zero_advantage"``: zero their advantages instead, cheaper), ``kappa`` following the
+change of the NRP ratio.
 The official chunk judge is a fine-tuned 1.5B model asked whether a chunk contains the correct answer; here the judge
 is a rule (the reference answer of ``answer_column`` appears in the chunk as a whole token) [reconstructed].
 
@@ -30,10 +32,19 @@ Facts from the official code (pixas/DECS, ``src_valid/reward_manager.py`` chunk 
   length): redundant tokens lose ``beta L / L_max`` (plus ``beta (s - 1)`` for s != 1), more in longer completions.
 * Advantages are normalised **per position** over the group's G rows (mean and unbiased std of the token rewards at
   that position, padding positions included, ``+ 1e-6``), then masked.
-* Curriculum data schedule: groups with reward variance are kept, all-wrong groups dropped, and
-  ``int(kappa n_kept / (1 - kappa))`` all-correct groups kept at random; ``kappa`` starts at 0 and moves by
+* Curriculum data schedule (``valid_ray_trainer.py:1534-1603``, DAPO-style filter over generation batches): groups
+  with reward variance are kept, all-wrong groups dropped, and ``int(kappa n / (1 - kappa))`` all-correct groups kept
+  at random, ``n`` the count of kept varied groups accumulated (over the generation batches, across steps) until the
+  allowance is positive, then reset; nothing all-correct is kept while ``kappa <= 0``. Dropped groups are regenerated
+  with new prompts until the batch is full (``max_num_gen_batches``). Here: the ``trl_plugins_reject_groups`` hook
+  judges each fresh group of every refill round this way and rejects the dropped ones; the trainer refills their slots
+  (``max_refill_rounds`` / ``refill_at_limit`` play ``max_num_gen_batches``). ``kappa`` starts at 0 and moves by
   ``kappa_lr (NRP ratio - previous NRP ratio)`` after each batch, the NRP ratio being the mean of
   ``(index of the NRP's last chunk + 1) / number of chunks`` over the correct completions where an NRP was found.
+  **[reconstructed]** the official count resets at each epoch start (``:1416``); here it carries on (the plugin does
+  not see epochs); ``kappa`` is clamped to [0, 0.99] (officially unbounded).
+  ``curriculum_drop="zero_advantage"`` (the plugin's behaviour before 2026-11-27, cheaper: no regeneration) keeps the
+  batch and zeroes the advantages of the dropped groups, with ``n`` the batch's varied groups (no carried count).
 
 Correctness: :mod:`trl_plugins_builtin._length`. DECS has no setting equal to vanilla GRPO (its per-position
 normalisation differs from TRL's even with ``beta = 0`` and no curriculum): disable the plugin for that.
@@ -44,11 +55,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
-from trl_plugins.api import AdvantageContext, Plugin, PluginError, RewardContext, hookimpl, option
+from trl_plugins.api import OfficialSource
+from trl_plugins.api import AdvantageContext, Plugin, PluginError, RefillContext, RewardContext, hookimpl, option
 from trl_plugins.api.success import SuccessRule
-from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS, REFILLS_GROUPS
 
 from ._length import CorrectnessOptions, check_reward_columns, local_completion_ids
 
@@ -88,8 +101,14 @@ class DecsOptions(CorrectnessOptions):
         "' \\n\\n', '.\\n', '.\\n\\n').",
     )
     curriculum: bool = option(
-        True, help="Curriculum data schedule (keep int(kappa n / (1 - kappa)) all-correct groups; drop the others and "
-        "the all-wrong ones by zeroing their advantages).",
+        True, help="Curriculum data schedule (keep the varied groups and int(kappa n / (1 - kappa)) all-correct ones; "
+        "drop the others and the all-wrong ones, see curriculum_drop).",
+    )
+    curriculum_drop: Literal["refill", "zero_advantage"] = option(
+        "refill",
+        help="How the curriculum drops groups. refill (official: filter and resample): reject them through the refill "
+        "stage, the trainer regenerates their slots with new prompts (max_refill_rounds, refill_at_limit); "
+        "zero_advantage: keep them with zero advantages (cheaper; no regeneration; n = this batch's varied groups).",
     )
     kappa_lr: float = option(
         0.2, min=0.0, help="kappa += kappa_lr * (NRP ratio - previous NRP ratio) after each batch (official 0.2).",
@@ -207,6 +226,31 @@ def per_position_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gro
     return ((grouped - mean) / (std + eps)).view(N, T) * mask
 
 
+def curriculum_select(rewards: torch.Tensor, group_size: int, kappa: float, carried: int,
+                      generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """The official curriculum filter of one generation batch: ``((groups,) bool kept, carried count)``.
+
+    Kept: every group with reward variance and, when ``kappa > 0``, ``int(kappa c / (1 - kappa))`` all-correct groups
+    (reward mean > 0, no variance) at random, ``c = carried + varied groups``; ``c`` is carried to the next batch while
+    the allowance is 0 and reset once it is positive (pixas/DECS@0d12e53 valid_ray_trainer.py:1545-1570). ``kappa`` is
+    clamped to at most 0.99."""
+    grouped = torch.nan_to_num(rewards.float(), nan=0.0).view(-1, group_size)
+    varied = grouped.std(dim=1, unbiased=False) > 0 if group_size > 1 else torch.ones(grouped.size(0), dtype=bool)
+    easy = (~varied) & (grouped.mean(dim=1) > 0)
+    keep = varied.clone()
+    if kappa > 0:
+        kappa = min(kappa, 0.99)
+        carried += int(varied.sum())
+        allowed = int(kappa * carried / (1 - kappa))
+        if allowed > 0:
+            carried = 0
+        allowed = min(allowed, int(easy.sum()))
+        if allowed > 0:
+            easy_ids = torch.nonzero(easy).squeeze(1)
+            keep[easy_ids[torch.randperm(easy_ids.numel(), generator=generator)[:allowed]]] = True
+    return keep, carried
+
+
 def curriculum_keep(rewards: torch.Tensor, group_size: int, kappa: float, generator: torch.Generator) -> torch.Tensor:
     """(num_groups,) bool: the groups the curriculum keeps (all with reward variance, ``int(kappa n / (1 - kappa))``
     all-correct ones at random, no all-wrong one). ``kappa`` is clamped to [0, 0.99]."""
@@ -234,10 +278,16 @@ class DecsPlugin(Plugin):
     summary = ("Penalises only the tokens after the first correct answer (per-position advantages), with a curriculum "
                "over all-correct groups.")
     Options = DecsOptions
+    official = OfficialSource(
+        "pixas/DECS", "0d12e53", verdict="faithful",
+        files=("src_valid/reward_manager.py", "src_valid/valid_ray_trainer.py"),
+        note="The chunk judge is a rule (the reference answer in the chunk); officially a fine-tuned 1.5B judge.",
+        variants=("think_end", "merge_single_line", "curriculum_drop"),
+    )
     claim_metric = ("redundant_fraction", "correct responses with a redundant tail")
     reconstructed = (
         "the chunk judge is a rule (the reference answer appears in the chunk); official: a fine-tuned 1.5B judge",
-        "the curriculum drops groups by zeroing their advantages (TRL has no dynamic sampling); kappa in [0, 0.99]",
+        "the curriculum's carried count of varied groups does not reset at epoch starts; kappa clamped to [0, 0.99]",
     )
 
     def __init__(self, options=None):
@@ -249,9 +299,33 @@ class DecsPlugin(Plugin):
         self._newline_ids: set[int] | None = None
         self._end_id: int | None = None
         self._generator = torch.Generator().manual_seed(0)
+        self.carried_kept = 0  # the official cur_batch_kept_num (curriculum_drop="refill")
 
     def required_columns(self) -> list[str]:
         return [self.options.answer_column]
+
+    def _refills(self) -> bool:
+        return self.options.curriculum and self.options.curriculum_drop == "refill"
+
+    def hook_enabled(self, hook: str) -> bool:
+        return hook != "trl_plugins_reject_groups" or self._refills()
+
+    def multi_turn_refusal(self) -> str | None:
+        return REFILLS_GROUPS if self._refills() else super().multi_turn_refusal()
+
+    @hookimpl
+    def trl_plugins_reject_groups(self, ctx: RefillContext) -> None:
+        """The curriculum filter on each fresh group (the combined outcome reward, as the advantage stage's scores)."""
+        fresh = ctx.fresh.cpu()
+        if not bool(fresh.any()):
+            return
+        G = ctx.num_generations
+        rewards = ctx.group_rewards().cpu()[fresh]
+        keep, self.carried_kept = curriculum_select(rewards, G, self.kappa, self.carried_kept, self._generator)
+        slots = fresh.nonzero().flatten()
+        ctx.reject(slots[~keep].tolist())
+        if ctx.round == 0:
+            ctx.log_metric("kept_group_fraction", float(keep.float().mean()))
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -302,7 +376,7 @@ class DecsPlugin(Plugin):
         token_rewards = decs_token_rewards(scores, starts, mask.sum(-1).long(), mask.size(1), self.max_len, o.beta,
                                            redundant_end=ends)
         advantages = per_position_advantages(token_rewards, mask, G)
-        if o.curriculum:
+        if o.curriculum and not self._refills():
             keep = curriculum_keep(scores, G, self.kappa, self._generator).to(device)
             advantages = advantages * keep.repeat_interleave(G).unsqueeze(1).float()
             ctx.log_metric("kept_group_fraction", keep.float().mean().item())
@@ -320,12 +394,13 @@ class DecsPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_state_dict(self):
-        return {"kappa": self.kappa, "last_nrp_ratio": self.last_nrp_ratio,
+        return {"kappa": self.kappa, "last_nrp_ratio": self.last_nrp_ratio, "carried_kept": self.carried_kept,
                 "generator": self._generator.get_state().tolist()}
 
     @hookimpl
     def trl_plugins_load_state_dict(self, state):
         self.kappa = float(state.get("kappa", 0.0))
+        self.carried_kept = int(state.get("carried_kept", 0))
         self.last_nrp_ratio = float(state.get("last_nrp_ratio", 0.5))
         if "generator" in state:
             self._generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))

@@ -45,6 +45,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 
@@ -150,6 +151,10 @@ class DiscoPlugin(Plugin):
     paper = "DisCO: Reinforcing Large Reasoning Models with Discriminative Constrained Optimization, arXiv:2505.12366"
     summary = "Unclipped discriminative score objective (positives up, negatives down) with a squared-hinge KL."
     Options = DiscoOptions
+    official = OfficialSource(
+        "Optimization-AI/DisCO", "bd2b078", verdict="faithful",
+        files=("verl/verl/trainer/ppo/core_algos.py", "verl/verl/workers/actor/dp_actor.py"),
+    )
     claim_metric = ("mixed_group_fraction", "groups with both signs")
     replaces = (
         "the advantages (DisCO sequence weights)",

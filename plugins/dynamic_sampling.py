@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, RefillContext, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.reasons import REFILLS_GROUPS
@@ -67,6 +68,12 @@ class DynamicSamplingPlugin(Plugin):
     paper = "DAPO dynamic sampling, arXiv:2503.14476"
     summary = "Reject all-correct / all-wrong (zero-variance) groups and refill the batch within the step."
     Options = DynamicSamplingOptions
+    official = OfficialSource(
+        "volcengine/verl", "246cac4", verdict="faithful",
+        files=("recipe/dapo/dapo_ray_trainer.py",),
+        note="The criterion is equal; each refill round generates exactly the rejected groups (no gen_batch_size "
+        "over-sampling). DAPO's own repository (BytedTsinghua-SIA/DAPO@33fe317) holds only evaluation code.",
+    )
 
     def degenerate_groups(self, ctx: RefillContext) -> torch.Tensor:
         """(S,) bool: the groups the criterion rejects (all groups, fresh or not)."""

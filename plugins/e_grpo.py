@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.data_checks import cell_problem, check_column_values
@@ -85,6 +86,10 @@ class EGrpoPlugin(Plugin):
     paper = "Repurposing Synthetic Data for Fine-grained Search Agent Supervision (E-GRPO), arXiv:2510.24694"
     summary = "Entity partial credit: incorrect rollouts earn alpha times their (group-normalised) entity match rate."
     Options = EGrpoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found: the entity-reward normalisation and its scope are reconstructed.",
+    )
     replaces = ("the verifier column's reward of incorrect rollouts",)
     reconstructed = ("group normalisation by the best match rate", "substring matching of entities")
 

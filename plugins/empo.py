@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     Plugin,
@@ -142,6 +143,13 @@ class EmpoPlugin(Plugin):
     )
     summary = "Label-free reward: probability of the completion's answer cluster in its group, or majority vote."
     Options = EmpoOptions
+    official = OfficialSource(
+        "QingyangZhang/EMPO", "c5eccd4", verdict="faithful",
+        files=("trl/src/open_r1/rewards.py",),
+        note="TTRL mode checked against PRIME-RL/TTRL@c46b671 (ttrl_utils.py); answers are compared by normalised "
+        "exact match, not math-verify equivalence.",
+        variants=("vote_pool",),
+    )
     claim_metric = ("answered_fraction", "completions with an answer")
     replaces = ("the correctness reward (a label-free reward column)",)
     conflicts_with = ("rlpr",)

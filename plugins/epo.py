@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginConfigError
 from trl_plugins.api import PluginOptions, hookimpl, option
 from trl_plugins.api.reasons import ENTROPY_PICK_ONE
@@ -165,6 +166,14 @@ class EpoPlugin(Plugin):
     paper = "EPO: Entropy-regularized Policy Optimization for LLM Agents Reinforcement Learning, arXiv:2509.22576"
     summary = "Entropy bonus for multi-turn agents, smoothed toward each turn's historical entropy, phase-weighted."
     Options = EpoOptions
+    official = OfficialSource(
+        "WujiangXu/EPO", "5b6fa98", verdict="faithful",
+        files=("README.md", "verl/workers/actor/dp_actor.py"),
+        non_official_defaults={
+            "smooth_from_turn": "25, half its max_step of 50; 0 here smooths every turn of short episodes",
+            "phase_steps": "150 epochs; here the run's max_steps",
+        },
+    )
     multi_turn = True
     claim_metric = ("out_of_band_fraction", "tokens whose entropy left the historical band")
     overwrites = ()

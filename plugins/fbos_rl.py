@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     Plugin,
@@ -336,6 +337,11 @@ class FbosRlPlugin(Plugin):
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"
     summary = "G1 rollouts, verifier feedback, G2 rollouts under feedback prompts; EPA under x + ECC under the FAP."
     Options = FbosRlOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; compared with the paper's abstract: the feedback round, the sub-group split, "
+        "the schedules and the off-policy correction are reconstructed.",
+    )
     claim_metric = ("rescued_group_fraction", "groups rescued by the feedback round")
     replaces = (
         "part of each group's completions (feedback-guided round 2)",

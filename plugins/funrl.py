@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.api.data_checks import cell_problem, check_column_values
 from trl_plugins.api.tool_calls import GOLD_CALLS_ALLOWED, call_key, gold_calls_ok, parse_gold_calls
@@ -139,6 +140,11 @@ class FunrlPlugin(Plugin):
         "chain-of-thought entropy bonus on the advantages."
     )
     Options = FunrlOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="BingguangHao/RLFC@1297925 holds only a README: the call ordering and the reasoning marker are "
+        "reconstructed from the paper's abstract.",
+    )
     claim_metric = ("cot_entropy", "mean token entropy of the chain of thought")
     reconstructed = (
         "several calls compared as a multiset",

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.reasons import LIKELIHOOD_PICK_ONE
 
@@ -209,6 +210,11 @@ class GtpoPlugin(Plugin):
     paper = "GTPO: Trajectory-Based Policy Optimization in Large Language Models, arXiv:2508.03772"
     summary = "Protects tokens shared by good and bad completions of a group; drops high-entropy completions."
     Options = GtpoOptions
+    official = OfficialSource(
+        "winstonsmith1897/GTPO", "5d33811", verdict="faithful",
+        files=("gtpo/gtpo_training.py",),
+        variants=("conflict_count",),
+    )
     claim_metric = ("conflict_token_fraction", "conflict tokens")
     conflicts_with = ("llds",)
     conflict_reason = LIKELIHOOD_PICK_ONE

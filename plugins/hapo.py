@@ -60,6 +60,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -308,6 +309,11 @@ class HapoPlugin(Plugin):
     )
     summary = "Token-level group advantages, entropy-adaptive asymmetric clipping and advantage redistribution."
     Options = HapoOptions
+    official = OfficialSource(
+        "starriver030515/HAPO", "7671dde", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+        variants=("fallback_test",),
+    )
     replaces = (
         "the advantages (token-level group average; with token_level_advantage=true, refused then together with "
         f"{', '.join(ADVANTAGE_ESTIMATORS)})",

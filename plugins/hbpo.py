@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     Plugin,
@@ -225,6 +226,14 @@ class HbpoPlugin(Plugin):
     paper = "Hierarchical Budget Policy Optimization for Adaptive Reasoning (HBPO), arXiv:2507.15844"
     summary = "Budget sub-groups sampled with budget sentences, budget-aware rewards, hierarchical advantages."
     Options = HbpoOptions
+    official = OfficialSource(
+        "ZJU-REAL/HBPO", "5c8991d", verdict="faithful",
+        files=("rllm/rewards/math_reward.py", "rllm/rewards/reward_types.py"),
+        variants=("format_reward",),
+        non_official_defaults={
+            "max_length": "the 4096-token response length; here max_completion_length",
+        },
+    )
     claim_metric = ("within_budget_fraction", "responses within their budget")
     replaces = (
         "the correctness column's value (by the budget-aware reward) and the advantages (hierarchical)",

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 MASK_KEY = "hicra_planning_mask"
@@ -142,6 +143,12 @@ class HicraPlugin(Plugin):
     paper = "Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning (HICRA), arXiv:2509.03646"
     summary = "Concentrates credit on planning tokens (strategic-phrase lexicon): A + alpha |A| there."
     Options = HicraOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="TIGER-AI-Lab/Hierarchical-Reasoner@964c429 holds no training code (its README: recipe to be released); "
+        "checked against a third-party port, huggingface/trl@4915fb2 (trl/trainer/hicra_trainer.py); alpha and the "
+        "strategic phrases are reconstructed.",
+    )
     claim_metric = ("planning_token_fraction", "amplified (planning) tokens")
     reconstructed = (
         "planning tokens from a strategic-phrase lexicon (the paper derives strategic grams from data)",

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Moved, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
 from trl_plugins.components.steps import question_text
@@ -244,6 +245,13 @@ class HintScaffoldPlugin(Plugin):
     )
     summary = "All-fail groups re-generated with growing hints (GHPO solution prefixes, Scaf-GRPO tiers)."
     Options = HintScaffoldOptions
+    official = OfficialSource(
+        "hkgc-1/GHPO", "af0a7dd", verdict="faithful",
+        files=("src/ghpo/ghpo_trainer.py",),
+        note="The Scaf-GRPO tiers checked against dvlab-research/Scaf-GRPO@1085db5 "
+        "(hint_mix_grpo/trainer/ray_trainer.py).",
+        variants=("on_no_success",),
+    )
     claim_metric = ("rescued_group_fraction", "all-fail groups rescued by hints")
     replaces = ("the completions of all-fail groups (hinted re-generations)",)
     reconstructed = (

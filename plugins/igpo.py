@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -137,6 +138,11 @@ class IgpoPlugin(Plugin):
     )
     summary = "Turn-level information-gain rewards for tool agents: the rise of the policy's probability of the answer."
     Options = IgpoOptions
+    official = OfficialSource(
+        "GuoqingWang1/IGPO", "bff163b", verdict="faithful",
+        note="The Feb-2026 update read in the fork debajoycs98/IGPO@8660196; the A2TGPO mode is reconstructed (no code "
+        "reachable).",
+    )
     replaces = ("the advantages (turn-level, expanded to tokens)",)
     reconstructed = (
         "answer_template: the text the answer is probed with",

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.errors import suggest
 from trl_plugins.api.success import SuccessOptions, placeholder_column
@@ -75,6 +76,10 @@ class IkeaPlugin(Plugin):
              "arXiv:2505.07596")
     summary = "Knowledge-boundary reward: correct answers with fewer searches score more; failed searches a little."
     Options = IkeaOptions
+    official = OfficialSource(
+        "hzy312/knowledge-r1", "79c38e8", verdict="equal",
+        files=("verl/utils/reward_score/qa_em.py",),
+    )
     claim_metric = ("retrievals_mean", "search calls per rollout")
 
     @hookimpl

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
@@ -171,6 +172,11 @@ class KepoPlugin(Plugin):
     summary = ("Teacher per-token supervision on successful rollouts only, and teacher-hinted rejection sampling "
                "for all-fail groups.")
     Options = KepoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; the two mechanisms of the abstract match; the loss weights, the gate and the "
+        "hint protocol are reconstructed.",
+    )
     replaces = ("failed rows of all-fail groups (by reward-positive hinted re-samples, trained under the original "
                 "prompt)",)
     reconstructed = (

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.loss_types import policy_moves_before_loss
 from trl_plugins.api.reasons import ENTROPY_PICK_ONE
@@ -115,6 +116,11 @@ class KlCovPlugin(Plugin):
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov), arXiv:2505.22617"
     summary = "Unclipped PG plus a |logp - logp_old| penalty on the top-covariance tokens (replaces the surrogate)."
     Options = KlCovOptions
+    official = OfficialSource(
+        "PRIME-RL/Entropy-Mechanism-of-RL", "8850579", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+        note="Selection per TRL micro-batch (scope); on-policy (num_iterations=1) the KL penalty is exactly 0 (warned).",
+    )
     claim_metric = ("selected_token_fraction", "tokens penalised")
     replaces = ("the base surrogate on on-policy tokens (unclipped -A r plus the KL penalty)",)
     replaces_surrogate = True

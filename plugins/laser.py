@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
@@ -215,6 +216,11 @@ class LaserPlugin(Plugin):
     summary = ("Step bonus for correct answers within a target length; LASER-D adapts the targets per difficulty, "
                "LASER-DE also pays long wrong answers for exploring.")
     Options = LaserOptions
+    official = OfficialSource(
+        "hkust-nlp/Laser", "c9e7c4e", verdict="faithful",
+        files=("verl/utils/reward_score/length_penalty.py", "verl/utils/reward_score/count_length_distribution.py"),
+        variants=("target_estimator", "explore_gate"),
+    )
     claim_metric = ("bonus", "length bonus")
     reconstructed = (
         "alpha=0.5, target_length=max_completion_length//2, num_budgets=8, difficulty_edges=[1/3, 2/3], window=4",

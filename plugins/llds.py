@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.loss_types import policy_moves_before_loss
 from trl_plugins.api.reasons import LIKELIHOOD_PICK_ONE
@@ -98,6 +99,10 @@ class LldsPlugin(Plugin):
     paper = "On GRPO Collapse in Search-R1: The Lazy Likelihood-Displacement Death Spiral (LLDS), arXiv:2512.04220"
     summary = "Likelihood-preserving penalty on the tokens of good actions whose likelihood dropped during the update."
     Options = LldsOptions
+    official = OfficialSource(
+        "vengdeng/LLDS-On-Group-Relative-Policy-Optimization-Collapse-in-Search-R1", "c19a094", verdict="faithful",
+        files=("verl/workers/actor/dp_actor.py",),
+    )
     claim_metric = ("regularised_token_fraction", "tokens regularised")
     conflicts_with = ("gtpo",)
     conflict_reason = LIKELIHOOD_PICK_ONE

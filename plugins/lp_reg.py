@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -124,6 +125,11 @@ class LpRegPlugin(Plugin):
     )
     summary = "Shields rare negative-advantage tokens with a KL pull toward a min-p filtered proxy distribution."
     Options = LpRegOptions
+    official = OfficialSource(
+        "CarlanLark/Lp-Reg-dev", "33b27e2", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py", "verl/workers/actor/dp_actor.py"),
+        note="TRL's clip range unless set (the recipe's 1.0 / 9.0); selection per TRL micro-batch (selection_scope).",
+    )
     claim_metric = ("regularised_token_fraction", "tokens regularised")
     replaces = ("the base surrogate on low-probability negative-advantage tokens (KL toward the min-p proxy)",)
     needs_head_stats = True

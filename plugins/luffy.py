@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
 from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
@@ -134,6 +135,10 @@ class LuffyPlugin(Plugin):
     paper = "LUFFY: Learning to Reason under Off-Policy Guidance, arXiv:2504.14945"
     summary = "Expert demonstrations fill part of each group, trained with policy shaping p/(p+gamma), no clip."
     Options = LuffyOptions
+    official = OfficialSource(
+        "ElliottYan/LUFFY", "01f4ae0", verdict="faithful",
+        files=("luffy/verl/verl/mix_src/mix_core_alg.py",),
+    )
     replaces = ("the first num_demonstrations completions of each group (demonstrations, off-policy)",)
     reconstructed = (
         "source='teacher' (a teacher model answering the prompt instead of the dataset's trace) is our option",

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 
@@ -103,6 +104,11 @@ class MrtPlugin(Plugin):
     paper = "Optimizing Test-Time Compute via Meta Reinforcement Fine-Tuning (MRT), arXiv:2503.07572"
     summary = "Dense progress bonus per episode: change in the meta-prover's success rate from episode prefixes."
     Options = MrtOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="CMU-AIRe/MRT@1815a8c holds no RL training code, and its README describes a different estimator "
+        "(advantage = reward - termination reward); the progress bonus is reconstructed from the paper.",
+    )
     reconstructed = (
         "episodes end at episode_separator; the meta-prover answers after termination_text",
         "each episode's tokens get its own progress (not a return-to-go), added after TRL's normalisation",

@@ -79,6 +79,7 @@ from typing import Literal
 
 import torch
 from transformers import TrainerCallback
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -284,6 +285,10 @@ class OrealPlugin(Plugin):
     summary = ("Behaviour cloning on positive rollouts, reshaped (leave-one-out) rewards on negatives, optional pair "
                "filtering and token-level reward model.")
     Options = OrealOptions
+    official = OfficialSource(
+        "InternLM/OREAL", "2859cc0", verdict="faithful",
+        files=("train_oreal.py",),
+    )
     reconstructed = (
         "token_rm: the token-level reward model is a linear head over the policy's detached hidden states with its own "
         "AdamW, stepped at every optimizer step (official: a full policy copy with a scalar head, stepped once per "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import IncompatiblePluginsError, Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.success import verifier_column
 
@@ -81,6 +82,11 @@ class OtcPoPlugin(Plugin):
     paper = "OTC: Optimal Tool Calls via Reinforcement Learning, arXiv:2504.14870"
     summary = "Tool-efficiency reward: correct answers reached with the fewest tool calls score highest."
     Options = OtcPoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; the reward matches the paper's formula as restated by a review page and a "
+        "third-party transcription; c and alpha are reconstructed.",
+    )
     replaces = ("the verifier column's reward (times the tool coefficient)",)
     reconstructed = ("c = 1.0 and alpha = 1.0", "n estimated within the group only")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
@@ -65,6 +66,10 @@ class PearPlugin(Plugin):
     paper = "PEAR: Phase Entropy Aware Reward for Efficient Reasoning, arXiv:2510.08026"
     summary = "Penalises the thinking phase's token entropy (reconstructed formula), tolerating the answer phase's."
     Options = PearOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found: the phase split and the phase weights are reconstructed from the abstract.",
+    )
     claim_metric = ("think_entropy", "thinking-phase entropy")
     reconstructed = (
         "the bonus -(alpha H_think + answer_alpha H_answer) on correct responses and its defaults (the paper's exact "

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.components.prm import PRMOptions, prm_from_options
@@ -145,6 +146,12 @@ class PosteriorGrpoPlugin(Plugin):
     )
     summary = "PRM process reward paid only to correct rollouts (or trust-weighted and annealed, Trust-GRPO)."
     Options = PosteriorGrpoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; the trust mode follows SophiaVL-R1's Trust-GRPO "
+        "(kxfan2002/SophiaVL-R1@a818494, verl/workers/reward/custom.py).",
+        variants=("trust_one_sided", "trust_min_outcome"),
+    )
     claim_metric = ("paid_fraction", "rollouts paid a process reward")
     reconstructed = (
         "process reward = mean PRM step score (the papers train holistic reasoning/thinking reward models)",

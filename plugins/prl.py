@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.api.reasons import ADVANTAGE_PICK_ONE
 
@@ -119,6 +120,11 @@ class PrlPlugin(Plugin):
     )
     summary = "Per-step process rewards: outcome advantage minus the policy/reference log-ratio to the end, over eta."
     Options = PrlOptions
+    official = OfficialSource(
+        "MaxwellJryao/Process-Reward-Learning", "1ee49fa", verdict="faithful",
+        files=("verl/trainer/ppo/ray_trainer.py",),
+        note="Equal apart from the documented exact-zero rule; the official run script runs plain GRPO.",
+    )
     replaces = ("the advantages (token-level process rewards)",)
     needs_reference_model = True
     conflicts_with = {"canon": ADVANTAGE_PICK_ONE, "riskpo": ADVANTAGE_PICK_ONE}

@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
 
 
@@ -86,6 +87,11 @@ class R2vpoPlugin(Plugin):
     )
     summary = "Replaces ratio clipping by a penalty on the ratio's variance, weighted by a dual-ascent multiplier."
     Options = R2vpoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found and the method section was unreachable: the dual update (initial lambda, "
+        "target, learning rate, cap) is reconstructed.",
+    )
     replaces_surrogate = True
     replaces = ("the clipped surrogate on every on-policy token (unclipped r A minus the ratio-variance penalty)",)
     loss_types = ("grpo", "bnpo", "dr_grpo", "dapo")

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
@@ -322,6 +323,13 @@ class R3LPlugin(Plugin):
     )
     summary = "Half the group reflects on a first attempt and retries with the guidance; retries distilled unguided."
     Options = R3LOptions
+    official = OfficialSource(
+        "shiweijiezero/R3L", "d503f6c", verdict="faithful",
+        files=(
+            "trinity/algorithm/advantage_fn/opmd_advantage.py",
+            "trinity/algorithm/policy_loss_fn/opmd_policy_loss.py",
+        ),
+    )
     claim_metric = ("retry_improved_fraction", "retries that beat the first attempt")
     replaces = (
         "half of each group's completions (reflect-and-retry)",

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 CLIP_MODES = ("none", "one-side", "two-side", "gspo-one-side", "ring")
@@ -262,6 +263,10 @@ class RecPlugin(Plugin):
     )
     summary = "Off-policy group REINFORCE losses: REC clipping (one/two-side, ring), OPMD and AsymRE regularisers."
     Options = RecOptions
+    official = OfficialSource(
+        "yanxi-chen/Trinity-RFT", "9051d63", verdict="equal",
+        note="Gradients equal; logged loss values differ from TRL's surrogate where tokens are clipped (documented).",
+    )
     replaces_surrogate = True
     replaces = ("the base surrogate on every loss token (off-policy tokens too unless offpolicy_tokens='shaped')",)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginError, PluginOptions, RolloutContext, hookimpl, option
 
 #: Annotation key of the greedy baseline's reward, on the first row of each group.
@@ -74,6 +75,12 @@ class RemaxPlugin(Plugin):
     )
     summary = "Advantage = reward minus the reward of the policy's greedy completion of the same prompt."
     Options = RemaxOptions
+    official = OfficialSource(
+        "volcengine/verl", "b178a3c", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+        note="Equal to verl's compute_remax_outcome_advantage; the authors' liziniu/ReMax@536ba49 discounts by 0.99 "
+        "per token and clips at +-5 (not reproduced).",
+    )
     replaces = ("the advantages (reward minus the greedy completion's reward)",)
     conflicts_with = {
         name: f"both replace the advantages outright (ReMax with the greedy completion's reward as baseline, {name} "

@@ -44,6 +44,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
 
@@ -147,6 +148,11 @@ class RepExpPlugin(Plugin):
     )
     summary = "Exploration bonus: leverage score of each response's mean hidden state within its group."
     Options = RepExpOptions
+    official = OfficialSource(
+        "volcengine/verl", "a9fd825", verdict="faithful",
+        files=("recipe/rep_exp/workers/elliptical_reward_model_worker.py", "recipe/rep_exp/train_elliptical.sh"),
+        variants=("bonus", "features"),
+    )
     reconstructed = ()
 
     def __init__(self, options=None):

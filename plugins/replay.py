@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
@@ -212,6 +213,11 @@ class ReplayPlugin(Plugin):
     )
     summary = "Keeps each prompt's latest successes and splices one into a later group of that prompt that all failed."
     Options = ReplayOptions
+    official = OfficialSource(
+        "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py); RAPO "
+        "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
+    )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
     reconstructed = (

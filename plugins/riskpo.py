@@ -43,6 +43,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 
 
@@ -186,6 +187,10 @@ class RiskPOPlugin(Plugin):
     paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training, arXiv:2510.00911"
     summary = "Advantages from a Mixed Value-at-Risk objective over 'papers' of bundled questions."
     Options = RiskPOOptions
+    official = OfficialSource(
+        "RTkenny/RiskPO", "65ec40c", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py",),
+    )
     claim_metric = ("abs_advantage", "mean |advantage| (risk-weighted)")
     replaces = ("the advantages",)
     overwrites = ("advantages",)  # recomputed from the rewards: runs first in the advantage chain

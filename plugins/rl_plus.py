@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import LossContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.success import SuccessOptions
@@ -164,6 +165,11 @@ class RlPlusPlugin(Plugin):
     )
     summary = "Demonstrations replace group slots; MIS ratio and exploration-based advantage on their tokens."
     Options = RlPlusOptions
+    official = OfficialSource(
+        "YihongDong/RL-PLUS", "eb4aa4d", verdict="faithful",
+        files=("rl_plus/verl/verl/recipe/rlplus_core_alg.py",),
+        variants=("off_policy_weight",),
+    )
     replaces_surrogate = True
     replaces = (
         "the first num_demonstrations completions of every group (the dataset's demonstration, off-policy)",

@@ -17,22 +17,29 @@ policy itself how likely ``y*`` is after its own reasoning:
    iterable dataset that cannot be scanned) gets its ``r_0`` from the policy of the step it first appears in, kept
    from then on (metric ``late_baseline_fraction``). ``baseline="current"`` recomputes ``r_0`` with the current
    policy at every step instead (the plugin's earlier behaviour; not the official recipe).
-4. Standard-deviation filtering (advantage stage): prompts whose rewards barely vary across the group carry no
-   learning signal and mostly noise; groups whose ``rlpr`` reward std is below a threshold get zero advantages.
-   Official recipe (OpenBMB/RLPR ``reproduce_qwen.sh`` and its trainer): threshold = ``std_filter_beta`` (0.5)
-   times an exponential moving average (ratio 0.99) of the per-step mean group std. Steps are counted from 1,
-   one per training generation batch. The steps ``ema_start_step`` (6) .. ``filter_start_step - 1`` (10) only record
-   their mean group std; at ``filter_start_step`` (11) the average starts as the mean of those records, and each
-   later step first folds in the previous step's mean. The threshold of a step therefore never uses that step's
-   own batch; no group is filtered before step 11. ``std_threshold`` fixes the threshold instead (from step 1).
+4. Standard-deviation filtering: prompts whose rewards barely vary across the group carry no learning signal and
+   mostly noise; groups whose ``rlpr`` reward std is below a threshold are **dropped and the batch refilled** with
+   new prompts, as the official trainer filters every generation batch and generates more until the batch is full
+   (sharkchill-xy/DPPR@76b76f3, derived from OpenBMB/RLPR, ``verl/trainer/ppo/ray_trainer.py:1390-1425`` keep
+   ``std >= lower bound``, ``:1605-1620`` the refill loop). Here the ``trl_plugins_reject_groups`` hook rejects such
+   groups of every refill round and the trainer refills their slots (``max_refill_rounds`` / ``refill_at_limit``);
+   ``filter_drop="zero_advantage"`` keeps the batch and zeroes their advantages instead (cheaper, no regeneration;
+   the plugin's behaviour before 2026-11-27).
+   Official recipe (``reproduce_qwen.sh`` and ``ray_trainer.py:1555-1592, 1776-1778, 2110-2121``): threshold =
+   ``std_filter_beta`` (0.5) times an exponential moving average (ratio 0.99) of the per-step mean group std. Steps are
+   counted from 1, one per training batch. The steps ``ema_start_step`` (6) .. ``filter_start_step - 1`` (10) only
+   record the mean group std of their final batch; at ``filter_start_step`` (11) the average starts as the mean of
+   those records, and each later step first folds in the previous step's mean -- from step 11 on the mean over every
+   group generated in that step (refill rounds included, as the official list extends over every generation batch).
+   The threshold of a step therefore never uses that step's own batch; no group is filtered before step 11.
+   ``std_threshold`` fixes the threshold instead (from step 1).
 
 The reward is the column ``rlpr``. Splitting ``z`` from ``y``: ``z`` is the completion up to and including the first
 match of ``answer_marker`` (default: ``Answer:``, the bundled tasks' answer line), and ``y*`` is
 ``answer_template`` filled with the row's ``answer`` column; a completion without a marker keeps all its text as
 ``z`` followed by ``answer_prefix``.
 
-Differences from the official code: filtered groups get zero advantages where the official trainer drops them and
-refills the batch with new prompts (DAPO-style dynamic sampling); the official reward adds a 0.1-weighted format
+Differences from the official code: the official reward adds a 0.1-weighted format
 score (add a format reward function for it), and its filter reads the std of that total reward where the plugin
 reads the std of the ``rlpr`` column. Reconstructed (options marked so): the marker/template defaults (the
 paper uses its own answer tags), the prefix used for ``r_0``, the unbiased std. The earlier filter of this plugin
@@ -42,6 +49,7 @@ paper uses its own answer tags), the prefix used for ``r_0``, the unbiased std. 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -49,10 +57,21 @@ from typing import Any, Literal
 
 import torch
 
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, StageServices, hookimpl, option
+from trl_plugins.api import OfficialSource
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    RefillContext,
+    StageServices,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.text import check_template, completion_text
-from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE
+from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE, REFILLS_GROUPS
 
 COLUMN = "rlpr"
 
@@ -80,7 +99,13 @@ class RlprOptions(PluginOptions):
         "current policy at every step (not the official recipe).",
     )
     reward_weight: float = option(1.0, help="TRL reward weight of the rlpr column.")
-    std_filter: bool = option(True, help="Zero the advantages of groups whose rlpr reward std is below the threshold.")
+    std_filter: bool = option(True, help="Drop the groups whose rlpr reward std is below the threshold (filter_drop).")
+    filter_drop: Literal["refill", "zero_advantage"] = option(
+        "refill",
+        help="How std_filter drops a group. refill (official: filter and resample): reject it through the refill "
+        "stage, the trainer regenerates its slot with a new prompt (max_refill_rounds, refill_at_limit); "
+        "zero_advantage: keep it with zero advantages (cheaper; no regeneration).",
+    )
     std_threshold: float | None = option(
         None, min=0.0,
         help="Fixed std threshold, applied from step 1; None = std_filter_beta x moving average of the per-step "
@@ -144,6 +169,24 @@ def group_std(values: torch.Tensor, group_size: int) -> torch.Tensor:
     sq = torch.where(valid, (v - mean.unsqueeze(1)) ** 2, 0).sum(1)
     std = torch.sqrt(sq / (n - 1).clamp(min=1))
     return torch.where(n >= 2, std, torch.zeros_like(std))
+
+
+def _sharded_engine(trainer: Any) -> str | None:
+    """"FSDP" or "ZeRO-3" when the run shards the policy over several processes (a forward is a collective), else
+    None."""
+    accelerator = getattr(trainer, "accelerator", None)
+    if getattr(accelerator, "num_processes", 1) <= 1:
+        return None
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP"
+    deepspeed = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    return "ZeRO-3" if getattr(deepspeed, "zero_stage", None) == 3 else None
+
+
+def _finite_mean(values: torch.Tensor) -> float:
+    """Mean of the finite entries (NaN when there is none), as the official list keeps only finite stds."""
+    finite = values[torch.isfinite(values)]
+    return float(finite.mean()) if finite.numel() else float("nan")
 
 
 def ema_update(previous: float | None, value: float, decay: float) -> float:
@@ -212,10 +255,17 @@ class RlprPlugin(Plugin):
 
     name = "rlpr"
     multi_turn = True
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"
     summary = "Verifier-free reward: the policy's mean probability of the reference answer after its own reasoning."
     Options = RlprOptions
+    official = OfficialSource(
+        "sharkchill-xy/DPPR", "76b76f3", verdict="faithful",
+        files=("verl/trainer/ppo/ray_trainer.py", "verl/workers/reward_manager/prob.py"),
+        note="OpenBMB/RLPR was not reachable; DPPR is derived from it (near-official). The official 0.1-weighted "
+        "format score is not included (add a format reward).",
+        variants=("baseline", "filter_drop", "threshold_uses_current_batch"),
+    )
     claim_metric = ("answer_probability", "reference-answer probability")
     replaces = ("the correctness reward (reference-answer probability column)",)
     conflicts_with = ("empo",)
@@ -223,7 +273,6 @@ class RlprPlugin(Plugin):
     reconstructed = (
         "answer_marker / answer_template / answer_prefix defaults fit the bundled tasks (paper: its answer tags)",
         "unbiased (Bessel) group std",
-        "filtered groups get zero advantages (official: dropped and the batch refilled with new prompts)",
         "r_0 of a (prompt, reference) pair missing from the training dataset comes from the policy of the step it "
         "first appears in (official: such a batch is skipped)",
     )
@@ -238,6 +287,8 @@ class RlprPlugin(Plugin):
             filter_start=o.filter_start_step, include_current=o.threshold_uses_current_batch,
         )
         self.baselines: dict[tuple, float] = {}  # (prompt ids, target ids) -> r_0 (baseline="initial")
+        self._threshold = 0.0  # the std threshold of the current step (filter_drop="refill")
+        self._step_stds: list[float] = []  # finite group stds of every group generated in this step (refill rounds)
         self.dataset_scanned = False
 
     def required_columns(self) -> list[str]:
@@ -245,6 +296,14 @@ class RlprPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        engine = _sharded_engine(trainer)
+        if self._refills() and engine is not None:
+            raise IncompatiblePluginsError(
+                f"rlpr: filter_drop='refill' is not supported under {engine} with several processes: the refill stage "
+                "scores the regenerated rows on the processes that hold them, and the rlpr reward runs a policy "
+                "forward there, which is a collective under sharded engines (the processes would not all join it). "
+                "Use filter_drop='zero_advantage' (or std_filter=false)."
+            )
         # the reward function runs inside TRL's reward call, outside any stage context: it keeps the run's services
         self.services = trainer.plugin_services
         self.dataset = getattr(trainer, "train_dataset", None)  # scanned once for the initial-policy baselines
@@ -348,7 +407,38 @@ class RlprPlugin(Plugin):
         ))
         self.baselines.update(zip(keys, self._prefix_probabilities(keys, encode).tolist()))
 
-    # ------------------------------------------------------------------------------------------ advantage
+    # ------------------------------------------------------------------------------------------ std filter
+    def _refills(self) -> bool:
+        return self.options.std_filter and self.options.filter_drop == "refill"
+
+    def hook_enabled(self, hook: str) -> bool:
+        return hook != "trl_plugins_reject_groups" or self._refills()
+
+    def multi_turn_refusal(self) -> str | None:
+        return REFILLS_GROUPS if self._refills() else super().multi_turn_refusal()
+
+    @hookimpl
+    def trl_plugins_reject_groups(self, ctx: RefillContext) -> None:
+        """Reject the fresh groups whose rlpr std is below this step's threshold (taken in round 0, from the earlier
+        steps only; the step's own mean is folded in at the advantage stage)."""
+        stds = group_std(ctx.rewards_per_func[:, self._column(ctx)].cpu(), ctx.num_generations)
+        fresh = ctx.fresh.cpu()
+        if ctx.round == 0:
+            self._step_stds = []
+            o = self.options
+            if o.std_threshold is not None:
+                self._threshold = o.std_threshold
+            else:  # what advance() will return for this step, without recording it yet
+                self._threshold = copy.deepcopy(self.schedule).advance(_finite_mean(stds[fresh]))
+            ctx.log_metric("std_threshold", float(self._threshold))
+        judged = stds[fresh]
+        self._step_stds += [float(x) for x in judged if math.isfinite(float(x))]
+        drop = fresh.clone()
+        drop[fresh] = judged < self._threshold
+        if ctx.round == 0:
+            ctx.log_metric("kept_group_fraction", float(1.0 - drop.float().mean()))
+        ctx.reject(drop)
+
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
         o = self.options
@@ -357,6 +447,14 @@ class RlprPlugin(Plugin):
         values = ctx.rewards_per_func[:, self._column(ctx)]
         stds = group_std(values, ctx.num_generations)
         training = ctx.mode == "train"
+        if self._refills():  # the groups were filtered at the refill stage; record the step's mean for the average
+            if training and o.std_threshold is None:
+                step = self.schedule.step + 1
+                pool = self._step_stds if step >= o.filter_start_step else [float(x) for x in stds]
+                self.schedule.advance(_finite_mean(torch.tensor(pool)) if pool else float("nan"))
+            self._step_stds = []
+            ctx.log_metric("reward_std", float(stds.mean()))
+            return
         if o.std_threshold is not None:
             threshold = o.std_threshold
         elif training:
@@ -370,7 +468,7 @@ class RlprPlugin(Plugin):
         ctx.log_metric("kept_group_fraction", float(keep.float().mean()))
         ctx.log_metric("reward_std", float(stds.mean()))
 
-    def _column(self, ctx: AdvantageContext) -> int:
+    def _column(self, ctx: AdvantageContext | RefillContext) -> int:
         names = ctx.run.reward_func_names
         if COLUMN in names:
             return names.index(COLUMN)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
 
 #: Extras key of the sampling policy's mean log-softmax ``ml_old`` (B, T).
@@ -113,6 +114,11 @@ class RoverPlugin(Plugin):
     paper = "Random Policy Valuation is Enough for LLM Reasoning with Verifiable Rewards (ROVER), arXiv:2509.24981"
     summary = "Replaces the clipped surrogate by a TD regression of the uniform policy's Q-values (log-prob ratios)."
     Options = RoverOptions
+    official = OfficialSource(
+        "tinnerhrhe/ROVER", "b0fa587", verdict="faithful",
+        files=("Math/verl/workers/actor/dp_actor.py",),
+        note="Equal per token; the loss is averaged with TRL's global token mean (officially per micro-batch).",
+    )
     needs_head_stats = True
     replaces_surrogate = True
     replaces = ("the base surrogate on every on-policy token (the TD loss (Q - y)^2)",)

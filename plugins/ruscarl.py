@@ -58,6 +58,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginConfigError, PromptContext, hookimpl, option
 from trl_plugins.api.answers import extract_boxed_or_last_number, normalize_answer
 from trl_plugins.components.judge import (
@@ -286,6 +287,11 @@ class RuscaRLPlugin(Plugin):
     )
     summary = "Graded rubric scaffolds in generation prompts (decaying) and a per-item rubric judge reward."
     Options = RuscaRLOptions
+    official = OfficialSource(
+        "hhh2210/RuscaRL", "1b61829", verdict="faithful",
+        files=("verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py",),
+        variants=("rule_items",),
+    )
     claim_metric = ("rubric_score_clipped", "rubric score")
     replaces = ("the generation prompts (rubric scaffolds)",)
     reconstructed = (

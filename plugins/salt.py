@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
 from trl_plugins.api.text import stable_key
@@ -137,6 +138,11 @@ class SaltPlugin(Plugin):
     paper = "SALT: Step-level Advantage Assignment for Long-horizon Agents via Trajectory Graph, arXiv:2510.20022"
     summary = "Merges the steps a prompt's trajectories share into a graph; each step gets its node's mean advantage."
     Options = SaltOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found (abstract and overview only): the step identity and the action grouping are "
+        "reconstructed.",
+    )
     multi_turn = True
     claim_metric = ("shared_step_fraction", "steps merged with another trajectory's step")
     replaces = ("the advantages (step-level, expanded to tokens)",)

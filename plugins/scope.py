@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     Plugin,
     PluginConfigError,
@@ -154,6 +155,11 @@ class ScopePlugin(Plugin):
     )
     summary = "Failed rollouts keep their PRM-verified prefix; the rest is corrected off-policy and must verify."
     Options = ScopeOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; compared with the paper's abstract and summaries: the step correction, its "
+        "thresholds and acceptance rules are reconstructed.",
+    )
     claim_metric = ("rectified_fraction", "rollouts salvaged (rectified)")
     replaces = ("the suffix of failed completions after their verified prefix (off-policy corrections)",)
     reconstructed = (

@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.answers import batch_clusters, get_extractor, max_semantic_entropy, semantic_entropy
 
@@ -96,6 +97,11 @@ class SeedGrpoPlugin(Plugin):
     paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization, arXiv:2505.12346"
     summary = "Scales each group's advantages down by the semantic entropy of its answers (uncertain = conservative)."
     Options = SeedGrpoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No public repository was found; the paper's formula via its arXiv HTML and summaries; alpha, gamma and "
+        "the unanswered rows are reconstructed.",
+    )
     claim_metric = ("semantic_entropy", "semantic entropy")
     reconstructed = (
         "cluster probabilities are answer frequencies |C_k|/G (paper: summed sequence probabilities)",

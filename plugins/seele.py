@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
@@ -183,6 +184,11 @@ class SeelePlugin(Plugin):
              "Scaffolding, arXiv:2509.06923")
     summary = "Every problem hinted with a solution prefix whose length is fitted per problem to a target accuracy."
     Options = SeeleOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found and the paper body was unreachable; the parts in the abstract and summaries "
+        "match (the 3PL inverse for the hint length); the hint unit and surrogate are reconstructed.",
+    )
     claim_metric = ("mean_hint_rate", "fraction of the solution revealed")
     replaces = ("the prompts (hinted) of every row, and with the hint in the response the leading completion tokens",)
     reconstructed = (

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
@@ -123,6 +124,13 @@ class SirenPlugin(Plugin):
     paper = "Rethinking Entropy Regularization in Large Reasoning Models (SIREN), arXiv:2509.25133"
     summary = "Keeps the top-p entropy of each response's peak-entropy positions near its initial value (anchored)."
     Options = SirenOptions
+    official = OfficialSource(
+        "Linn3a/siren", "fa59a8d", verdict="faithful",
+        files=("verl/verl/workers/actor/dp_actor.py", "verl/verl/trainer/ppo/core_algos.py"),
+        non_official_defaults={
+            "k_max": "10000 candidates; 2048 here bounds the top-k workspace",
+        },
+    )
     claim_metric = ("peak_token_fraction", "tokens regularised")
     needs_head_stats = True
     conflicts_with = ("lp_reg", "clip_cov", "kl_cov")

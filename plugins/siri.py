@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
@@ -58,6 +59,10 @@ class SiriPlugin(Plugin):
     paper = "SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, arXiv:2509.25176"
     summary = "Oscillating rollout length cap (compression / expansion phases) with zero reward beyond it."
     Options = SiriOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found: the compress / expand period and the cap floor are reconstructed.",
+    )
     claim_metric = ("truncated_fraction", "responses zeroed by the cap")
     reconstructed = ("default caps max_completion_length // 2 and max_completion_length, period 100 steps, starting "
                      "phase",)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from trl_plugins.api import OfficialSource
 from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 
@@ -139,6 +140,10 @@ class SteerPlugin(Plugin):
     paper = "Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective (STEER), arXiv:2510.10150"
     summary = "Token weights in [lambda_min, 1] that shrink with each token's first-order entropy change."
     Options = SteerOptions
+    official = OfficialSource(
+        "zz-haooo/STEER", "b31df71", verdict="faithful",
+        files=("verl/trainer/ppo/core_algos.py", "verl/workers/actor/dp_actor.py"),
+    )
     claim_metric = ("reweighted_token_fraction", "tokens reweighted")
     reconstructed = (
         "entropy_source='auto' uses the loss forward's entropy when the policy cannot have moved since the rollout "

@@ -161,11 +161,14 @@ def _stacks(urls):
         # advantages (the rule chunk judge on the BPE tokens)
         "seele+decs": (["seele", "decs"], {"seele": {"rounds": 2}}, {"loss_type": "dapo"}, []),
         # the length family on one stack: HBPO's budget sub-groups (one row each at G=2) and hierarchical advantages,
-        # PEAR's entropy bonus column, DLER's and SIRI's truncation penalties
-        "hbpo+pear+dler+siri": (
-            ["hbpo", "pear", "dler", "siri"], {"hbpo": {"budgets": [8, 16]}, "siri": {"period": 2}},
+        # PEAR's entropy bonus column, SIRI's truncation penalty
+        "hbpo+pear+siri": (
+            ["hbpo", "pear", "siri"], {"hbpo": {"budgets": [8, 16]}, "siri": {"period": 2}},
             {"loss_type": "dapo"}, [],
         ),
+        # DLER's truncation with its recipe's filter through the refill stage (hbpo refuses refill plugins); one
+        # refill round keeps the CPU run short
+        "dler": (["dler"], {}, {"loss_type": "dapo", "max_refill_rounds": 1}, []),
         # the recommended scope stack, with PRM and teacher endpoints; DisCO trains only on groups that hold a
         # correct rollout, which the 135M policy rarely writes but scope's teacher-corrected rollouts are
         # (riskpo is not here: it and disco both recompute the advantages, so the stack refuses them together)

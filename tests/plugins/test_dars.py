@@ -1,6 +1,7 @@
 """DARS: the official ET / HW schedules, extra groups for hard prompts placed in freed slots, the merged-accuracy
 filter, pooled R - mean advantages, DARS-B's schedule check, bad options, and an end-to-end run."""
 
+import collections
 import math
 
 import pytest
@@ -44,17 +45,61 @@ def _groups(*rates, G=4):
 
 
 def test_round_zero_drops_solved_groups_and_gives_their_slots_to_the_hardest_prompts():
-    # G=4: group 0 all wrong (a := 1/8 -> ET extra 3 with N_max 8+... ), group 1 a=0.25, group 2 solved, group 3 solved
+    # G=4, N_max 16: group 0 all wrong (a := 1/8, delta_N 6 -> 2 groups), group 1 a=0.25 (delta_N 2 -> 1 group),
+    # groups 2 and 3 solved (dropped at once). Two freed slots: prompt 0 gets both its extra groups; prompt 1's extra
+    # group does not fit even with its own slot, so prompt 1 leaves the batch (never a part of a prompt's extras)
     ctx = make_refill_context(_groups(0.0, 0.25, 1.0, 1.0), num_generations=4)
     stack = build_stack("dars", {"dars": {"n_max": 16}}, num_generations=4, per_device_train_batch_size=16)
     run_hook(stack, HOOK, ctx)
-    assert ctx.rejected.tolist() == [False, False, True, True]
-    # extra groups: a=0 -> ceil(min(ceil((2 - 4 S) / S), 12) / 4) with S = 2 (1/8)(7/8); the all-wrong prompt first
-    delta0 = extra_rollouts(0.0, 4, 16)
-    assert ctx.replacements[0] == ("repeat", 0)
-    assert len(ctx.replacements) == 2 and delta0 > 4  # only two freed slots
+    assert extra_rollouts(0.0, 4, 16) == 6 and extra_rollouts(0.25, 4, 16) == 2
+    assert ctx.rejected.tolist() == [False, True, True, True]
+    assert ctx.replacements == [("repeat", 0), ("repeat", 0)]
     assert ctx.metrics["plugins/dars/extra_groups"] == [2.0]
-    assert ctx.metrics["plugins/dars/unplaced_groups"][0] > 0
+    assert ctx.metrics["plugins/dars/evicted_prompts"] == [1.0]
+
+
+def _official_extra_groups(accs, N, n_max, G):
+    """The official second sampling (ray_dars_trainer.py:1006-1017, restated): every prompt of the batch gets delta_N
+    extra rollouts; here in whole groups of G."""
+    return [math.ceil(extra_rollouts(a, N, n_max) / G) for a in accs]
+
+
+def test_every_kept_prompt_gets_all_its_official_extra_rollouts():
+    # S=8, G=4, N_max 16: prompts 0 and 2 at accuracy 0 need 2 extra groups each, prompt 1 (a=0.25) one; prompts 3-5
+    # are solved (3 freed slots), 6 and 7 (a >= 0.5) need none. 3 freed + prompt 1's own slot = 4 = 2 + 2: both
+    # zero-accuracy prompts get all their extras; the plugin before 2026-11-27 gave prompt 2 one of its two groups
+    accs = (0.0, 0.25, 0.0, 1.0, 1.0, 1.0, 0.75, 0.5)
+    ctx = make_refill_context(_groups(*accs), num_generations=4)
+    stack = build_stack("dars", {"dars": {"n_max": 16}}, num_generations=4, per_device_train_batch_size=32)
+    run_hook(stack, HOOK, ctx)
+    official = _official_extra_groups(accs, 4, 16, 4)
+    assert official == [2, 1, 2, 0, 0, 0, 0, 0]
+    asked = collections.Counter(g for kind, g in ctx.replacements if kind == "repeat")
+    assert asked == {0: official[0], 2: official[2]}
+    assert ctx.rejected.tolist() == [False, True, False, True, True, True, False, False]
+    assert ctx.metrics["plugins/dars/evicted_prompts"] == [1.0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_no_prompt_is_kept_with_part_of_its_extras(seed):
+    """Random batches of 16 groups of 8 (the issue's simulation): each prompt either keeps its slot and gets exactly
+    its official extra groups, or leaves the batch; the extras fit into the freed slots; a zero-accuracy prompt is
+    never kept without its extras."""
+    g = torch.Generator().manual_seed(seed)
+    accs = [float(k) / 8 for k in torch.randint(0, 9, (16,), generator=g).tolist()]
+    ctx = make_refill_context(_groups(*accs, G=8), num_generations=8)
+    stack = build_stack("dars", {}, num_generations=8, per_device_train_batch_size=128)
+    run_hook(stack, HOOK, ctx)
+    official = _official_extra_groups(accs, 8, 32, 8)
+    asked = collections.Counter(s for kind, s in ctx.replacements if kind == "repeat")
+    rejected = ctx.rejected.tolist()
+    for slot, extra in enumerate(official):
+        if rejected[slot]:
+            assert asked[slot] == 0
+        else:
+            assert asked[slot] == extra
+    assert sum(asked.values()) <= sum(rejected)
+    assert not any(a == 0.0 and not r and asked[s] == 0 for s, (a, r) in enumerate(zip(accs, rejected)))
 
 
 def _round_zero_stack():

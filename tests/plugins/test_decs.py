@@ -13,15 +13,18 @@ from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.testing import (
     CharTokenizer,
     make_advantage_context,
+    make_refill_context,
     make_reward_context,
     make_tiny_trainer,
     record_run,
+    run_hook,
     stub_policy_stats,
 )
 from trl_plugins_builtin.decs import (
     chunk_starts,
     contains_answer,
     curriculum_keep,
+    curriculum_select,
     decs_token_rewards,
     nrp_split,
     official_chunks,
@@ -201,8 +204,85 @@ def test_hooks_build_token_advantages_from_the_answer_column():
     assert actx.metrics["plugins/decs/nrp_ratio"] == [pytest.approx((0.5 + 0.5 + 1.0) / 3)]
 
 
+def _official_filter(rewards, G, kappa, carried, sample):
+    """The official curriculum filter of one generation batch (valid_ray_trainer.py:1545-1570, restated): kept uids =
+    varied groups; if kappa > 0: carried += kept, n = int(kappa carried / (1 - kappa)), carried reset when n > 0, and
+    min(n, all-correct) all-correct groups sampled (``sample(ids, k)``)."""
+    groups = [rewards[i:i + G] for i in range(0, len(rewards), G)]
+    stds = [torch.tensor(g).std(unbiased=False).item() for g in groups]
+    means = [sum(g) / G for g in groups]
+    kept = [i for i, s in enumerate(stds) if s > 0]
+    easy = [i for i in range(len(groups)) if means[i] > 0 and stds[i] == 0]
+    if kappa > 0:
+        carried += len(kept)
+        n = int(kappa * carried / (1 - kappa))
+        if n > 0:
+            carried = 0
+        kept += sample(easy, min(n, len(easy)))
+    return sorted(kept), carried
+
+
+@pytest.mark.parametrize("kappa, carried", [(0.0, 0), (0.2, 0), (0.2, 3), (0.5, 1), (0.9, 0)])
+def test_curriculum_select_is_the_official_filter(kappa, carried):
+    # G=2: varied, easy, easy, wrong, easy, varied
+    rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    keep, left = curriculum_select(torch.tensor(rewards), 2, kappa, carried, torch.Generator().manual_seed(0))
+    chosen = []
+    expected, expected_left = _official_filter(rewards, 2, kappa, carried,
+                                               lambda ids, k: chosen.extend(ids[:k]) or ids[:k])
+    assert left == expected_left
+    assert sorted(i for i in range(6) if keep[i] and i in (0, 5)) == [i for i in expected if i in (0, 5)]
+    assert int(keep[[1, 2, 4]].sum()) == len(chosen) and not keep[3]
+
+
+def test_carried_count_lets_a_later_batch_keep_an_all_correct_group():
+    # kappa 0.2: one varied group gives int(0.25) = 0 all-correct groups, so the count is carried; the fourth varied
+    # group reaches int(0.2 * 4 / 0.8) = 1 (the per-batch rule of curriculum_keep never keeps one)
+    g, carried = torch.Generator().manual_seed(0), 0
+    batch = torch.tensor([1.0, 0.0, 1.0, 1.0])  # G=2: varied, easy
+    for expected_easy, expected_carried in [(False, 1), (False, 2), (False, 3), (True, 0)]:
+        keep, carried = curriculum_select(batch, 2, 0.2, carried, g)
+        assert keep.tolist() == [True, expected_easy] and carried == expected_carried
+        assert curriculum_keep(batch, 2, 0.2, g).tolist() == [True, False]
+
+
+def _decs_stack(**options):
+    from trl_plugins.testing import build_stack
+
+    return build_stack("decs", {"decs": {"split_words": ["Wait"], **options}}, configure=False, num_generations=2,
+                       per_device_train_batch_size=8)
+
+
+def test_curriculum_rejects_and_refills_by_default():
+    stack = _decs_stack()
+    plugin = stack.plugins[0]
+    assert plugin.hook_enabled("trl_plugins_reject_groups")
+    ctx = make_refill_context(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]), num_generations=2)
+    run_hook(stack, "trl_plugins_reject_groups", ctx)
+    assert ctx.rejected.tolist() == [False, True, True, False]  # kappa 0: the all-correct and all-wrong groups
+    assert ctx.metrics["plugins/decs/kept_group_fraction"] == [0.5]
+    # a refill round judges only the fresh groups
+    assert plugin.carried_kept == 0  # kappa 0: nothing is counted (official: only while kappa > 0)
+    plugin.kappa, plugin.carried_kept = 0.5, 2
+    later = make_refill_context(torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0]), num_generations=2, round=1,
+                                fresh=[False, True, True, False])
+    run_hook(stack, "trl_plugins_reject_groups", later)
+    # carried 2 + 0 varied fresh groups: int(0.5 * 2 / 0.5) = 2 >= the 2 all-correct fresh groups: both kept
+    assert later.rejected.tolist() == [False, False, False, False] and plugin.carried_kept == 0
+
+
+def test_zero_advantage_curriculum_keeps_the_batch():
+    plugin = build_plugins(["decs"], {"decs": {"curriculum_drop": "zero_advantage"}}).plugins[0]
+    assert not plugin.hook_enabled("trl_plugins_reject_groups") and plugin.multi_turn_refusal() != \
+        build_plugins(["decs"]).plugins[0].multi_turn_refusal()
+    assert not build_plugins(["decs"], {"decs": {"curriculum": False}}).plugins[0].hook_enabled(
+        "trl_plugins_reject_groups")
+    with pytest.raises(PluginConfigError, match="curriculum_drop"):
+        build_plugins(["decs"], {"decs": {"curriculum_drop": "drop"}})
+
+
 def test_curriculum_drops_easy_groups_and_kappa_follows_the_nrp_ratio():
-    plugin = _plugin(kappa_lr=0.5, **LEGACY)
+    plugin = _plugin(kappa_lr=0.5, curriculum_drop="zero_advantage", **LEGACY)
     actx, _ = _run(plugin)
     assert torch.all(actx.advantages[:2] == 0)  # kappa = 0: the all-correct group is dropped
     assert actx.metrics["plugins/decs/kept_group_fraction"] == [0.5]
@@ -234,9 +314,10 @@ def test_end_to_end_decs_trains(tmp_path):
     from trl_plugins.tasks.arithmetic import accuracy_reward
 
     trainer = make_tiny_trainer(reward_funcs=[accuracy_reward], max_steps=2, output_dir=str(tmp_path / "d"),
-                                plugins=["decs"])
+                                plugins=["decs"], max_refill_rounds=2)
     run = record_run(trainer)
     logs = [log for log in run.logs if "loss" in log]
     assert logs and all("plugins/decs/kappa" in log for log in logs)
+    assert all("plugins/framework/refill_rounds" in log for log in logs)  # the curriculum refills
     assert all(a.dim() == 2 for a in run.advantages)
     assert all(math.isfinite(log["loss"]) for log in logs)

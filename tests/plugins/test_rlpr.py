@@ -4,16 +4,18 @@ The reward is checked exactly against a direct forward of the tiny policy; the f
 AdvantageContext; the neutral setting (weight 0, no filter) reproduces trl.GRPOTrainer; a short run trains."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from trl import GRPOTrainer
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.testing import (
     build_stack,
     digit_fraction_reward,
     make_advantage_context,
+    make_refill_context,
     make_tiny_trainer,
     record_run,
     run_hook,
@@ -94,8 +96,12 @@ def _adv_ctx(rlpr_rewards, G, advantages=None):
     return ctx
 
 
+#: the cheaper variant: filtered groups stay in the batch with zero advantages (the plugin's filter before 2026-11-27)
+ZERO = {"filter_drop": "zero_advantage"}
+
+
 def test_std_filter_fixed_threshold():
-    plugin = build_plugins(["rlpr"], {"rlpr": {"std_threshold": 0.1}}).plugins[0]
+    plugin = build_plugins(["rlpr"], {"rlpr": {"std_threshold": 0.1, **ZERO}}).plugins[0]
     ctx = _adv_ctx([0.5, 0.52, 0.1, 0.9, 0.3, 0.3], G=2, advantages=torch.arange(6.0).unsqueeze(1).repeat(1, 3))
     plugin.trl_plugins_transform_advantages(ctx)
     # group stds: 0.0141, 0.566, 0 -> only group 1 is kept; (N, T) advantages are supported
@@ -109,7 +115,7 @@ PREVIOUS_FILTER = {"std_filter_beta": 1.0, "ema_start_step": 1, "filter_start_st
 
 
 def test_std_filter_ema_threshold_and_state():
-    plugin = build_plugins(["rlpr"], {"rlpr": {"ema_decay": 0.5, **PREVIOUS_FILTER}}).plugins[0]
+    plugin = build_plugins(["rlpr"], {"rlpr": {"ema_decay": 0.5, **PREVIOUS_FILTER, **ZERO}}).plugins[0]
     ctx = _adv_ctx([0.0, 0.2, 0.0, 1.0], G=2)  # stds sqrt(.02)=0.1414, sqrt(.5)=0.7071 -> mean 0.4243
     plugin.trl_plugins_transform_advantages(ctx)
     first = (math.sqrt(0.02) + math.sqrt(0.5)) / 2
@@ -178,7 +184,7 @@ def _filter_step(plugin, rlpr_rewards, G=2):
 
 
 def test_official_std_filter_warms_up_then_filters_below_half_the_moving_average():
-    stack = build_stack("rlpr")
+    stack = build_stack("rlpr", {"rlpr": ZERO})
     plugin = stack.plugins[0]
     def batch(s):  # group stds (0, s / 10 / sqrt(2)) (unbiased std of two values)
         return [0.5, 0.5, 0.0, s / 10]
@@ -203,7 +209,7 @@ def test_official_std_filter_warms_up_then_filters_below_half_the_moving_average
 
 
 def test_official_schedule_state_survives_a_resume_mid_warm_up():
-    config = {"rlpr": {"ema_start_step": 2, "filter_start_step": 3}}
+    config = {"rlpr": {"ema_start_step": 2, "filter_start_step": 3, **ZERO}}
     a, b = build_stack("rlpr", config), build_stack("rlpr", config)
     batches = [[0.0, 0.1, 0.0, 0.3], [0.0, 0.4, 0.0, 0.2], [0.0, 0.25, 0.0, 0.05], [0.0, 0.3, 0.0, 0.3]]
     for i, values in enumerate(batches):
@@ -213,6 +219,76 @@ def test_official_schedule_state_survives_a_resume_mid_warm_up():
         if i >= 2:
             assert torch.equal(_filter_step(b, values).advantages, got_a)
     assert b.plugins[0].schedule.ema == a.plugins[0].schedule.ema and b.plugins[0].schedule.step == 4
+
+
+def _refill_round(stack, rlpr_rewards, G=2, **kwargs):
+    rewards = torch.tensor(rlpr_rewards)
+    ctx = make_refill_context(torch.stack([rewards * 0, rewards], 1), num_generations=G, **kwargs)
+    return run_hook(stack, "trl_plugins_reject_groups", ctx)
+
+
+def test_official_filter_rejects_and_refills_by_default():
+    """The official trainer drops the groups below beta x EMA and generates new prompts (DPPR ray_trainer.py:1415,
+    1605-1620): the same schedule as above, through the refill stage; nothing is zeroed at the advantage stage."""
+    stack = build_stack("rlpr")
+    plugin = stack.plugins[0]
+    assert plugin.hook_enabled("trl_plugins_reject_groups")
+    assert plugin.multi_turn_refusal() is not None  # refill: refused with tools
+
+    def batch(s):
+        return [0.5, 0.5, 0.0, s / 10]
+
+    mean_std = [s / 10 / math.sqrt(2) / 2 for s in range(1, 13)]
+    for s in range(1, 11):  # steps 1..10 never reject
+        ctx = _refill_round(stack, batch(s))
+        assert not ctx.rejected.any() and ctx.metrics["plugins/rlpr/std_threshold"] == [0.0]
+        assert _filter_step(stack, batch(s)).advantages.tolist() == [1, 1, 1, 1]
+    assert plugin.schedule.warmup_means == pytest.approx(mean_std[5:10])  # the final batches of steps 6..10
+    ema = sum(mean_std[5:10]) / 5
+    first = _refill_round(stack, [0.0, 0.18, 0.0, 0.4])  # stds 0.127, 0.283 around 0.5 * ema = 0.141
+    assert first.metrics["plugins/rlpr/std_threshold"] == [pytest.approx(0.5 * ema)]
+    assert first.rejected.tolist() == [True, False]
+    # the refill round judges only the fresh group, with the same threshold: a flat refill group is rejected again
+    second = _refill_round(stack, [0.3, 0.3, 0.0, 0.4], round=1, fresh=[True, False])
+    assert second.rejected.tolist() == [True, False] and "plugins/rlpr/std_threshold" not in second.metrics
+    third = _refill_round(stack, [0.0, 1.0, 0.0, 0.4], round=2, fresh=[True, False])
+    assert not third.rejected.any()
+    # the advantage stage zeroes nothing and records the mean over every group generated in step 11 (4 groups)
+    assert _filter_step(stack, [0.0, 1.0, 0.0, 0.4]).advantages.tolist() == [1, 1, 1, 1]
+    step11 = (0.18 + 0.4 + 0.0 + 1.0) / math.sqrt(2) / 4
+    assert plugin.schedule.pending == pytest.approx(step11) and plugin.schedule.step == 11
+    ema = 0.99 * ema + 0.01 * step11
+    assert _refill_round(stack, [0.0, 10.0, 0.0, 10.0]).metrics["plugins/rlpr/std_threshold"] == \
+        [pytest.approx(0.5 * ema)]
+
+
+def test_filter_off_or_zero_advantage_does_not_refill():
+    for options in ({"std_filter": False}, ZERO):
+        plugin = build_plugins(["rlpr"], {"rlpr": options}).plugins[0]
+        assert not plugin.hook_enabled("trl_plugins_reject_groups") and plugin.multi_turn_refusal() is None
+    with pytest.raises(PluginConfigError, match="filter_drop"):
+        build_plugins(["rlpr"], {"rlpr": {"filter_drop": "drop"}})
+
+
+@pytest.mark.parametrize("engine, attributes", [
+    ("FSDP", {"is_fsdp_enabled": True}),
+    ("ZeRO-3", {"state": SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3))}),
+])
+def test_refill_is_refused_under_sharded_engines_with_several_processes(engine, attributes):
+    """The refill stage scores regenerated rows only where they are; the rlpr reward's policy forward would then be a
+    collective not every process joins."""
+    from trl_plugins.testing import stub_trainer, tiny_config
+
+    def trainer(processes, **extra):
+        accelerator = SimpleNamespace(num_processes=processes, process_index=0, is_main_process=True,
+                                      device=torch.device("cpu"), **{k: v for k, v in attributes.items() if k == "state"})
+        fsdp = {k: v for k, v in attributes.items() if k != "state"}
+        return stub_trainer(tiny_config("/tmp/rlpr-engine"), accelerator=accelerator, **fsdp, **extra)
+
+    with pytest.raises(IncompatiblePluginsError, match=f"filter_drop='refill' is not supported under {engine}"):
+        build_stack("rlpr", trainer=trainer(2))
+    build_stack("rlpr", {"rlpr": ZERO}, trainer=trainer(2))  # no refill: accepted
+    build_stack("rlpr", trainer=trainer(1))  # one process: accepted
 
 
 def test_schedule_options_validated():

@@ -5,7 +5,7 @@ A plugin imports from ``trl_plugins`` only this package (and its submodules) and
 for the built-in plugins and the scaffolded template. This package re-exports the core; the rest lives in
 submodules:
 
-- :mod:`~trl_plugins.api.plugin` (``Plugin``, ``Moved``), :mod:`~trl_plugins.api.hookspecs` (``hookimpl``, the hook
+- :mod:`~trl_plugins.api.plugin` (``Plugin``, ``Moved``), :mod:`~trl_plugins.api.faithfulness` (``OfficialSource``), :mod:`~trl_plugins.api.hookspecs` (``hookimpl``, the hook
   specifications), :mod:`~trl_plugins.api.contexts` (the stage contexts), :mod:`~trl_plugins.api.options` and
   :mod:`~trl_plugins.api.option_groups` (typed options), :mod:`~trl_plugins.api.errors`;
 - helpers plugins call: :mod:`~trl_plugins.api.reasons` (shared refusal reasons), :mod:`~trl_plugins.api.success`
@@ -36,6 +36,7 @@ from trl_plugins.api.errors import (
     PluginError,
     UnknownPluginError,
 )
+from trl_plugins.api.faithfulness import OfficialSource
 from trl_plugins.api.hookspecs import hookimpl
 from trl_plugins.api.options import PluginOptions, option
 from trl_plugins.api.plugin import Moved, Plugin
@@ -50,6 +51,7 @@ __all__ = [
     "LossContext",
     "ModelNotFoundError",
     "Moved",
+    "OfficialSource",
     "Plugin",
     "PluginConfigError",
     "PluginError",

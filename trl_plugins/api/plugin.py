@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from trl_plugins.api.faithfulness import OfficialSource
 from trl_plugins.api.hookspecs import HOOK_STAGES, STAGE_ORDER
 from trl_plugins.api.loss_types import LOSS_PATH_HOOKS, SUPPORTED_LOSS_TYPES
 from trl_plugins.api.options import PluginOptions, option_choices
@@ -71,6 +72,9 @@ class Plugin:
         loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
+        official: the :class:`~trl_plugins.faithfulness.OfficialSource` the plugin was checked against (repository @
+            commit, verdict, options deviating from the official defaults), or one saying that no official code was
+            reachable and what is reconstructed; every built-in plugin declares it (``docs/faithfulness.md``).
         claim_metric: ``(metric, what it measures)``: the plugin's headline metric (a name it logs with
             ``ctx.log_metric``, without the ``plugins/<name>/`` prefix), the quantity its paper's claim is about.
             Shown in the console's progress bar and summary and in ``trl-plugins compare`` tables; empty: the
@@ -101,6 +105,7 @@ class Plugin:
     loss_types: ClassVar[tuple[str, ...]] = ()
     loss_types_reason: ClassVar[str] = ""
     reconstructed: ClassVar[tuple[str, ...]] = ()
+    official: ClassVar[OfficialSource | None] = None
     claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
     multi_turn: ClassVar[bool | str | None] = None
     moved_by: ClassVar[str] = ""

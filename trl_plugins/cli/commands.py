@@ -35,6 +35,10 @@ def describe_plugin(name: str) -> str:
     if cls.summary:
         lines += [cls.summary, ""]
     lines.append(f"Paper:   {cls.paper or '-'}")
+    from trl_plugins.api.faithfulness import VERDICTS, OfficialSource
+
+    if isinstance(cls.official, OfficialSource):
+        lines.append(f"Official code: {cls.official.citation} ({VERDICTS[cls.official.verdict]})")
     lines.append(f"Stages:  {', '.join(cls.stages()) or '-'}")
     lines.append(f"Hooks:   {', '.join(cls.hook_names())}")
     from trl_plugins.cli.docs import moved_lines, stacking_notes

@@ -9,6 +9,8 @@ Writes, under the checkout's ``docs/`` (or ``--out``):
 * ``compatibility.md``: which plugins refuse to be stacked and why, what each replaces, which loss types each runs
   with (from ``conflicts_with``, ``replaces``, ``replaces_surrogate`` and ``loss_types``);
 * ``hooks.md``: every hook spec (signature, stage, docstring) and every stage context (attributes, methods);
+* ``faithfulness.md``: per plugin the official repository @ commit it was checked against, the verdict and the
+  options that deviate from the official defaults (from each plugin's ``official`` metadata);
 * ``configuration.md``: every field, command-line option and environment variable trl-plugins adds, and every
   plugin option.
 
@@ -197,6 +199,7 @@ def plugin_page(cls: type, builtin: bool = True) -> str:
         "| | |",
         "|---|---|",
         f"| Paper | {_cell(arxiv_links(cls.paper)) or '-'} |",
+        *_official_row(cls),
         f"| Stages | {', '.join(cls.stages()) or '-'} |",
         f"| Hooks | {hooks} |",
         f"| Version | {cls.version} |",
@@ -552,6 +555,17 @@ def configuration_page(plugins: Mapping[str, type]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _official_row(cls: type) -> list[str]:
+    """The plugin page's "Official code" row (from ``cls.official``; none for a plugin that does not declare it)."""
+    from trl_plugins.api.faithfulness import VERDICTS, OfficialSource
+
+    source = getattr(cls, "official", None)
+    if not isinstance(source, OfficialSource):
+        return []
+    return [f"| Official code | `{source.citation}` ({VERDICTS[source.verdict]}; "
+            "[faithfulness](../faithfulness.md)) |"]
+
+
 def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     """Every generated page, path relative to the docs directory -> text (nothing is written)."""
     plugins = builtin_plugins() if plugins is None else dict(plugins)
@@ -560,13 +574,16 @@ def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
     pages["compatibility.md"] = compatibility_page(plugins)
     pages["hooks.md"] = hooks_page()
     pages["configuration.md"] = configuration_page(plugins)
+    from trl_plugins.api.faithfulness import faithfulness_page
+
+    pages["faithfulness.md"] = faithfulness_page(plugins, GENERATED)
     return pages
 
 
 def _generated_on_disk(out: Path) -> set[str]:
     """Relative paths of generated pages present under ``out`` (recognised by their first line)."""
     found = set()
-    for path in [out / "hooks.md", out / "compatibility.md", out / "configuration.md",
+    for path in [out / "hooks.md", out / "compatibility.md", out / "configuration.md", out / "faithfulness.md",
                  *sorted((out / "plugins").glob("*.md"))]:
         if path.is_file() and path.read_text(encoding="utf-8").startswith(GENERATED):
             found.add(path.relative_to(out).as_posix())
