@@ -376,3 +376,35 @@ def test_training_scenario(scenario, tmp_path, model_dir, noop_plugin):
     assert noop_trainer.state.global_step == scenario.steps
     if scenario.plugins == "equal":
         assert_same_run(trl, noop)
+
+
+def test_plugin_config_defaults_are_grpo_configs_but_the_cpu_precision(tmp_path):
+    """Every field's default is TRL's, except one by design: ``bf16`` unset on a CPU without bf16 units is False
+    (float32) in ``PluginGRPOConfig``, where ``GRPOConfig`` turns it on (TRL's default for GPUs)."""
+    from trl_plugins import PluginGRPOConfig
+    from trl_plugins.precision import cpu_bf16_is_native
+
+    def defaults(cls):
+        return outcome(lambda: cls(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+
+    trl, ours = defaults(GRPOConfig), defaults(PluginGRPOConfig)
+    assert ours[0] == "ok", ours[1]
+    if cpu_bf16_is_native():
+        assert trl[0] == "ok" and trl[1].bf16 == ours[1].bf16
+    elif trl[0] == "error":  # TRL's bf16 default refused on this CPU: the plugin config's float32 default runs
+        assert "bf16" in str(trl[1]) or "bfloat16" in str(trl[1]), trl[1]
+        assert ours[1].bf16 is False
+        return
+    else:
+        assert (trl[1].bf16, ours[1].bf16) == (True, False), "the documented CPU float32 default changed"
+    differ = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in ("bf16", "logging_dir")
+              and repr(getattr(trl[1], f.name)) != repr(getattr(ours[1], f.name))]
+    assert not differ, f"PluginGRPOConfig changes TRL's defaults of {differ}"
+
+
+def test_compatibility_page_lists_every_trl_feature():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "compatibility.md").read_text()
+    missing = [n for n in [*grpo_config_fields(), *grpo_trainer_arguments()] if f"| `{n}` |" not in page]
+    assert not missing, f"docs/compatibility.md does not list {missing}: regenerate with `trl-plugins docs`"
