@@ -571,6 +571,10 @@ def _scenario_outcomes(s) -> tuple[str, str]:
     ours = {"equal": "works: same results with a no-op plugin on every hook",
             "runs": f"works (results not compared: {s.reason})",
             "refused": f"refused at construction: {s.reason}"}[s.plugins]
+    if s.refused_hooks and s.plugins == "equal":
+        hooks = ", ".join(f"`{h}`" for h in s.refused_hooks)
+        ours = (f"works: same results with a no-op plugin on every hook but {hooks}; "
+                + "; ".join(f"`{h}`: {why}" for h, why in s.refused_hooks.items()))
     return f"same results ({steps} trained and compared)", ours
 
 

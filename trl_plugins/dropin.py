@@ -54,6 +54,9 @@ class Scenario:
         reason: why the scenario is not a full run, why the plugin run is not compared, or how the trainers differ.
         refuses: for ``"construct"``: a fragment of the message both trainers refuse with ("" = both accept).
         steps: optimizer steps of a ``"run"``.
+        refused_hooks: ``{hook: reason}``: hooks the plugin trainer refuses in this scenario (at construction, with
+            the reason); the no-op plugin implementing every hook is refused, and the no-op plugin without these hooks
+            gives what ``plugins`` says.
         xfail: a known difference between the two trainers (the suite marks the scenario xfail, strict, with it).
     """
 
@@ -65,6 +68,7 @@ class Scenario:
     reason: str = ""
     refuses: str = ""
     steps: int = 1
+    refused_hooks: Mapping[str, str] = field(default_factory=dict)
     xfail: str = ""
 
     @property
@@ -81,6 +85,13 @@ class Scenario:
 S = Scenario
 ITER2 = {"num_iterations": 2}  # two optimizer steps per generation: importance ratios differ from 1, clipping acts
 REF = {"beta": 0.04}
+# beta > 0: TRL loads the reference model by the policy's name or path, so these scenarios give the model by path
+
+
+def no_refill(why: str) -> dict[str, str]:
+    return {"trl_plugins_reject_groups": "refill (whole groups rejected and regenerated within the step) is refused "
+                                         f"at construction with {why}"}
+
 
 SCENARIOS: tuple[Scenario, ...] = (
     # ---------------------------------------------------------------- model loading
@@ -105,12 +116,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("top_k", {"top_k": 5}),
     S("min_p", {"min_p": 0.05}),
     S("generation_kwargs", {"generation_kwargs": {"top_k": 3}}),
-    S("chat_template_kwargs", {"chat_template_kwargs": {"add_generation_prompt": True}}),
+    S("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
     S("repetition_penalty", {"repetition_penalty": 1.3}),
     S("cache_implementation", {"cache_implementation": "dynamic"}),
     S("use_transformers_continuous_batching", {"use_transformers_continuous_batching": True}),
     S("transformers_continuous_batching_config",
-      {"use_transformers_continuous_batching": True, "transformers_continuous_batching_config": {"max_batch_tokens": 256}}),
+      {"use_transformers_continuous_batching": True, "transformers_continuous_batching_config": {"max_batch_tokens": 256}},
+      mode="construct", reason="continuous batching is trained by the scenario above (about a minute on a CPU); "
+                               "this one checks both trainers build the same batching config"),
     S("use_transformers_paged", {"use_transformers_paged": True}, mode="construct",
       reason="deprecated alias of `use_transformers_continuous_batching` (trained above); both accept it alike"),
     # ---------------------------------------------------------------- vLLM
@@ -127,7 +140,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         ("vllm_importance_sampling_mode", "token_truncate"), ("vllm_importance_sampling_clip_max", 2.0),
         ("vllm_importance_sampling_clip_min", 0.5), ("vllm_importance_sampling_cap", 2.0))),
     # ---------------------------------------------------------------- loss
-    S("beta", REF),
+    S("beta", REF, setup="model_path"),
     S("num_iterations", ITER2, steps=2),
     S("epsilon", {"epsilon": 0.05, **ITER2}, steps=2),
     S("delta", {"delta": 1.05, **ITER2}, steps=2),
@@ -141,10 +154,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("importance_sampling_level", {"importance_sampling_level": "sequence", **ITER2}, steps=2),
     *(S("loss_type", {"loss_type": t}) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")),
     S("mask_truncated_completions", {"mask_truncated_completions": True, "max_completion_length": 40}),
-    S("sync_ref_model", {"sync_ref_model": True, "ref_model_sync_steps": 1, **REF}, steps=2),
+    S("sync_ref_model", {"sync_ref_model": True, "ref_model_sync_steps": 1, **REF}, steps=2, setup="model_path"),
     S("ref_model_mixup_alpha", {"sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.3,
-                                **REF}, steps=2),
-    S("ref_model_sync_steps", {"sync_ref_model": True, "ref_model_sync_steps": 1, **REF}, steps=2),
+                                **REF}, steps=2, setup="model_path"),
+    S("ref_model_sync_steps", {"sync_ref_model": True, "ref_model_sync_steps": 1, **REF}, steps=2, setup="model_path"),
     S("top_entropy_quantile", {"top_entropy_quantile": 0.5}),
     S("entropy_coef", {"entropy_coef": 0.05}),
     S("use_adaptive_entropy", {"use_adaptive_entropy": True}, steps=2),
@@ -153,14 +166,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("entropy_coef_delta", {"use_adaptive_entropy": True, "entropy_coef_delta": 0.05}, steps=2),
     S("entropy_target", {"use_adaptive_entropy": True, "entropy_target": 2.0}, steps=2),
     S("off_policy_mask_threshold", {"off_policy_mask_threshold": 0.01, **ITER2}, steps=2),
-    S("use_bias_correction_kl", {"use_bias_correction_kl": False, **REF, **ITER2}, steps=2),
+    S("use_bias_correction_kl", {"use_bias_correction_kl": False, **REF, **ITER2}, steps=2, setup="model_path"),
     # ---------------------------------------------------------------- rewards
     S("reward_weights", {"reward_weights": [1.0, 0.5]}, setup="two_rewards"),
     S("multi_objective_aggregation", {"multi_objective_aggregation": "normalize_then_sum"}, setup="two_rewards"),
     S("scale_rewards", {"scale_rewards": "batch"}),
     S("scale_rewards", {"scale_rewards": "none"}),
     # ---------------------------------------------------------------- tools
-    S("max_tool_calling_iterations", {"max_tool_calling_iterations": 1}, setup="tools"),
+    S("max_tool_calling_iterations", {"max_tool_calling_iterations": 1}, setup="tools", refused_hooks=no_refill("tools")),
     # ---------------------------------------------------------------- logging
     S("log_completions", {"log_completions": True}),
     S("log_multimodal", {"log_multimodal": False, "log_completions": True}),
@@ -179,7 +192,8 @@ SCENARIOS: tuple[Scenario, ...] = (
       reason="without `args` TRL builds a `GRPOConfig`, whose `bf16` default is True; the plugin trainer builds a "
              "`PluginGRPOConfig`, which keeps float32 on a CPU without bf16 units (bf16 autocast brings no speed "
              "there and TRL's default stops a GPU-less machine). Everything else is TRL's default"),
-    S("GRPOTrainer(train_dataset=)", setup="iterable_dataset"),
+    S("GRPOTrainer(train_dataset=)", setup="iterable_dataset",
+      refused_hooks=no_refill("an iterable training dataset (the refill stream draws rows by index)")),
     S("GRPOTrainer(eval_dataset=)", setup="eval"),
     S("GRPOTrainer(processing_class=)", setup="no_processing_class"),
     S("GRPOTrainer(reward_processing_classes=)", setup="reward_model"),
@@ -188,9 +202,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("GRPOTrainer(quantization_config=)", setup="quantization", mode="construct",
       reason="a trained 4-bit model needs bitsandbytes' CUDA kernels; on the CPU both trainers build it alike"),
     S("GRPOTrainer(peft_config=)", setup="peft_config"),
-    S("GRPOTrainer(tools=)", setup="tools"),
-    S("GRPOTrainer(rollout_func=)", setup="rollout_func"),
-    S("GRPOTrainer(environment_factory=)", setup="environment"),
+    S("GRPOTrainer(tools=)", setup="tools", refused_hooks=no_refill("tools")),
+    S("GRPOTrainer(rollout_func=)", setup="rollout_func", refused_hooks=no_refill("rollout_func")),
+    S("GRPOTrainer(environment_factory=)", setup="environment", refused_hooks=no_refill("tools, environment_factory")),
 )
 
 

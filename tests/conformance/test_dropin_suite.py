@@ -31,64 +31,39 @@ from trl_plugins.testing import (
 NOOP = "dropin_noop"
 
 
-class EveryHookNoop(Plugin):
-    """Implements every hook of :mod:`trl_plugins.hookspecs` and changes nothing."""
+def _noop_hooks() -> dict:
+    """One do-nothing implementation per hook, with the spec's argument names (pluggy checks them)."""
 
-    name = NOOP
-    summary = "no-op on every hook (drop-in conformance)"
-    multi_turn = True
+    def trl_plugins_configure(self, trainer, args): pass
+    def trl_plugins_on_step_end(self, trainer, step): pass
+    def trl_plugins_state_dict(self): return {}
+    def trl_plugins_load_state_dict(self, state): pass
+    def trl_plugins_reward_functions(self, args): return []
+    def trl_plugins_train_sampler(self, trainer, sampler, dataset): return None
+    def trl_plugins_generation_prompts(self, ctx): pass
+    def trl_plugins_after_generation(self, ctx): pass
+    def trl_plugins_reject_groups(self, ctx): pass
+    def trl_plugins_transform_rewards(self, ctx): pass
+    def trl_plugins_transform_advantages(self, ctx): pass
+    def trl_plugins_loss_advantages(self, ctx): pass
+    def trl_plugins_loss(self, ctx): pass
 
-    @hookimpl
-    def trl_plugins_configure(self, trainer, args):
-        pass
+    return {name: hookimpl(f) for name, f in locals().items() if name.startswith("trl_plugins_")}
 
-    @hookimpl
-    def trl_plugins_on_step_end(self, trainer, step):
-        pass
 
-    @hookimpl
-    def trl_plugins_state_dict(self):
-        return {}
+def noop_plugin_class(name: str = NOOP, without: tuple[str, ...] = ()) -> type[Plugin]:
+    """A plugin implementing every hook of :mod:`trl_plugins.hookspecs` but ``without``, each changing nothing."""
+    hooks = {h: f for h, f in _noop_hooks().items() if h not in without}
+    attrs = dict(name=name, summary="no-op on every hook (drop-in conformance)", multi_turn=True, **hooks)
+    return type("EveryHookNoop", (Plugin,), attrs)
 
-    @hookimpl
-    def trl_plugins_load_state_dict(self, state):
-        pass
 
-    @hookimpl
-    def trl_plugins_reward_functions(self, args):
-        return []
+EveryHookNoop = noop_plugin_class()
 
-    @hookimpl
-    def trl_plugins_train_sampler(self, trainer, sampler, dataset):
-        return None
 
-    @hookimpl
-    def trl_plugins_generation_prompts(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_after_generation(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_reject_groups(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_transform_rewards(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_transform_advantages(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_loss_advantages(self, ctx):
-        pass
-
-    @hookimpl
-    def trl_plugins_loss(self, ctx):
-        pass
+def test_the_noop_plugin_implements_every_hook():
+    assert set(EveryHookNoop.hook_names()) == set(HOOK_STAGES)
+    assert set(EveryHookNoop.stages()) == {"sampling", "reward", "advantage", "loss"}
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +289,7 @@ RUN = [param(s) for s in SCENARIOS if s.mode == "run"]
 
 
 def comparable_logs(record: RunRecord) -> list[dict]:
-    return [{k: v for k, v in entry.items() if not TIMING.search(k) and not k.startswith("plugins/")}
+    return [{k: v for k, v in entry.items() if not TIMING.search(k) and not k.removeprefix("eval_").startswith("plugins/")}
             for entry in record.logs]
 
 
@@ -350,6 +325,18 @@ def test_the_run_comparison_can_fail():
         assert_same_run(rec, dataclasses.replace(rec, completion_ids=[torch.tensor([[1, 3]])]))
 
 
+@pytest.mark.slow
+def test_a_one_field_difference_between_the_trainers_is_caught(tmp_path, model_dir):
+    """The live comparison is not vacuous: the same scenario with one field changed for the plugin trainer only
+    (the clip range, acting from the second step of a two-iteration generation) fails it."""
+    base = Scenario("epsilon", {"epsilon": 0.05, "num_iterations": 2}, steps=2)
+    trl = record_run(build(GRPOTrainer, base, tmp_path / "trl", model_dir))
+    ours = record_run(build(PluginGRPOTrainer, dataclasses.replace(base, config={**base.config, "epsilon": 0.06}),
+                            tmp_path / "ours", model_dir))
+    with pytest.raises(AssertionError):
+        assert_same_run(trl, ours)
+
+
 def _callback_events(trainer):
     return [cb.events for cb in trainer.callback_handler.callbacks if isinstance(cb, CountingCallback)]
 
@@ -370,41 +357,22 @@ def test_training_scenario(scenario, tmp_path, model_dir, noop_plugin):
         with pytest.raises(Exception, match=re.escape(scenario.reason[:40])):
             build(PluginGRPOTrainer, scenario, tmp_path / "noop", model_dir, plugins=[noop_plugin])
         return
-    noop_trainer = build(PluginGRPOTrainer, scenario, tmp_path / "noop", model_dir, plugins=[noop_plugin])
-    assert [p.name for p in noop_trainer.plugin_stack] == [noop_plugin]
+    if scenario.refused_hooks:
+        with pytest.raises(Exception) as refused:
+            build(PluginGRPOTrainer, scenario, tmp_path / "noop", model_dir, plugins=[noop_plugin])
+        for hook in scenario.refused_hooks:
+            assert hook in str(refused.value) and "not supported" in str(refused.value), refused.value
+        partial = noop_plugin_class(NOOP + "_partial", without=tuple(scenario.refused_hooks))
+        with temporary_plugin(partial):
+            _noop_run(scenario, trl, tmp_path, model_dir, partial.name)
+    else:
+        _noop_run(scenario, trl, tmp_path, model_dir, noop_plugin)
+
+
+def _noop_run(scenario, trl, tmp_path, model_dir, plugin):
+    noop_trainer = build(PluginGRPOTrainer, scenario, tmp_path / "noop", model_dir, plugins=[plugin])
+    assert [p.name for p in noop_trainer.plugin_stack] == [plugin]
     noop = record_run(noop_trainer)
     assert noop_trainer.state.global_step == scenario.steps
     if scenario.plugins == "equal":
         assert_same_run(trl, noop)
-
-
-def test_plugin_config_defaults_are_grpo_configs_but_the_cpu_precision(tmp_path):
-    """Every field's default is TRL's, except one by design: ``bf16`` unset on a CPU without bf16 units is False
-    (float32) in ``PluginGRPOConfig``, where ``GRPOConfig`` turns it on (TRL's default for GPUs)."""
-    from trl_plugins import PluginGRPOConfig
-    from trl_plugins.precision import cpu_bf16_is_native
-
-    def defaults(cls):
-        return outcome(lambda: cls(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
-
-    trl, ours = defaults(GRPOConfig), defaults(PluginGRPOConfig)
-    assert ours[0] == "ok", ours[1]
-    if cpu_bf16_is_native():
-        assert trl[0] == "ok" and trl[1].bf16 == ours[1].bf16
-    elif trl[0] == "error":  # TRL's bf16 default refused on this CPU: the plugin config's float32 default runs
-        assert "bf16" in str(trl[1]) or "bfloat16" in str(trl[1]), trl[1]
-        assert ours[1].bf16 is False
-        return
-    else:
-        assert (trl[1].bf16, ours[1].bf16) == (True, False), "the documented CPU float32 default changed"
-    differ = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in ("bf16", "logging_dir")
-              and repr(getattr(trl[1], f.name)) != repr(getattr(ours[1], f.name))]
-    assert not differ, f"PluginGRPOConfig changes TRL's defaults of {differ}"
-
-
-def test_compatibility_page_lists_every_trl_feature():
-    from pathlib import Path
-
-    page = (Path(__file__).resolve().parents[2] / "docs" / "compatibility.md").read_text()
-    missing = [n for n in [*grpo_config_fields(), *grpo_trainer_arguments()] if f"| `{n}` |" not in page]
-    assert not missing, f"docs/compatibility.md does not list {missing}: regenerate with `trl-plugins docs`"
