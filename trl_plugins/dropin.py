@@ -41,6 +41,11 @@ VLLM_REFUSED = (
     "accepts and ignores them. A deliberate guard, kept pending the maintainer's decision")
 
 
+CPU_FLOAT32 = ("`bf16` left unset is True in `GRPOConfig` (TRL's default for GPUs) but False in `PluginGRPOConfig` on "
+               "a CPU without bf16 units (float32: bf16 autocast brings no speed there, and TRL's default stops a "
+               "GPU-less machine); every other default is TRL's")
+
+
 @dataclass(frozen=True)
 class Scenario:
     """One checked setting of a ``GRPOConfig`` field or a ``GRPOTrainer`` argument.
@@ -183,15 +188,24 @@ SCENARIOS: tuple[Scenario, ...] = (
       mode="construct", refuses=ANY,
       reason="pushes the completions to the Hugging Face Hub (TRL creates the dataset repo at construction), which the "
              "test machine cannot reach; both trainers do the same (here: both refuse with the same connection error)"),
+    # ---------------------------------------------------------------- TrainingArguments fields GRPOConfig re-defaults
+    S("learning_rate", {"learning_rate": 0.05}),
+    S("logging_steps", {"logging_steps": 2}, steps=2),
+    S("gradient_checkpointing", {"gradient_checkpointing": True, "activation_checkpointing": True}),
+    S("remove_unused_columns", {"remove_unused_columns": True}),
+    S("bf16", {"bf16": None}, mode="differs", setup="config_defaults", reason=CPU_FLOAT32),
+    # ---------------------------------------------------------------- asked for by name
+    S("use_liger_kernel", {"use_liger_kernel": True}, mode="construct", refuses=ANY,
+      reason="liger-kernel is not installed on the test machine (and its kernels need a GPU); TRL 1.16 applies only its "
+             "layer kernels (never the fused linear cross-entropy, which would replace the forward both trainers "
+             "patch), so the log-probs every plugin reads come from the same fused LM head; both trainers agree here"),
     # ---------------------------------------------------------------- GRPOTrainer arguments
     S("GRPOTrainer(model=)", setup="model_path"),
     S("GRPOTrainer(model=)", setup="peft_model"),
     S("GRPOTrainer(reward_funcs=)", setup="two_rewards"),
     S("GRPOTrainer(reward_funcs=)", setup="reward_model"),
     S("GRPOTrainer(args=)", setup="no_args", mode="differs",
-      reason="without `args` TRL builds a `GRPOConfig`, whose `bf16` default is True; the plugin trainer builds a "
-             "`PluginGRPOConfig`, which keeps float32 on a CPU without bf16 units (bf16 autocast brings no speed "
-             "there and TRL's default stops a GPU-less machine). Everything else is TRL's default"),
+      reason="without `args` TRL builds a `GRPOConfig`, the plugin trainer a `PluginGRPOConfig`: " + CPU_FLOAT32),
     S("GRPOTrainer(train_dataset=)", setup="iterable_dataset",
       refused_hooks=no_refill("an iterable training dataset (the refill stream draws rows by index)")),
     S("GRPOTrainer(eval_dataset=)", setup="eval"),
@@ -222,6 +236,17 @@ def grpo_config_fields() -> list[str]:
 
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     return [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in inherited]
+
+
+def redefaulted_training_arguments() -> list[str]:
+    """``TrainingArguments`` fields whose default ``GRPOConfig`` changes (they are GRPO settings too)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    return [f.name for f in dataclasses.fields(GRPOConfig) if f.name in base and repr(f.default) != repr(base[f.name].default)]
 
 
 def grpo_trainer_arguments() -> list[str]:

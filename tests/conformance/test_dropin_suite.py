@@ -20,7 +20,10 @@ from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_plugins import PluginGRPOTrainer, hookimpl
-from trl_plugins.dropin import ANY, MODES, PLUGIN_OUTCOMES, SCENARIOS, Scenario, grpo_config_fields, grpo_trainer_arguments
+from trl_plugins.dropin import (
+    ANY, MODES, PLUGIN_OUTCOMES, SCENARIOS, Scenario, grpo_config_fields, grpo_trainer_arguments,
+    redefaulted_training_arguments,
+)
 from trl_plugins.hookspecs import HOOK_STAGES
 from trl_plugins.plugin import Plugin
 from trl_plugins.testing import (
@@ -81,8 +84,8 @@ def uncovered(fields, arguments, scenarios=SCENARIOS) -> list[str]:
 
 
 def test_every_grpo_config_field_and_trainer_argument_has_a_scenario():
-    fields, arguments = grpo_config_fields(), grpo_trainer_arguments()
-    assert len(fields) >= 77 and "GRPOTrainer(rollout_func=)" in arguments
+    fields, arguments = grpo_config_fields() + redefaulted_training_arguments(), grpo_trainer_arguments()
+    assert len(fields) >= 77 + 5 and "GRPOTrainer(rollout_func=)" in arguments
     missing = uncovered(fields, arguments)
     assert not missing, f"no drop-in scenario covers {missing}: add one to trl_plugins/dropin.py SCENARIOS"
 
@@ -91,21 +94,25 @@ def test_coverage_check_fails_on_a_new_field():
     assert uncovered([*grpo_config_fields(), "brand_new_field"], grpo_trainer_arguments()) == ["brand_new_field"]
 
 
-def test_the_table_names_only_real_fields_and_consistent_modes():
-    fields, arguments = set(grpo_config_fields()), set(grpo_trainer_arguments())
+def test_the_table_names_only_real_fields_and_consistent_modes(tmp_path):
+    fields, arguments = set(grpo_config_fields() + redefaulted_training_arguments()), set(grpo_trainer_arguments())
+    fields_named = fields | {"use_liger_kernel"}
     all_config = {f.name for f in dataclasses.fields(GRPOConfig)}
     changed = set()
+    base = tiny_config(str(tmp_path), config_cls=GRPOConfig)  # the value each scenario changes: the suite's base
     for s in SCENARIOS:
-        assert s.name in fields | arguments, f"{s.name}: neither a GRPOConfig field nor a GRPOTrainer argument"
+        assert s.name in fields_named | arguments, f"{s.name}: neither a GRPOConfig field nor a GRPOTrainer argument"
         assert set(s.config) <= all_config, f"{s.name}: unknown config keys {set(s.config) - all_config}"
         assert s.mode in MODES and s.plugins in PLUGIN_OUTCOMES
         if s.mode != "run" or s.plugins != "equal":
             assert s.reason, f"{s.id}: a scenario that is not an equal run says why"
+        if s.mode == "differs":
+            assert s.setup in DIFFERS_CHECKED_BY, f"{s.id}: no test checks this difference"
         if not s.is_argument:
             assert s.name in s.config, f"{s.id}: the scenario does not set its own field"
-            if s.config[s.name] != getattr(GRPOConfig, s.name, object()):
+            if s.mode == "differs" or s.config[s.name] != getattr(base, s.name):
                 changed.add(s.name)
-    assert changed == fields, f"no scenario sets a non-default value of {sorted(fields - changed)}"
+    assert changed >= fields, f"no scenario sets a non-default value of {sorted(fields - changed)}"
 
 
 # ------------------------------------------------------------------ building both trainers
@@ -256,6 +263,11 @@ def test_construction_scenario(scenario, tmp_path, model_dir, noop_plugin):
     if trl[0] == "ok":
         for name, value in scenario.config.items():
             assert getattr(ours[1].args, name) == getattr(trl[1].args, name), f"{name} is read differently"
+
+
+#: setup of a "differs" scenario -> the test that checks exactly that difference
+DIFFERS_CHECKED_BY = {"no_args": "test_no_args_differs_only_in_the_cpu_precision_default",
+                      "config_defaults": "test_plugin_config_defaults_are_grpo_configs_but_the_cpu_precision"}
 
 
 def test_no_args_differs_only_in_the_cpu_precision_default(tmp_path, model_dir, monkeypatch):
