@@ -588,7 +588,8 @@ def trl_feature_lines() -> list[str]:
     lines = [
         "## TRL features (drop-in)",
         "",
-        "Every `GRPOConfig` field of trl 1.16 (its own, beyond `TrainingArguments`) and every `GRPOTrainer` argument, "
+        "Every `GRPOConfig` field of trl 1.16 (its own, beyond `TrainingArguments`, and the `TrainingArguments` fields "
+        "whose default it changes), `use_liger_kernel`, and every `GRPOTrainer` argument, "
         "as checked by the drop-in conformance suite (`tests/conformance/test_dropin_suite.py`) from one scenario "
         "table (`trl_plugins/dropin.py`), which also generates this section. Each scenario builds `trl.GRPOTrainer` "
         "and `PluginGRPOTrainer` with the setting on a tiny model: a *run* trains both and compares completions, "
