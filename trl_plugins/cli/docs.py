@@ -385,6 +385,7 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         loss_types = "any" if cls.supported_loss_types() is None else loss_types_text(cls)
         lines.append(f"| [`{name}`](plugins/{name}.md) | {', '.join(cls.stages()) or '-'} | {_cell(replaces)} | "
                      f"{_cell(loss_types)} |")
+    lines += ["", *trl_feature_lines()]
     lines += [
         "",
         "## GPU and vLLM validation",
@@ -564,6 +565,68 @@ def _official_row(cls: type) -> list[str]:
         return []
     return [f"| Official code | `{source.citation}` ({VERDICTS[source.verdict]}; "
             "[faithfulness](../faithfulness.md)) |"]
+
+
+def _scenario_setting(s) -> str:
+    config = ", ".join(f"`{k}={v!r}`" for k, v in s.config.items())
+    setup = f"*{s.setup.replace('_', ' ')}*" if s.setup else ""
+    return "; ".join(x for x in (config, setup) if x) or "-"
+
+
+def _scenario_outcomes(s) -> tuple[str, str]:
+    """(without plugins, with plugins) cells of one drop-in scenario."""
+    if s.xfail:
+        return f"**differs** (known): {s.xfail}", "as without plugins"
+    if s.mode == "differs":
+        return f"differs by design: {s.reason}", "as without plugins"
+    if s.mode == "construct":
+        what = ("both refuse it, with TRL's message" if s.refuses and s.refuses != "*" else
+                "both behave alike" if s.refuses == "*" else "both accept it")
+        return f"construction only ({what}): {s.reason}", "same construction with the no-op plugin"
+    steps = f"{s.steps} step{'s' if s.steps > 1 else ''}"
+    ours = {"equal": "works: same results with a no-op plugin on every hook",
+            "runs": f"works (results not compared: {s.reason})",
+            "refused": f"refused at construction: {s.reason}"}[s.plugins]
+    if s.refused_hooks and s.plugins == "equal":
+        hooks = ", ".join(f"`{h}`" for h in s.refused_hooks)
+        ours = (f"works: same results with a no-op plugin on every hook but {hooks}; "
+                + "; ".join(f"`{h}`: {why}" for h, why in s.refused_hooks.items()))
+    return f"same results ({steps} trained and compared)", ours
+
+
+def trl_feature_lines() -> list[str]:
+    """The "TRL features" section: every GRPOConfig field and GRPOTrainer argument from the drop-in scenario table
+    (:data:`trl_plugins.cli.dropin.SCENARIOS`), which the conformance suite runs."""
+    from trl_plugins.cli.dropin import SCENARIOS
+
+    runs = [s for s in SCENARIOS if s.mode == "run" and not s.xfail]
+    names = {s.name for s in SCENARIOS}
+    lines = [
+        "## TRL features (drop-in)",
+        "",
+        "Every `GRPOConfig` field of trl 1.16 (its own, beyond `TrainingArguments`, and the `TrainingArguments` fields "
+        "whose default it changes), `use_liger_kernel`, and every `GRPOTrainer` argument, "
+        "as checked by the drop-in conformance suite (`tests/conformance/test_dropin_suite.py`) from one scenario "
+        "table (`trl_plugins/cli/dropin.py`), which also generates this section. Each scenario builds `trl.GRPOTrainer` "
+        "and `PluginGRPOTrainer` with the setting on a tiny model: a *run* trains both and compares completions, "
+        "rewards, advantages, losses, gradients, final parameters and TRL's logged metrics exactly; *construction "
+        "only* checks that both accept the setting, or both refuse it with TRL's message, and says why it is not "
+        "trained here. *With plugins* is `PluginGRPOTrainer` with a no-op plugin implementing every hook, so the run "
+        "goes through every plugin stage (the plugin loss path included); a real plugin may still refuse a setting "
+        "it cannot honour (its loss types and multi-turn support are in the tables above), always at construction. "
+        "A field added by a TRL upgrade fails the suite until a scenario covers it.",
+        "",
+        f"{len(names)} fields and arguments, {len(SCENARIOS)} scenarios: {len(runs)} trained and compared, "
+        f"{sum(s.mode == 'construct' and not s.xfail for s in SCENARIOS)} construction only, "
+        f"{sum(bool(s.xfail) or s.mode == 'differs' for s in SCENARIOS)} known differences.",
+        "",
+        "| TRL feature | scenario | without plugins | with plugins |",
+        "|---|---|---|---|",
+    ]
+    for s in SCENARIOS:
+        alone, plugged = _scenario_outcomes(s)
+        lines.append(f"| `{s.name}` | {_cell(_scenario_setting(s))} | {_cell(alone)} | {_cell(plugged)} |")
+    return lines
 
 
 def render_all(plugins: Mapping[str, type] | None = None) -> dict[str, str]:
