@@ -365,9 +365,13 @@ CASES = [
          "Invalid configuration: argument --per_device_train_batch_size"),
     Case("compare-unknown-field", "compare", ({"max_step": 3}, []), "Unknown field 'max_step'"),
     Case("compare-plugins-not-a-list", "compare", ({"plugins": 5}, []), "must be a list of plugin names; got 5"),
-    Case("compare-environment-factory", "compare", ({"environment_factory": "my_env.Env"}, []),
-         "trl-plugins compare does not run tool rollouts: the config sets environment_factory"),
-    Case("compare-tools", "compare", ({"tools": ["my_tools.search"]}, []), "the config sets tools"),
+    Case("compare-environment-factory-missing", "compare", ({"environment_factory": "my_env.Env"}, []),
+         "Could not import environment_factory 'my_env.Env': No module named 'my_env'"),
+    Case("compare-tools-missing", "compare", ({"tools": ["my_tools.search"]}, []),
+         "Could not import Tool 'my_tools.search'"),
+    Case("compare-environment-without-reset", "compare",
+         ({"environment_factory": "trl_plugins.tasks.arithmetic.Problem"}, []), "class Problem has no reset() method"),
+    Case("compare-reward-unknown", "compare", ({"reward_funcs": ["acuracy"]}, []), "acuracy"),
     Case("compare-misspelt-stack", "compare", ({}, ["--stacks", "grpo", "lp_rge"]), "Did you mean 'lp_reg'"),
 ]
 
