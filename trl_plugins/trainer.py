@@ -181,6 +181,14 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
+        if getattr(self, "environment_factories", None) is not None and not self.tools:
+            names = [getattr(f, "__name__", repr(f)) for f in self.environment_factories.values()]
+            raise PluginConfigError(
+                f"environment_factory {names}: its environments have no tool method (a public method other than reset "
+                "/ get_reward, with type hints and a Google-style docstring) and no tools= were given. TRL exposes those "
+                "methods as the model's tools, so every rollout would be single-turn without a word. Add a tool method, "
+                "or leave environment_factory out for single-turn training."
+            )
         self.plugin_stack: PluginStack = stack
         self._nothing_left_to_train = False
         self.add_callback(_NothingLeftToTrain(self))

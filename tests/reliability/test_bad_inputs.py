@@ -61,6 +61,16 @@ class _Plain:
     """A harmless class instance: still not plugin state (unpickling classes can run code)."""
 
 
+class _NoToolEnvironment:
+    """An environment TRL accepts (it has reset) that offers the model no tool."""
+
+    def reset(self, **row):
+        return None
+
+    def get_reward(self):
+        return 0.0
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
@@ -378,6 +388,8 @@ CASES = [
          ({"environment_factory": "trl_plugins.tasks.arithmetic.Problem"}, []), "class Problem has no reset() method"),
     Case("compare-reward-unknown", "compare", ({"reward_funcs": ["acuracy"]}, []), "acuracy"),
     Case("compare-misspelt-stack", "compare", ({}, ["--stacks", "grpo", "lp_rge"]), "Did you mean 'lp_reg'"),
+    Case("environment-without-tool-methods", "trainer", {"environment_factory": _NoToolEnvironment},
+         "environment_factory ['_NoToolEnvironment']: its environments have no tool method"),
     # ---------------------------------------------------------------- values that only exist at run time: the first row
     Case("reward-nan-in-a-row", "row", {"value": math.nan}, "Reward function 'judge' returned nan for row 1"),
     Case("reward-inf-in-a-row", "row", {"value": math.inf}, "Reward function 'judge' returned inf for row 1"),
@@ -519,10 +531,17 @@ def run_trainer(case, tmp_path):
     spec = case.input
     rewards = {"digits": [digit_fraction_reward], "needs_column": [_needs_difficulty]}.get(spec.get("reward"))
 
+    agent = {}
+    if spec.get("environment_factory"):
+        from trl_plugins.tasks.tools import enable_tool_calling
+        from trl_plugins.testing import tiny_tokenizer
+
+        agent = {"environment_factory": spec["environment_factory"], "tokenizer": enable_tool_calling(tiny_tokenizer())}
+
     def build():
         make_tiny_trainer(dataset=_dataset(spec.get("dataset")), reward_funcs=rewards, output_dir=str(tmp_path),
                           plugins=spec.get("plugins", []), plugin_config=spec.get("plugin_config"),
-                          log_level="error", **spec.get("config", {}))
+                          log_level="error", **agent, **spec.get("config", {}))
 
     _expect(case.message, build)
 
@@ -648,6 +667,8 @@ def _shown(value: Any, limit: int = 90) -> str:
         text = value.replace("\n", "\\n")
     elif value is None or isinstance(value, (bool, int, float)):
         text = repr(value)
+    elif isinstance(value, type) or callable(value):
+        text = f"class {value.__name__}" if isinstance(value, type) else f"function {value.__name__}"
     else:  # an object: its class (a repr would hold a memory address)
         text = f"a {type(value).__name__} instance"
     return text if len(text) <= limit else text[: limit - 3] + "..."
