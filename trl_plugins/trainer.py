@@ -900,6 +900,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             resume_from_checkpoint
         ):
             resume_from_checkpoint = True
+        self._check_output_dir_writable()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -908,6 +909,30 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                     "checkpoint-N folder to resume from."
                 )
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+
+    def _check_output_dir_writable(self) -> None:
+        """Before the first step: the saving process creates ``output_dir`` and writes (then removes) a probe file in
+        it, so a folder that cannot be written (read-only mount, a file in its path, no permission -- also for root,
+        which ``os.access`` does not reveal) is refused now, on every process together, not at the first save."""
+        error = None
+        if self.args.should_save and self.args.output_dir is not None:
+            import tempfile
+
+            try:
+                os.makedirs(self.args.output_dir, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=self.args.output_dir, prefix=".trl_plugins-write-probe-") as probe:
+                    probe.write(b"ok")
+                    probe.flush()
+            except OSError as exc:
+                error = PluginConfigError(
+                    f"output_dir {self.args.output_dir!r} cannot be written ({type(exc).__name__}: {exc}): checkpoints, "
+                    "logs and the final model go there, so the run is refused before its first step. Choose a "
+                    "writable folder."
+                )
+        if self.accelerator.num_processes > 1:
+            raise_together(self.accelerator.gather, self.accelerator.device, "output_dir check", error)
+        elif error is not None:
+            raise error
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         if getattr(self, "_nothing_left_to_train", False):  # resumed at max_steps (_NothingLeftToTrain)

@@ -182,6 +182,8 @@ CASES = [
     Case("budget-float", "config", _config(plugin_generation_budget=1.5), "got 1.5"),
     Case("max-steps-zero", "config", _config(max_steps=0), "max_steps=0 trains nothing"),
     Case("output-dir-is-a-file", "config", _config(output_dir="{file}"), "is a file; it must be a directory"),
+    Case("output-dir-below-a-file", "config", _config(output_dir="{file}/out"),
+         "in its path is a file, not a folder"),
     Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"), "only take effect with use_vllm=True"),
     Case("trl-own-check", "config", _config(per_device_train_batch_size=3, num_generations=2),
          "Invalid configuration: generation_batch_size (3) must be divisible by num_generations (2)"),
@@ -442,10 +444,10 @@ def _expect(message, action):
 
 def _fill(value, tmp_path):
     if isinstance(value, str):
-        if value == "{file}":
+        if value in ("{file}", "{file}/out"):
             path = tmp_path / "a_file"
             path.write_text("x")
-            return str(path)
+            return str(path) + value[len("{file}"):]
         if value == "{json}":
             (tmp_path / "data").mkdir(exist_ok=True)
             (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": 2}\n')

@@ -344,3 +344,41 @@ def test_a_run_resumed_from_its_final_checkpoint_trains_no_step_past_max_steps(t
     longer = _trainer(out, max_steps=2)
     longer.train(resume_from_checkpoint=True)
     assert longer.state.global_step == 2
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """What os.access does not reveal (root on a read-only bind mount, an immutable folder): the write probe at the
+    start of train() finds it, before any generation."""
+    import tempfile
+
+    from trl_plugins import PluginConfigError
+
+    trainer = _trainer(tmp_path / "out")
+    generated = []
+    original = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: generated.append(1) or original(inputs)
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "out" / ".probe"))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*out' cannot be written \(OSError: \[Errno 30\] "
+                                                 r"Read-only file system.*refused before its first step"):
+        trainer.train()
+    assert generated == []
+
+
+def test_an_output_dir_below_a_file_is_refused_when_the_config_is_built(tmp_path):
+    from trl_plugins import PluginConfigError, PluginGRPOConfig
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*a_file/out' cannot be created: .*a_file in its path "
+                                                 r"is a file"):
+        PluginGRPOConfig(output_dir=str(blocker / "out"), report_to="none", use_cpu=True)
+
+
+def test_the_write_probe_leaves_nothing_in_output_dir(tmp_path):
+    trainer = _trainer(tmp_path / "out")
+    trainer._check_output_dir_writable()
+    assert list((tmp_path / "out").iterdir()) == []
