@@ -11,9 +11,12 @@ kept batch only).
 One round (every process runs the same collectives; every decision is taken on gathered data):
 
 1. score: round 0 runs TRL's own ``_calculate_rewards`` on the whole batch (its gather included) and the result is
-   handed to TRL's later call, so with nothing rejected the stage adds no collective and no reward evaluation;
+   handed to TRL's later call, so with nothing rejected the stage adds no reward evaluation (with several processes,
+   one small collective: the decision check of step 2);
    later rounds score the replaced rows locally and all-gather the (B, K) block (two collectives);
 2. the ``trl_plugins_reject_groups`` hooks mark group slots rejected (:class:`~trl_plugins.contexts.RefillContext`);
+   with several processes the rejected slots and replacements of every process are compared (one collective): a
+   decision taken on some processes only is a ``PluginError`` on every process (``RefillStage._decide``);
 3. nothing rejected: done. Round limit reached: ``refill_at_limit`` (keep / zero advantage / error);
 4. each rejected slot gets a replacement: first those plugins named (``ctx.repeat`` / ``ctx.supply``), then the
    :class:`RefillStream`; each process replaces the rows of those slots it holds (dataset row, prompt, completion),
