@@ -11,6 +11,9 @@ neither rank was left inside a collective. Phases:
 ``probe_fails``
     A plugin whose ``trl_plugins_configure`` probes a teacher endpoint that answers on rank 0 and is down on rank 1
     (the probe of ``teacher_probe``, failing at construction).
+``kepo_probe_fails``
+    The real thing: kepo distilling from a teacher endpoint (``teacher_probe``: one echo request at construction). On
+    rank 0 the endpoint is a loopback server with the tiny teacher; on rank 1 it is down.
 ``gold_fails``
     matchtir on multi-turn tool rollouts; the gold tool-call traces of rank 1's rows cannot be read (streamed rows
     the construction check could not see).
@@ -27,7 +30,7 @@ import time
 
 GLOBAL_ROWS = 6
 G = 2
-PHASES = ("refill_differs", "reset_fails", "probe_fails", "gold_fails")
+PHASES = ("refill_differs", "reset_fails", "probe_fails", "kepo_probe_fails", "gold_fails")
 
 
 def rank() -> int:
@@ -81,6 +84,30 @@ def _register():
         register_plugin(cls)
 
 
+_SERVERS: list = []
+
+
+def _teacher_url() -> str:
+    """Rank 0: a loopback OpenAI-compatible server answering echo log-prob requests with the tiny teacher; rank 1: the
+    URL of a port nothing listens on."""
+    import socket
+
+    if rank() == 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    from trl_plugins.components.local_server import serve_openai_compatible
+    from trl_plugins.components.teacher import HFTeacher
+    from trl_plugins.components.teacher_logprobs import teacher_logprob_handler
+    from trl_plugins.testing import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    server = serve_openai_compatible(teacher_logprob_handler(HFTeacher(model=tiny_model(tok, seed=3), tokenizer=tok)))
+    url = server.__enter__()
+    _SERVERS.append(server)
+    return url
+
+
 def build(phase: str, out_dir: str, world: int):
     from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, make_tool_trainer, tiny_dataset
 
@@ -93,6 +120,10 @@ def build(phase: str, out_dir: str, world: int):
         return make_tiny_trainer(plugins=["test_reject_on_rank1"], **tiny)
     if phase == "probe_fails":
         return make_tiny_trainer(plugins=["test_teacher_probe"], **tiny)
+    if phase == "kepo_probe_fails":
+        kepo = {"distill": "kl_penalty", "teacher": "endpoint", "teacher_model": "teacher", "teacher_max_retries": 0,
+                "teacher_base_url": _teacher_url()}
+        return make_tiny_trainer(plugins=["kepo"], plugin_config={"kepo": kepo}, **tiny)
     tools = dict(n=12, per_device_train_batch_size=per_device, num_generations=G, max_steps=1, output_dir=out)
     if phase == "reset_fails":
         trainer = make_tool_trainer(**tools)
@@ -126,6 +157,9 @@ def main(argv: list[str]) -> None:
             record = {"error": None}
         except Exception as exc:
             record = {"error": type(exc).__name__, "message": str(exc)}
+        finally:
+            while _SERVERS:  # the loopback teacher's thread would keep this process alive
+                _SERVERS.pop().__exit__(None, None, None)
         record["seconds"] = time.monotonic() - start
         with open(os.path.join(out_dir, f"{phase}-rank{rank()}.json"), "w") as f:
             json.dump(record, f)

@@ -1,6 +1,7 @@
 """A failure on one process is named on every process (two processes on CPU, gloo, ``accelerate launch`` of
 ``fault_worker.py``): refill plugins rejecting groups on one rank only, an environment ``reset`` raising on one rank,
-a teacher probe failing at construction on one rank, unreadable gold traces in one rank's rows. The failing rank
+a teacher probe failing at construction on one rank (a stand-in plugin, and kepo's own probe of a teacher endpoint
+that is down on one rank), unreadable gold traces in one rank's rows. The failing rank
 raises its own error; the other a ``PluginError`` naming the process and its error -- never a gloo "connection closed"
 or a collective size mismatch, never a hang; and both go on to the next phase together."""
 
@@ -84,6 +85,13 @@ def test_a_teacher_probe_failing_at_construction_on_one_rank_is_named_on_both(la
     assert r1["error"] == "EndpointError" and "did not answer the log-prob probe" in r1["message"], r1
     _peer_names(r0, "plugin 'test_teacher_probe' (trl_plugins_configure)",
                 "EndpointError: teacher endpoint http://10.0.0.7:8000/v1/completions did not answer")
+
+
+def test_kepos_teacher_probe_failing_on_one_rank_at_construction_is_named_on_both(launch):
+    r0, r1 = _records(launch, "kepo_probe_fails")
+    assert r1["error"] == "EndpointError", r1
+    assert "http://127.0.0.1:" in r1["message"], r1
+    _peer_names(r0, "plugin 'kepo' (trl_plugins_configure)", "EndpointError: ")
 
 
 def test_unreadable_gold_traces_in_one_ranks_rows_are_named_on_both(launch):
