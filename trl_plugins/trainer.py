@@ -114,29 +114,22 @@ class _StepEndCallback(TrainerCallback):
         self.trainer.plugin_stack.call("trl_plugins_on_step_end", trainer=self.trainer, step=state.global_step)
 
 
+class _NothingLeft(Exception):
+    """Raised by :class:`_NothingLeftToTrain` at ``on_train_begin``; caught by ``PluginGRPOTrainer.train``."""
+
+
 class _NothingLeftToTrain(TrainerCallback):
     """A run resumed from a checkpoint already at ``max_steps`` (its final one) trains no further step.
 
     Transformers fast-forwards the dataloader past the trained batches and then runs the next step before it looks at
-    ``max_steps`` again, so such a resume trained -- and saved -- one step past it. At ``on_train_begin`` (the state is
-    the checkpoint's, ``max_steps`` this run's) the trainer is told to stop; its ``get_batch_samples`` then hands the
-    loop no batch, so no generation, no optimizer step, and the model and state stay the checkpoint's.
+    ``max_steps`` again, so such a resume trained -- and saved -- one step past it. At ``on_train_begin`` the model,
+    optimizer and state are the checkpoint's and ``max_steps`` is this run's: when nothing is left, the loop is left
+    there (:class:`_NothingLeft`, caught by ``train``) -- no generation, no optimizer step, no save.
     """
 
-    def __init__(self, trainer: PluginGRPOTrainer):
-        self.trainer = trainer
-
     def on_train_begin(self, args, state, control, **kwargs):
-        done = state.max_steps > 0 and state.global_step >= state.max_steps
-        self.trainer._nothing_left_to_train = done
-        if done:
-            control.should_training_stop = True
-            warnings.warn(
-                f"Resumed at step {state.global_step}, which is this run's max_steps={state.max_steps}: nothing is "
-                "left to train (the model and state are the checkpoint's). Raise max_steps (or num_train_epochs) to "
-                "train further.",
-                stacklevel=2,
-            )
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise _NothingLeft(state.global_step, state.max_steps)
 
 
 class PluginGRPOTrainer(TrlSeamTrainer):
@@ -190,8 +183,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                 "or leave environment_factory out for single-turn training."
             )
         self.plugin_stack: PluginStack = stack
-        self._nothing_left_to_train = False
-        self.add_callback(_NothingLeftToTrain(self))
+        self.add_callback(_NothingLeftToTrain())
         self.generation_service = GenerationService(self)
         #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.policy_probe`).
         self.policy_probe = PolicyProbe(self)
@@ -346,8 +338,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
     # ------------------------------------------------------------------------------------------ batch
     def generate_and_score_completions(self, inputs):
         if getattr(self, "environment_factories", None) is not None and hasattr(self, "_reset_guard"):
-            self.environment_factories = self._reset_guard.guard(self.environment_factories,
-                                                                 getattr(self, "_environment_pool", None))
+            self.environment_factories = self._reset_guard.guard(self.environment_factories, self.environment_pool)
         if not self.plugin_stack:
             return super().generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
@@ -908,7 +899,19 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                     f"resume_from_checkpoint=True, but output_dir {self.args.output_dir!r} holds no complete "
                     "checkpoint-N folder to resume from."
                 )
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        except _NothingLeft as done:
+            from transformers.trainer_utils import TrainOutput
+
+            step, max_steps = done.args
+            self.is_in_train = False
+            warnings.warn(
+                f"Resumed at step {step}, which is this run's max_steps={max_steps}: nothing is left to train (the "
+                "model and state are the checkpoint's). Raise max_steps (or num_train_epochs) to train further.",
+                stacklevel=2,
+            )
+            return TrainOutput(step, 0.0, {"train_runtime": 0.0})
 
     def _check_output_dir_writable(self) -> None:
         """Before the first step: the saving process creates ``output_dir`` and writes (then removes) a probe file in
@@ -933,11 +936,6 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             raise_together(self.accelerator.gather, self.accelerator.device, "output_dir check", error)
         elif error is not None:
             raise error
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        if getattr(self, "_nothing_left_to_train", False):  # resumed at max_steps (_NothingLeftToTrain)
-            return [], None
-        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def load_optimizer_and_scheduler(self, checkpoint):
         super().load_optimizer_and_scheduler(checkpoint)
