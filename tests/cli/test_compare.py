@@ -196,3 +196,67 @@ def test_zero_and_negative_counts_are_refused(flags, expected, tmp_path, monkeyp
     config.write_text("model_name_or_path: builtin:tiny\n")
     assert cli_main(["compare", str(config), *flags, "--output-dir", str(tmp_path / "o")]) == 2
     assert expected in capsys.readouterr().err
+
+
+def _tool_config(tmp_path, **extra):
+    config = tmp_path / "tools.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": "builtin:tiny", "dataset_name": "builtin:tools", "reward_funcs": ["tool_answer"],
+        "environment_factory": "trl_plugins.tasks.tools.ToolEnvironment", "task_size": 16,
+        "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 24, "logging_steps": 1,
+        "use_cpu": True, "bf16": False, "report_to": "none", "output_dir": str(tmp_path / "unused"), **extra,
+    }))
+    return config
+
+
+def test_compare_builds_a_tool_run_exactly_as_train_does(tmp_path):
+    from trl_plugins.cli.train import TrainScriptArguments, build_trainer, parse_config
+
+    config = _tool_config(tmp_path)
+    trainer, script_args, _ = compare.build_run(config)
+    from trl import ModelConfig, TrlParser
+
+    from trl_plugins import PluginGRPOConfig
+
+    parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
+    reference = build_trainer(*parse_config(parser, ["--config", str(config)]))
+    assert compare.uses_tools(trainer) and compare.uses_tools(reference)
+    assert list(trainer.environment_factories) == list(reference.environment_factories) == [None]
+    assert [t.__name__ for t in trainer.tools] == [t.__name__ for t in reference.tools] == ["calculator", "search"]
+    # the tool-calling chat template the built-in model gets from train, and the held-out questions: none trained on
+    assert trainer.processing_class.chat_template == reference.processing_class.chat_template
+    train, held, source = compare.split_held_out(script_args, trainer.train_dataset, "test", 6)
+    assert len(held) == 6 and not {str(p) for p in held["prompt"]} & {str(p) for p in train["prompt"]}
+    assert "another draw" in source
+
+
+def test_the_tool_held_out_score_is_the_runs_own_reward_over_tool_rollouts(tmp_path):
+    from trl_plugins.tasks.tools import search, tool_answer_reward
+    from trl_plugins.testing import make_tool_trainer
+
+    trainer = make_tool_trainer(n=8, output_dir=str(tmp_path), per_device_eval_batch_size=3)
+    held = trainer.train_dataset.select(range(4))
+    calls = []
+    original = trainer._tool_call_loop
+    trainer._tool_call_loop = lambda *a, **k: calls.append(1) or original(*a, **k)
+    score = compare.tool_held_out_score(trainer, held, tool_answer_reward)
+    # the scripted backend answers through the tool loop (gold traces) on part of the rows: a score above 0 needs the tools
+    assert 0.0 < score <= 1.0 and calls
+    assert trainer.args.per_device_eval_batch_size == 3  # restored
+    with pytest.raises(compare.PluginConfigError, match=r"--eval-metric 'search': with tools .* choose one of "
+                                                        r"\['tool_answer_reward'\]"):
+        compare.tool_held_out_score(trainer, held, search)
+
+
+@pytest.mark.slow
+def test_compare_runs_a_tool_config(tmp_path):
+    """builtin:tools with environment_factory: trained and evaluated with the tools (it used to be refused)."""
+    config = _tool_config(tmp_path)
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", str(config), "--stacks", "grpo", "--seeds", "1", "--rollouts", "8", "--eval-size", "4",
+                     "--output-dir", str(out)]) == 0
+    result = json.loads((out / "compare.json").read_text())
+    (run,) = result["runs"]["grpo"]
+    assert run["rollouts"] >= 8 and run["evals"]
+    assert "rollouts with the run's tools" in result["held_out"]
+    assert any("tools/call_frequency" in row for row in run["per_step"]), run["per_step"]

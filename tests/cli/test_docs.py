@@ -268,3 +268,29 @@ def test_configuration_reference_has_every_field_option_and_variable(plugins):
     for name, cls in plugins.items():
         for info in cls.Options.describe():
             assert f"| [`{name}`](plugins/{name}.md) | `{info.name}` |" in page
+
+
+def test_a_generated_section_is_replaced_between_its_markers_and_a_stale_one_is_reported(tmp_path):
+    from trl_plugins.cli.docs import _section_updates, replace_section, section_markers
+
+    begin, end = section_markers("table", "tests/t.py")
+    text = f"# Page\n\nprose\n\n{begin}\n| old |\n{end}\n\nmore prose\n"
+    new = replace_section(text, "table", "tests/t.py", "| new |\n")
+    assert new == f"# Page\n\nprose\n\n{begin}\n| new |\n{end}\n\nmore prose\n"
+    assert replace_section("# no markers\n", "table", "tests/t.py", "x") is None
+    (tmp_path / "page.md").write_text(text)
+    updated, problems = _section_updates(tmp_path, {"page.md": {"table": ("tests/t.py", "| new |")}})
+    assert problems == [] and updated["page.md"] == new  # check() compares this with the file: stale
+    (tmp_path / "page.md").write_text("# markers removed by hand\n")
+    _, problems = _section_updates(tmp_path, {"page.md": {"table": ("tests/t.py", "| new |")}})
+    assert problems and "lacks the markers of generated section 'table'" in problems[0]
+
+
+def test_the_bad_input_table_in_reliability_md_is_the_test_tables_rendering():
+    from trl_plugins.cli.docs import render_sections, replace_section
+
+    ((source, body),) = render_sections()["reliability.md"].values()
+    text = (DOCS / "reliability.md").read_text()
+    assert replace_section(text, "bad-inputs", source, body) == text, "regenerate: python -m trl_plugins.cli.docs"
+    assert "| `reward-nan-in-a-row` | refused at the first row that carries it |" in body
+    assert "| `state-planted-pickle` |" in body or "| refused when the checkpoint is loaded |" in body

@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 
 from trl_plugins import PluginConfigError, PluginError
-from trl_plugins.api.collectives import HeldRewardErrors
+from trl_plugins.api.collectives import CAUSE_BYTES, HeldRewardErrors
 from trl_plugins.guards.rewards_guard import (
     RewardValueError,
     check_reward_values,
@@ -153,6 +153,13 @@ class _AsProcessZeroOfTwo:
 
     def gather(self, tensor):
         self.sent.append(tensor.tolist())
+        if tensor.numel() == CAUSE_BYTES + 1:  # after a set flag: the failing process's error, as bytes
+            other = torch.zeros_like(tensor)
+            if self.other_failed:
+                text = b"RewardValueError: 'judge' returned nan for row 0"
+                other[0] = len(text)
+                other[1 : len(text) + 1] = torch.tensor(list(text))
+            return torch.cat([tensor, other])
         return torch.cat([tensor, torch.tensor([int(self.other_failed)], dtype=tensor.dtype)])
 
 
@@ -172,11 +179,14 @@ def test_reward_failure_on_one_process_stops_every_process_after_the_gather(loca
         with pytest.raises(RewardValueError, match="'poisoned_reward' returned nan for row 1"):
             trainer._calculate_rewards(rows, prompts, completions, ids)
     elif other_fails:
-        with pytest.raises(PluginError, match="reward functions: process 1 failed"):
+        with pytest.raises(PluginError, match="reward functions: process 1 failed with RewardValueError: 'judge' "
+                                              "returned nan for row 0; every process stops with it"):
             trainer._calculate_rewards(rows, prompts, completions, ids)
     else:
         torch.testing.assert_close(trainer._calculate_rewards(rows, prompts, completions, ids), expected)
-    assert accelerator.sent == [[int(local_fails)]]  # the flag went out: the other process is not left waiting
+    assert accelerator.sent[0] == [int(local_fails)]  # the flag went out: the other process is not left waiting
+    # a set flag: one more collective carries the failing process's error (entered by both, nothing else)
+    assert len(accelerator.sent) == (2 if local_fails or other_fails else 1)
     assert not trainer.held_reward_errors.holding
 
 

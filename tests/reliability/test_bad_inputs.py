@@ -11,7 +11,12 @@ Stages:
 * ``env`` -- plugin discovery under an environment variable;
 * ``resume`` -- loading a checkpoint's plugin state;
 * ``compare`` -- ``trl-plugins compare CONFIG.yaml [flags]`` exits with status 2 and ``trl-plugins: error: ...``
-  before any run starts (``run_one`` is replaced by a function that fails the test).
+  before any run starts (``run_one`` is replaced by a function that fails the test);
+* ``row`` -- a value that only exists at run time (a reward function's answer for one row): refused when the reward
+  stage (``_calculate_rewards``) meets the first row that carries it, naming the function and the row.
+
+Each stage is one *class* in docs/reliability.md's generated table (:data:`CLASSES`; ``python -m trl_plugins.cli.docs``
+writes it, ``tests/cli/test_docs.py`` fails when it is stale).
 
 A case whose message starts with ``warn:`` must warn (not fail) with that message. Two groups of cases are generated
 from the built-in plugins' option schemas, so the table grows with every plugin: a non-finite value for every float
@@ -56,10 +61,20 @@ class _Plain:
     """A harmless class instance: still not plugin state (unpickling classes can run code)."""
 
 
+class _NoToolEnvironment:
+    """An environment TRL accepts (it has reset) that offers the model no tool."""
+
+    def reset(self, **row):
+        return None
+
+    def get_reward(self):
+        return 0.0
+
+
 @dataclass(frozen=True)
 class Case:
     id: str
-    stage: str  # config | cli | stack | trainer | env | resume | compare
+    stage: str  # config | cli | stack | trainer | env | resume | compare | row
     input: Any
     message: str
 
@@ -167,6 +182,8 @@ CASES = [
     Case("budget-float", "config", _config(plugin_generation_budget=1.5), "got 1.5"),
     Case("max-steps-zero", "config", _config(max_steps=0), "max_steps=0 trains nothing"),
     Case("output-dir-is-a-file", "config", _config(output_dir="{file}"), "is a file; it must be a directory"),
+    Case("output-dir-below-a-file", "config", _config(output_dir="{file}/out"),
+         "in its path is a file, not a folder"),
     Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"), "only take effect with use_vllm=True"),
     Case("trl-own-check", "config", _config(per_device_train_batch_size=3, num_generations=2),
          "Invalid configuration: generation_batch_size (3) must be divisible by num_generations (2)"),
@@ -365,10 +382,26 @@ CASES = [
          "Invalid configuration: argument --per_device_train_batch_size"),
     Case("compare-unknown-field", "compare", ({"max_step": 3}, []), "Unknown field 'max_step'"),
     Case("compare-plugins-not-a-list", "compare", ({"plugins": 5}, []), "must be a list of plugin names; got 5"),
-    Case("compare-environment-factory", "compare", ({"environment_factory": "my_env.Env"}, []),
-         "trl-plugins compare does not run tool rollouts: the config sets environment_factory"),
-    Case("compare-tools", "compare", ({"tools": ["my_tools.search"]}, []), "the config sets tools"),
+    Case("compare-environment-factory-missing", "compare", ({"environment_factory": "my_env.Env"}, []),
+         "Could not import environment_factory 'my_env.Env': No module named 'my_env'"),
+    Case("compare-tools-missing", "compare", ({"tools": ["my_tools.search"]}, []),
+         "Could not import Tool 'my_tools.search'"),
+    Case("compare-environment-without-reset", "compare",
+         ({"environment_factory": "trl_plugins.tasks.arithmetic.Problem"}, []), "class Problem has no reset() method"),
+    Case("compare-reward-unknown", "compare", ({"reward_funcs": ["acuracy"]}, []), "acuracy"),
     Case("compare-misspelt-stack", "compare", ({}, ["--stacks", "grpo", "lp_rge"]), "Did you mean 'lp_reg'"),
+    Case("environment-without-tool-methods", "trainer", {"environment_factory": _NoToolEnvironment},
+         "environment_factory ['_NoToolEnvironment']: its environments have no tool method"),
+    # ---------------------------------------------------------------- values that only exist at run time: the first row
+    Case("reward-nan-in-a-row", "row", {"value": math.nan}, "Reward function 'judge' returned nan for row 1"),
+    Case("reward-inf-in-a-row", "row", {"value": math.inf}, "Reward function 'judge' returned inf for row 1"),
+    Case("reward-minus-inf-in-a-row", "row", {"value": -math.inf}, "returned -inf for row 1"),
+    Case("reward-numeric-string-in-a-row", "row", {"value": "0.5"}, "returned '0.5' (str), which is not a number"),
+    Case("reward-text-in-a-row", "row", {"value": "good"}, "returned 'good' (str), which is not a number"),
+    Case("reward-list-in-a-row", "row", {"value": [1.0]}, "returned [1.0] (list), which is not a number"),
+    Case("reward-too-few", "row", {"returns": "short"}, "Reward function 'judge' returned 3 rewards for 4 completions"),
+    Case("reward-none-list", "row", {"returns": "none"}, "Reward function 'judge' returned None instead of a list"),
+    Case("reward-all-none", "row", {"returns": "all_none"}, "warn:returned None for every one of the 4 completions"),
 ]
 
 
@@ -411,10 +444,10 @@ def _expect(message, action):
 
 def _fill(value, tmp_path):
     if isinstance(value, str):
-        if value == "{file}":
+        if value in ("{file}", "{file}/out"):
             path = tmp_path / "a_file"
             path.write_text("x")
-            return str(path)
+            return str(path) + value[len("{file}"):]
         if value == "{json}":
             (tmp_path / "data").mkdir(exist_ok=True)
             (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": 2}\n')
@@ -500,10 +533,17 @@ def run_trainer(case, tmp_path):
     spec = case.input
     rewards = {"digits": [digit_fraction_reward], "needs_column": [_needs_difficulty]}.get(spec.get("reward"))
 
+    agent = {}
+    if spec.get("environment_factory"):
+        from trl_plugins.tasks.tools import enable_tool_calling
+        from trl_plugins.testing import tiny_tokenizer
+
+        agent = {"environment_factory": spec["environment_factory"], "tokenizer": enable_tool_calling(tiny_tokenizer())}
+
     def build():
         make_tiny_trainer(dataset=_dataset(spec.get("dataset")), reward_funcs=rewards, output_dir=str(tmp_path),
                           plugins=spec.get("plugins", []), plugin_config=spec.get("plugin_config"),
-                          log_level="error", **spec.get("config", {}))
+                          log_level="error", **agent, **spec.get("config", {}))
 
     _expect(case.message, build)
 
@@ -569,13 +609,106 @@ def run_compare(case, tmp_path, capsys, monkeypatch):
     assert case.message in last, err
 
 
+def _row_reward(spec):
+    def judge(completions, **kwargs):
+        returns = spec.get("returns")
+        if returns == "short":
+            return [0.5] * (len(completions) - 1)
+        if returns == "none":
+            return None
+        if returns == "all_none":
+            return [None] * len(completions)
+        return [spec["value"] if i == 1 else 0.5 for i in range(len(completions))]
+
+    return judge
+
+
+def run_row(case, tmp_path):
+    trainer = make_tiny_trainer(reward_funcs=[digit_fraction_reward, _row_reward(case.input)], output_dir=str(tmp_path),
+                                log_level="error")
+    rows = [dict(r) for r in tiny_dataset(4)]
+    completions = [[{"role": "assistant", "content": "Answer: 1"}]] * 4
+    _expect(case.message, lambda: trainer._calculate_rewards(rows, [r["prompt"] for r in rows], completions,
+                                                             [[1, 2]] * 4))
+
+
 ALL = CASES + GENERATED
+
+# ============================================================================================ the docs table
+#: The class of a case in docs/reliability.md: when (and by what) its input is refused.
+CLASSES = {
+    "config": "refused when the config is built",
+    "cli": "refused by `trl-plugins train` before the model loads",
+    "stack": "refused when the plugins are built",
+    "trainer": "refused when the trainer is built",
+    "env": "refused at plugin discovery",
+    "resume": "refused when the checkpoint is loaded",
+    "compare": "refused by `trl-plugins compare` before any run",
+    "row": "refused at the first row that carries it",
+}
+
+
+def case_class(case: Case) -> str:
+    """The class of ``case`` (a ``warn:`` case is warned about, not refused)."""
+    text = CLASSES[case.stage]
+    return text.replace("refused", "warned", 1) if case.message.startswith("warn:") else text
+
+
+def _shown(value: Any, limit: int = 90) -> str:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], list):  # (config, command-line flags)
+        config = _shown(value[0], limit) if value[0] not in ({}, "") else ""
+        return _shown(" ".join(x for x in (config, " ".join(map(str, value[1]))) if x), limit)
+    if isinstance(value, dict):
+        text = ", ".join(f"{k}: {_shown(v, limit)}" for k, v in value.items())
+    elif isinstance(value, (bytes, bytearray)):
+        text = f"{len(value)} bytes {bytes(value[:12])!r}"
+    elif isinstance(value, (list, tuple)):
+        inner = ", ".join(_shown(v, limit) for v in value)
+        text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    elif isinstance(value, str):
+        text = value.replace("\n", "\\n")
+    elif value is None or isinstance(value, (bool, int, float)):
+        text = repr(value)
+    elif isinstance(value, type) or callable(value):
+        text = f"class {value.__name__}" if isinstance(value, type) else f"function {value.__name__}"
+    else:  # an object: its class (a repr would hold a memory address)
+        text = f"a {type(value).__name__} instance"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table() -> str:
+    """docs/reliability.md's generated section: a count per class, one row per hand-written case, and one row per
+    group of schema-generated cases."""
+    lines = [f"{len(ALL)} cases in `tests/reliability/test_bad_inputs.py` ({len(CASES)} written by hand, "
+             f"{len(GENERATED)} generated from the built-in plugins' option schemas); every one is a test.", "",
+             "| class | cases |", "| --- | --- |"]
+    counts: dict[str, int] = {}
+    for case in ALL:
+        counts[case_class(case)] = counts.get(case_class(case), 0) + 1
+    lines += [f"| {name} | {n} |" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+    lines += ["", "| case | class | input | the message contains |", "| --- | --- | --- | --- |"]
+    for case in CASES:
+        message = case.message[5:] if case.message.startswith("warn:") else case.message
+        lines.append(f"| `{case.id}` | {case_class(case)} | `{_cell(_shown(case.input))}` | {_cell(message)} |")
+    nan = [c for c in GENERATED if c.id.startswith("nan-")]
+    misspelt = [c for c in GENERATED if c.id.startswith("misspelt-option-")]
+    lines.append(f"| `nan-<plugin>-<option>` ({len(nan)} cases) | {CLASSES['config']} | NaN for every float option of "
+                 "every built-in plugin (options marked allow_nonfinite excepted) | "
+                 "Option '<option>' of plugin '<plugin>' got nan; allowed: a finite number |")
+    lines.append(f"| `misspelt-option-<plugin>` ({len(misspelt)} cases) | {CLASSES['config']} | `bogus_opt: 1` for "
+                 "every built-in plugin | Unknown option 'bogus_opt' for plugin '<plugin>' |")
+    assert len(nan) + len(misspelt) == len(GENERATED), "a generated group the table does not show"
+    return "\n".join(lines) + "\n"
 
 
 def test_the_table_is_large_and_its_ids_distinct():
     assert len({c.id for c in ALL}) == len(ALL)
     assert len(ALL) >= 120, len(ALL)
-    assert {c.stage for c in ALL} == {"config", "cli", "stack", "trainer", "env", "resume", "compare"}
+    assert {c.stage for c in ALL} == set(CLASSES)
     assert len(GENERATED) > len(list(builtin_modules()))  # every plugin contributes at least one case
 
 
@@ -595,5 +728,7 @@ def test_bad_input(case, tmp_path, capsys, monkeypatch, request):
         run_resume(case, tmp_path, request.getfixturevalue("resume_trainer"))
     elif case.stage == "compare":
         run_compare(case, tmp_path, capsys, monkeypatch)
+    elif case.stage == "row":
+        run_row(case, tmp_path)
     else:  # pragma: no cover
         raise AssertionError(case.stage)

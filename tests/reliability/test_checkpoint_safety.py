@@ -278,3 +278,107 @@ def test_an_unwritable_output_dir_is_refused_when_the_config_is_built(tmp_path, 
     with pytest.raises(PluginConfigError, match=r"output_dir '.*locked/run/out' cannot be written \(.*locked is not "
                                                 r"writable\)"):
         PluginGRPOConfig(output_dir=str(locked / "run" / "out"), report_to="none", use_cpu=True)
+
+
+def test_a_full_disk_while_writing_the_optimizer_is_named_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(f, str) and f.endswith("optimizer.pt"):
+            with open(f, "wb") as handle:  # part of it reached the disk, then the device was full
+                handle.write(b"PK\x03\x04" + b"\0" * 4096)
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                               "data/3: file write failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    trainer = _trainer(tmp_path / "out")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(checkpoints.CheckpointError, match=r"The disk is full: no space left on the device of "
+                                                          r".*checkpoint-1 while saving the checkpoint .*file write "
+                                                          r"failed.*bytes free now\)\. the incomplete checkpoint folder "
+                                                          r"was removed"):
+        trainer.train()
+    assert not (tmp_path / "out" / "checkpoint-1").exists()  # no partial optimizer.pt, no model file left
+    assert not [p for p in (tmp_path / "out").rglob("*") if p.name.endswith((".tmp", ".pt"))]
+
+
+def test_another_save_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    assert not checkpoints.is_disk_full(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert checkpoints.is_disk_full(RuntimeError("x")) is False
+    import errno
+
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert checkpoints.is_disk_full(wrapped)
+    trainer = _trainer(tmp_path / "out")
+    monkeypatch.setattr(torch, "save", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:
+        trainer.train()
+    assert not isinstance(info.value, checkpoints.CheckpointError)
+
+
+def test_a_run_resumed_from_its_final_checkpoint_trains_no_step_past_max_steps(trained, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(trained.args.output_dir, out)
+    final = out / "checkpoint-1"
+    before = {k: v.clone() for k, v in torch.load(final / "optimizer.pt", weights_only=True)["state"][0].items()}
+    resumed = _trainer(out, max_steps=1)
+    generated = []
+    original = resumed._generate_and_score_completions
+    resumed._generate_and_score_completions = lambda inputs: generated.append(1) or original(inputs)
+    with pytest.warns(UserWarning, match=r"Resumed at step 1, which is this run's max_steps=1: nothing is left to "
+                                         r"train"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 1 and generated == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    model = resumed.accelerator.unwrap_model(resumed.model)
+    saved = trained.accelerator.unwrap_model(trained.model)
+    for (name, p), q in zip(model.named_parameters(), saved.parameters()):
+        torch.testing.assert_close(p, q, msg=f"{name}: the model is not the final checkpoint's")
+    after = torch.load(final / "optimizer.pt", weights_only=True)["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # and a longer run resumes from it and trains on (the stop is only at max_steps)
+    longer = _trainer(out, max_steps=2)
+    longer.train(resume_from_checkpoint=True)
+    assert longer.state.global_step == 2
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused_before_the_first_step(tmp_path, monkeypatch):
+    """What os.access does not reveal (root on a read-only bind mount, an immutable folder): the write probe at the
+    start of train() finds it, before any generation."""
+    import tempfile
+
+    from trl_plugins import PluginConfigError
+
+    trainer = _trainer(tmp_path / "out")
+    generated = []
+    original = trainer._generate_and_score_completions
+    trainer._generate_and_score_completions = lambda inputs: generated.append(1) or original(inputs)
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "out" / ".probe"))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*out' cannot be written \(OSError: \[Errno 30\] "
+                                                 r"Read-only file system.*refused before its first step"):
+        trainer.train()
+    assert generated == []
+
+
+def test_an_output_dir_below_a_file_is_refused_when_the_config_is_built(tmp_path):
+    from trl_plugins import PluginConfigError, PluginGRPOConfig
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(PluginConfigError, match=r"output_dir '.*a_file/out' cannot be created: .*a_file in its path "
+                                                 r"is a file"):
+        PluginGRPOConfig(output_dir=str(blocker / "out"), report_to="none", use_cpu=True)
+
+
+def test_the_write_probe_leaves_nothing_in_output_dir(tmp_path):
+    trainer = _trainer(tmp_path / "out")
+    trainer._check_output_dir_writable()
+    assert list((tmp_path / "out").iterdir()) == []

@@ -8,6 +8,7 @@ import torch
 import trl
 
 from trl_plugins import GenerationBudgetExceeded, Plugin, PluginConfigError, PluginError, hookimpl
+from trl_plugins.api.collectives import CAUSE_BYTES
 from trl_plugins.api.contexts import OFFPOLICY_KEY
 from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, temporary_plugin
 
@@ -601,6 +602,13 @@ def _other_process_requests(monkeypatch, trainer, n_other, used_other=0, other_f
     whether it holds a reward error from sampling-stage scoring."""
 
     def gather(tensor):
+        if tensor.numel() == CAUSE_BYTES + 1:  # after a set flag: the failing process's error, as bytes
+            other = torch.zeros_like(tensor)
+            if other_failed:
+                text = b"ZeroDivisionError: judge divided by zero"
+                other[0] = len(text)
+                other[1 : len(text) + 1] = torch.tensor(list(text))
+            return torch.cat([tensor, other])
         assert tensor.shape == (3,), "the service gathers (requested, used, scoring failed) per process"
         return torch.cat([tensor, torch.tensor([n_other, used_other, int(other_failed)], dtype=tensor.dtype)])
 
@@ -655,7 +663,8 @@ def test_generation_service_raises_a_held_scoring_error_on_every_process_before_
     if failed_here:
         held.holding = True
         assert held.hold(ZeroDivisionError("reward divided by zero"))
-    expected = (ZeroDivisionError, "divided by zero") if failed_here else (PluginError, "process 1 failed")
+    expected = ((ZeroDivisionError, "divided by zero") if failed_here else
+                (PluginError, "process 1 failed with ZeroDivisionError: judge divided by zero"))
     with pytest.raises(expected[0], match=expected[1]):
         service.generate(prompt_ids=[[5, 6]])
     assert calls == [] and service.used_this_batch == 0

@@ -6,7 +6,7 @@ must be entered by every process, the same number of times, in the same order. A
 therefore not let that process leave alone: the others would wait in their next collective until its timeout. The
 rule used throughout trl-plugins: the failure becomes a flag that rides in a collective every process enters anyway;
 after it, the failing process raises its own error and the others a :class:`~trl_plugins.api.errors.PluginError` naming
-the process that failed.
+the process that failed and its error (class and message: one more collective, entered only when a flag is set).
 
 Every function here is **collective**: call it on every process, the same number of times, in the same order.
 
@@ -45,16 +45,41 @@ def context_device(ctx: Any) -> torch.device:
 
 
 # ------------------------------------------------------------------------------------------------ flags
-def raise_for_flags(flags: Sequence[int], what: str, error: BaseException | None) -> None:
+#: Bytes of a failing process's error message sent to the other processes (:func:`gather_ints_together`).
+CAUSE_BYTES = 600
+
+
+def raise_for_flags(flags: Sequence[int], what: str, error: BaseException | None, cause: str | None = None) -> None:
     """Given every process's gathered failure flag (P,): raise this process's ``error``, or a
-    :class:`~trl_plugins.api.errors.PluginError` naming the first failing process; return when no flag is set."""
+    :class:`~trl_plugins.api.errors.PluginError` naming the first failing process (and its error, ``cause``, when it was
+    sent); return when no flag is set."""
     if error is not None:
         raise error
     failed = [p for p, f in enumerate(flags) if f]
     if failed:
-        raise PluginError(
-            f"{what}: process {failed[0]} failed (its own traceback has the cause); every process stops with it."
-        )
+        said = f" with {cause}" if cause else " (its own traceback has the cause)"
+        raise PluginError(f"{what}: process {failed[0]} failed{said}; every process stops with it.")
+
+
+def _error_text(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    return f"{type(error).__name__}: {error}".replace("\n", " ")
+
+
+def _gather_cause(gather: Any, device: torch.device, error: BaseException | None, flags: Sequence[int]) -> str:
+    """The first failing process's error (class and message, at most :data:`CAUSE_BYTES` bytes), all-gathered in one
+    more collective -- entered by every process, since every process saw the same flags."""
+    data = _error_text(error).encode("utf-8")[:CAUSE_BYTES]
+    local = torch.zeros(CAUSE_BYTES + 1, dtype=torch.long, device=device)
+    local[0] = len(data)
+    if data:
+        local[1 : len(data) + 1] = torch.tensor(list(data), dtype=torch.long)
+    rows = gather(local).view(-1, CAUSE_BYTES + 1).cpu()
+    first = next(p for p, f in enumerate(flags) if f)
+    size = int(rows[first, 0])
+    text = bytes(rows[first, 1 : size + 1].tolist()).decode("utf-8", errors="ignore")
+    return text + ("..." if size == CAUSE_BYTES else "")
 
 
 def gather_ints_together(
@@ -67,7 +92,9 @@ def gather_ints_together(
     """
     local = torch.tensor([*values, int(error is not None)], dtype=torch.long, device=device)
     gathered = gather(local).view(-1, len(values) + 1).cpu()
-    raise_for_flags(gathered[:, -1].tolist(), what, error)
+    flags = gathered[:, -1].tolist()
+    if any(flags):  # every process knows it: one more collective carries the failing process's error to the others
+        raise_for_flags(flags, what, error, _gather_cause(gather, device, error, flags))
     return gathered[:, :-1]
 
 

@@ -16,8 +16,9 @@ rollouts to reach ``--target``, optimizer steps, wall time, each plugin's claim 
 and every run's evaluations and per-step metrics), ``score.png`` (held-out score against rollouts) and
 ``entropy.png``. Finished runs are kept under ``runs/`` and not redone when the command is run again (``--fresh``
 redoes them), so an interrupted comparison resumes; a run's key holds a hash of the whole config and the evaluation
-settings, so an edited config is trained again. Configs with ``tools`` / ``environment_factory`` are refused (the
-held-out evaluation generates single-turn).
+settings, so an edited config is trained again. Configs with ``tools`` / ``environment_factory`` run them exactly as
+``trl-plugins train`` does (one builder, :func:`trl_plugins.cli.train.build_trainer`); their held-out score comes from
+rollouts with the tools (TRL's evaluation, sampled as in training), scored by the run's own reward function.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def run_config(base: dict, plugins: list[str], seed: int, output_dir: Path, max_
 
 def check_run_config(base: dict, out: Path) -> Any:
     """The training arguments of ``base`` as ``trl-plugins train`` parses them (a :class:`PluginConfigError` for a
-    wrong-typed or invalid field, an unknown key ...), checked before the first run."""
+    wrong-typed or invalid field, an unknown key, a reward function, tool or environment factory that does not import
+    ...), checked before the first run."""
     import tempfile
 
     import yaml
@@ -168,37 +170,61 @@ def check_run_config(base: dict, out: Path) -> Any:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump(run_config(base, [], 0, Path(tmp) / "run", 1)))
         parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
-        _, training_args, _ = parse_config(parser, ["--config", str(path)])
+        script_args, training_args, _ = parse_config(parser, ["--config", str(path)])
+    from trl_plugins.cli.train import load_environment_factory, load_reward_funcs, load_tools
+
+    # what `trl-plugins train` checks before the model loads: reward names, tools, the environment factory
+    load_reward_funcs(script_args.reward_funcs)
+    load_tools(script_args.tools)
+    load_environment_factory(script_args.environment_factory)
     return training_args
 
 
 def build_run(config_path: Path) -> tuple[Any, Any, Any]:
-    """``(trainer, script_args, training_args)`` of one run, exactly as ``trl-plugins train`` builds it."""
-    from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+    """``(trainer, script_args, training_args)`` of one run, built by ``trl-plugins train``'s own
+    :func:`~trl_plugins.cli.train.build_trainer` (reward functions, ``tools``, ``environment_factory``, dataset, model,
+    tool-calling template)."""
+    from trl import ModelConfig, TrlParser
 
     from trl_plugins.runtime.config import PluginGRPOConfig
-    from trl_plugins.cli.train import (
-        TrainScriptArguments,
-        load_model,
-        load_reward_funcs,
-        load_train_dataset,
-        parse_config,
-    )
-    from trl_plugins.runtime.trainer import PluginGRPOTrainer
+    from trl_plugins.cli.train import TrainScriptArguments, build_trainer, parse_config
 
     parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parse_config(parser, ["--config", str(config_path)])
-    reward_funcs = load_reward_funcs(script_args.reward_funcs)
-    train_dataset = load_train_dataset(script_args)
-    model, tokenizer = load_model(model_args, training_args)
-    if isinstance(model, str) and model_args.dtype is not None:
-        training_args.model_init_kwargs = {"dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}
-    trainer = PluginGRPOTrainer(
-        model=model, reward_funcs=reward_funcs, args=training_args, train_dataset=train_dataset,
-        processing_class=tokenizer, peft_config=get_peft_config(model_args),
-        quantization_config=get_quantization_config(model_args),
-    )
-    return trainer, script_args, training_args
+    return build_trainer(script_args, training_args, model_args), script_args, training_args
+
+
+def uses_tools(trainer: Any) -> bool:
+    """Whether the run's rollouts are multi-turn tool episodes (TRL ``tools`` / ``environment_factory``)."""
+    return bool(getattr(trainer, "tools", None)) or getattr(trainer, "environment_factories", None) is not None
+
+
+def tool_held_out_score(trainer: Any, held: Any, metric: Any) -> float:
+    """Mean of the reward function ``metric`` (one of the run's own) over rollouts of the held-out rows generated as
+    training generates them -- TRL's evaluation, so the tool loop, the environments and the tool guard run exactly as in
+    ``trl-plugins train``. Each row gets ``num_generations_eval`` rollouts (the eval batch is made one group, so any
+    ``per_device_eval_batch_size`` works); they are sampled as in training, not greedy."""
+    names = list(trainer.reward_func_names)
+    name = getattr(metric, "__name__", None)
+    if name not in names:
+        raise PluginConfigError(
+            f"--eval-metric {name!r}: with tools / environment_factory the held-out rollouts are scored by the run's "
+            f"own reward functions; choose one of {names}."
+        )
+    args = trainer.args
+    saved, training = args.per_device_eval_batch_size, trainer.model.training
+    control = getattr(trainer, "control", None)
+    flags = None if control is None else (control.should_log, control.should_evaluate, control.should_save)
+    args.per_device_eval_batch_size = trainer.num_generations_eval  # whole groups on every process
+    try:
+        metrics = trainer.evaluate(eval_dataset=held)
+    finally:
+        args.per_device_eval_batch_size = saved
+        # called between steps (EqualBudget.on_step_end): the step's own log still follows, as a training log
+        trainer.model.train(training)
+        if flags is not None:
+            trainer.control.should_log, trainer.control.should_evaluate, trainer.control.should_save = flags
+    return float(metrics[f"eval_rewards/{name}/mean"])
 
 
 def split_held_out(script_args: Any, train_dataset: Any, eval_split: str, eval_size: int) -> tuple[Any, Any, str]:
@@ -209,6 +235,17 @@ def split_held_out(script_args: Any, train_dataset: Any, eval_split: str, eval_s
 
         held = make_dataset(eval_size, levels=tuple(script_args.task_levels), seed=1, split="test")
         return train_dataset, held, "the bundled tasks' test split"
+    if script_args.dataset_name == "builtin:tools":
+        import json as _json
+
+        from trl_plugins.tasks.tools import make_tool_dataset
+
+        seen = {_json.dumps(p, sort_keys=True) for p in train_dataset["prompt"]}
+        drawn = make_tool_dataset(4 * eval_size + 8, seed=1)  # another draw; questions trained on are left out
+        keep = [i for i, p in enumerate(drawn["prompt"]) if _json.dumps(p, sort_keys=True) not in seen][:eval_size]
+        if not keep:
+            raise PluginConfigError("builtin:tools: no held-out question differs from the training questions.")
+        return train_dataset, drawn.select(keep), "bundled tool questions of another draw (none trained on)"
     from datasets import load_dataset
 
     try:
@@ -238,11 +275,18 @@ def run_one(config_path: Path, budget: int, eval_every: int, args: argparse.Name
     (metric,) = load_reward_funcs([metric_name])
     tokenizer = trainer.processing_class
 
+    tools = uses_tools(trainer)
+    if tools:
+        source += "; rollouts with the run's tools, scored as training scores them"
+
     def score() -> float:
         import torch
 
         state = torch.get_rng_state()
-        value = held_out_score(trainer.model, tokenizer, held, metric, training_args.max_completion_length)
+        if tools:  # multi-turn: TRL's own evaluation runs the tool loop exactly as training does
+            value = tool_held_out_score(trainer, held, metric)
+        else:
+            value = held_out_score(trainer.model, tokenizer, held, metric, training_args.max_completion_length)
         torch.set_rng_state(state)
         return value
 
@@ -384,13 +428,6 @@ def _main(argv: list[str] | None) -> int:
             raise PluginConfigError(f"plugins in {args.config!r} must be a list of plugin names; got {plugins!r}.")
         stacks = args.stacks or ["grpo"] + (["+".join(plugins)] if plugins else [])
         seeds, steps_budget = args.seeds or 3, 40
-    for field_name in ("tools", "environment_factory"):
-        if base_config.get(field_name):  # compare's held-out evaluation generates single-turn, without the tools
-            raise PluginConfigError(
-                f"trl-plugins compare does not run tool rollouts: the config sets {field_name}, which `trl-plugins "
-                "train` uses but compare's held-out evaluation (greedy single-turn completions) cannot. Compare "
-                "stacks on a config without tools, or train each stack with `trl-plugins train`."
-            )
     stack_plugins = {stack: parse_stack(stack) for stack in stacks}
     from trl_plugins.runtime.manager import build_plugins
 

@@ -678,22 +678,103 @@ def write_pages(out: Path, pages: Mapping[str, str]) -> list[str]:
     return changed
 
 
+# ------------------------------------------------------------------------------------------------ generated sections
+#: Sections of hand-written pages generated from the checkout's tests: page -> [(section name, test file relative to
+#: the checkout, function of that file returning the section's markdown)]. Each sits between its two marker lines
+#: (:func:`section_markers`); the rest of the page is prose written by hand.
+SECTIONS = {
+    "reliability.md": [("bad-inputs", "tests/reliability/test_bad_inputs.py", "markdown_table")],
+}
+
+
+def section_markers(name: str, source: str) -> tuple[str, str]:
+    """The first and last line of generated section ``name`` (from test file ``source``)."""
+    return (f"<!-- BEGIN generated section {name}: `python -m trl_plugins.cli.docs` writes it from {source}; do not edit "
+            "by hand. -->", f"<!-- END generated section {name} -->")
+
+
+def replace_section(text: str, name: str, source: str, body: str) -> str | None:
+    """``text`` with the lines between the markers of section ``name`` replaced by ``body``; None without markers."""
+    begin, end = section_markers(name, source)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        return None
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body.rstrip()}\n{end}{tail}"
+
+
+def render_sections(root: Path | None = None) -> dict[str, dict[str, tuple[str, str]]]:
+    """page -> {section name: (source, markdown)} for the sections whose test file is in the checkout (an installed
+    package has none: nothing to render)."""
+    import importlib.util
+
+    root = docs_dir().parent if root is None else root
+    rendered: dict[str, dict[str, tuple[str, str]]] = {}
+    for page, specs in SECTIONS.items():
+        for name, source, function in specs:
+            path = root / source
+            if not path.is_file():
+                continue
+            module_name = f"_trl_plugins_docs_{name.replace('-', '_')}"
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module  # dataclasses of the module look themselves up there
+            try:
+                spec.loader.exec_module(module)
+                rendered.setdefault(page, {})[name] = (source, getattr(module, function)())
+            finally:
+                sys.modules.pop(module_name, None)
+    return rendered
+
+
+def _section_updates(out: Path, sections: Mapping[str, Mapping[str, tuple[str, str]]]) -> tuple[dict, list[str]]:
+    """(page -> its text with every generated section rendered, problems: a page or a section's markers missing)."""
+    updated, problems = {}, []
+    for page, by_name in sections.items():
+        path = out / page
+        if not path.is_file():  # a hand-written page: not in an --out folder of generated pages only
+            continue
+        text = path.read_text(encoding="utf-8")
+        for name, (source, body) in by_name.items():
+            new = replace_section(text, name, source, body)
+            if new is None:
+                problems.append(f"{page} lacks the markers of generated section {name!r} (one pair of lines: "
+                                f"{section_markers(name, source)[0]} ... {section_markers(name, source)[1]})")
+                continue
+            text = new
+        updated[page] = text
+    return updated, problems
+
+
 def check(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone."""
+    """Problems with the pages under ``out``: missing, different, or generated for a plugin that is gone; with the
+    default pages, also the generated sections of hand-written pages (:data:`SECTIONS`)."""
+    sections = render_sections() if pages is None else {}
     pages = render_all() if pages is None else pages
     problems = check_pages(out, pages)
     for rel in sorted(_generated_on_disk(out) - set(pages)):
         problems.append(f"{rel} is stale (no such plugin any more)")
+    updated, section_problems = _section_updates(out, sections)
+    problems += section_problems
+    for page, text in updated.items():
+        if (out / page).read_text(encoding="utf-8") != text:
+            problems.append(f"{page}: a generated section ({', '.join(sections[page])}) is out of date")
     return problems
 
 
 def write(out: Path, pages: Mapping[str, str] | None = None) -> list[str]:
-    """Write the pages under ``out`` and delete stale generated ones; returns the paths changed."""
+    """Write the pages under ``out`` and delete stale generated ones; with the default pages, also rewrite the
+    generated sections of hand-written pages. Returns the paths changed."""
+    sections = render_sections() if pages is None else {}
     pages = render_all() if pages is None else pages
     changed = write_pages(out, pages)
     for rel in sorted(_generated_on_disk(out) - set(pages)):
         (out / rel).unlink()
         changed.append(rel)
+    updated, problems = _section_updates(out, sections)
+    if problems:
+        raise SystemExit("\n".join(problems))
+    changed += write_pages(out, updated)
     return changed
 
 

@@ -22,6 +22,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl_plugins.api.errors import PluginConfigError, PluginError, suggest
 
@@ -285,13 +286,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+    from trl import ModelConfig, TrlParser
 
     from trl_plugins.runtime.config import PluginGRPOConfig
-    from trl_plugins.runtime.trainer import PluginGRPOTrainer
 
     parser = TrlParser((TrainScriptArguments, PluginGRPOConfig, ModelConfig))
     script_args, training_args, model_args = parse_config(parser, argv)
+    trainer = build_trainer(script_args, training_args, model_args)
+    from trl_plugins.cli.console import install
+
+    install(trainer, verbose=script_args.verbose)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    return 0
+
+
+def build_trainer(script_args: TrainScriptArguments, training_args: Any, model_args: Any):
+    """The :class:`~trl_plugins.PluginGRPOTrainer` of a parsed config: reward functions, tools, environment factory,
+    dataset, model and tokenizer (a tool-calling template for the built-in models) -- the one way ``trl-plugins
+    train`` and ``trl-plugins compare`` build a run."""
+    from trl import get_peft_config, get_quantization_config
+
+    from trl_plugins.runtime.trainer import PluginGRPOTrainer
+
     # everything that can be checked without the model first: a bad reward name or dataset must not wait for a
     # (possibly minutes-long) model load or warm start
     reward_funcs = load_reward_funcs(script_args.reward_funcs)
@@ -324,13 +342,7 @@ def _main(argv: list[str] | None) -> int:
         quantization_config=get_quantization_config(model_args),
         **{k: v for k, v in agent.items() if v is not None},
     )
-    from trl_plugins.cli.console import install
-
-    install(trainer, verbose=script_args.verbose)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
-    return 0
+    return trainer
 
 
 if __name__ == "__main__":  # pragma: no cover

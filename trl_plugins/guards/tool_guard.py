@@ -36,7 +36,10 @@ from typing import Any
 
 from trl_plugins.api.errors import PluginConfigError, PluginError
 
-__all__ = ["TOOL_FAILURE_MODES", "ToolError", "ToolGuard", "ToolInputError", "ToolPolicy", "check_tool_result"]
+__all__ = [
+    "TOOL_FAILURE_MODES", "EnvironmentResetError", "ResetGuard", "ToolError", "ToolGuard", "ToolInputError", "ToolPolicy",
+    "check_tool_result",
+]
 
 TOOL_FAILURE_MODES = ("raise", "feedback")
 #: The longest tool_retry_backoff (seconds) and the longest single wait between two attempts.
@@ -273,3 +276,81 @@ class ToolGuard:
                 sync_tools[name] = self.wrap_sync(name, func, i, global_rows[i])
             for name, func in list(async_tools.items()):
                 async_tools[name] = self.wrap_async(name, func, i, global_rows[i])
+
+
+# ------------------------------------------------------------------------------------------------ environment resets
+class EnvironmentResetError(PluginError):
+    """An environment's ``reset`` raised for a row: the rollout of that row cannot start."""
+
+
+_RESET_GUARDED = "_trl_plugins_reset_guarded"
+
+
+class ResetGuard:
+    """Holds the first exception of an environment's ``reset`` (TRL calls it per row before generating) so the trainer
+    can raise it on every process together at the start of generation instead of on the failing process alone.
+
+    :meth:`guard` wraps the ``reset`` of every pooled environment instance and every factory (instances made later),
+    once; :meth:`take` returns the held error, naming the environment class, the row and the cause.
+    """
+
+    def __init__(self):
+        self._failure: tuple[Any, BaseException] | None = None
+
+    def guard(self, factories: dict | None, pool: dict | None) -> dict | None:
+        """The factories, wrapped; every instance already in ``pool`` ({name: [instances]}) gets a guarded reset."""
+        if factories is None:
+            return None
+        for instances in (pool or {}).values():
+            for instance in instances:
+                self._wrap(instance)
+        return {name: self._wrap_factory(factory) for name, factory in factories.items()}
+
+    def _wrap_factory(self, factory: Callable) -> Callable:
+        if getattr(factory, _RESET_GUARDED, False):
+            return factory
+
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            return self._wrap(factory(*args, **kwargs))
+
+        setattr(make, _RESET_GUARDED, True)
+        return make
+
+    def _wrap(self, instance: Any) -> Any:
+        reset = getattr(instance, "reset", None)
+        if reset is None or getattr(reset, _RESET_GUARDED, False):
+            return instance
+
+        @functools.wraps(reset)
+        def guarded_reset(**kwargs):
+            if self._failure is not None:
+                return None  # the step is lost: the remaining rows do not start their environments
+            try:
+                return reset(**kwargs)
+            except Exception as exc:  # raised by the trainer on every process together (take)
+                self._failure = (instance, exc)
+                return None
+
+        setattr(guarded_reset, _RESET_GUARDED, True)
+        try:
+            instance.reset = guarded_reset  # an instance attribute: TRL calls environment.reset(**row)
+        except AttributeError:  # __slots__ / a read-only attribute: left unguarded (raises as in TRL)
+            pass
+        return instance
+
+    def take(self, environments: list | None, start: int, process: int) -> EnvironmentResetError | None:
+        """The held failure as an error naming class, row (``environments``: this batch's instances in row order,
+        ``start``: the global index of the first local row) and cause; None when every reset succeeded. Forgets it."""
+        if self._failure is None:
+            return None
+        instance, exc = self._failure
+        self._failure = None
+        local = next((i for i, env in enumerate(environments or []) if env is instance), None)
+        where = (f"row {start + local} (local row {local} on process {process})" if local is not None
+                 else f"a row on process {process}")
+        return EnvironmentResetError(
+            f"environment_factory: {type(instance).__name__}.reset raised {type(exc).__name__}: {_short(str(exc), 200)} "
+            f"for {where}, so its rollout could not start; every process stops with it. Fix the environment's reset "
+            "or the dataset row it was given (reset receives the row's columns as keyword arguments)."
+        )

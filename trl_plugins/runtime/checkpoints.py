@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -112,6 +113,41 @@ def save_plugin_state(state: dict, folder: str) -> str:
             ) from exc
         raise
     return path
+
+
+_WRITE_FAILED = ("file write failed", "unexpected pos", "No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is a write that failed for lack of space: an ``OSError``
+    ENOSPC / EDQUOT, or torch's own writer failing (``torch.save`` reports a full disk as a ``RuntimeError``
+    "PytorchStreamWriter failed writing file ...: file write failed" without the errno)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, (RuntimeError, OSError)) and any(text in str(exc) for text in _WRITE_FAILED):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(exc: BaseException, folder: str, removed: bool) -> CheckpointError:
+    """The :class:`CheckpointError` for a checkpoint save into ``folder`` that ran out of space (``removed``: the
+    incomplete folder was deleted)."""
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(os.path.abspath(folder)) or '.').free:,} bytes free now"
+    except OSError:
+        free = "free space unknown"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    left = ("the incomplete checkpoint folder was removed, so nothing is left behind" if removed
+            else "the incomplete folder lacks trainer_state.json, so resuming skips it")
+    return CheckpointError(
+        f"The disk is full: no space left on the device of {folder} while saving the checkpoint (model, optimizer or "
+        f"scheduler state; {type(exc).__name__}: {first[:160]}; {free}). {left}; free space (or lower "
+        "save_total_limit) and resume from the last complete checkpoint."
+    )
 
 
 def _unsafe_global(exc: BaseException) -> str:

@@ -213,6 +213,11 @@ def check_project_fields(args: PluginGRPOConfig) -> None:
         existing = os.path.abspath(args.output_dir)
         while not os.path.exists(existing) and os.path.dirname(existing) != existing:
             existing = os.path.dirname(existing)  # the folder output_dir will be created in
+        if os.path.exists(existing) and not os.path.isdir(existing):
+            raise PluginConfigError(
+                f"output_dir {args.output_dir!r} cannot be created: {existing} in its path is a file, not a folder. "
+                "Choose an output_dir whose parent folders are folders."
+            )
         if os.path.isdir(existing) and not os.access(existing, os.W_OK | os.X_OK):
             raise PluginConfigError(
                 f"output_dir {args.output_dir!r} cannot be written ({existing} is not writable): the run would fail at "

@@ -269,6 +269,17 @@ class PluginStack:
             announce(None)
         return results
 
+    def call_each(self, hook: str, after_each: Any, **kwargs: Any) -> None:
+        """Call ``hook`` on each implementing plugin in order, then ``after_each(plugin_name, error)`` with the exception
+        it raised (None when it returned); ``after_each`` decides whether to raise (e.g. on every process together)."""
+        for impl in self._impls[hook]:
+            try:
+                impl.function(*[kwargs[a] for a in impl.argnames])
+            except Exception as exc:  # handed to after_each, which raises it
+                after_each(impl.plugin.name, exc)
+                raise  # after_each must raise for an error; never go on past a failed hook
+            after_each(impl.plugin.name, None)
+
     def check_loss_type(self, loss_type: str) -> None:
         """Refuse a ``loss_type`` an enabled plugin is not defined for (at trainer construction)."""
         check_loss_type(self.plugins, loss_type)

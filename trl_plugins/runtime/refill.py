@@ -11,9 +11,12 @@ kept batch only).
 One round (every process runs the same collectives; every decision is taken on gathered data):
 
 1. score: round 0 runs TRL's own ``_calculate_rewards`` on the whole batch (its gather included) and the result is
-   handed to TRL's later call, so with nothing rejected the stage adds no collective and no reward evaluation;
+   handed to TRL's later call, so with nothing rejected the stage adds no reward evaluation (with several processes,
+   one small collective: the decision check of step 2);
    later rounds score the replaced rows locally and all-gather the (B, K) block (two collectives);
 2. the ``trl_plugins_reject_groups`` hooks mark group slots rejected (:class:`~trl_plugins.api.contexts.RefillContext`);
+   with several processes the rejected slots and replacements of every process are compared (one collective): a
+   decision taken on some processes only is a ``PluginError`` on every process (``RefillStage._decide``);
 3. nothing rejected: done. Round limit reached: ``refill_at_limit`` (keep / zero advantage / error);
 4. each rejected slot gets a replacement: first those plugins named (``ctx.repeat`` / ``ctx.supply``), then the
    :class:`RefillStream`; each process replaces the rows of those slots it holds (dataset row, prompt, completion),
@@ -153,7 +156,7 @@ class RefillStage:
         replaced_any = False
         while True:
             ctx = self._context(rewards, rounds, fresh, keys)
-            tr.plugin_stack.call(REJECT_HOOK, ctx)
+            self._decide(ctx, rounds)
             rejected = ctx.rejected.nonzero().flatten().tolist()
             if not rejected:
                 break
@@ -192,6 +195,42 @@ class RefillStage:
         outcome.prompt_keys = keys if replaced_any else None
         self._log(rounds, rejected_total, refill_rows, len(outcome.zero_advantage_groups), unplaced)
         return (prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images), outcome
+
+    def _decide(self, ctx: RefillContext, rounds: int) -> None:
+        """The ``trl_plugins_reject_groups`` hooks, and with several processes a check that every process took the
+        same decision (one collective): each process refills the slots it holds, so a rejection taken on one process
+        only would leave the others generating a different number of rows (a collective size mismatch) -- it is
+        named instead, on every process together, as is a hook raising on one process only."""
+        tr = self.trainer
+        acc = tr.accelerator
+        try:
+            tr.plugin_stack.call(REJECT_HOOK, ctx)
+            error = None
+        except Exception as exc:  # raised below, on every process together
+            error = exc
+        if acc.num_processes <= 1:
+            if error is not None:
+                raise error
+            return
+        from trl_plugins.api.collectives import gather_ints_together
+
+        S = ctx.rejected.numel()
+        codes = [value if kind == "repeat" else -1 for kind, value in ctx.replacements[:S]]
+        values = [int(r) for r in ctx.rejected.tolist()] + [len(ctx.replacements)] + codes + [-2] * (S - len(codes))
+        names = [p.name for p in tr.plugin_stack.implementers(REJECT_HOOK)]
+        gathered = gather_ints_together(acc.gather, values, acc.device, f"refill plugins {names} (reject_groups)", error)
+        if any(not torch.equal(row, gathered[0]) for row in gathered[1:]):
+            per_process = "; ".join(
+                f"process {p}: rejected groups {row[:S].nonzero().flatten().tolist()}, {int(row[S])} replacements"
+                for p, row in enumerate(gathered)
+            )
+            raise PluginError(
+                f"Refill round {rounds}: the plugins {names} rejected different groups on different processes "
+                f"({per_process}). Every process refills the slots it holds, so the decision must be the same "
+                "everywhere: a trl_plugins_reject_groups hook must decide from its context only (ctx.rewards, "
+                "ctx.rewards_per_func, ctx.prompt_keys, ctx.fresh are the gathered batch, identical on every process), "
+                "never from process-local state, rows or unseeded randomness."
+            )
 
     def _context(self, rewards: torch.Tensor, rounds: int, fresh: torch.Tensor, keys: torch.Tensor) -> RefillContext:
         tr = self.trainer

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import shutil
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +41,10 @@ from trl.data_utils import apply_chat_template, is_conversational
 
 from trl_plugins.runtime.checkpoints import (
     PLUGIN_STATE_FILE,
+    disk_full_error,
     foreign_entries,
+    is_complete_checkpoint,
+    is_disk_full,
     last_complete_checkpoint,
     load_plugin_state,
     mark_incomplete,
@@ -72,7 +76,7 @@ from trl_plugins.guards.rewards_guard import check_reward_columns, guard_reward_
 from trl_plugins.api.services import RunInfo, StageServices, gather_padded
 from trl_plugins.api.success import RewardColumns, check_success_columns, is_placeholder, weighted_nansum
 from trl_plugins.runtime.token_temperature import TemperatureRule, token_temperature_generation
-from trl_plugins.guards.tool_guard import ToolGuard, ToolPolicy
+from trl_plugins.guards.tool_guard import ResetGuard, ToolGuard, ToolPolicy
 from trl_plugins.runtime.trl_seam import TrlSeamTrainer
 from trl_plugins.api.turns import (
     TurnStructure,
@@ -108,6 +112,24 @@ class _StepEndCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.plugin_stack.call("trl_plugins_on_step_end", trainer=self.trainer, step=state.global_step)
+
+
+class _NothingLeft(Exception):
+    """Raised by :class:`_NothingLeftToTrain` at ``on_train_begin``; caught by ``PluginGRPOTrainer.train``."""
+
+
+class _NothingLeftToTrain(TrainerCallback):
+    """A run resumed from a checkpoint already at ``max_steps`` (its final one) trains no further step.
+
+    Transformers fast-forwards the dataloader past the trained batches and then runs the next step before it looks at
+    ``max_steps`` again, so such a resume trained -- and saved -- one step past it. At ``on_train_begin`` the model,
+    optimizer and state are the checkpoint's and ``max_steps`` is this run's: when nothing is left, the loop is left
+    there (:class:`_NothingLeft`, caught by ``train``) -- no generation, no optimizer step, no save.
+    """
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise _NothingLeft(state.global_step, state.max_steps)
 
 
 class PluginGRPOTrainer(TrlSeamTrainer):
@@ -152,7 +174,16 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset, **kwargs)
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
+        if getattr(self, "environment_factories", None) is not None and not self.tools:
+            names = [getattr(f, "__name__", repr(f)) for f in self.environment_factories.values()]
+            raise PluginConfigError(
+                f"environment_factory {names}: its environments have no tool method (a public method other than reset "
+                "/ get_reward, with type hints and a Google-style docstring) and no tools= were given. TRL exposes those "
+                "methods as the model's tools, so every rollout would be single-turn without a word. Add a tool method, "
+                "or leave environment_factory out for single-turn training."
+            )
         self.plugin_stack: PluginStack = stack
+        self.add_callback(_NothingLeftToTrain())
         self.generation_service = GenerationService(self)
         #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.runtime.policy_probe`).
         self.policy_probe = PolicyProbe(self)
@@ -165,6 +196,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         self._token_temperature: TemperatureRule | None = None
         #: Retries, timeout and result checks of tool calls; a tool failing every attempt stops every process together.
         self._tool_guard = ToolGuard(ToolPolicy.from_args(args))
+        #: An environment's reset raising for a row: held, then raised on every process together (generate_rollouts).
+        self._reset_guard = ResetGuard()
         #: Whether a plugin runs at the sampling stage (prompt or after-generation hooks).
         self.uses_sampling_stage = any(stack.has(h) for h in SAMPLING_HOOKS)
         self._uses_plugin_loss = self.uses_sampling_stage or any(stack.has(h) for h in LOSS_HOOKS)
@@ -179,11 +212,25 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             self.reference_copy = frozen_reference_copy(self, list(stack))
         if stack:
             self.add_callback(_StepEndCallback(self))
-            stack.call("trl_plugins_configure", trainer=self, args=args)
+            self._configure_plugins_together(stack, args)
             check_success_columns(list(stack), list(self.reward_func_names),
                                   [is_placeholder(f) for f in self.reward_funcs])
 
     # ------------------------------------------------------------------------------------------ construction
+    def _configure_plugins_together(self, stack: PluginStack, args: Any) -> None:
+        """Each plugin's ``trl_plugins_configure``; with several processes a plugin failing on one of them only (a
+        teacher endpoint probe that timed out there, a file missing on one node) raises on every process together
+        (one gathered flag after each plugin), so no process goes on alone into the next collective."""
+        acc = self.accelerator
+
+        def after_each(plugin_name: str, error: BaseException | None) -> None:
+            if acc.num_processes > 1:
+                raise_together(acc.gather, acc.device, f"plugin {plugin_name!r} (trl_plugins_configure)", error)
+            elif error is not None:
+                raise error
+
+        stack.call_each("trl_plugins_configure", after_each, trainer=self, args=args)
+
     @staticmethod
     def _with_plugin_rewards(stack: PluginStack, reward_funcs: Any, args: Any) -> Any:
         """Append plugin reward functions (named columns) and extend ``reward_weights`` accordingly."""
@@ -290,6 +337,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     # ------------------------------------------------------------------------------------------ batch
     def generate_and_score_completions(self, inputs):
+        if getattr(self, "environment_factories", None) is not None and hasattr(self, "_reset_guard"):
+            self.environment_factories = self._reset_guard.guard(self.environment_factories, self.environment_pool)
         if not self.plugin_stack:
             return super().generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
@@ -326,11 +375,25 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         stack: it generates exactly as TRL does."""
         if getattr(self, "plugin_stack", None) is None:
             return super().generate_rollouts(prompts)
+        self._raise_reset_errors(len(prompts))
         generated = self._generate_sampling_stage(prompts)
         state = self._pbatch
         if self.refill_stage is not None and state is not None and state.mode == "train":
             generated, state.refill = self.refill_stage.run(state, prompts, generated)
         return generated
+
+    def _raise_reset_errors(self, local_rows: int) -> None:
+        """An environment ``reset`` that raised for a row of this batch (held by the reset guard): raised here, before
+        generation, on every process together (one gathered flag when the run has environments)."""
+        if getattr(self, "environment_factories", None) is None:
+            return
+        acc = self.accelerator
+        error = self._reset_guard.take(getattr(self, "environments", None), acc.process_index * local_rows,
+                                       acc.process_index)
+        if acc.num_processes > 1:
+            raise_together(acc.gather, acc.device, "environment reset", error)
+        elif error is not None:
+            raise error
 
     def _generate_sampling_stage(self, prompts: list):
         """TRL's generation (``generate_rollouts``) with the sampling stage: prompt hooks, generation, after-generation
@@ -801,14 +864,25 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def save_checkpoint(self, model, trial):
         # Plugin state first, written atomically; transformers writes trainer_state.json last, which marks the folder
-        # complete (trl_plugins/runtime/checkpoints.py): a run killed at any point of the save leaves a folder that
-        # resuming skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
+        # complete (trl_plugins/runtime/checkpoints.py): a run killed at any point of the save leaves a folder that resuming
+        # skips, and a hub push of the checkpoint (inside TRL's save) includes the plugin state.
+        folder = self.checkpoint_folder(trial)
         if self.args.should_save:
-            folder = self.checkpoint_folder(trial)
             mark_incomplete(folder)
             if self.plugin_stack:
                 save_plugin_state(self.plugin_state_dict(), folder)
-        super().save_checkpoint(model, trial)
+        try:
+            super().save_checkpoint(model, trial)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            # a full disk while transformers wrote the model / optimizer (torch.save says only "file write failed"):
+            # the folder is incomplete (no trainer_state.json) and its partial files only take space -- removed
+            removed = False
+            if self.args.should_save and os.path.isdir(folder) and not is_complete_checkpoint(folder):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed = not os.path.exists(folder)
+            raise disk_full_error(exc, folder, removed) from exc
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         """``Trainer.train``; ``resume_from_checkpoint=True`` picks the newest *complete* checkpoint of ``output_dir``
@@ -817,6 +891,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             resume_from_checkpoint
         ):
             resume_from_checkpoint = True
+        self._check_output_dir_writable()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -824,7 +899,43 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                     f"resume_from_checkpoint=True, but output_dir {self.args.output_dir!r} holds no complete "
                     "checkpoint-N folder to resume from."
                 )
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        try:
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
+        except _NothingLeft as done:
+            from transformers.trainer_utils import TrainOutput
+
+            step, max_steps = done.args
+            self.is_in_train = False
+            warnings.warn(
+                f"Resumed at step {step}, which is this run's max_steps={max_steps}: nothing is left to train (the "
+                "model and state are the checkpoint's). Raise max_steps (or num_train_epochs) to train further.",
+                stacklevel=2,
+            )
+            return TrainOutput(step, 0.0, {"train_runtime": 0.0})
+
+    def _check_output_dir_writable(self) -> None:
+        """Before the first step: the saving process creates ``output_dir`` and writes (then removes) a probe file in
+        it, so a folder that cannot be written (read-only mount, a file in its path, no permission -- also for root,
+        which ``os.access`` does not reveal) is refused now, on every process together, not at the first save."""
+        error = None
+        if self.args.should_save and self.args.output_dir is not None:
+            import tempfile
+
+            try:
+                os.makedirs(self.args.output_dir, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=self.args.output_dir, prefix=".trl_plugins-write-probe-") as probe:
+                    probe.write(b"ok")
+                    probe.flush()
+            except OSError as exc:
+                error = PluginConfigError(
+                    f"output_dir {self.args.output_dir!r} cannot be written ({type(exc).__name__}: {exc}): checkpoints, "
+                    "logs and the final model go there, so the run is refused before its first step. Choose a "
+                    "writable folder."
+                )
+        if self.accelerator.num_processes > 1:
+            raise_together(self.accelerator.gather, self.accelerator.device, "output_dir check", error)
+        elif error is not None:
+            raise error
 
     def load_optimizer_and_scheduler(self, checkpoint):
         super().load_optimizer_and_scheduler(checkpoint)

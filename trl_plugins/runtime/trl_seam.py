@@ -66,7 +66,7 @@ OVERRIDE_POINTS = {
 ACCESSORS = (
     "record_metric", "log_completion_extra", "pending_completion_extras", "replace_logged_advantages",
     "text_tokenizer", "tokenize_prompts", "sample_completions", "per_token_logps_and_entropies", "micro_step",
-    "entropy_bonus_enabled", "entropy_bonus", "copied_tool_dicts", "checkpoint_folder",
+    "entropy_bonus_enabled", "entropy_bonus", "copied_tool_dicts", "checkpoint_folder", "environment_pool",
 )
 
 
@@ -247,6 +247,12 @@ class TrlSeamTrainer(GRPOTrainer):
             yield self._sync_tool_dicts, self._async_tool_dicts
         finally:
             self._sync_tool_dicts, self._async_tool_dicts = originals
+
+    @property
+    def environment_pool(self) -> dict | None:
+        """TRL's pool of reusable environment instances ({environment name: [instances]}; None without
+        ``environment_factory``)."""
+        return getattr(self, "_environment_pool", None)
 
     def checkpoint_folder(self, trial: Any = None) -> str:
         """The folder transformers' ``_save_checkpoint`` writes for the current global step
