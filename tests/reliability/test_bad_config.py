@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from trl_plugins import IncompatiblePluginsError, PluginGRPOConfig
+from trl_plugins import PluginGRPOConfig
 from trl_plugins.cli import main
 
 BASE = {
@@ -77,16 +77,6 @@ def _train(tmp_path, capsys, monkeypatch, overrides=(), **config):
             ["plugin_config has options for 'lp_reg', which is not in plugins=['canon']"],
             id="options-for-a-plugin-not-enabled",
         ),
-        pytest.param(
-            {"plugins": ["canon"], "vllm_mode": "server"},
-            ["vllm_mode='server' only take effect with use_vllm=True", "Set use_vllm=True"],
-            id="vllm-only-setting-without-vllm",
-        ),
-        pytest.param(
-            {"vllm_server_base_url": "http://127.0.0.1:8000"},
-            ["vllm_server_base_url='http://127.0.0.1:8000' only take effect with use_vllm=True"],
-            id="vllm-server-url-without-vllm",
-        ),
     ],
 )
 def test_bad_yaml_is_refused_while_parsing(config, fragments, tmp_path, capsys, monkeypatch):
@@ -102,11 +92,19 @@ def test_bad_command_line_override_is_refused_too(tmp_path, capsys, monkeypatch)
     assert status == 2 and "Did you mean 'lp_reg'" in err, err
 
 
-def test_vllm_settings_are_accepted_with_vllm_and_refused_without():
+def test_vllm_settings_without_vllm_are_accepted_as_trl_accepts_them_with_a_warning():
+    import warnings
+
+    from trl import GRPOConfig
+
     common = dict(output_dir="unused", report_to="none", use_cpu=True)
     config = PluginGRPOConfig(**common, use_vllm=True, vllm_mode="server", vllm_server_base_url="http://h:8000")
     assert config.use_vllm and config.vllm_mode == "server"
-    PluginGRPOConfig(**common)  # the defaults (vllm_mode='colocate', no URL) say nothing about vLLM
-    with pytest.raises(IncompatiblePluginsError, match=r"vllm_mode='server', vllm_server_base_url='http://h:8000' "
-                                                       r"only take effect with use_vllm=True"):
-        PluginGRPOConfig(**common, vllm_mode="server", vllm_server_base_url="http://h:8000")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        PluginGRPOConfig(**common)  # the defaults (vllm_mode='colocate', no URL) say nothing about vLLM
+    GRPOConfig(**common, vllm_mode="server", vllm_server_base_url="http://h:8000")  # TRL accepts them ...
+    with pytest.warns(UserWarning, match=r"vllm_mode='server', vllm_server_base_url='http://h:8000' "
+                                         r"only take effect with use_vllm=True"):
+        config = PluginGRPOConfig(**common, vllm_mode="server", vllm_server_base_url="http://h:8000")  # ... so do we
+    assert not config.use_vllm and config.vllm_mode == "server"

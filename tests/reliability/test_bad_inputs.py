@@ -184,7 +184,8 @@ CASES = [
     Case("output-dir-is-a-file", "config", _config(output_dir="{file}"), "is a file; it must be a directory"),
     Case("output-dir-below-a-file", "config", _config(output_dir="{file}/out"),
          "in its path is a file, not a folder"),
-    Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"), "only take effect with use_vllm=True"),
+    Case("vllm-mode-without-vllm", "config", _config(vllm_mode="server"),
+         "warn:only take effect with use_vllm=True"),
     Case("trl-own-check", "config", _config(per_device_train_batch_size=3, num_generations=2),
          "Invalid configuration: generation_batch_size (3) must be divisible by num_generations (2)"),
     # ---------------------------------------------------------------- the command line and the YAML file

@@ -125,12 +125,15 @@ class PluginGRPOConfig(GRPOConfig):
                 for name, unset in (("vllm_mode", "colocate"), ("vllm_server_base_url", None))
                 if getattr(self, name) != unset
             ]
-            if given:
-                from trl_plugins.api.errors import IncompatiblePluginsError
+            if given:  # TRL accepts and ignores them: so do we (drop-in), but say so
+                import warnings
 
-                raise IncompatiblePluginsError(
+                warnings.warn(
                     f"{', '.join(given)} only take effect with use_vllm=True; with use_vllm=False generation runs on "
-                    "transformers' generate and these settings would be ignored. Set use_vllm=True, or remove them."
+                    "transformers' generate and these settings are ignored (as trl.GRPOConfig ignores them). Set "
+                    "use_vllm=True to generate with vLLM, or remove them.",
+                    UserWarning,
+                    stacklevel=3,
                 )
         from trl_plugins.runtime.manager import build_plugins
 
