@@ -1,0 +1,132 @@
+"""Worker of the engine tests (``test_engines.py``); not collected by pytest.
+
+Launched by ``accelerate launch --config_file docs/accelerate/<engine>.yaml --num_processes 2 --mixed_precision no``
+on CPU (see ``cpu_engines.py``); every rank runs ``main()``. Each *phase* (see :data:`PHASES`) builds a tiny trainer
+with a stack of plugins, trains ``max_steps`` steps with real HF generation from the same seed, and writes
+``PHASE-rank{R}.json`` (what ran, the engine seen, the error if any) and, on rank 0, ``PHASE-params.pt`` (the full
+final parameters, gathered by the engine's own ``get_state_dict``). The test compares those parameters with the DDP
+launch of the same phase.
+
+A phase that raises records its error on every rank and the launch goes on to the next phase, so one launch reports
+every phase; a phase left inside a collective would hang the launch instead (the test's timeout reports it).
+
+Usage: ``python engine_worker.py OUT_DIR ENGINE PHASE [PHASE ...]`` (ENGINE: one of ``cpu_engines.ENGINES``)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import cpu_engines  # noqa: E402
+
+cpu_engines.install()
+
+import torch  # noqa: E402
+
+#: one rank's rows: 2 whole groups of G=2 (4 groups globally), so per-rank work (a guided group, a refill) is real
+PER_DEVICE, G = 4, 2
+SOFTCAP = 2.0
+
+#: phase -> (plugins, plugin_config, options); options: "softcap" (a softcapped head), "steps"
+PHASES: dict[str, tuple[list[str], dict, dict]] = {
+    "vanilla": ([], {}, {}),
+    "head_stats": (["canon", "lp_reg"], {"lp_reg": {"kappa": 0.45, "rho": 0.5}}, {"softcap": True}),
+    "siren": (["siren"], {}, {"softcap": True}),
+}
+
+
+def _model(softcap: bool):
+    from trl_plugins.testing import tiny_model, tiny_tokenizer
+
+    model = tiny_model(tiny_tokenizer(), seed=0)
+    if softcap:  # TRL's fused head and trl_plugins' head statistics read it from the config (Gemma-2 style)
+        model.config.final_logit_softcapping = SOFTCAP
+    return model
+
+
+def build_trainer(engine: str, phase: str, out_dir: str):
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+    from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
+
+    plugins, plugin_config, options = PHASES[phase]
+    model = _model(options.get("softcap", False))
+    if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   os.path.join(out_dir, f"{phase}-initial.pt"))
+    return make_tiny_trainer(
+        model=model,
+        plugins=plugins,
+        plugin_config=plugin_config,
+        dataset=tiny_dataset(16),
+        # a dense reward: the random tiny model never answers right, and zero advantages would train nothing
+        reward_funcs=[accuracy_reward, digit_fraction_reward],
+        output_dir=os.path.join(out_dir, phase),
+        per_device_train_batch_size=PER_DEVICE,
+        num_generations=G,
+        max_completion_length=8,
+        max_steps=options.get("steps", 2),
+        loss_type="dr_grpo",
+        # the engines need it off (cpu_engines pins the device to the CPU); the DDP reference is accelerate's CPU path
+        use_cpu=engine == "ddp",
+        log_level="error",
+    )
+
+
+def full_parameters(trainer, engine: str) -> dict[str, torch.Tensor]:
+    """The full final parameters (on rank 0), named as in the unwrapped model. Collective.
+
+    accelerate's ``get_state_dict`` for every engine but FSDP1, whose FULL_STATE_DICT path (offload to CPU) crashes
+    on a CPU-only machine: there ``summon_full_params`` gathers them."""
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(trainer.model_wrapped, writeback=False):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for n, p in trainer.model_wrapped.named_parameters()}
+    return trainer.accelerator.get_state_dict(trainer.model_wrapped)
+
+
+def run_phase(engine: str, phase: str, out_dir: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"phase": phase, "rank": rank, "plugins": PHASES[phase][0]}
+    start = time.monotonic()
+    trainer = None
+    try:
+        trainer = build_trainer(engine, phase, out_dir)
+        acc = trainer.accelerator
+        record["engine"] = cpu_engines.engine_name(acc)
+        trainer.train()
+        state = full_parameters(trainer, record["engine"])  # collective
+        if acc.is_main_process:
+            params = {k: v.detach().float().cpu().clone() for k, v in state.items()}
+            torch.save(params, os.path.join(out_dir, f"{phase}-params.pt"))
+        record["steps"] = trainer.state.global_step
+        record["logs"] = {k: v for log in trainer.state.log_history for k, v in log.items()
+                          if isinstance(v, (int, float))}
+        acc.wait_for_everyone()
+    except Exception as exc:  # recorded; the next phase runs
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()[-3000:]
+        print(f"[rank {rank}] phase {phase} raised {record['error'][:500]}", file=sys.stderr, flush=True)
+    record["seconds"] = time.monotonic() - start
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    del trainer
+
+
+def main(argv: list[str]) -> None:
+    out_dir, engine, phases = argv[0], argv[1], argv[2:]
+    for phase in phases:
+        run_phase(engine, phase, out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,142 @@
+"""Training under FSDP1, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3, launched as users launch them, against DDP.
+
+One ``accelerate launch`` per engine (2 CPU processes, gloo; the shipped configs of ``docs/accelerate/`` with
+``--num_processes 2 --mixed_precision no``) runs every phase of ``engine_worker.PHASES``: tiny trainers from the same
+seed, real HF generation, stacks of plugins (a softcapped head included, uneven per-rank work included). Each phase's
+final parameters must equal the DDP launch's within float tolerance, and no phase may raise. The CPU workaround
+(``cpu_engines.py``) lives in this folder only. The results also generate the engine x plugin matrix of
+``docs/reliability.md`` (``python -m trl_plugins.docs``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+WORKER = HERE / "engine_worker.py"
+LAUNCH_TIMEOUT = 420  # seconds per launch; a hang would otherwise wait for gloo's 30 minutes
+#: ZeRO-3 gathers and re-partitions every step: summation order differs from DDP's all-reduce
+TOLERANCE = {"ddp": 0.0, "fsdp1": 1e-5, "fsdp2": 1e-5, "zero2": 1e-5, "zero3": 1e-4}
+
+
+def _load_module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cpu_engines = _load_module("trl_plugins_cpu_engines", HERE / "cpu_engines.py")
+
+
+def _phases() -> list[str]:
+    # the worker installs the CPU patch on import: read its PHASES from the source instead of importing it
+    import ast
+
+    tree = ast.parse(WORKER.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "PHASES":
+            return [k.value for k in node.value.keys]
+    raise AssertionError("engine_worker.PHASES not found")
+
+
+PHASES = _phases()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(engine: str, out: Path, phases: list[str]) -> tuple[int, str]:
+    """``accelerate launch`` the worker under ``engine``; returns (exit status, log). Kills the launch on timeout."""
+    config = REPO / "docs" / "accelerate" / cpu_engines.CONFIG_FILES[engine]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+           "--mixed_precision", "no", "--main_process_port", str(_free_port()), str(WORKER), str(out), engine, *phases]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"the {engine} launch did not finish in {LAUNCH_TIMEOUT}s (a hang):\n{log[-4000:]}")
+    return proc.returncode, log
+
+
+@pytest.fixture(scope="session")
+def engine_runs(tmp_path_factory):
+    """engine -> output folder of its launch (launched once per session, on first use)."""
+    runs: dict[str, Path] = {}
+
+    def get(engine: str) -> Path:
+        if engine not in runs:
+            if engine != "ddp" and importlib.util.find_spec("deepspeed") is None and engine.startswith("zero"):
+                pytest.skip("deepspeed is not installed (pip install -e '.[dev]')")
+            out = tmp_path_factory.mktemp(engine)
+            rc, log = launch(engine, out, PHASES)
+            (out / "launch.log").write_text(log)
+            runs[engine] = out
+        return runs[engine]
+
+    return get
+
+
+def _record(out: Path, phase: str, rank: int) -> dict:
+    path = out / f"{phase}-rank{rank}.json"
+    if not path.exists():
+        log = (out / "launch.log").read_text() if (out / "launch.log").exists() else ""
+        pytest.fail(f"{path.name} was not written (the launch died):\n{log[-4000:]}")
+    return json.loads(path.read_text())
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    common = set(a) & set(b)
+    assert common and all(k in common for k in a if not k.endswith("lm_head.weight")), sorted(set(a) ^ set(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in common)
+
+
+@pytest.mark.parametrize("engine", [e for e in cpu_engines.ENGINES if e != "ddp"])
+def test_engine_trains_like_ddp(engine, engine_runs):
+    ddp, out = engine_runs("ddp"), engine_runs(engine)
+    failures = []
+    for phase in PHASES:
+        records = [_record(out, phase, r) for r in (0, 1)]
+        for r in records:
+            if "error" in r:
+                failures.append(f"{phase} rank {r['rank']}: {r['error']}\n{r['traceback'][-1500:]}")
+                break
+        else:
+            assert records[0]["engine"] == engine, records[0]["engine"]  # the CPU patch did not fall back to DDP
+            reference = torch.load(ddp / f"{phase}-params.pt")
+            initial = torch.load(ddp / f"{phase}-initial.pt")
+            moved = _max_diff(reference, initial)
+            assert moved > 10 * max(TOLERANCE[engine], 1e-6), f"{phase}: training did not move the parameters"
+            diff = _max_diff(torch.load(out / f"{phase}-params.pt"), reference)
+            if diff > TOLERANCE[engine]:
+                failures.append(f"{phase}: final parameters differ from DDP by {diff:.3g} (update size {moved:.3g})")
+    assert not failures, "\n\n".join(failures)
+
+
+def test_ddp_reference_runs_every_phase(engine_runs):
+    out = engine_runs("ddp")
+    for phase in PHASES:
+        for rank in (0, 1):
+            record = _record(out, phase, rank)
+            assert "error" not in record, f"{phase}: {record['error']}\n{record['traceback']}"
+            assert record["engine"] == "ddp" and record["steps"] >= 1
