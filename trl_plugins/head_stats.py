@@ -64,22 +64,11 @@ _NUCLEUS_MODES = ("cover", "siren")
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """Return the transformers ``*ForCausalLM`` module whose ``forward`` TRL patched.
+    """Return the transformers ``*ForCausalLM`` module whose ``forward`` TRL patched (every wrapper peeled, DeepSpeed
+    engines included); the rule lives in :func:`trl_plugins.engines.unwrap_causal_lm`."""
+    from .engines import unwrap_causal_lm as _unwrap
 
-    Peels, repeatedly and in any order: distributed / accelerate wrappers (``DistributedDataParallel``,
-    ``DataParallel``, FSDP1, DeepSpeed engines: anything that is not a transformers model and has a ``.module``),
-    ``torch.compile``'s ``_orig_mod``, and PEFT's ``PeftModel`` (via ``get_base_model()``).
-    """
-    for _ in range(16):  # bounded: wrappers never nest this deep
-        if hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-            model = model._orig_mod
-        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
-            model = model.get_base_model()
-        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        else:
-            return model
-    return model
+    return _unwrap(model)
 
 
 def backbone_of(model: nn.Module) -> nn.Module:
@@ -130,16 +119,15 @@ def lm_head_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, flo
 
     Returns:
         ``(weight (V, d), bias (V,) or None, logit_scale, softcap)``. ``weight``/``bias`` are the live parameters
-        (not copies; an FSDP2 ``DTensor`` is gathered with ``full_tensor()``). ``softcap`` is ``None`` when the
-        config has no ``final_logit_softcapping``.
+        (an FSDP2 ``DTensor`` is gathered with ``full_tensor()``), or, under FSDP1 and ZeRO-3, detached copies of the
+        gathered head: there this call is a collective (see :mod:`trl_plugins.engines`). ``softcap`` is ``None`` when
+        the config has no ``final_logit_softcapping``; it and ``logit_scale`` come from the unwrapped model's config.
     """
+    from .engines import gathered_lm_head
+
     causal_lm = unwrap_causal_lm(model)
-    head = causal_lm.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if hasattr(weight, "full_tensor"):  # torch.distributed.tensor.DTensor
-        weight = weight.full_tensor()
-        if bias is not None:
-            bias = bias.full_tensor()
+    with gathered_lm_head(model) as (weight, bias):  # live parameters, or copies that outlive a gather
+        pass
     logit_scale, softcap = _read_logit_scale_and_softcap(causal_lm.config)
     return weight, bias, logit_scale, softcap
 

@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 from trl.data_utils import apply_chat_template, is_conversational
 
+from .engines import check_engine_support, engine_of
 from .checkpoints import (
     PLUGIN_STATE_FILE,
     foreign_entries,
@@ -153,6 +154,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         finally:  # TRL reads the extended weights once (self.reward_weights); the config can build another trainer
             args.reward_weights = user_reward_weights
         self.plugin_stack: PluginStack = stack
+        #: The engine this run trains under ("single", "ddp", "fsdp1", "fsdp2", "zero2", "zero3"; trl_plugins.engines).
+        self.engine: str = engine_of(self.accelerator)
+        check_engine_support(list(stack), self.engine)
         self.generation_service = GenerationService(self)
         #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.policy_probe`).
         self.policy_probe = PolicyProbe(self)

@@ -33,21 +33,54 @@ import torch  # noqa: E402
 #: one rank's rows: 2 whole groups of G=2 (4 groups globally), so per-rank work (a guided group, a refill) is real
 PER_DEVICE, G = 4, 2
 SOFTCAP = 2.0
+LOGIT_SCALE = 10.0
 
-#: phase -> (plugins, plugin_config, options); options: "softcap" (a softcapped head), "steps"
+#: phase -> (plugins, plugin_config, options); options: "softcap" (a head with logit_scale and a softcap), "steps",
+#: "refused" (engines that must refuse the stack at construction, with a word the error must contain)
 PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "vanilla": ([], {}, {}),
-    "head_stats": (["canon", "lp_reg"], {"lp_reg": {"kappa": 0.45, "rho": 0.5}}, {"softcap": True}),
-    "siren": (["siren"], {}, {"softcap": True}),
+    # no-grad head statistics (lp_reg's proxy at the advantage stage, its loss-stage head log-probs), softcapped head
+    "head_stats": (["canon", "lp_reg"], {"lp_reg": {"kappa": 0.1, "rho": 0.5}}, {"softcap": True}),
+    # a head statistic WITH gradient through the head
+    "siren": (["siren"], {}, {"softcap": True, "refused": {"fsdp1": "siren", "zero3": "siren"}}),
+    # uneven per-rank policy forwards: log-probs and entropies on rank 0 only; hidden features (repexp)
+    "uneven_probes": (["test_uneven_probes", "repexp"], {"repexp": {"features": "policy"}}, {}),
 }
+UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
+
+
+def _register_test_plugins() -> None:
+    from trl_plugins import Plugin, hookimpl, register_plugin
+    from trl_plugins.manager import available_plugins
+
+    if "test_uneven_probes" in available_plugins():
+        return
+
+    class UnevenProbes(Plugin):
+        """Rank 0 asks the collective policy services for rows, rank 1 for none (the same number of calls)."""
+
+        name = "test_uneven_probes"
+        seen: list = []
+
+        @hookimpl
+        def trl_plugins_after_generation(self, ctx):
+            rows = list(range(UNEVEN_ROWS)) if ctx.global_index[0] == 0 else []
+            logps = ctx.policy_logprobs([ctx.prompt_ids[i] for i in rows],
+                                        [list(ctx.completion_ids[i]) or [0] for i in rows])
+            entropies = ctx.policy_entropies(rows)
+            UnevenProbes.seen.append({"logprobs": [len(x) for x in logps], "entropies": [len(x) for x in entropies],
+                                      "finite": all(bool(torch.isfinite(x).all()) for x in logps)})
+
+    register_plugin(UnevenProbes)
 
 
 def _model(softcap: bool):
     from trl_plugins.testing import tiny_model, tiny_tokenizer
 
     model = tiny_model(tiny_tokenizer(), seed=0)
-    if softcap:  # TRL's fused head and trl_plugins' head statistics read it from the config (Gemma-2 style)
+    if softcap:  # TRL's fused head and trl_plugins' head statistics read both from the config (Gemma-2 / Cohere)
         model.config.final_logit_softcapping = SOFTCAP
+        model.config.logit_scale = LOGIT_SCALE  # sharpens the tiny model's near-uniform logits: the cap then bites
     return model
 
 
@@ -99,6 +132,7 @@ def run_phase(engine: str, phase: str, out_dir: str) -> None:
     start = time.monotonic()
     trainer = None
     try:
+        _register_test_plugins()
         trainer = build_trainer(engine, phase, out_dir)
         acc = trainer.accelerator
         record["engine"] = cpu_engines.engine_name(acc)
@@ -108,6 +142,9 @@ def run_phase(engine: str, phase: str, out_dir: str) -> None:
             params = {k: v.detach().float().cpu().clone() for k, v in state.items()}
             torch.save(params, os.path.join(out_dir, f"{phase}-params.pt"))
         record["steps"] = trainer.state.global_step
+        from trl_plugins.manager import available_plugins
+
+        record["probes"] = available_plugins()["test_uneven_probes"].seen if phase == "uneven_probes" else []
         record["logs"] = {k: v for log in trainer.state.log_history for k, v in log.items()
                           if isinstance(v, (int, float))}
         acc.wait_for_everyone()

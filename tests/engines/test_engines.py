@@ -42,18 +42,19 @@ def _load_module(name: str, path: Path):
 cpu_engines = _load_module("trl_plugins_cpu_engines", HERE / "cpu_engines.py")
 
 
-def _phases() -> list[str]:
+def _phases() -> dict[str, tuple[list[str], dict, dict]]:
     # the worker installs the CPU patch on import: read its PHASES from the source instead of importing it
     import ast
 
     tree = ast.parse(WORKER.read_text())
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "PHASES":
-            return [k.value for k in node.value.keys]
+            return ast.literal_eval(node.value)
     raise AssertionError("engine_worker.PHASES not found")
 
 
-PHASES = _phases()
+PHASE_SPECS = _phases()
+PHASES = list(PHASE_SPECS)
 
 
 def _free_port() -> int:
@@ -117,6 +118,13 @@ def test_engine_trains_like_ddp(engine, engine_runs):
     failures = []
     for phase in PHASES:
         records = [_record(out, phase, r) for r in (0, 1)]
+        refused = PHASE_SPECS[phase][2].get("refused", {})
+        if engine in refused:  # refused at construction on every process, naming plugin and engine
+            for r in records:
+                error = r.get("error", "")
+                assert error.startswith("IncompatiblePluginsError") and refused[engine] in error and engine in error, (
+                    f"{phase}: expected a refusal under {engine}, got {error or 'none'}")
+            continue
         for r in records:
             if "error" in r:
                 failures.append(f"{phase} rank {r['rank']}: {r['error']}\n{r['traceback'][-1500:]}")
@@ -140,3 +148,13 @@ def test_ddp_reference_runs_every_phase(engine_runs):
             record = _record(out, phase, rank)
             assert "error" not in record, f"{phase}: {record['error']}\n{record['traceback']}"
             assert record["engine"] == "ddp" and record["steps"] >= 1
+
+
+@pytest.mark.parametrize("engine", cpu_engines.ENGINES)
+def test_uneven_policy_forwards_finish_on_every_engine(engine, engine_runs):
+    """Rank 0 scores rows with ctx.policy_logprobs / policy_entropies, rank 1 none: a collective forward each time."""
+    out = engine_runs(engine)
+    r0, r1 = _record(out, "uneven_probes", 0), _record(out, "uneven_probes", 1)
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    assert r0["probes"] and all(len(p["logprobs"]) == len(p["entropies"]) == 3 and p["finite"] for p in r0["probes"])
+    assert len(r1["probes"]) == len(r0["probes"]) and all(p["logprobs"] == [] for p in r1["probes"])
