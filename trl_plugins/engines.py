@@ -17,6 +17,11 @@ Plugins never see these rules; the framework's services (head statistics, policy
   plugins declare it (``Plugin.unsupported_engines``) and are refused at construction, naming plugin, engine and
   reason. Under DDP, ZeRO-2 and FSDP2 (whose root unit keeps the head unsharded at loss time under accelerate 1.15)
   the head is the live parameter and its gradient is reduced with the others.
+* **Local component models** (an HF teacher, judge or PRM run in-process): frozen, no-grad, never trained, so they
+  are loaded whole on every process (:func:`whole_model_loading`: outside transformers' ZeRO-3 ``zero.Init``, which
+  would partition them with nothing to gather them) and generate with ``synced_gpus=False``
+  (:data:`LOCAL_GENERATE_KWARGS`): transformers turns it on under ZeRO-3, which makes ``generate`` a collective, while
+  only the processes with requests call it.
 * **Collective forwards.** A forward of a sharded model is itself a collective, so every service that runs the policy
   for given rows (:mod:`trl_plugins.policy_probe`) pads each process's rows to the largest count across processes.
 
@@ -33,7 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["ENGINES", "GATHERING_ENGINES", "check_engine_support", "engine_of", "gathered_lm_head", "head_owner_fsdp1", "unwrap_causal_lm"]
+__all__ = ["ENGINES", "LOCAL_GENERATE_KWARGS", "whole_model_loading", "GATHERING_ENGINES", "check_engine_support", "engine_of", "gathered_lm_head", "head_owner_fsdp1", "unwrap_causal_lm"]
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
 #: engines under which the LM head must be gathered (a collective) for statistics read after a forward
@@ -50,6 +55,32 @@ def engine_of(accelerator: Any) -> str:
     if state.distributed_type == DistributedType.DEEPSPEED:
         return f"zero{int(state.deepspeed_plugin.zero_stage)}"
     return "single" if accelerator.num_processes == 1 else "ddp"
+
+
+#: keyword arguments of ``generate`` for a local component model (see the module docstring)
+LOCAL_GENERATE_KWARGS = {"synced_gpus": False}
+
+
+@contextmanager
+def whole_model_loading() -> Iterator[None]:
+    """Within the block, ``from_pretrained`` loads a model whole even under ZeRO-3 (transformers' global ZeRO-3 flag,
+    which wraps loading in ``deepspeed.zero.Init``, is lifted and restored on exit). For frozen in-process component
+    models only; the policy itself is prepared by the trainer."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def check_engine_support(plugins: list, engine: str) -> None:

@@ -45,6 +45,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "siren": (["siren"], {}, {"softcap": True, "refused": {"fsdp1": "siren", "zero3": "siren"}}),
     # uneven per-rank policy forwards: log-probs and entropies on rank 0 only; hidden features (repexp)
     "uneven_probes": (["test_uneven_probes", "repexp"], {"repexp": {"features": "policy"}}, {}),
+    # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
+    "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
+                {"steps": 1}),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
@@ -88,7 +91,14 @@ def build_trainer(engine: str, phase: str, out_dir: str):
     from trl_plugins.tasks.arithmetic import accuracy_reward
     from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
 
+    from trl_plugins.tasks.tiny import build_and_save
+
     plugins, plugin_config, options = PHASES[phase]
+    plugin_config = json.loads(json.dumps(plugin_config))
+    for settings in plugin_config.values():
+        if settings.get("teacher_model") == "@teacher":  # a tiny teacher on disk, one copy per rank
+            path = os.path.join(out_dir, f"teacher-rank{os.environ.get('RANK', '0')}")
+            settings["teacher_model"] = str(build_and_save(path, hidden_size=16, num_layers=1, num_heads=2))
     model = _model(options.get("softcap", False))
     if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
