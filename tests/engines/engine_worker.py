@@ -91,14 +91,11 @@ def build_trainer(engine: str, phase: str, out_dir: str):
     from trl_plugins.tasks.arithmetic import accuracy_reward
     from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
 
-    from trl_plugins.tasks.tiny import build_and_save
-
     plugins, plugin_config, options = PHASES[phase]
     plugin_config = json.loads(json.dumps(plugin_config))
     for settings in plugin_config.values():
-        if settings.get("teacher_model") == "@teacher":  # a tiny teacher on disk, one copy per rank
-            path = os.path.join(out_dir, f"teacher-rank{os.environ.get('RANK', '0')}")
-            settings["teacher_model"] = str(build_and_save(path, hidden_size=16, num_layers=1, num_heads=2))
+        if settings.get("teacher_model") == "@teacher":  # the tiny teacher main() saved
+            settings["teacher_model"] = teacher_path(out_dir)
     model = _model(options.get("softcap", False))
     if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -169,8 +166,18 @@ def run_phase(engine: str, phase: str, out_dir: str) -> None:
     del trainer
 
 
+def teacher_path(out_dir: str) -> str:
+    return os.path.join(out_dir, f"teacher-rank{os.environ.get('RANK', '0')}")
+
+
 def main(argv: list[str]) -> None:
     out_dir, engine, phases = argv[0], argv[1], argv[2:]
+    if any(str(PHASES[p][1]).find("@teacher") >= 0 for p in phases):
+        # a tiny local teacher on disk, one copy per rank, saved before any trainer exists: once accelerate's state
+        # is up, transformers' save_pretrained writes nothing on a non-main process
+        from trl_plugins.tasks.tiny import build_and_save
+
+        build_and_save(teacher_path(out_dir), hidden_size=16, num_layers=1, num_heads=2)
     for phase in phases:
         run_phase(engine, phase, out_dir)
 
