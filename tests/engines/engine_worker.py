@@ -45,6 +45,15 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "siren": (["siren"], {}, {"softcap": True, "refused": {"fsdp1": "siren", "zero3": "siren"}}),
     # uneven per-rank policy forwards: log-probs and entropies on rank 0 only; hidden features (repexp)
     "uneven_probes": (["test_uneven_probes", "repexp"], {"repexp": {"features": "policy"}}, {}),
+    # ampo's guided groups on rank 0 only (rank 1's rows succeed): its policy scoring of the solutions on one rank
+    "uneven_guidance": (["ampo"], {"ampo": {"solutions_column": "solution", "success_column": "solved_on_rank1"}},
+                        {"rank_reward": True}),
+    # recommended stacks (scripts/gpu_smoke.py's STACKS): sampling + advantage + loss plugins together
+    "adaptive_sampler+laser+clip_cov": (["adaptive_sampler", "laser", "clip_cov"], {}, {}),
+    "scope+lp_reg": (["scope", "lp_reg"], {"scope": {"mode": "reference_suffix", "prm": "programmatic",
+                                                     "min_prefix_steps": 0}, "lp_reg": {"kappa": 0.1, "rho": 0.5}},
+                     {"softcap": True}),
+    "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {}),
     # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
     "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
                 {"steps": 1}),
@@ -77,6 +86,11 @@ def _register_test_plugins() -> None:
     register_plugin(UnevenProbes)
 
 
+def solved_on_rank1(completions, **kwargs) -> list[float]:
+    """1.0 on process 1's rows, 0.0 on process 0's: a verifier under which only rank 0 has failing groups."""
+    return [float(os.environ.get("RANK", "0") == "1")] * len(completions)
+
+
 def _model(softcap: bool):
     from trl_plugins.testing import tiny_model, tiny_tokenizer
 
@@ -97,6 +111,7 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         if settings.get("teacher_model") == "@teacher":  # the tiny teacher main() saved
             settings["teacher_model"] = teacher_path(out_dir)
     model = _model(options.get("softcap", False))
+    os.makedirs(out_dir, exist_ok=True)
     if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                    os.path.join(out_dir, f"{phase}-initial.pt"))
@@ -106,7 +121,7 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         plugin_config=plugin_config,
         dataset=tiny_dataset(16),
         # a dense reward: the random tiny model never answers right, and zero advantages would train nothing
-        reward_funcs=[accuracy_reward, digit_fraction_reward],
+        reward_funcs=[accuracy_reward, digit_fraction_reward] + ([solved_on_rank1] if options.get("rank_reward") else []),
         output_dir=os.path.join(out_dir, phase),
         per_device_train_batch_size=PER_DEVICE,
         num_generations=G,

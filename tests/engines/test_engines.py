@@ -158,3 +158,48 @@ def test_uneven_policy_forwards_finish_on_every_engine(engine, engine_runs):
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
     assert r0["probes"] and all(len(p["logprobs"]) == len(p["entropies"]) == 3 and p["finite"] for p in r0["probes"])
     assert len(r1["probes"]) == len(r0["probes"]) and all(p["logprobs"] == [] for p in r1["probes"])
+
+
+# ------------------------------------------------------------------------------------------ the docs' matrix
+DOC = REPO / "docs" / "reliability.md"
+BEGIN, END = "<!-- engines:begin -->", "<!-- engines:end -->"
+ENGINE_COLUMNS = ("fsdp1", "fsdp2", "zero2", "zero3")
+
+
+def _outcome(out: Path, phase: str, engine: str) -> str:
+    records = [_record(out, phase, r) for r in (0, 1)]
+    errors = [r.get("error", "") for r in records]
+    if any(e.startswith("IncompatiblePluginsError") for e in errors):
+        return "refused"
+    return "fail" if any(errors) else "ok"
+
+
+def render_matrix(outcomes: dict[tuple[str, str], str]) -> str:
+    """The engine x plugin table of docs/reliability.md from ``{(phase, engine): "ok" | "refused" | "fail"}``."""
+    rows = {}
+    for phase, (plugins, _config, _options) in PHASE_SPECS.items():
+        for plugin in plugins or ["(no plugin)"]:
+            if not plugin.startswith("test_"):
+                rows.setdefault(plugin, []).append(phase)
+    mark = {"ok": "yes", "refused": "refused", "fail": "**fails**"}
+    lines = [BEGIN, "", "| plugin | phase | " + " | ".join(ENGINE_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(ENGINE_COLUMNS)]
+    for plugin in sorted(rows, key=lambda n: (n != "(no plugin)", n)):
+        for phase in rows[plugin]:
+            cells = [mark[outcomes[(phase, e)]] for e in ENGINE_COLUMNS]
+            lines.append(f"| {plugin} | `{phase}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", END])
+
+
+def test_the_docs_matrix_is_what_the_launches_show(engine_runs):
+    """docs/reliability.md's engine table equals the launches' outcomes (TRL_PLUGINS_WRITE_DOCS=1 rewrites it)."""
+    outcomes = {(phase, engine): _outcome(engine_runs(engine), phase, engine)
+                for engine in ENGINE_COLUMNS for phase in PHASES}
+    table = render_matrix(outcomes)
+    text = DOC.read_text()
+    assert BEGIN in text and END in text, f"{DOC.name} has no {BEGIN} ... {END} block"
+    current = text[text.index(BEGIN):text.index(END) + len(END)]
+    if os.environ.get("TRL_PLUGINS_WRITE_DOCS") == "1":
+        DOC.write_text(text.replace(current, table))
+        return
+    assert current == table, (f"{DOC.name}'s engine matrix is stale; rerun with TRL_PLUGINS_WRITE_DOCS=1:\n{table}")
