@@ -49,11 +49,11 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "uneven_guidance": (["ampo"], {"ampo": {"solutions_column": "solution", "success_column": "solved_on_rank1"}},
                         {"rank_reward": True}),
     # recommended stacks (scripts/gpu_smoke.py's STACKS): sampling + advantage + loss plugins together
-    "adaptive_sampler+laser+clip_cov": (["adaptive_sampler", "laser", "clip_cov"], {}, {}),
+    "adaptive_sampler+laser+clip_cov": (["adaptive_sampler", "laser", "clip_cov"], {}, {"steps": 1}),
     "scope+lp_reg": (["scope", "lp_reg"], {"scope": {"mode": "reference_suffix", "prm": "programmatic",
                                                      "min_prefix_steps": 0}, "lp_reg": {"kappa": 0.1, "rho": 0.5}},
-                     {"softcap": True}),
-    "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {}),
+                     {"softcap": True, "steps": 1}),
+    "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {"steps": 1}),
     # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
     "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
                 {"steps": 1}),
