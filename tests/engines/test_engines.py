@@ -80,19 +80,35 @@ def launch(engine: str, out: Path, phases: list[str]) -> tuple[int, str]:
     return proc.returncode, log
 
 
+#: launches run side by side where the machine has the cores (each launch: 2 processes, 1 thread each)
+PARALLEL_LAUNCHES = max(1, min(len(cpu_engines.ENGINES), (os.cpu_count() or 2) // 3))
+
+
+def _deepspeed_missing(engine: str) -> bool:
+    return engine.startswith("zero") and importlib.util.find_spec("deepspeed") is None
+
+
 @pytest.fixture(scope="session")
 def engine_runs(tmp_path_factory):
-    """engine -> output folder of its launch (launched once per session, on first use)."""
+    """engine -> output folder of its launch. The first use launches every engine (in parallel where the machine
+    has cores for it: ``PARALLEL_LAUNCHES``), once per session."""
+    from concurrent.futures import ThreadPoolExecutor
+
     runs: dict[str, Path] = {}
 
+    def run(engine: str) -> None:
+        out = tmp_path_factory.mktemp(engine)
+        _rc, log = launch(engine, out, PHASES)
+        (out / "launch.log").write_text(log)
+        runs[engine] = out
+
     def get(engine: str) -> Path:
-        if engine not in runs:
-            if engine != "ddp" and importlib.util.find_spec("deepspeed") is None and engine.startswith("zero"):
-                pytest.skip("deepspeed is not installed (pip install -e '.[dev]')")
-            out = tmp_path_factory.mktemp(engine)
-            rc, log = launch(engine, out, PHASES)
-            (out / "launch.log").write_text(log)
-            runs[engine] = out
+        if _deepspeed_missing(engine):
+            pytest.skip("deepspeed is not installed (pip install -e '.[dev]')")
+        if not runs:
+            todo = [e for e in cpu_engines.ENGINES if not _deepspeed_missing(e)]
+            with ThreadPoolExecutor(PARALLEL_LAUNCHES) as pool:
+                list(pool.map(run, todo))  # a launch past its timeout fails the test here
         return runs[engine]
 
     return get
