@@ -36,7 +36,9 @@ SOFTCAP = 2.0
 LOGIT_SCALE = 10.0
 
 #: phase -> (plugins, plugin_config, options); options: "softcap" (a head with logit_scale and a softcap), "steps",
-#: "refused" (engines that must refuse the stack at construction, with a word the error must contain)
+#: "refused" (engines that must refuse the stack at construction, with a word the error must contain), "engines"
+#: (run only under these engines and DDP; default: every engine)
+ZERO3_FSDP2 = {"steps": 1, "engines": ["fsdp2", "zero3"]}
 PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "vanilla": ([], {}, {}),
     # no-grad head statistics (lp_reg's proxy at the advantage stage, its loss-stage head log-probs), softcapped head
@@ -54,6 +56,15 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                                                      "min_prefix_steps": 0}, "lp_reg": {"kappa": 0.1, "rho": 0.5}},
                      {"softcap": True, "steps": 1}),
     "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {"steps": 1}),
+    # every other built-in (not tool-agent ones) in stacks that compose, one step each
+    "stack1": (["critique_grpo", "dagrpo", "dars", "dcpo", "decs", "dler"], {}, ZERO3_FSDP2),
+    "stack2": (["dynamic_sampling", "empo", "fbos_rl", "gtpo", "hapo", "hicra", "hint_scaffold"],
+               {"hint_scaffold": {"success_threshold": 0.9}}, ZERO3_FSDP2),
+    "stack3": (["llds", "mrt", "pear", "posterior_grpo", "prl", "r2vpo", "r3l"],
+               {"posterior_grpo": {"prm": "programmatic"}}, ZERO3_FSDP2),
+    "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
+    "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
+    "stack6": (["rover", "seed_grpo", "siri", "steer"], {}, ZERO3_FSDP2),
     # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
     "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
                 {"steps": 1}),
