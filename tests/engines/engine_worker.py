@@ -57,7 +57,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                      {"softcap": True, "steps": 1}),
     "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {"steps": 1}),
     # every other built-in (not tool-agent ones) in stacks that compose, one step each
-    "stack1": (["critique_grpo", "dagrpo", "dars", "dcpo", "decs", "dler"], {}, ZERO3_FSDP2),
+    # (dler's cap above the completion length: the tiny model never ends, and zeroed rewards would train nothing)
+    "stack1": (["critique_grpo", "dagrpo", "dars", "dcpo", "decs", "dler"],
+               {"dler": {"cap": 64, "zero_unfinished": False}}, ZERO3_FSDP2),
     "stack2": (["dynamic_sampling", "empo", "fbos_rl", "gtpo", "hapo", "hicra", "hint_scaffold"],
                {"hint_scaffold": {"success_threshold": 0.9}}, ZERO3_FSDP2),
     "stack3": (["llds", "mrt", "pear", "posterior_grpo", "prl", "r2vpo", "r3l"],
@@ -65,6 +67,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
     "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
     "stack6": (["rover", "seed_grpo", "siri", "steer"], {}, ZERO3_FSDP2),
+    # kepo's local HF teacher called on one rank only: hints for rank 0's failing groups, teacher log-probs for
+    # rank 1's successful rows
+    "uneven_teacher": (["kepo"], {"kepo": {"teacher_model": "@teacher", "success_column": "solved_on_rank1",
+                                           "success_threshold": 0.5}}, {"rank_reward": True, "steps": 1}),
     # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
     "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
                 {"steps": 1}),
