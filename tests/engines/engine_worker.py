@@ -66,7 +66,8 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                {"posterior_grpo": {"prm": "programmatic"}}, ZERO3_FSDP2),
     "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
     "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
-    "stack6": (["rover", "seed_grpo", "siri", "steer"], {}, ZERO3_FSDP2),
+    # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
+    "stack6": (["rover", "seed_grpo", "steer"], {"seed_grpo": {"function": "exponential"}}, ZERO3_FSDP2),
     # kepo's local HF teacher called on one rank only: hints for rank 0's failing groups, teacher log-probs for
     # rank 1's successful rows
     "uneven_teacher": (["kepo"], {"kepo": {"teacher_model": "@teacher", "success_column": "solved_on_rank1",

@@ -159,7 +159,9 @@ def test_engine_trains_like_ddp(engine, engine_runs):
             reference = torch.load(ddp / f"{phase}-params.pt")
             initial = torch.load(ddp / f"{phase}-initial.pt")
             moved = _max_diff(reference, initial)
-            assert moved > 10 * max(TOLERANCE[engine], 1e-6), f"{phase}: training did not move the parameters"
+            if moved <= 10 * max(TOLERANCE[engine], 1e-6):
+                failures.append(f"{phase}: training did not move the parameters (update {moved:.3g})")
+                continue
             diff = _max_diff(torch.load(out / f"{phase}-params.pt"), reference)
             if diff > TOLERANCE[engine]:
                 failures.append(f"{phase}: final parameters differ from DDP by {diff:.3g} (update size {moved:.3g})")
