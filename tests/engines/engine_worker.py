@@ -37,7 +37,7 @@ LOGIT_SCALE = 10.0
 
 #: phase -> (plugins, plugin_config, options); options: "softcap" (a head with logit_scale and a softcap), "steps",
 #: "refused" (engines that must refuse the stack at construction, with a word the error must contain), "engines"
-#: (run only under these engines and DDP; default: every engine)
+#: (run only under these engines and DDP; default: every engine), "args" (PluginGRPOConfig fields)
 ZERO3_FSDP2 = {"steps": 1, "engines": ["fsdp2", "zero3"]}
 PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "vanilla": ([], {}, {}),
@@ -62,8 +62,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                {"dler": {"cap": 64, "zero_unfinished": False}}, ZERO3_FSDP2),
     "stack2": (["dynamic_sampling", "empo", "fbos_rl", "gtpo", "hapo", "hicra", "hint_scaffold"],
                {"hint_scaffold": {"success_threshold": 0.9}}, ZERO3_FSDP2),
+    # (beta > 0: prl needs the reference policy, which a sharded engine only has as TRL's reference model; with
+    # beta = 0 it is refused at construction, naming the fix)
     "stack3": (["llds", "mrt", "pear", "posterior_grpo", "prl", "r2vpo", "r3l"],
-               {"posterior_grpo": {"prm": "programmatic"}}, ZERO3_FSDP2),
+               {"posterior_grpo": {"prm": "programmatic"}}, {**ZERO3_FSDP2, "args": {"beta": 0.04}}),
     "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
     "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
     # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
@@ -145,6 +147,7 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         num_generations=G,
         max_completion_length=8,
         max_steps=options.get("steps", 2),
+        **options.get("args", {}),
         loss_type="dr_grpo",
         # the engines need it off (cpu_engines pins the device to the CPU); the DDP reference is accelerate's CPU path
         use_cpu=engine == "ddp",
