@@ -65,7 +65,8 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # (beta > 0: prl needs the reference policy, which a sharded engine only has as TRL's reference model; with
     # beta = 0 it is refused at construction, naming the fix)
     "stack3": (["llds", "mrt", "pear", "posterior_grpo", "prl", "r2vpo", "r3l"],
-               {"posterior_grpo": {"prm": "programmatic"}}, {**ZERO3_FSDP2, "args": {"beta": 0.04}}),
+               {"posterior_grpo": {"prm": "programmatic"}}, {**ZERO3_FSDP2, "args": {"beta": 0.04},
+                                                                "policy_on_disk": True}),
     "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
     "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
     # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
@@ -131,6 +132,8 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         if settings.get("teacher_model") == "@teacher":  # the tiny teacher main() saved
             settings["teacher_model"] = teacher_path(out_dir)
     model = _model(options.get("softcap", False))
+    if options.get("policy_on_disk"):  # TRL builds its reference model from the policy's _name_or_path
+        model.config._name_or_path = policy_path(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
@@ -202,6 +205,10 @@ def run_phase(engine: str, phase: str, out_dir: str) -> None:
     del trainer
 
 
+def policy_path(out_dir: str) -> str:
+    return os.path.join(out_dir, f"policy-rank{os.environ.get('RANK', '0')}")
+
+
 def teacher_path(out_dir: str) -> str:
     return os.path.join(out_dir, f"teacher-rank{os.environ.get('RANK', '0')}")
 
@@ -214,6 +221,8 @@ def main(argv: list[str]) -> None:
         from trl_plugins.tasks.tiny import build_and_save
 
         build_and_save(teacher_path(out_dir), hidden_size=16, num_layers=1, num_heads=2)
+    if any(PHASES[p][2].get("policy_on_disk") for p in phases):  # the initial policy, saved the same way
+        _model(False).save_pretrained(policy_path(out_dir))
     for phase in phases:
         run_phase(engine, phase, out_dir)
 
