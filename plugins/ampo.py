@@ -304,11 +304,13 @@ class AmpoPlugin(Plugin):
                                                                 o.trigger) > 0]
         solutions = run_together(ctx, self.name, self._solutions, ctx, [first_row[g] for g in candidates])
         injected, injected_ok, scores_used = [], [], []
-        for g, texts in zip(candidates, solutions):
-            k = guidance_count(counts[g], len(texts), G, o.pass_fraction, o.trigger)
-            if k == 0:
-                continue
-            ranked = self._rank(ctx, first_row[g], texts)[:k]
+        guided = [(g, texts, guidance_count(counts[g], len(texts), G, o.pass_fraction, o.trigger))
+                  for g, texts in zip(candidates, solutions)]
+        guided = [(g, texts, k) for g, texts, k in guided if k > 0]
+        # one policy forward for every guided group of this process, on every process (a collective service)
+        rankings = self._rank_all(ctx, [(first_row[g], texts) for g, texts, _ in guided])
+        for (g, texts, k), ranking in zip(guided, rankings):
+            ranked = ranking[:k]
             failed = [j for j in range(G) if not bool(success[g, j])]
             generator = torch.Generator().manual_seed((o.seed * 1_000_003 + ctx.step) * 1_000_003 + g)
             for slot, (score, ids) in zip(replaced_slots(failed, len(ranked), generator), ranked):
@@ -346,13 +348,27 @@ class AmpoPlugin(Plugin):
         answers = [teacher.chat(conversations) for teacher in self._teachers]  # (teachers, rows)
         return [[a[r] for a in answers if isinstance(a[r], str) and a[r].strip()] for r in range(len(rows))]
 
-    def _rank(self, ctx: RolloutContext, row: int, texts: list[str]) -> list[tuple[float, list[int]]]:
-        """``(score, completion ids)`` of each solution, best first (ties keep the column's order)."""
+    def _rank_all(self, ctx: RolloutContext, groups: list[tuple[int, list[str]]]) -> list[list[tuple[float, list[int]]]]:
+        """:meth:`_rank` of each ``(row, texts)`` of this process, with ONE ``ctx.policy_logprobs`` call over all of
+        them, made on every process (zero rows included): the policy forward is a collective under FSDP / ZeRO-3."""
+        o = self.options
+        if o.selection == "first":  # no policy forward (the same option on every process)
+            max_len = ctx.run.max_completion_length
+            return [[(0.0, demonstration_ids(t, ctx.tokenizer, max_len)) for t in texts] for _, texts in groups]
+        inputs = [self._score_inputs(ctx, row, texts) for row, texts in groups]
+        prompts = [ctx.prompt_ids[row] for (row, _), (_, scored, _) in zip(groups, inputs) for _ in scored]
+        logps = ctx.policy_logprobs(prompts, [ids for _, scored, _ in inputs for ids in scored])
+        out, at = [], 0
+        for (_, texts), (encoded, scored, spans) in zip(groups, inputs):
+            out.append(self._ranked(texts, encoded, spans, logps[at:at + len(scored)]))
+            at += len(scored)
+        return out
+
+    def _score_inputs(self, ctx: RolloutContext, row: int, texts: list[str]):
+        """``(encoded, scored, spans)``: each solution's completion ids, the ids scored and answer spans."""
         o = self.options
         max_len = ctx.run.max_completion_length
         encoded = [demonstration_ids(t, ctx.tokenizer, max_len) for t in texts]
-        if o.selection == "first":
-            return [(0.0, ids) for ids in encoded]
         scored, spans = encoded, []
         if o.selection == "answer_likelihood":
             answer = str(ctx.rows[row].get(o.answer_column, ""))
@@ -366,7 +382,12 @@ class AmpoPlugin(Plugin):
                     encoded[j] = (ids + eos)[:max_len] if max_len else ids + eos  # the same text, as scored
                 scored.append((ids + eos)[:max_len] if max_len else ids + eos)
                 spans.append((start, min(end, len(scored[j]))))
-        logps = ctx.policy_logprobs([ctx.prompt_ids[row]] * len(scored), scored)
+        return encoded, scored, spans
+
+    def _ranked(self, texts: list[str], encoded: list[list[int]], spans: list[tuple[int, int]],
+                logps: list[torch.Tensor]) -> list[tuple[float, list[int]]]:
+        """``(score, completion ids)`` of each solution, best first (ties keep the column's order)."""
+        o = self.options
         if o.selection == "answer_likelihood":
             likelihoods = [mean_probability(lp, s, e) if e > s else 0.0 for lp, (s, e) in zip(logps, spans)]
         else:

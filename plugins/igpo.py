@@ -183,10 +183,10 @@ class IgpoPlugin(Plugin):
                 probes_answer.append(answer_ids)
                 owners.append(i)
         beliefs: list[list[float]] = [[] for _ in ctx.local_turns]
-        if probes_prompt:
-            logps = ctx.policy_logprobs(probes_prompt, probes_answer)
-            for i, lp in zip(owners, logps):
-                beliefs[i].append(float(lp.float().mean().exp()))
+        # called on every process, with no probes too: the policy forward is a collective under FSDP / ZeRO-3
+        logps = ctx.policy_logprobs(probes_prompt, probes_answer)
+        for i, lp in zip(owners, logps):
+            beliefs[i].append(float(lp.float().mean().exp()))
         return beliefs
 
     @hookimpl

@@ -133,6 +133,11 @@ class SirenPlugin(Plugin):
     )
     claim_metric = ("peak_token_fraction", "tokens regularised")
     needs_head_stats = True
+    unsupported_engines = {
+        engine: "its top-p entropy term needs its gradient through the LM head, which this engine only holds "
+        "gathered outside its gradient reduction; use DDP, ZeRO-2 or FSDP2"
+        for engine in ("fsdp1", "zero3")
+    }
     conflicts_with = ("lp_reg", "clip_cov", "kl_cov")
     conflict_reason = ENTROPY_PICK_ONE
     reconstructed = ("k_max=2048 caps the nucleus candidates for memory; the official code uses the top 10000",)

@@ -111,9 +111,12 @@ class _StageContext:
     def policy_logprobs(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """No-grad per-token log-probs of ``completion_ids[i]`` after ``prompt_ids[i]`` under the current policy.
 
-        Temperature applied as in TRL's log-probs; one (len(completion_ids[i]),) tensor per row. Runs on this
-        process only (forward chunks of ``per_device_train_batch_size`` rows; prompts left-padded, completions
-        right-padded, TRL's layout).
+        Temperature applied as in TRL's log-probs; one (len(completion_ids[i]),) tensor per row (forward chunks of
+        ``per_device_train_batch_size`` rows; prompts left-padded, completions right-padded, TRL's layout).
+
+        Collective: every process must call it the same number of times (with no rows where it has none: pass
+        ``[]``, never skip the call); the rows are padded to the largest count across processes, because a forward
+        of a sharded model (FSDP, ZeRO-3) is itself a collective. Batch this process's rows into one call.
         """
         return self._service("policy_logprobs")(
             [list(p) for p in prompt_ids], [list(c) for c in completion_ids]

@@ -10,27 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from trl_plugins.api.engines import unwrap_causal_lm  # the rule lives with the other engine rules
 
-def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """Return the transformers ``*ForCausalLM`` module whose ``forward`` TRL patched.
-
-    Peels, repeatedly and in any order: distributed / accelerate wrappers (``DistributedDataParallel``,
-    ``DataParallel``, FSDP1, DeepSpeed engines: anything that is not a transformers model and has a ``.module``),
-    ``torch.compile``'s ``_orig_mod``, and PEFT's ``PeftModel`` (via ``get_base_model()``).
-    """
-    for _ in range(16):  # bounded: wrappers never nest this deep
-        if hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-            model = model._orig_mod
-        elif callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
-            model = model.get_base_model()
-        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        else:
-            return model
-    return model
-
+__all__ = ["prompt_completion_batch", "unwrap_causal_lm"]
 
 def prompt_completion_batch(
     prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, device: Any = None

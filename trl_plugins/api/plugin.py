@@ -49,6 +49,8 @@ class Plugin:
         paper: citation with arXiv id, e.g. ``"Lp-Reg, arXiv:2510.03222"``.
         summary: one line for ``trl-plugins list``.
         needs_head_stats: the loss hook uses ``ctx.head_stats()`` (chunked LM-head statistics).
+        unsupported_engines: engines (DDP, FSDP1/2, ZeRO-1/2/3; :mod:`trl_plugins.api.engines`) the plugin cannot run
+            under, each with its reason; refused at construction.
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
         needs_reference_model: the advantage hook calls ``ctx.reference_logprobs()`` (log-probs under the reference
             policy); with full fine-tuning and ``beta == 0`` the trainer then keeps a frozen copy of the initial policy.
@@ -95,6 +97,10 @@ class Plugin:
     summary: ClassVar[str] = ""
     Options: ClassVar[type[PluginOptions]] = PluginOptions
     needs_head_stats: ClassVar[bool] = False
+    #: Engines this plugin cannot run under, with the reason: ``{"zero3": "why"}`` (names of
+    #: :data:`trl_plugins.api.engines.ENGINES`). The trainer refuses the stack at construction under such an engine,
+    #: naming plugin, engine and reason.
+    unsupported_engines: ClassVar[dict[str, str]] = {}
     replaces_surrogate: ClassVar[bool] = False
     needs_reference_model: ClassVar[bool] = False
     replaces: ClassVar[tuple[str, ...]] = ()

@@ -342,7 +342,11 @@ class HFJudge(_RetryingJudge):
 
             try:
                 tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_name_or_path)
-                model = model or AutoModelForCausalLM.from_pretrained(model_name_or_path)
+                if model is None:
+                    from trl_plugins.api.engines import whole_model_loading
+
+                    with whole_model_loading():  # frozen: whole on every process, also under ZeRO-3
+                        model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
             except (OSError, ValueError) as exc:
                 raise EndpointError(f"Could not load the judge model {model_name_or_path!r}: {exc}") from exc
         self.model, self.tokenizer = model, tokenizer
@@ -377,6 +381,8 @@ class HFJudge(_RetryingJudge):
                 enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             finally:
                 tok.padding_side = side
+            from trl_plugins.api.engines import LOCAL_GENERATE_KWARGS
+
             with torch.no_grad():
                 ids = self.model.generate(
                     input_ids=enc["input_ids"].to(device),
@@ -384,6 +390,7 @@ class HFJudge(_RetryingJudge):
                     max_new_tokens=self.max_new_tokens,
                     pad_token_id=pad_id,
                     **sampling,
+                    **LOCAL_GENERATE_KWARGS,  # this process only: never synced across processes (ZeRO-3)
                 )
             out.extend(tok.batch_decode(ids[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
         return out

@@ -311,6 +311,15 @@ def load_prm_model(name_or_path: str, *, trust_remote_code: bool = False, torch_
     plain causal LM would silently get a randomly initialised head)."""
     from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
+    from trl_plugins.api.engines import whole_model_loading
+
+    with whole_model_loading():  # frozen: whole on every process, also under ZeRO-3 (never partitioned)
+        return _load_prm_model(name_or_path, AutoConfig, AutoModel, AutoModelForTokenClassification,
+                               trust_remote_code=trust_remote_code, torch_dtype=torch_dtype)
+
+
+def _load_prm_model(name_or_path, AutoConfig, AutoModel, AutoModelForTokenClassification, *,
+                    trust_remote_code: bool, torch_dtype: Any):
     config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     architectures = list(getattr(config, "architectures", None) or [])
     auto_map = getattr(config, "auto_map", None) or {}

@@ -186,7 +186,12 @@ class HFTeacher(Teacher):
 
         self.name = model_name_or_path or getattr(getattr(model, "config", None), "_name_or_path", "model")
         self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_name_or_path)
-        self.model = model if model is not None else AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        if model is None:
+            from trl_plugins.api.engines import whole_model_loading
+
+            with whole_model_loading():  # frozen: whole on every process, also under ZeRO-3
+                model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
+        self.model = model
         if device is not None:
             self.model.to(device)
         self.temperature = temperature
@@ -223,6 +228,8 @@ class HFTeacher(Teacher):
     def _generate(self, requests: list[list[int]], max_tokens: int) -> list[str]:
         import torch
 
+        from trl_plugins.api.engines import LOCAL_GENERATE_KWARGS  # this process only: never synced across processes
+
         if not requests:
             return []
         tok = self.tokenizer
@@ -244,7 +251,7 @@ class HFTeacher(Teacher):
             with torch.no_grad():
                 out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                                           max_new_tokens=max_tokens, pad_token_id=pad,
-                                          eos_token_id=tok.eos_token_id, **sampling)
+                                          eos_token_id=tok.eos_token_id, **sampling, **LOCAL_GENERATE_KWARGS)
             texts.extend(tok.batch_decode(out[:, width:], skip_special_tokens=True))
         self.model.train(was_training)
         return texts

@@ -112,16 +112,15 @@ def lm_head_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, flo
 
     Returns:
         ``(weight (V, d), bias (V,) or None, logit_scale, softcap)``. ``weight``/``bias`` are the live parameters
-        (not copies; an FSDP2 ``DTensor`` is gathered with ``full_tensor()``). ``softcap`` is ``None`` when the
-        config has no ``final_logit_softcapping``.
+        (an FSDP2 ``DTensor`` is gathered with ``full_tensor()``), or, under FSDP1 and ZeRO-3, detached copies of the
+        gathered head: there this call is a collective (see :mod:`trl_plugins.api.engines`). ``softcap`` is ``None`` when
+        the config has no ``final_logit_softcapping``; it and ``logit_scale`` come from the unwrapped model's config.
     """
+    from trl_plugins.api.engines import gathered_lm_head
+
     causal_lm = unwrap_causal_lm(model)
-    head = causal_lm.get_output_embeddings()
-    weight, bias = head.weight, getattr(head, "bias", None)
-    if hasattr(weight, "full_tensor"):  # torch.distributed.tensor.DTensor
-        weight = weight.full_tensor()
-        if bias is not None:
-            bias = bias.full_tensor()
+    with gathered_lm_head(model) as (weight, bias):  # live parameters, or copies that outlive a gather
+        pass
     logit_scale, softcap = _read_logit_scale_and_softcap(causal_lm.config)
     return weight, bias, logit_scale, softcap
 

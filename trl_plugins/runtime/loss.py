@@ -264,7 +264,13 @@ def _log_trl_metrics(
 
 
 def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, mask: torch.Tensor):
-    """Lazy builder of the :class:`HeadStats` of this forward (built once, on first use)."""
+    """Lazy builder of the :class:`HeadStats` of this forward (built once, on first use).
+
+    Under an engine whose head must be gathered (FSDP1, ZeRO-3: a collective, :mod:`trl_plugins.api.engines`) it is
+    built at once, on every process, so a plugin asking for it on some processes only cannot leave the others
+    waiting."""
+    from trl_plugins.api.engines import GATHERING_ENGINES
+
     cache: dict[str, Any] = {}
 
     def build():
@@ -285,4 +291,6 @@ def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, m
             )
         return cache["stats"]
 
+    if getattr(t, "engine", None) in GATHERING_ENGINES:
+        build()
     return build

@@ -137,8 +137,6 @@ class PolicyProbe:
         return self._features(self.trainer.model, prompt_ids, completion_ids)
 
     def _features(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
-        from trl_plugins.runtime.head_stats import backbone_of
-
         tr = self.trainer
         acc = tr.accelerator
         n_local = len(completion_ids)
@@ -147,22 +145,44 @@ class PolicyProbe:
         pad_id = tr.text_tokenizer.pad_token_id
         rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
         rows += [([eos_id], [eos_id])] * (max_n - n_local)
-        backbone, step, means = backbone_of(model), tr.args.per_device_train_batch_size, []
+        step, means = tr.args.per_device_train_batch_size, []
+        through_root = getattr(tr, "engine", None) in ("fsdp1", "fsdp2") and model is tr.model
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
             input_ids, attention_mask, c_len = prompt_completion_batch(
                 [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id, acc.device
             )
             with torch.no_grad():
-                hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+                hidden = self._last_hidden(model, input_ids, attention_mask, through_root)
             mask = attention_mask[:, -c_len:].unsqueeze(-1).float()
             means.append((hidden[:, -c_len:].float() * mask).sum(1) / mask.sum(1).clamp(min=1.0))
         return torch.cat(means)[:n_local] if means else torch.zeros(0, 0, device=acc.device)
 
+    @staticmethod
+    def _last_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, through_root: bool) -> torch.Tensor:
+        """(R, L, d) last hidden state. The backbone alone, except under FSDP (``through_root``): there the root unit
+        (embeddings, final norm, head) only gathers its parameters in its own forward, so the whole model runs with
+        TRL's fused head (chunked log-probs; no (R, L, V) logits) and the backbone's output is captured."""
+        from trl_plugins.runtime.head_stats import backbone_of, capture_hidden_states
+
+        if not through_root:
+            return backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        with capture_hidden_states(model) as cap:
+            model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids, fused_lm_head=True)
+        return cap.hidden
+
     def logprobs(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[torch.Tensor]:
-        """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``), this
-        process only. Returns one (len(completion),) tensor each."""
-        if not completion_ids:
+        """No-grad per-token log-probs of completions under the current policy (``ctx.policy_logprobs``).
+
+        Collective like :meth:`entropies`: every process must call it (with any number of rows, zero included) the
+        same number of times; the rows are padded to the largest count across processes, because a forward of a
+        sharded model (FSDP, ZeRO-3) is itself a collective. Returns one (len(completion),) tensor each."""
+        n_local = len(completion_ids)
+        max_n = self._largest_count(n_local)
+        if max_n == 0:
             return []
-        logps = self.forward(prompt_ids, completion_ids, False)
-        return [logps[j, : len(c)].detach() for j, c in enumerate(completion_ids)]
+        dummy = [self.trainer.eos_token_ids[0]]
+        logps = self.forward(
+            list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), False
+        )
+        return [logps[j, : len(completion_ids[j])].detach() for j in range(n_local)]

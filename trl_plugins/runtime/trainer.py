@@ -39,6 +39,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 from trl.data_utils import apply_chat_template, is_conversational
 
+from trl_plugins.api.engines import check_engine_support, engine_of
 from trl_plugins.runtime.checkpoints import (
     PLUGIN_STATE_FILE,
     disk_full_error,
@@ -184,6 +185,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             )
         self.plugin_stack: PluginStack = stack
         self.add_callback(_NothingLeftToTrain())
+        #: The engine this run trains under ("single", "ddp", "fsdp1", "fsdp2", "zero2", "zero3"; trl_plugins.api.engines).
+        self.engine: str = engine_of(self.accelerator)
+        check_engine_support(list(stack), self.engine)
         self.generation_service = GenerationService(self)
         #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.runtime.policy_probe`).
         self.policy_probe = PolicyProbe(self)

@@ -1371,6 +1371,64 @@ def run_on_processes(num_processes: int, fn: Callable[[int, Callable], Any], tim
     return results
 
 
+#: The collective members of :class:`~trl_plugins.api.services.StageServices`: a hook must call each the same number of
+#: times on every process (docs/writing-a-plugin.md, "Collective services").
+COLLECTIVE_SERVICES = ("gather", "gather_object", "score", "policy_entropies", "policy_logprobs", "policy_features",
+                       "reference_features", "policy_stats", "reference_logprobs", "head_stats")
+
+
+def assert_collective_calls_even(
+    plugins: str | type[Plugin] | Sequence[str | type[Plugin]] | PluginStack,
+    hook: str,
+    contexts: Sequence[Any],
+    plugin_config: Mapping[str, Mapping[str, Any]] | None = None,
+    **config: Any,
+) -> dict[str, list[int]]:
+    """Fail when ``hook`` calls a collective service a different number of times on different processes.
+
+    ``contexts`` holds one context per simulated process (e.g. ``make_rollout_context(..., process_index=rank)`` for
+    each rank, with the rows that differ between processes). The hook runs on each, in turn, with every collective
+    service (:data:`COLLECTIVE_SERVICES`, and ``ctx.service.generate`` where the context has a generation service)
+    counted. Under FSDP or ZeRO-3 a process that calls one of them fewer times leaves the others waiting or aborts
+    them; here it raises an ``AssertionError`` naming the service and the counts per process. Returns
+    ``{service: [calls on process 0, 1, ...]}``.
+    """
+    import dataclasses
+
+    stack = plugins if isinstance(plugins, PluginStack) else build_stack(plugins, plugin_config, **config)
+    counts: dict[str, list[int]] = {}
+    for rank, ctx in enumerate(contexts):
+        def counted(name: str, fn: Callable) -> Callable:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                counts.setdefault(name, [0] * len(contexts))[rank] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        services = ctx.services
+        wrapped = {name: counted(name, getattr(services, name)) for name in COLLECTIVE_SERVICES
+                   if getattr(services, name, None) is not None}
+        ctx.services = dataclasses.replace(services, **wrapped)
+        generation = getattr(ctx, "service", None)
+        original_generate = getattr(generation, "generate", None)
+        if original_generate is not None:
+            generation.generate = counted("service.generate", original_generate)
+        try:
+            stack.call(hook_name(hook), ctx)
+        finally:
+            ctx.services = services
+            if original_generate is not None:
+                generation.generate = original_generate
+    uneven = {name: calls for name, calls in counts.items() if len(set(calls)) > 1}
+    if uneven:
+        detail = "; ".join(f"{name}: {calls}" for name, calls in uneven.items())
+        raise AssertionError(
+            f"{hook_name(hook)} calls collective services a different number of times per process ({detail}; calls "
+            "on process 0, 1, ...). Call each once on every process, with no rows where a process has none "
+            "(docs/writing-a-plugin.md, 'Collective services')."
+        )
+    return counts
+
+
 # ------------------------------------------------------------------------------------------ stage contracts
 def _check_layout(global_index: Sequence[int], group_ids: Sequence[int], index_in_group: Sequence[int], G: int) -> None:
     for g, gid, k in zip(global_index, group_ids, index_in_group):

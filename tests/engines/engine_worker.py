@@ -1,0 +1,231 @@
+"""Worker of the engine tests (``test_engines.py``); not collected by pytest.
+
+Launched by ``accelerate launch --config_file docs/accelerate/<engine>.yaml --num_processes 2 --mixed_precision no``
+on CPU (see ``cpu_engines.py``); every rank runs ``main()``. Each *phase* (see :data:`PHASES`) builds a tiny trainer
+with a stack of plugins, trains ``max_steps`` steps with real HF generation from the same seed, and writes
+``PHASE-rank{R}.json`` (what ran, the engine seen, the error if any) and, on rank 0, ``PHASE-params.pt`` (the full
+final parameters, gathered by the engine's own ``get_state_dict``). The test compares those parameters with the DDP
+launch of the same phase.
+
+A phase that raises records its error on every rank and the launch goes on to the next phase, so one launch reports
+every phase; a phase left inside a collective would hang the launch instead (the test's timeout reports it).
+
+Usage: ``python engine_worker.py OUT_DIR ENGINE PHASE [PHASE ...]`` (ENGINE: one of ``cpu_engines.ENGINES``)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import cpu_engines  # noqa: E402
+
+cpu_engines.install()
+
+import torch  # noqa: E402
+
+#: one rank's rows: 2 whole groups of G=2 (4 groups globally), so per-rank work (a guided group, a refill) is real
+PER_DEVICE, G = 4, 2
+SOFTCAP = 2.0
+LOGIT_SCALE = 10.0
+
+#: phase -> (plugins, plugin_config, options); options: "softcap" (a head with logit_scale and a softcap), "steps",
+#: "refused" (engines that must refuse the stack at construction, with a word the error must contain), "engines"
+#: (run only under these engines and DDP; default: every engine), "args" (PluginGRPOConfig fields)
+ZERO3_FSDP2 = {"steps": 1, "engines": ["fsdp2", "zero3"]}
+PHASES: dict[str, tuple[list[str], dict, dict]] = {
+    "vanilla": ([], {}, {}),
+    # no-grad head statistics (lp_reg's proxy at the advantage stage, its loss-stage head log-probs), softcapped head
+    "head_stats": (["canon", "lp_reg"], {"lp_reg": {"kappa": 0.1, "rho": 0.5}}, {"softcap": True}),
+    # a head statistic WITH gradient through the head
+    "siren": (["siren"], {}, {"softcap": True, "refused": {"fsdp1": "siren", "zero3": "siren"}}),
+    # uneven per-rank policy forwards: log-probs and entropies on rank 0 only; hidden features (repexp)
+    "uneven_probes": (["test_uneven_probes", "repexp"], {"repexp": {"features": "policy"}}, {}),
+    # ampo's guided groups on rank 0 only (rank 1's rows succeed): its policy scoring of the solutions on one rank
+    "uneven_guidance": (["ampo"], {"ampo": {"solutions_column": "solution", "success_column": "solved_on_rank1"}},
+                        {"rank_reward": True}),
+    # recommended stacks (scripts/gpu_smoke.py's STACKS): sampling + advantage + loss plugins together
+    "adaptive_sampler+laser+clip_cov": (["adaptive_sampler", "laser", "clip_cov"], {}, {"steps": 1}),
+    "scope+lp_reg": (["scope", "lp_reg"], {"scope": {"mode": "reference_suffix", "prm": "programmatic",
+                                                     "min_prefix_steps": 0}, "lp_reg": {"kappa": 0.1, "rho": 0.5}},
+                     {"softcap": True, "steps": 1}),
+    "ruscarl+kl_cov": (["ruscarl", "kl_cov"], {"ruscarl": {"judge": "rule"}}, {"steps": 1}),
+    # every other built-in (not tool-agent ones) in stacks that compose, one step each
+    # (dler's cap above the completion length: the tiny model never ends, and zeroed rewards would train nothing)
+    "stack1": (["critique_grpo", "dagrpo", "dars", "dcpo", "decs", "dler"],
+               {"dler": {"cap": 64, "zero_unfinished": False}}, ZERO3_FSDP2),
+    "stack2": (["dynamic_sampling", "empo", "fbos_rl", "gtpo", "hapo", "hicra", "hint_scaffold"],
+               {"hint_scaffold": {"success_threshold": 0.9}}, ZERO3_FSDP2),
+    # (beta > 0: prl needs the reference policy, which a sharded engine only has as TRL's reference model; with
+    # beta = 0 it is refused at construction, naming the fix)
+    "stack3": (["llds", "mrt", "pear", "posterior_grpo", "prl", "r2vpo", "r3l"],
+               {"posterior_grpo": {"prm": "programmatic"}}, {**ZERO3_FSDP2, "args": {"beta": 0.04},
+                                                                "policy_on_disk": True}),
+    "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
+    "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
+    # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
+    "stack6": (["rover", "seed_grpo", "steer"], {"seed_grpo": {"function": "exponential"}}, ZERO3_FSDP2),
+    # kepo's local HF teacher called on one rank only: hints for rank 0's failing groups, teacher log-probs for
+    # rank 1's successful rows
+    "uneven_teacher": (["kepo"], {"kepo": {"teacher_model": "@teacher", "success_column": "solved_on_rank1",
+                                           "success_threshold": 0.5}}, {"rank_reward": True, "steps": 1}),
+    # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
+    "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
+                {"steps": 1}),
+}
+UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
+
+
+def _register_test_plugins() -> None:
+    from trl_plugins import Plugin, hookimpl, register_plugin
+    from trl_plugins.runtime.manager import available_plugins
+
+    if "test_uneven_probes" in available_plugins():
+        return
+
+    class UnevenProbes(Plugin):
+        """Rank 0 asks the collective policy services for rows, rank 1 for none (the same number of calls)."""
+
+        name = "test_uneven_probes"
+        seen: list = []
+
+        @hookimpl
+        def trl_plugins_after_generation(self, ctx):
+            rows = list(range(UNEVEN_ROWS)) if ctx.global_index[0] == 0 else []
+            logps = ctx.policy_logprobs([ctx.prompt_ids[i] for i in rows],
+                                        [list(ctx.completion_ids[i]) or [0] for i in rows])
+            entropies = ctx.policy_entropies(rows)
+            UnevenProbes.seen.append({"logprobs": [len(x) for x in logps], "entropies": [len(x) for x in entropies],
+                                      "finite": all(bool(torch.isfinite(x).all()) for x in logps)})
+
+    register_plugin(UnevenProbes)
+
+
+def solved_on_rank1(completions, **kwargs) -> list[float]:
+    """1.0 on process 1's rows, 0.0 on process 0's: a verifier under which only rank 0 has failing groups."""
+    return [float(os.environ.get("RANK", "0") == "1")] * len(completions)
+
+
+def _model(softcap: bool):
+    from trl_plugins.testing import tiny_model, tiny_tokenizer
+
+    model = tiny_model(tiny_tokenizer(), seed=0)
+    if softcap:  # TRL's fused head and trl_plugins' head statistics read both from the config (Gemma-2 / Cohere)
+        model.config.final_logit_softcapping = SOFTCAP
+        model.config.logit_scale = LOGIT_SCALE  # sharpens the tiny model's near-uniform logits: the cap then bites
+    return model
+
+
+def build_trainer(engine: str, phase: str, out_dir: str):
+    from trl_plugins.tasks.arithmetic import accuracy_reward
+    from trl_plugins.testing import digit_fraction_reward, make_tiny_trainer, tiny_dataset
+
+    plugins, plugin_config, options = PHASES[phase]
+    plugin_config = json.loads(json.dumps(plugin_config))
+    for settings in plugin_config.values():
+        if settings.get("teacher_model") == "@teacher":  # the tiny teacher main() saved
+            settings["teacher_model"] = teacher_path(out_dir)
+    model = _model(options.get("softcap", False))
+    if options.get("policy_on_disk"):  # TRL builds its reference model from the policy's _name_or_path
+        model.config._name_or_path = policy_path(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   os.path.join(out_dir, f"{phase}-initial.pt"))
+    return make_tiny_trainer(
+        model=model,
+        plugins=plugins,
+        plugin_config=plugin_config,
+        dataset=tiny_dataset(16),
+        # a dense reward: the random tiny model never answers right, and zero advantages would train nothing
+        reward_funcs=[accuracy_reward, digit_fraction_reward] + ([solved_on_rank1] if options.get("rank_reward") else []),
+        output_dir=os.path.join(out_dir, phase),
+        per_device_train_batch_size=PER_DEVICE,
+        num_generations=G,
+        max_completion_length=8,
+        max_steps=options.get("steps", 2),
+        **options.get("args", {}),
+        loss_type="dr_grpo",
+        # the engines need it off (cpu_engines pins the device to the CPU); the DDP reference is accelerate's CPU path
+        use_cpu=engine == "ddp",
+        log_level="error",
+    )
+
+
+def full_parameters(trainer, engine: str) -> dict[str, torch.Tensor]:
+    """The full final parameters (on rank 0), named as in the unwrapped model. Collective.
+
+    accelerate's ``get_state_dict`` for every engine but FSDP1, whose FULL_STATE_DICT path (offload to CPU) crashes
+    on a CPU-only machine: there ``summon_full_params`` gathers them."""
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(trainer.model_wrapped, writeback=False):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone()
+                    for n, p in trainer.model_wrapped.named_parameters()}
+    return trainer.accelerator.get_state_dict(trainer.model_wrapped)
+
+
+def run_phase(engine: str, phase: str, out_dir: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    record = {"phase": phase, "rank": rank, "plugins": PHASES[phase][0]}
+    start = time.monotonic()
+    trainer = None
+    try:
+        _register_test_plugins()
+        trainer = build_trainer(engine, phase, out_dir)
+        acc = trainer.accelerator
+        record["engine"] = cpu_engines.engine_name(acc)
+        trainer.train()
+        state = full_parameters(trainer, record["engine"])  # collective
+        if acc.is_main_process:
+            params = {k: v.detach().float().cpu().clone() for k, v in state.items()}
+            torch.save(params, os.path.join(out_dir, f"{phase}-params.pt"))
+        record["steps"] = trainer.state.global_step
+        from trl_plugins.runtime.manager import available_plugins
+
+        record["probes"] = available_plugins()["test_uneven_probes"].seen if phase == "uneven_probes" else []
+        record["logs"] = {k: v for log in trainer.state.log_history for k, v in log.items()
+                          if isinstance(v, (int, float))}
+        acc.wait_for_everyone()
+    except Exception as exc:  # recorded; the next phase runs
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()[-3000:]
+        print(f"[rank {rank}] phase {phase} raised {record['error'][:500]}", file=sys.stderr, flush=True)
+    record["seconds"] = time.monotonic() - start
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{phase}-rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    del trainer
+
+
+def policy_path(out_dir: str) -> str:
+    return os.path.join(out_dir, f"policy-rank{os.environ.get('RANK', '0')}")
+
+
+def teacher_path(out_dir: str) -> str:
+    return os.path.join(out_dir, f"teacher-rank{os.environ.get('RANK', '0')}")
+
+
+def main(argv: list[str]) -> None:
+    out_dir, engine, phases = argv[0], argv[1], argv[2:]
+    if any(str(PHASES[p][1]).find("@teacher") >= 0 for p in phases):
+        # a tiny local teacher on disk, one copy per rank, saved before any trainer exists: once accelerate's state
+        # is up, transformers' save_pretrained writes nothing on a non-main process
+        from trl_plugins.tasks.tiny import build_and_save
+
+        build_and_save(teacher_path(out_dir), hidden_size=16, num_layers=1, num_heads=2)
+    if any(PHASES[p][2].get("policy_on_disk") for p in phases):  # the initial policy, saved the same way
+        _model(False).save_pretrained(policy_path(out_dir))
+    for phase in phases:
+        run_phase(engine, phase, out_dir)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
