@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from trl_plugins.api import PluginConfigError, PluginError, PluginOptions, RewardContext, option
 from trl_plugins.api.success import SuccessRule
-
 
 
 @dataclass

@@ -50,10 +50,10 @@ from typing import Any
 
 import torch
 from torch.utils.data import Sampler
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, PluginError, RewardContext, hookimpl, option
-from trl_plugins.api.text import completion_text
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginError, RewardContext, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.text import completion_text
 
 
 @dataclass

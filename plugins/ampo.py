@@ -64,14 +64,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
-from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.api.data_checks import cell_problem, check_column_filled, check_column_values
 from trl_plugins.api.option_groups import OffPolicyOptions
-from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.reasons import edits_completions
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.components.teacher import shared_teacher
 
 from .rl_plus import demonstration_ids
 

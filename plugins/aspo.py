@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import AdvantageContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 
 EPS = 1e-6
 

@@ -34,18 +34,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists, run_together
-from trl_plugins.components.client import endpoint_options
-from trl_plugins.components.steps import question_text
-from trl_plugins.components.teacher import shared_teacher
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
-from trl_plugins.api.text import check_template, completion_text
-from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.text import check_template, completion_text
+from trl_plugins.components.client import endpoint_options
+from trl_plugins.components.steps import question_text
+from trl_plugins.components.teacher import shared_teacher
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 DEFAULT_REFINEMENT = (

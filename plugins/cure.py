@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginOptions, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.reasons import EDITS_COMPLETIONS

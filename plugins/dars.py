@@ -51,10 +51,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, Plugin, RefillContext, hookimpl, option
-from trl_plugins.api.success import SuccessOptions
+
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    OfficialSource,
+    Plugin,
+    RefillContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.reasons import REFILLS_GROUPS
+from trl_plugins.api.success import SuccessOptions
 
 
 def extra_rollouts(acc: float, n: int, n_max: int, schedule: str = "ET", use_std: bool = False) -> int:

@@ -30,11 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     hookimpl,

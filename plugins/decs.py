@@ -58,10 +58,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginError, RefillContext, RewardContext, hookimpl, option
-from trl_plugins.api.success import SuccessRule
+
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginError,
+    RefillContext,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS, REFILLS_GROUPS
+from trl_plugins.api.success import SuccessRule
 
 from ._length import CorrectnessOptions, check_reward_columns, local_completion_ids
 

@@ -45,8 +45,7 @@ from typing import Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, hookimpl, option
+from trl_plugins.api import AdvantageContext, LossContext, OfficialSource, Plugin, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 
 

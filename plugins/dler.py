@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, RefillContext, RewardContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, RefillContext, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import (

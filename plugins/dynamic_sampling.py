@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, RefillContext, hookimpl, option
-from trl_plugins.api.success import SuccessOptions
+
+from trl_plugins.api import OfficialSource, Plugin, RefillContext, hookimpl, option
 from trl_plugins.api.reasons import REFILLS_GROUPS
+from trl_plugins.api.success import SuccessOptions
 
 
 @dataclass

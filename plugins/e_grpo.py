@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.data_checks import cell_problem, check_column_values
 from trl_plugins.api.success import verifier_column

@@ -39,9 +39,9 @@ from typing import Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     PluginOptions,
@@ -58,9 +58,8 @@ from trl_plugins.api.answers import (
     majority_votes,
     semantic_entropy,
 )
-from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE
-
+from trl_plugins.api.success import placeholder_column
 
 COLUMN = "empo"
 

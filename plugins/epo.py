@@ -48,11 +48,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, IncompatiblePluginsError, LossContext, Plugin, PluginConfigError
-from trl_plugins.api import PluginOptions, hookimpl, option
-from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
+from trl_plugins.api import (
+    AdvantageContext,
+    IncompatiblePluginsError,
+    LossContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 
 
 @dataclass

@@ -69,9 +69,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     PromptContext,
@@ -81,14 +82,14 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.answers import extract_boxed, find_numbers, get_extractor, normalize_answer
 from trl_plugins.api.collectives import gather_id_lists, run_together
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.success import SuccessOptions
 from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 from trl_plugins.components.judge import JudgeEndpointOptions
 from trl_plugins.components.steps import question_text, split_steps
 from trl_plugins.components.teacher import shared_teacher
-from trl_plugins.api.contexts import context_device
-from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
-from trl_plugins.api.success import SuccessOptions
-from trl_plugins.api.reasons import EDITS_COMPLETIONS
 
 DEFAULT_REVISE = "Revise your solution using this feedback. Reason step by step and state the final answer."
 DEFAULT_SINGLE_TURN = (

@@ -56,8 +56,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import AdvantageContext, LossContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.reasons import LIKELIHOOD_PICK_ONE
 
 WEIGHT_KEY = "gtpo_token_weights"

@@ -60,11 +60,11 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginOptions,
     hookimpl,
@@ -72,7 +72,6 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 from trl_plugins.api.reasons import ADVANTAGE_PICK_ONE, ENTROPY_PICK_ONE
-
 
 #: Plugins that compute the advantages from scratch: HAPO's token-level advantage is refused together with them.
 ADVANTAGE_ESTIMATORS = ("canon", "prl", "riskpo")

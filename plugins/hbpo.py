@@ -49,9 +49,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     PromptContext,
@@ -60,9 +61,9 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.answers import get_extractor
+from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 from trl_plugins.api.success import verifier_column
 from trl_plugins.api.text import completion_text
-from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 

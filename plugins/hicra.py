@@ -37,8 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api import (
+    AdvantageContext,
+    LossContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    hookimpl,
+    option,
+)
 
 MASK_KEY = "hicra_planning_mask"
 

@@ -53,18 +53,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Moved, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import Moved, OfficialSource, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import run_together
-from trl_plugins.components.steps import question_text
-from trl_plugins.components.teacher import shared_teacher
+from trl_plugins.api.option_groups import WarmupOptions
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.components.steps import question_text
+from trl_plugins.components.teacher import TeacherEndpointOptions, shared_teacher
 
 from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key
 
 
 @dataclass
-class HintScaffoldOptions(SuccessOptions):
+class HintScaffoldOptions(TeacherEndpointOptions, WarmupOptions, SuccessOptions):
     hint_fractions: list[float] = option(
         default_factory=lambda: [0.25, 0.5, 0.75],
         help="Growing fractions of the reference solution used as hints, tried in order (GHPO: 25/50/75 %).",
@@ -94,13 +95,6 @@ class HintScaffoldOptions(SuccessOptions):
     teacher: Literal["endpoint", "hf"] = option(
         "endpoint", help="tiers_from='teacher': an OpenAI-compatible endpoint or a local HF model."
     )
-    teacher_model: str = option("default", help="tiers_from='teacher': served model name (endpoint) or name/path (hf).")
-    teacher_base_url: str | None = option(None, help="tiers_from='teacher': endpoint, e.g. http://127.0.0.1:8000/v1.")
-    teacher_api_key_env: str | None = option(None, help="Environment variable holding the teacher endpoint's key.")
-    teacher_timeout: float = option(
-        120.0, min=0.0, min_exclusive=True, help="Seconds per teacher endpoint request before it counts as failed."
-    )
-    teacher_max_retries: int = option(4, min=0, help="Retries (with backoff) of a failed teacher endpoint request.")
     teacher_max_tokens: int = option(1024, min=1, help="Longest teacher answer (the tiers, as JSON) in tokens.")
     tiered_template: str = option(
         "{question}\n\nHint:\n{hint}",
@@ -125,7 +119,6 @@ class HintScaffoldOptions(SuccessOptions):
         DEFAULT_TEMPLATE, help="How the hint joins the question; must contain {question} and {hint}."
     )
     replace_index: int = option(0, min=0, help="Slot replaced in 'one' mode (index within the group).")
-    warmup_steps: int = option(0, min=0, help="Plain GRPO for this many steps first (Scaf-GRPO uses 50).")
     schedule: Literal["on_failure", "seele"] = option(
         "on_failure", help="'on_failure': hint all-fail groups after generation (GHPO, Scaf-GRPO). 'seele' is "
         "deprecated: it builds the plugin seele (use plugins: [seele])."
@@ -305,7 +298,7 @@ class HintScaffoldPlugin(Plugin):
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         o = self.options
-        if ctx.step < o.warmup_steps:
+        if o.warming_up(ctx.step):
             return
         G = ctx.num_generations
         rule = o.success_rule

@@ -37,11 +37,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginOptions,
     hookimpl,

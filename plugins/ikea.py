@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.errors import suggest
 from trl_plugins.api.success import SuccessOptions, placeholder_column
 

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     RolloutContext,
@@ -49,13 +50,13 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import gather_floats, run_together
-from trl_plugins.components.steps import question_text
-from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
+from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import check_template
-from trl_plugins.api.reasons import edits_completions
+from trl_plugins.components.steps import question_text
+from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 
 HINT_REQUEST = (
     "A student could not solve the following problem. Write one short hint that points to the key idea or the first "

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import AdvantageContext, LossContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.loss_types import policy_moves_before_loss
 from trl_plugins.api.reasons import ENTROPY_PICK_ONE
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
-from trl_plugins.api.success import placeholder_column
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api.success import placeholder_column
 
 from ._length import (
     CorrectnessOptions,

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import LossContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.loss_types import policy_moves_before_loss
 from trl_plugins.api.reasons import LIKELIHOOD_PICK_ONE
-
 
 
 @dataclass

@@ -36,18 +36,18 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginOptions,
     hookimpl,
     option,
 )
 from trl_plugins.api.reasons import ENTROPY_PICK_ONE
-
 
 PROXY_KEY = "lp_reg_proxy_logps"
 THRESHOLD_KEY = "lp_reg_threshold"

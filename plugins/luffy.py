@@ -48,13 +48,22 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PromptContext, RolloutContext, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PromptContext,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.collectives import run_together
-from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
 from trl_plugins.api.reasons import edits_completions
+from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 
 from .rl_plus import prompt_text, strip_think_prefix
 

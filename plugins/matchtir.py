@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+
+from trl_plugins.api import AdvantageContext, OfficialSource, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.api.collectives import fail_together
 from trl_plugins.api.data_checks import cell_problem, check_column_values
 from trl_plugins.api.tool_calls import (

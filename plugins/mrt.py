@@ -34,8 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.success import SuccessOptions
 
 #: Annotation key: ``[(b_j, J_j) for j = 0..k]``, episode boundaries (completion token index) and success rates.

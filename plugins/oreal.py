@@ -79,11 +79,12 @@ from typing import Literal
 
 import torch
 from transformers import TrainerCallback
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     hookimpl,

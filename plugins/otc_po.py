@@ -25,8 +25,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import IncompatiblePluginsError, Plugin, PluginOptions, RewardContext, hookimpl, option
+
+from trl_plugins.api import (
+    IncompatiblePluginsError,
+    OfficialSource,
+    Plugin,
+    PluginOptions,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.success import verifier_column
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, RewardContext, hookimpl, option
-from trl_plugins.api.success import placeholder_column
+
+from trl_plugins.api import OfficialSource, Plugin, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api.success import placeholder_column
 
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 from ._phases import phase_boundary

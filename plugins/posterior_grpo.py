@@ -42,12 +42,12 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, RewardContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.collectives import gather_objects_together
-from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.api.success import SuccessRule, mark_placeholder
 from trl_plugins.api.text import completion_text
+from trl_plugins.components.prm import PRMOptions, prm_from_options
 
 COLUMN = "posterior_process"
 

@@ -39,10 +39,8 @@ from typing import Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+from trl_plugins.api import AdvantageContext, OfficialSource, Plugin, PluginConfigError, PluginOptions, hookimpl, option
 from trl_plugins.api.reasons import ADVANTAGE_PICK_ONE
-
 
 
 @dataclass

@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import LossContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import LossContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 
 
 @dataclass

@@ -67,10 +67,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     RolloutContext,
@@ -78,11 +79,11 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import gather_id_lists
-from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 from trl_plugins.api.contexts import context_device
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text
-from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 
 PIVOT_KEY = "r3l_pivot_tokens"
 GUIDANCE_HEADER = "# Previous Attempt Analysis & Guidance"

@@ -63,8 +63,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    LossContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    hookimpl,
+    option,
+)
 
 CLIP_MODES = ("none", "one-side", "two-side", "gspo-one-side", "ring")
 WEIGHTS = ("none", "importance_sampling", "gspo_importance_sampling", "advantage")

@@ -29,8 +29,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginError, PluginOptions, RolloutContext, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginError,
+    PluginOptions,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 
 #: Annotation key of the greedy baseline's reward, on the first row of each group.
 BASELINE_KEY = "remax_greedy_reward"

@@ -44,8 +44,7 @@ from typing import Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api import OfficialSource, Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
 
 COLUMN = "repexp"

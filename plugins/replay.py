@@ -65,13 +65,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
+from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import stable_key
-from trl_plugins.api.reasons import edits_completions
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
 REPLAYED = "replayed"

@@ -43,11 +43,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import LossContext, Plugin, PluginConfigError, RolloutContext, hookimpl, option
+
+from trl_plugins.api import LossContext, OfficialSource, Plugin, PluginConfigError, RolloutContext, hookimpl, option
 from trl_plugins.api.data_checks import check_column_filled
-from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.reasons import edits_completions
+from trl_plugins.api.success import SuccessOptions
 
 
 @dataclass

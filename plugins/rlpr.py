@@ -57,10 +57,10 @@ from typing import Any, Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     PluginOptions,
@@ -70,8 +70,8 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.data_checks import check_column_filled
-from trl_plugins.api.text import check_template, completion_text
 from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE, REFILLS_GROUPS
+from trl_plugins.api.text import check_template, completion_text
 
 COLUMN = "rlpr"
 

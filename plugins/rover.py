@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginOptions, hookimpl, option
+
+from trl_plugins.api import AdvantageContext, LossContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 
 #: Extras key of the sampling policy's mean log-softmax ``ml_old`` (B, T).
 OLD_MEAN_LOGSOFTMAX_KEY = "rover_old_mean_log_softmax"

@@ -58,9 +58,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginConfigError, PromptContext, hookimpl, option
+from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PromptContext, hookimpl, option
 from trl_plugins.api.answers import extract_boxed_or_last_number, normalize_answer
+from trl_plugins.api.text import completion_text
 from trl_plugins.components.judge import (
     RUBRIC_VERDICTS,
     EndpointJudge,
@@ -70,7 +70,6 @@ from trl_plugins.components.judge import (
     RubricJudge,
     RuleJudge,
 )
-from trl_plugins.api.text import completion_text
 
 HEADER = "You are a helpful assistant. When you answer, keep in mind the evaluation criteria below."
 BASE_SYSTEM = "You are a helpful assistant."

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginOptions, hookimpl, option
 
+from trl_plugins.api import AdvantageContext, OfficialSource, Plugin, PluginOptions, hookimpl, option
 from trl_plugins.api.text import stable_key
 
 

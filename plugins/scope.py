@@ -46,8 +46,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
+    OfficialSource,
     Plugin,
     PluginConfigError,
     RolloutContext,
@@ -55,13 +56,13 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import run_together
+from trl_plugins.api.contexts import context_device
+from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
+from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.success import SuccessOptions
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
 from trl_plugins.components.teacher import ReferenceTeacher, TeacherEndpointOptions, shared_teacher
-from trl_plugins.api.contexts import context_device
-from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
-from trl_plugins.api.success import SuccessOptions
-from trl_plugins.api.reasons import EDITS_COMPLETIONS
 
 
 @dataclass

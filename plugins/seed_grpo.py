@@ -29,8 +29,16 @@ from typing import Literal
 
 import torch
 
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, Plugin, PluginConfigError, PluginOptions, RewardContext, hookimpl, option
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.answers import batch_clusters, get_extractor, max_semantic_entropy, semantic_entropy
 
 

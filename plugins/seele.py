@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginConfigError,
     PromptContext,

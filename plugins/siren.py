@@ -39,18 +39,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from trl_plugins.api import OfficialSource
+
 from trl_plugins.api import (
     AdvantageContext,
     IncompatiblePluginsError,
     LossContext,
+    OfficialSource,
     Plugin,
     PluginOptions,
     hookimpl,
     option,
 )
 from trl_plugins.api.reasons import ENTROPY_PICK_ONE
-
 
 
 @dataclass

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import Plugin, PluginOptions, RewardContext, hookimpl, option
+
+from trl_plugins.api import OfficialSource, Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 
 from ._length import eos_ids, lengths_and_unfinished, truncation_mask, zero_rows

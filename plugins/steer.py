@@ -40,8 +40,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from trl_plugins.api import OfficialSource
-from trl_plugins.api import AdvantageContext, LossContext, Plugin, PluginConfigError, PluginOptions, hookimpl, option
+
+from trl_plugins.api import (
+    AdvantageContext,
+    LossContext,
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 
 OLD_ENTROPY_KEY = "steer_old_entropy"

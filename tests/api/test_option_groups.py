@@ -17,8 +17,6 @@ from trl_plugins.runtime.manager import BUILTIN_PACKAGE, builtin_modules
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 
 PLUGINS_DIR = Path(__file__).resolve().parents[2] / "plugins"
-#: Being split into one plugin per paper in another change (issue 25, deliverable 2): checked once that lands.
-PENDING_SPLIT = {"length_shaping", "hint_scaffold"}
 
 
 def builtin_plugin_classes():
@@ -43,8 +41,6 @@ def declared_in(cls: type, name: str) -> type:
 def test_endpoint_blocks_come_from_one_group():
     checked = 0
     for name, cls in builtin_plugin_classes().items():
-        if name in PENDING_SPLIT:
-            continue
         fields = {f.name for f in dataclasses.fields(cls.Options)}
         prefixes = {o[: -len("_base_url")] for o in fields if o.endswith("_base_url")}
         for prefix in prefixes:
@@ -66,8 +62,6 @@ def test_offpolicy_gamma_and_warmup_come_from_their_groups():
     assert {"ampo", "critique_grpo", "fbos_rl", "kepo", "luffy", "scope"} <= offpolicy
     for name, cls in classes.items():
         fields = {f.name: f for f in dataclasses.fields(cls.Options)}
-        if name in PENDING_SPLIT:
-            continue
         if "offpolicy_shaping_gamma" in fields.get("gamma", SimpleNamespace(metadata={})).metadata.get("help", ""):
             assert declared_in(cls.Options, "gamma") is OffPolicyOptions, name
         if "warmup_steps" in fields:
@@ -141,7 +135,5 @@ def test_shared_reasons_are_framework_constants():
 def test_plugins_read_the_run_from_the_contexts_not_the_trainer_state():
     """The hooks give what a plugin needs of the run (``ctx.run``, ``step``); nothing keeps ``trainer.state``."""
     for path in PLUGINS_DIR.glob("*.py"):
-        if path.stem in PENDING_SPLIT:
-            continue
         text = path.read_text()
         assert "trainer.state" not in text and 'getattr(trainer, "state"' not in text, path.name
