@@ -39,6 +39,10 @@ A rollout is "correct" when its verifier column is above ``success_threshold`` (
 not a placeholder unless ``success_column`` names another; other reward columns never change the verdict). With ``variance_mix = 0``, no
 ``domain_column`` and ``prune_solved = false`` the plugin keeps TRL's own sampler (vanilla GRPO). ``shuffle_dataset
 = False`` is ignored once the sampler is replaced (the draws are random by construction).
+
+No official code was reachable: no official training code of MMR1's variance-aware sampling was found; compared
+with the paper's abstract and summaries, the mix of variance and diversity, the priors, the history decay and the
+pruning are reconstructed (``trl-plugins show adaptive_sampler``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ are not offered. The paper divides by the maximal length ``Lmax``; TRL's
 ``loss_type="dr_grpo"`` (recommended) already divides by ``max_completion_length``, so the plugin does not
 (``divide_by_max_length`` restores it for other loss types). Ties in the metric are broken by the row's global
 position (stable sort), so the split is deterministic.
+
+Official code checked against: ``biuboomc/CANON@7d6f814`` (faithful with documented options; the files and the deviating
+options: ``trl-plugins show canon``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ one replaced slot, which is what this plugin does (``replace_index``). Our optio
 ``refine="failed"`` (refine only failed responses), ``require_success`` (replace only with a successful refinement)
 and ``warmup_steps``; their defaults reproduce the official behaviour. Metrics: ``initial_success_rate``,
 ``refinement_success_rate``, ``replaced_with_success_fraction``.
+
+Official code checked against: ``zhangxy-2019/critique-GRPO@e8f03a2`` (faithful with documented options; the files and
+the deviating options: ``trl-plugins show critique_grpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ continuations are sampled by the trainer's generation service from ``prompt + pr
 sampling log-probs are valid for their training prompt (no prompt swap). ``selection="random"`` is the official
 code's ablation (random positions). ``min_token_chars`` is the official ``> 1`` rule (use 1 for a
 character-level tokenizer). With ``branches_per_response = 0`` the plugin does nothing (plain GRPO).
+
+Official code checked against: ``bytedance/CURE@a2a0217`` (faithful with documented options; the files and the deviating
+options: ``trl-plugins show cure``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

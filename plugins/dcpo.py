@@ -23,6 +23,9 @@ the micro-steps since the previous generation batch, all processes), measured on
 (``success_column`` above ``success_threshold``; the official code thresholds the total score). Reconstructed: a
 batch with no correct rollout gets ``alpha = 0`` (the official division by ``p = 0`` gives NaN advantages).
 ``max_alpha = 0`` switches DCPO off (TRL's advantages, no extra forward): the neutral setting.
+
+Official code checked against: ``597358816/DCPO@33f8073`` (faithful with documented options; the files and the deviating
+options: ``trl-plugins show dcpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ framework's shaped branch ``-a f(p)`` rather than replacing them.
 
 Needs ``loss_type="grpo"`` (refused otherwise: another aggregation changes the per-sequence token-mean score).
 Replaces the base surrogate, so it cannot be stacked with another surrogate-replacing plugin (e.g. lp_reg).
+
+Official code checked against: ``Optimization-AI/DisCO@bd2b078`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show disco``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

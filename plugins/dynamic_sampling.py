@@ -35,6 +35,9 @@ limit reached: verl raises                     ``refill_at_limit: error`` (defau
 
 verl keeps drawing whole generation batches from the training dataloader; the refill stream here is a seeded
 permutation of the training set of its own (see ``trl_plugins.runtime.refill``), so the epoch length is unchanged.
+
+Official code checked against: ``volcengine/verl@246cac4`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show dynamic_sampling``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

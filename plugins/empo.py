@@ -29,6 +29,9 @@ for the "model collapse step" of label-free RL ("How Far Can Unsupervised RLVR S
 rewards sharpen the initial distribution and can rise then fall; log accuracy separately.
 
 Stacks with ``seed_grpo`` (same answer clustering, computed once per batch).
+
+Official code checked against: ``QingyangZhang/EMPO@c5eccd4`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show empo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

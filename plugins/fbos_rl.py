@@ -58,6 +58,10 @@ Stacking: with another advantage plugin placed **before** ``fbos_rl`` (e.g. ``ca
 centres that plugin's advantages within the FBOS sub-groups instead of recomputing them from rewards.
 Metrics: ``round1_success_rate``, ``round2_success_rate``, ``rescued_group_fraction``, ``epa_fraction``,
 ``ecc_fraction``, ``ecc_weight``.
+
+No official code was reachable, so the method is reconstructed from its paper; compared with
+the paper's abstract: the feedback round, the sub-group split, the schedules and the off-policy correction are
+reconstructed (``trl-plugins show fbos_rl``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

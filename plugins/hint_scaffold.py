@@ -43,6 +43,9 @@ GHPO, by a sentence saying it is the beginning of the answer. Scaf-GRPO's first 
 SEELE (arXiv:2509.06923), which hints every problem with a fitted hint length instead of reacting to failures, is
 its own plugin, ``seele``. The spelling ``schedule="seele"`` of this plugin is deprecated: for one release it builds
 ``seele`` (under this plugin's name), with a warning naming the option mapping (:attr:`HintScaffoldPlugin.moved`).
+
+Official code checked against: ``hkgc-1/GHPO@af0a7dd`` (faithful with documented options; the files and the deviating
+options: ``trl-plugins show hint_scaffold``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

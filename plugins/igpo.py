@@ -28,6 +28,9 @@ Reconstructed (options, flagged): the text the answer is probed with (``answer_t
 code, not the paper), and the epsilon and unbiased standard deviation (TRL's). Rows without tool calls have one turn:
 their advantage is the group-normalised outcome, i.e. GRPO's -- with no tool call in a group, IGPO equals GRPO (and
 ``ig_weight=0`` leaves TRL's advantages).
+
+Official code checked against: ``GuoqingWang1/IGPO@bff163b`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show igpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ tokens), ``teacher_kl`` (k3 on gated tokens), ``hard_group_fraction``, ``hinted_
 Stacking: put ``kepo`` after sampling plugins that fill rows (``luffy``'s demonstrations), so that a group counts as
 all-fail on its final rows. The teacher log-probs are raw (temperature 1); the policy's are TRL's temperature-scaled
 ones, so ``A_teacher`` is exact at ``temperature=1.0``.
+
+No official code was reachable, so the method is reconstructed from its paper; the two
+mechanisms of the abstract match; the loss weights, the gate and the hint protocol are reconstructed (``trl-plugins show
+kepo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ default LASER target (half of ``max_completion_length``), the difficulty edges (
 the candidate budget grid (8 equal steps up to ``max_completion_length``), ECR estimated online from the last
 ``window`` generation batches of training rollouts (the official code reads coverage from a periodic monitoring
 run), the initial targets (``max_completion_length``), LASER-DE's "well formatted" without a format column (finished).
+
+Official code checked against: ``hkust-nlp/Laser@c9e7c4e`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show laser``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -29,6 +29,10 @@ gradient_accumulation_steps`` (the paper's verl runs take several mini-batch ste
 
 Incompatible: GTPO ("pick one": both protect the likelihood of tokens in good responses; LLDS is meant for
 tool/search RL; ``docs/compatibility.md``).
+
+Official code checked against: ``vengdeng/LLDS-On-Group-Relative-Policy-Optimization-Collapse-in-Search-R1@c19a094``
+(faithful with documented options; the files and the deviating options: ``trl-plugins show llds``,
+docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ Stacking: put ``luffy`` before other sampling plugins that inspect the group (th
 Loss-stage plugins that replace the surrogate leave off-policy tokens to the shaped branch (``lp_reg``) or skip
 them (``clip_cov``, ``kl_cov``). Not implemented: the official code's partial-trace prefixes (``prefix_ratio < 1``,
 the policy continuing after a demonstration prefix) and its SFT-loss ablation.
+
+Official code checked against: ``ElliottYan/LUFFY@01f4ae0`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show luffy``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

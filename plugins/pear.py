@@ -11,6 +11,9 @@ policy at the reward stage. The exact combination was not available to us (no co
 this form and its defaults are a documented reconstruction (``answer_alpha`` < ``alpha``: the answer phase is
 penalised less, by default not at all). ``alpha = answer_alpha = 0`` is the neutral setting (an all-zero column, no
 forward). Correctness: :mod:`trl_plugins_builtin._length`.
+
+No official code was reachable, so the method is reconstructed from its paper: the phase
+split and the phase weights are reconstructed from the abstract (``trl-plugins show pear``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

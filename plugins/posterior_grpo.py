@@ -33,6 +33,10 @@ horizon T (the run's max_steps; the official configuration uses 500 steps). The 
 success rule (:mod:`trl_plugins.api.success`): ``outcome_reward``, by default the first reward function that is not a
 placeholder column. Metrics: ``process_reward_mean`` (over paid rows), ``paid_fraction``, ``trust_weight_mean``,
 ``anneal_factor``.
+
+No official code was reachable, so the method is reconstructed from its paper; the trust
+mode follows SophiaVL-R1's Trust-GRPO (kxfan2002/SophiaVL-R1@a818494, verl/workers/reward/custom.py) (``trl-plugins show
+posterior_grpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ formula and default below is **our reconstruction**, consistent with those state
 Identity: in a single on-policy pass (``r = 1`` in value) the penalty and its gradient vanish and the unclipped
 surrogate has the clipped one's value and gradient, so R2VPO trains exactly as GRPO/DAPO there; it differs once
 samples are reused. Off-policy tokens spliced by sampling plugins keep their shaped branch.
+
+No official code was reachable and the method
+section was unreachable: the dual update (initial lambda, target, learning rate, cap) is reconstructed (``trl-plugins
+show r2vpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -57,6 +57,9 @@ Mapping onto TRL (and what differs):
   logged as ``fallback_no_valid_reflection`` (1.0 for such a batch).
 
 Neutral setting: ``retry_fraction=0``, ``baseline="trl"``, ``amplify=false`` (and ``loss="trl"``) is plain GRPO.
+
+Official code checked against: ``shiweijiezero/R3L@d503f6c`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show r3l``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

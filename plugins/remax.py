@@ -20,6 +20,9 @@ advantages by ``r_i - b``. The greedy completion is never trained on. The baseli
 functions only: reward-stage transforms of other plugins (which need the whole sampled batch) do not see it.
 A row with no reward at all (every column NaN) gets advantage 0. ``baseline="trl"`` keeps TRL's own
 group-normalised advantages and generates nothing (the neutral setting).
+
+Official code checked against: ``volcengine/verl@b178a3c`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show remax``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -56,6 +56,9 @@ Neutral setting: ``max_age_steps=0`` (every entry expires before a later step co
 advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_group_fraction``, ``stored_rollouts``,
 ``buffer_prompts``, ``buffer_rollouts``, ``replay_age`` (steps since the replayed rollout was stored),
 ``replay_advantage`` (mean advantage of the replayed rows).
+
+Official code checked against: ``TencentYoutuResearch/SPEAR@7e84315`` (faithful with documented options; the files and
+the deviating options: ``trl-plugins show replay``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ and, for a smaller last bundle, ``A_paper / m`` with its real size ``m`` (so a p
 
 RiskPO replaces the advantage entirely: no setting of it reduces to GRPO's ``(R - mean) / std`` (with
 ``bundle_size = 1`` and uniform credit it is a per-question quantile-clipped advantage instead).
+
+Official code checked against: ``RTkenny/RiskPO@65ec40c`` (faithful with documented options; the files and the deviating
+options: ``trl-plugins show riskpo``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ Judge backends: "endpoint" (OpenAI-compatible server, e.g. ``vllm serve``), "hf"
 "rule" (a task's rule-based judge: the verdict oracle ``judge_oracle`` of
 :data:`~trl_plugins.components.judge.RUBRIC_VERDICTS`, by default the bundled tasks'). A dead or garbled judge
 raises an error naming the URL.
+
+Official code checked against: ``hhh2210/RuscaRL@1b61829`` (faithful with documented options; the files and the
+deviating options: ``trl-plugins show ruscarl``, docs/faithfulness.md).
 """
 
 from __future__ import annotations

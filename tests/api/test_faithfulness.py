@@ -99,3 +99,24 @@ def test_show_names_the_official_code():
 
     assert "Official code: pixas/DECS@0d12e53 (faithful with documented options)" in describe_plugin("decs")
     assert "Official code: no official code reachable (reconstructed)" in describe_plugin("salt")
+
+
+def test_every_builtin_docstring_names_its_official_code_or_says_it_is_reconstructed():
+    """Issue 28, item 3: the module docstring (what a reader opens first) states the repository @ commit the plugin
+    was checked against, as its ``official`` metadata records it, or that no official code was reachable."""
+    import sys
+
+    from trl_plugins.runtime.manager import available_plugins
+
+    missing = []
+    for name, cls in sorted(available_plugins().items()):
+        if cls.deprecated() or not cls.__module__.startswith("trl_plugins_builtin"):
+            continue
+        source = cls.official
+        doc = (sys.modules[cls.__module__].__doc__ or "") + (cls.__doc__ or "")
+        if source.repository:
+            if source.repository not in doc or (source.commit or "")[:7] not in doc:
+                missing.append(f"{name}: {source.repository}@{(source.commit or '')[:7]}")
+        elif "reconstructed" not in doc.lower():
+            missing.append(f"{name}: says neither its official code nor that it is reconstructed")
+    assert not missing, missing
