@@ -68,7 +68,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                {"posterior_grpo": {"prm": "programmatic"}}, {**ZERO3_FSDP2, "args": {"beta": 0.04},
                                                                 "policy_on_disk": True}),
     "stack4": (["rec", "remax", "replay"], {}, ZERO3_FSDP2),
-    "stack5": (["riskpo", "rl_plus", "rlpr"], {}, ZERO3_FSDP2),
+    # (rlpr's std filter zeroes advantages here: its refill, the default, is refused under FSDP / ZeRO-3 with several
+    # processes at construction -- tests/plugins/test_rlpr.py -- because its reward runs a policy forward per process)
+    "stack5": (["riskpo", "rl_plus", "rlpr"], {"rlpr": {"filter_drop": "zero_advantage"}}, ZERO3_FSDP2),
     # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
     "stack6": (["rover", "seed_grpo", "steer"], {"seed_grpo": {"function": "exponential"}}, ZERO3_FSDP2),
     # kepo's local HF teacher called on one rank only: hints for rank 0's failing groups, teacher log-probs for
