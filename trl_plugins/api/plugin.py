@@ -74,7 +74,7 @@ class Plugin:
         loss_types_reason: why other loss types are refused, shown in the error.
         reconstructed: details the paper does not state and that this plugin reconstructs (shown by
             ``trl-plugins show``).
-        official: the :class:`~trl_plugins.faithfulness.OfficialSource` the plugin was checked against (repository @
+        official: the :class:`~trl_plugins.api.faithfulness.OfficialSource` the plugin was checked against (repository @
             commit, verdict, options deviating from the official defaults), or one saying that no official code was
             reachable and what is reconstructed; every built-in plugin declares it (``docs/faithfulness.md``).
         claim_metric: ``(metric, what it measures)``: the plugin's headline metric (a name it logs with
