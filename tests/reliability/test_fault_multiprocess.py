@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,18 +26,8 @@ LAUNCH_TIMEOUT = 300
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults_two_processes")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_mp.ACCELERATE_CONFIG),
-           "--main_process_port", str(_mp._free_port()), str(WORKER), str(out)]
-    proc = subprocess.Popen(cmd, cwd=_mp.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"the 2-process fault launch did not finish in {LAUNCH_TIMEOUT}s (a hang):\n{log[-4000:]}")
-    assert proc.returncode == 0, log[-4000:]
+    returncode, log = _mp.launch_two_processes(WORKER, out, LAUNCH_TIMEOUT, "fault")
+    assert returncode == 0, log[-4000:]
     return out, log
 
 

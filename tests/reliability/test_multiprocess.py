@@ -45,23 +45,30 @@ def _worker_module():
     return module
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_processes")
+def launch_two_processes(worker: Path, out: Path, timeout: float, what: str) -> tuple[int, str]:
+    """``accelerate launch`` of ``worker out`` on two CPU processes (gloo); (exit status, log). A launch still running
+    after ``timeout`` seconds is killed with its process group and fails the test as a hang, naming ``what``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIG),
-        "--main_process_port", str(_free_port()), str(WORKER), str(out),
+        "--main_process_port", str(_free_port()), str(worker), str(out),
     ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        pytest.fail(f"the 2-process launch did not finish in {LAUNCH_TIMEOUT}s (deadlock?):\n{log[-4000:]}")
-    return out, proc.returncode, log
+        pytest.fail(f"the 2-process {what} launch did not finish in {timeout}s (a hang):\n{log[-4000:]}")
+    return proc.returncode, log
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_processes")
+    returncode, log = launch_two_processes(WORKER, out, LAUNCH_TIMEOUT, "test")
+    return out, returncode, log
 
 
 @pytest.fixture(scope="module")
