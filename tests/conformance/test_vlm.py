@@ -26,15 +26,11 @@ from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
     make_tiny_trainer,
-    make_vlm_trainer,
     record_run,
     temporary_plugin,
     tiny_dataset,
-    tiny_vlm,
-    tiny_vlm_processor,
-    with_images,
 )
-from trl_plugins.testing.vlm import IMAGE_TOKENS
+from trl_plugins.testing.vlm import IMAGE_TOKENS, make_vlm_trainer, tiny_vlm, tiny_vlm_processor, with_images
 
 
 def _watch_pixels(trainer) -> list:

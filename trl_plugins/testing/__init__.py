@@ -21,10 +21,10 @@ Hand-made stage contexts for unit tests (no model, no trainer; stub services rec
     call one of its hooks (``run_hook(name, "loss", ctx, options={...})``); :func:`loss_from_context` composes a loss context's contributions as the framework
     does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
 
-Vision-language runs (:mod:`trl_plugins.testing.vlm`): :func:`tiny_vlm` and :func:`tiny_vlm_processor` (a tiny Llava
-with a ``ProcessorMixin`` over the character-level tokenizer, built offline), :func:`tiny_image_dataset` (image prompts
-with TRL's ``image`` column), :func:`with_images` (adds that column to any task), :func:`color_overlap_reward` and
-:func:`make_vlm_trainer`.
+Vision-language runs, in :mod:`trl_plugins.testing.vlm` (``from trl_plugins.testing.vlm import ...``; it builds on this
+module): ``tiny_vlm`` and ``tiny_vlm_processor`` (a tiny Llava with a ``ProcessorMixin`` over the character-level
+tokenizer, built offline), ``tiny_image_dataset`` (image prompts with TRL's ``image`` column), ``with_images`` (adds
+that column to any task), ``color_overlap_reward`` and ``make_vlm_trainer``.
 
 Stage-contract assertions (work on contexts, on a generation batch and on a :class:`RunRecord`):
     :func:`assert_group_sizes` (exactly G rows per group, layout from the global position) and
@@ -73,15 +73,6 @@ from trl_plugins.runtime.manager import (
 )
 from trl_plugins.api.plugin import Plugin
 from trl_plugins.api.success import RewardColumns, is_placeholder
-
-from trl_plugins.testing.vlm import (  # noqa: E402  (imports this module lazily: no cycle)
-    color_overlap_reward,
-    make_vlm_trainer,
-    tiny_image_dataset,
-    tiny_vlm,
-    tiny_vlm_processor,
-    with_images,
-)
 
 #: The loss types of the reduction and neutral-setting checks (TRL's token- and sequence-normalised objectives).
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")

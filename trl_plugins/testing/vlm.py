@@ -5,8 +5,8 @@ The kit's counterpart of :func:`trl_plugins.testing.tiny_model` for vision-langu
 image + text messages, lets the processor expand the image placeholder into one token per image feature and hands the
 model ``pixel_values`` with every forward (generation, old / reference log-probs, loss).
 
-* :func:`tiny_vlm_processor`: a ``LlavaProcessor`` over the bundled character-level tokenizer
-  (:mod:`trl_plugins.tasks.tiny`) with one more special token, ``<image>``, and a ``CLIPImageProcessorPil`` that
+* :func:`tiny_vlm_processor`: a ``LlavaProcessor`` over the kit's character-level tokenizer
+  (:func:`trl_plugins.testing.tiny_tokenizer`) with one more special token, ``<image>``, and a ``CLIPImageProcessorPil`` that
   resizes every image to ``IMAGE_SIZE`` x ``IMAGE_SIZE`` pixels (no torchvision needed). Its chat template renders
   text and image parts: ``<|user|><image>Which color?<|assistant|>``, and the processor expands ``<image>`` to
   ``IMAGE_TOKENS`` copies.
@@ -69,25 +69,17 @@ _CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
-"""The bundled chat template (:data:`trl_plugins.tasks.tiny.CHAT_TEMPLATE`) with list contents: an image part renders as
+"""The kit tokenizer's chat template (role marker tokens, ``<|end|>`` closing assistant turns) with list contents: an image part renders as
 ``<image>``, a text part as its text."""
 
 
 def _tokenizer():
-    """The bundled character-level tokenizer with ``<image>`` added as one more special token."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    """The kit's character-level tokenizer (:func:`trl_plugins.testing.tiny_tokenizer`) with ``<image>`` added as one
+    more special token and a chat template that renders image parts."""
+    from trl_plugins.testing import tiny_tokenizer
 
-    from trl_plugins.tasks.tiny import _CHARACTERS, EOS_TOKEN, PAD_TOKEN, ROLE_TOKENS, UNK_TOKEN
-
-    specials = [PAD_TOKEN, UNK_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values(), IMAGE_TOKEN]
-    vocab = {tok: i for i, tok in enumerate([*specials, *_CHARACTERS])}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN, eos_token=EOS_TOKEN,
-        extra_special_tokens=[*ROLE_TOKENS.values(), IMAGE_TOKEN], padding_side="left", model_max_length=512,
-    )
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
     tokenizer.chat_template = _CHAT_TEMPLATE
     return tokenizer
 
