@@ -229,6 +229,7 @@ class AdaptiveSamplerPlugin(Plugin):
     """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage)."""
 
     name = "adaptive_sampler"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = (

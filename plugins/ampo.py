@@ -71,6 +71,7 @@ from trl_plugins.api.data_checks import cell_problem, check_column_filled, check
 from trl_plugins.api.option_groups import OffPolicyOptions
 from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 from trl_plugins.components.teacher import shared_teacher
 
 from .rl_plus import demonstration_ids
@@ -233,6 +234,7 @@ def replaced_slots(failed: list[int], k: int, generator: torch.Generator) -> lis
 # ============================================================================================= plugin
 class AmpoPlugin(Plugin):
     """Multi-teacher guidance for failing groups, most comprehensible solutions first (sampling stage)."""
+    image_inputs = IMAGES_POLICY_PROBE
     multi_turn = edits_completions("teacher solutions spliced into all-fail groups")
     claim_metric = ("guided_group_fraction", "groups guided by teacher solutions")
 

@@ -88,6 +88,7 @@ def bounded_shaping(advantages: torch.Tensor, terms: torch.Tensor, k: float) -> 
 class AspoPlugin(Plugin):
     claim_metric = ('shaped_fraction', 'rows whose advantage the bound shaped')
     name = "aspo"
+    image_inputs = True
     multi_turn = True
     version = "0.2.0"
     paper = "Understanding Tool-Integrated Reasoning (ASPO: Advantage Shaping Policy Optimization), arXiv:2508.19201"

@@ -126,6 +126,7 @@ class CanonPlugin(Plugin):
     """Conditional advantage estimation on entropy or length (advantage stage)."""
 
     name = "canon"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = (

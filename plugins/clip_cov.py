@@ -157,6 +157,7 @@ class ClipCovPlugin(Plugin):
     """Stops the gradient of a few random high-covariance tokens (loss stage)."""
 
     name = "clip_cov"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Clip-Cov), arXiv:2505.22617"

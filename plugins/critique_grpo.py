@@ -46,6 +46,7 @@ from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import check_template, completion_text
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 from trl_plugins.components.client import endpoint_options
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import shared_teacher
@@ -132,6 +133,7 @@ class CritiqueGrpoPlugin(Plugin):
     """Critique -> one refinement per response -> one refinement replaces slot 0, fully off-policy (sampling stage)."""
 
     name = "critique_grpo"
+    image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "Critique-GRPO: Advancing LLM Reasoning with Natural Language and Numerical Feedback, arXiv:2506.03106"

@@ -45,6 +45,7 @@ from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginOpt
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 
 
 @dataclass
@@ -138,6 +139,7 @@ class CurePlugin(Plugin):
     """Branch from high-entropy critical tokens of the originals and re-generate from those prefixes (sampling)."""
 
     name = "cure"
+    image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "CURE: Critical-Token-Guided Re-Concatenation for Entropy-Collapse Prevention, arXiv:2508.11016"

@@ -95,6 +95,7 @@ from trl_plugins.api.contexts import context_device
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text
+from trl_plugins.api.reasons import IMAGES_DEFERRED_ROWS
 from trl_plugins.components.judge import EndpointJudge, HFJudge, JudgeEndpointOptions, JudgeRequest, RubricJudge
 from trl_plugins.components.prm import STEP_VERIFIERS
 from trl_plugins.components.steps import split_steps
@@ -326,6 +327,7 @@ class DaGRPOPlugin(Plugin):
     """Distinctiveness-aware pair masking of advantages plus off-policy reference anchors."""
 
     name = "dagrpo"
+    image_inputs = IMAGES_DEFERRED_ROWS
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (

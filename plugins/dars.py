@@ -63,6 +63,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.reasons import REFILLS_GROUPS
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_REFILL
 
 
 def extra_rollouts(acc: float, n: int, n_max: int, schedule: str = "ET", use_std: bool = False) -> int:
@@ -131,6 +132,7 @@ class DarsOptions(SuccessOptions):
 
 
 class DarsPlugin(Plugin):
+    image_inputs = IMAGES_REFILL
     multi_turn = REFILLS_GROUPS
     claim_metric = ("extra_groups", "extra rollout groups spent on hard prompts")
     overwrites = ("advantages",)  # pooled R - mean over the prompt's enlarged group, from the rewards

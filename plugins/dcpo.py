@@ -134,6 +134,7 @@ def temperature_logprobs(head_stats, labels: torch.Tensor, tau: float) -> tuple[
 class DcpoPlugin(Plugin):
     """Mix a temperature-tau target distribution on correct rollouts into the advantages, steered by the entropy."""
     claim_metric = ('alpha', 'weight of the distribution-centric term in the advantage')
+    image_inputs = True
     multi_turn = True
 
     name = "dcpo"

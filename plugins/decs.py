@@ -71,6 +71,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS, REFILLS_GROUPS
 from trl_plugins.api.success import SuccessRule
+from trl_plugins.api.reasons import IMAGES_REFILL
 
 from ._length import CorrectnessOptions, check_reward_columns, local_completion_ids
 
@@ -281,6 +282,7 @@ class DecsPlugin(Plugin):
     curriculum (reward and advantage stages)."""
 
     name = "decs"
+    image_inputs = IMAGES_REFILL
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.2.0"
     paper = "Overthinking Reduction with Decoupled Rewards and Curriculum Data Scheduling (DECS), arXiv:2509.25827"

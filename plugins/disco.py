@@ -148,6 +148,7 @@ class DiscoPlugin(Plugin):
     """Discriminative objective with a squared-hinge KL constraint (advantage + loss stages)."""
 
     name = "disco"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "DisCO: Reinforcing Large Reasoning Models with Discriminative Constrained Optimization, arXiv:2505.12366"

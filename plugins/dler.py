@@ -35,6 +35,7 @@ import torch
 
 from trl_plugins.api import OfficialSource, Plugin, RefillContext, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
+from trl_plugins.api.reasons import IMAGES_REFILL
 
 from ._length import (
     CorrectnessOptions,
@@ -85,6 +86,7 @@ class DlerPlugin(Plugin):
     """DLER's truncation penalty, optionally with difficulty-aware caps (reward stage)."""
 
     name = "dler"
+    image_inputs = IMAGES_REFILL
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.2.0"
     paper = ("DLER: Doing Length pEnalty Right - Incentivizing More Intelligence per Token via Reinforcement Learning, "

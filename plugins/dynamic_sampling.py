@@ -50,6 +50,7 @@ import torch
 from trl_plugins.api import OfficialSource, Plugin, RefillContext, hookimpl, option
 from trl_plugins.api.reasons import REFILLS_GROUPS
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_REFILL
 
 
 @dataclass
@@ -65,6 +66,7 @@ class DynamicSamplingOptions(SuccessOptions):
 
 
 class DynamicSamplingPlugin(Plugin):
+    image_inputs = IMAGES_REFILL
     multi_turn = REFILLS_GROUPS
     claim_metric = ("filtered_fraction", "groups filtered out and refilled")
     name = "dynamic_sampling"

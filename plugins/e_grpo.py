@@ -81,6 +81,7 @@ def normalised_rates(rates: torch.Tensor, group_ids: torch.Tensor, mode: str) ->
 class EGrpoPlugin(Plugin):
     claim_metric = ('entity_match_rate', 'gold entities matched by failed rollouts')
     name = "e_grpo"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "Repurposing Synthetic Data for Fine-grained Search Agent Supervision (E-GRPO), arXiv:2510.24694"

@@ -63,6 +63,7 @@ from trl_plugins.api.answers import (
 )
 from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE
 from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 
 COLUMN = "empo"
 
@@ -137,6 +138,7 @@ class EmpoPlugin(Plugin):
     """Label-free semantic-cluster (EMPO) or majority-vote (TTRL) reward (reward stage, optional advantage filter)."""
 
     name = "empo"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = (
@@ -168,6 +170,14 @@ class EmpoPlugin(Plugin):
         super().__init__(options)
         self._entropies: torch.Tensor | None = None
         self._extra_votes: dict[int, list[str | None]] | None = None  # global group id -> extra answers
+
+    def image_inputs_refusal(self) -> str | None:
+        """Image prompts: the default vote (over the G trained rollouts) works; a vote pool samples its extra votes
+        through the generation service, without the image."""
+        o = self.options
+        if o.mode == "majority_vote" and o.vote_pool is not None:
+            return f"with vote_pool={o.vote_pool}, {IMAGES_GENERATION_SERVICE}"
+        return None
 
     def pooled(self, num_generations: int) -> bool:
         """Whether extra votes are generated (TTRL mode with a vote pool larger than G)."""

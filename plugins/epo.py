@@ -182,6 +182,7 @@ class EpoPlugin(Plugin):
             "phase_steps": "150 epochs; here the run's max_steps",
         },
     )
+    image_inputs = True
     multi_turn = True
     claim_metric = ("out_of_band_fraction", "tokens whose entropy left the historical band")
     overwrites = ()

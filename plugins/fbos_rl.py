@@ -90,6 +90,7 @@ from trl_plugins.api.contexts import context_device
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_DEFERRED_ROWS
 from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 from trl_plugins.components.judge import JudgeEndpointOptions
 from trl_plugins.components.steps import question_text, split_steps
@@ -337,6 +338,7 @@ class FbosRlPlugin(Plugin):
     """Feedback-guided second round within the group budget; EPA (prompt swap) + ECC (FAP) objectives."""
 
     name = "fbos_rl"
+    image_inputs = IMAGES_DEFERRED_ROWS
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = "FBOS-RL: Feedback-Driven Bi-Objective Synergistic Reinforcement Learning, arXiv:2605.20256"

@@ -132,6 +132,7 @@ def entropy_advantages(advantages: torch.Tensor, entropy: torch.Tensor, weight: 
 
 class FunrlPlugin(Plugin):
     name = "funrl"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "Exploring Superior Function Calls via Reinforcement Learning (FunRL), arXiv:2508.05118"

@@ -205,6 +205,7 @@ class GtpoPlugin(Plugin):
     """Conflict-token protection and entropy-filtered advantages (advantage + loss stage)."""
 
     name = "gtpo"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "GTPO: Trajectory-Based Policy Optimization in Large Language Models, arXiv:2508.03772"

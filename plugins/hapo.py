@@ -298,6 +298,7 @@ def adaptive_temperatures(logits: torch.Tensor, stats: EntropyStats, temperature
 class HapoPlugin(Plugin):
     """Token-heterogeneous advantages and entropy-adaptive asymmetric clipping (advantage and loss stages)."""
     claim_metric = ('high_entropy_fraction', 'tokens treated as high-entropy')
+    image_inputs = True
     multi_turn = True
 
     name = "hapo"

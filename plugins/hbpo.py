@@ -222,6 +222,10 @@ class HbpoPlugin(Plugin):
     advantage (sampling, reward and advantage stages)."""
 
     name = "hbpo"
+    image_inputs = (
+        "it writes its budget instruction into the user message's text, and image prompts carry that message as "
+        "image and text parts."
+    )
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.2.0"
     paper = "Hierarchical Budget Policy Optimization for Adaptive Reasoning (HBPO), arXiv:2507.15844"

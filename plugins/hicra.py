@@ -146,6 +146,7 @@ class HicraPlugin(Plugin):
     """Amplifies the advantage on planning tokens found with a strategic-phrase lexicon."""
 
     name = "hicra"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "Emergent Hierarchical Reasoning in LLMs through Reinforcement Learning (HICRA), arXiv:2509.03646"

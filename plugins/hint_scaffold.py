@@ -61,6 +61,7 @@ from trl_plugins.api import Moved, OfficialSource, Plugin, PluginConfigError, Ro
 from trl_plugins.api.collectives import run_together
 from trl_plugins.api.option_groups import WarmupOptions
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import TeacherEndpointOptions, shared_teacher
 
@@ -228,6 +229,7 @@ class HintScaffoldPlugin(Plugin):
     """Re-generate all-fail groups from growing reference-solution hints (sampling stage)."""
 
     name = "hint_scaffold"
+    image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = (
         "it edits completions after generation (replace_row / splice / in-step generation), and the "
         "generation service samples single-turn text without running tools, so the edited rows would lose "

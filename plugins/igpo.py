@@ -55,6 +55,7 @@ from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 from trl_plugins.api.text import check_template
 from trl_plugins.api.turns import accumulate_turn_rewards as accumulate
 from trl_plugins.api.turns import expand_turn_values
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 
 EPS = 1e-4  # TRL's epsilon in the group normalisation
 #: Extra carrying A2TGPO's per-turn clip factors (N, U) from the advantage stage to the loss stage.
@@ -133,6 +134,7 @@ def clip_factors(normalised_gains: torch.Tensor, beta: float) -> torch.Tensor:
 class IgpoPlugin(Plugin):
     claim_metric = ('info_gain_mean', 'information gain per turn')
     name = "igpo"
+    image_inputs = IMAGES_POLICY_PROBE
     multi_turn = True
     version = "0.1.0"
     paper = (

@@ -70,6 +70,7 @@ def retrieval_count(tool_calls: list[list[dict]], search_tools: list[str]) -> in
 
 class IkeaPlugin(Plugin):
     name = "ikea"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = ("Reinforced Internal-External Knowledge Synergistic Reasoning for Efficient Adaptive Search Agent (IKEA), "

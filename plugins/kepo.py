@@ -59,6 +59,7 @@ from trl_plugins.api.option_groups import OffPolicyOptions
 from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import check_template
+from trl_plugins.api.reasons import IMAGES_TEXT_TEACHER
 from trl_plugins.components.steps import question_text
 from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 
@@ -169,6 +170,7 @@ def all_fail_groups(success: torch.Tensor, num_generations: int) -> torch.Tensor
 class KepoPlugin(Plugin):
     """Quality-gated teacher distillation (advantage / loss stages) and teacher hints for all-fail groups (sampling)."""
     claim_metric = ('gated_fraction', 'rollouts that pass the quality gate and get teacher supervision')
+    image_inputs = IMAGES_TEXT_TEACHER
     multi_turn = edits_completions("teacher-hinted re-samples replacing failed rows")
 
     name = "kepo"

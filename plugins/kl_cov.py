@@ -111,6 +111,7 @@ class KlCovPlugin(Plugin):
     """Penalises ``|lp - lp_old|`` on the top-covariance tokens, unclipped PG elsewhere (loss stage)."""
 
     name = "kl_cov"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (KL-Cov), arXiv:2505.22617"

@@ -213,6 +213,7 @@ class LaserPlugin(Plugin):
     """LASER / LASER-D / LASER-DE length step bonus in the plugin's own reward column (reward stage)."""
 
     name = "laser"
+    image_inputs = True
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "Learn to Reason Efficiently with Adaptive Length-based Reward Shaping (LASER / LASER-D), arXiv:2505.15612"

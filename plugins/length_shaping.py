@@ -60,6 +60,7 @@ class LengthShapingPlugin(Plugin):
              "(arXiv:2510.08026), siri (arXiv:2509.25176), hbpo (arXiv:2507.15844)")
     summary = "Deprecated (one release): mode X builds the plugin laser, dler, decs, pear, siri or hbpo."
     Options = LengthShapingOptions
+    image_inputs = True
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     moved_by = "mode"
     moved = {

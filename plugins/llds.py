@@ -97,6 +97,7 @@ class LldsPlugin(Plugin):
     """Penalises likelihood drops of non-negative-advantage actions, only where they happen (loss stage)."""
 
     name = "llds"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "On GRPO Collapse in Search-R1: The Lazy Likelihood-Displacement Death Spiral (LLDS), arXiv:2512.04220"

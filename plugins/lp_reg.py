@@ -117,6 +117,7 @@ class LpRegPlugin(Plugin):
     """Low-probability regularisation toward a min-p proxy on the rarest negative-advantage tokens (loss stage)."""
 
     name = "lp_reg"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = (

@@ -66,6 +66,7 @@ from trl_plugins.api.collectives import run_together
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
 from trl_plugins.api.reasons import edits_completions
+from trl_plugins.api.reasons import IMAGES_DEFERRED_ROWS
 from trl_plugins.components.teacher import TeacherOptions, teacher_from_options
 
 from .rl_plus import prompt_text, strip_think_prefix
@@ -140,6 +141,7 @@ def split_group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, on_po
 class LuffyPlugin(Plugin):
     """Demonstrations fill the first slots of each group; their tokens take the shaped off-policy branch."""
     claim_metric = ('demonstration_advantage', 'mean advantage of the demonstration rows')
+    image_inputs = IMAGES_DEFERRED_ROWS
     multi_turn = edits_completions("demonstrations spliced into each group")
 
     name = "luffy"

@@ -252,6 +252,7 @@ def dual_level_advantages(
 
 class MatchtirPlugin(Plugin):
     name = "matchtir"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "MatchTIR: Fine-Grained Supervision for Tool-Integrated Reasoning via Bipartite Matching, arXiv:2601.10712"

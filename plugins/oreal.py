@@ -277,6 +277,7 @@ class FreezeActorCallback(TrainerCallback):
 
 class OrealPlugin(Plugin):
     """Behaviour cloning on positives, reshaped rewards on negatives, one pair per mixed group (advantage, loss)."""
+    image_inputs = True
     multi_turn = True
     claim_metric = ("positive_fraction", "kept rows that are correct")
 

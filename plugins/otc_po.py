@@ -85,6 +85,7 @@ def optimal_calls(calls: torch.Tensor, correct: torch.Tensor, group_ids: torch.T
 class OtcPoPlugin(Plugin):
     claim_metric = ('tool_calls_mean', 'tool calls per rollout')
     name = "otc_po"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "OTC: Optimal Tool Calls via Reinforcement Learning, arXiv:2504.14870"

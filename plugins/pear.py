@@ -25,6 +25,7 @@ import torch
 from trl_plugins.api import OfficialSource, Plugin, RewardContext, hookimpl, option
 from trl_plugins.api.reasons import LENGTH_COUNTS_TOOL_TOKENS
 from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 from ._phases import phase_boundary
@@ -64,6 +65,7 @@ class PearPlugin(Plugin):
     """PEAR's phase-entropy bonus in the plugin's own reward column (reward stage)."""
 
     name = "pear"
+    image_inputs = IMAGES_POLICY_PROBE
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "PEAR: Phase Entropy Aware Reward for Efficient Reasoning, arXiv:2510.08026"

@@ -139,6 +139,7 @@ class PosteriorGrpoPlugin(Plugin):
     """Success-gated (or trust-weighted, annealed) PRM process reward as a reward column (reward stage)."""
 
     name = "posterior_grpo"
+    image_inputs = True
     multi_turn = (
         "its process reward scores the reasoning steps of one answer text; tool-call turns and tool results "
         "are not steps its reward model knows."

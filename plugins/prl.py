@@ -108,6 +108,7 @@ def prl_token_advantages(outcome: torch.Tensor, logps: torch.Tensor, ref_logps: 
 class PrlPlugin(Plugin):
     """Process rewards from the KL-regularised objective with reference log-probs (advantage stage)."""
     claim_metric = ('process_term', 'process term of the token advantage')
+    image_inputs = True
     multi_turn = True
 
     name = "prl"

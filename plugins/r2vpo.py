@@ -81,6 +81,7 @@ def dual_update(lam: float, variance: float, target: float, lr: float, max_lambd
 class R2vpoPlugin(Plugin):
     """Unclipped importance-weighted surrogate with a ratio-variance penalty whose weight follows a dual ascent."""
     claim_metric = ('ratio_variance', 'variance of the importance ratio')
+    image_inputs = True
     multi_turn = True
 
     name = "r2vpo"

@@ -86,6 +86,7 @@ from trl_plugins.api.contexts import context_device
 from trl_plugins.api.reasons import EDITS_COMPLETIONS
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 from trl_plugins.components.feedback import VERIFIER_FEEDBACK, feedback_oracle
 
 PIVOT_KEY = "r3l_pivot_tokens"
@@ -319,6 +320,7 @@ class R3LPlugin(Plugin):
     """Reflect-then-retry with prompt swap, pivotal credit and positive amplification (sampling, advantage, loss)."""
 
     name = "r3l"
+    image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (

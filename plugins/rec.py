@@ -261,6 +261,7 @@ def kept_mean_advantages(rewards: torch.Tensor, keep: torch.Tensor, num_generati
 # ============================================================================================= plugin
 class RecPlugin(Plugin):
     """Off-policy group REINFORCE: REC clipping, OPMD / AsymRE regularisers, RED weighting (advantage, loss)."""
+    image_inputs = True
     multi_turn = True
     claim_metric = ("clipped_token_fraction", "tokens clipped by the REC rule")
 

@@ -46,6 +46,7 @@ import torch
 
 from trl_plugins.api import OfficialSource, Plugin, PluginOptions, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 
 COLUMN = "repexp"
 
@@ -137,6 +138,7 @@ def leave_one_out_bonus(features: torch.Tensor, group_size: int, ridge: float, c
 class RepExpPlugin(Plugin):
     """Representation-novelty bonus from hidden states, against the rest of the group (reward stage)."""
     claim_metric = ('bonus', 'representation-novelty bonus')
+    image_inputs = IMAGES_POLICY_PROBE
     multi_turn = True
 
     name = "repexp"

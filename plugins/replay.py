@@ -213,6 +213,7 @@ def spear_baseline_advantage(reward: float, means: list[float], stds: list[float
 # ============================================================================================= plugin
 class ReplayPlugin(Plugin):
     """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
+    image_inputs = True
     multi_turn = edits_completions("stored successes spliced into all-fail groups")
 
     name = "replay"

@@ -184,6 +184,7 @@ class RiskPOPlugin(Plugin):
     """Mixed Value-at-Risk advantages over bundles of questions (advantage stage)."""
 
     name = "riskpo"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "RiskPO: Risk-based Policy Optimization via Verifiable Reward for LLM Post-Training, arXiv:2510.00911"

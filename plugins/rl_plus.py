@@ -154,6 +154,7 @@ def is_demonstration(value: Any) -> bool:
 # ============================================================================================= plugin
 class RlPlusPlugin(Plugin):
     """Demonstrations in every group, trained with MIS and the Exploration-Based Advantage (sampling, loss)."""
+    image_inputs = True
     multi_turn = edits_completions("demonstrations spliced into each group")
     claim_metric = ("demonstration_success_rate", "demonstrations that pass the verifier")
 

@@ -72,6 +72,7 @@ from trl_plugins.api import (
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE, REFILLS_GROUPS
 from trl_plugins.api.text import check_template, completion_text
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 
 COLUMN = "rlpr"
 
@@ -254,6 +255,7 @@ class RlprPlugin(Plugin):
     """Reference-answer probability reward (reward stage) with std filtering of low-variance groups (advantage)."""
 
     name = "rlpr"
+    image_inputs = IMAGES_POLICY_PROBE
     multi_turn = True
     version = "0.2.0"
     paper = "RLPR: Extrapolating RLVR to General Domains without Verifiers, arXiv:2506.18254"

@@ -107,6 +107,7 @@ def rover_token_loss(
 class RoverPlugin(Plugin):
     """Regress the uniform policy's Q-values (parameterised by log-prob ratios) onto a TD target (loss stage)."""
     claim_metric = ('td_loss', 'TD loss of the uniform-policy Q-values')
+    image_inputs = True
     multi_turn = True
 
     name = "rover"

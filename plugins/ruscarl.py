@@ -281,6 +281,7 @@ class RuscaRLPlugin(Plugin):
     """Rubric scaffolds for exploration and rubric-judge rewards (sampling + reward stages)."""
 
     name = "ruscarl"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = (

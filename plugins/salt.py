@@ -142,6 +142,7 @@ class SaltPlugin(Plugin):
         note="No official code was found (abstract and overview only): the step identity and the action grouping are "
         "reconstructed.",
     )
+    image_inputs = True
     multi_turn = True
     claim_metric = ("shared_step_fraction", "steps merged with another trajectory's step")
     replaces = ("the advantages (step-level, expanded to tokens)",)

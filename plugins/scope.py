@@ -58,7 +58,7 @@ from trl_plugins.api import (
 from trl_plugins.api.collectives import run_together
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.option_groups import OffPolicyOptions, WarmupOptions
-from trl_plugins.api.reasons import EDITS_COMPLETIONS
+from trl_plugins.api.reasons import EDITS_COMPLETIONS, IMAGES_TEXT_TEACHER
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 from trl_plugins.components.steps import first_error, token_boundary
@@ -148,6 +148,7 @@ class ScopePlugin(Plugin):
     """PRM-located first error; verified prefix kept, rest rectified off-policy (sampling stage)."""
 
     name = "scope"
+    image_inputs = True
     multi_turn = EDITS_COMPLETIONS
     version = "0.1.0"
     paper = (
@@ -174,6 +175,14 @@ class ScopePlugin(Plugin):
         "max_per_group=1 (M), longest verified prefix first, seeded random tie-break",
         "gamma = 0.1 of the shaped off-policy branch (LUFFY)",
     )
+
+    def image_inputs_refusal(self) -> str | None:
+        """Image prompts: ``reference_suffix`` splices the dataset's reference text (no model reads the prompt); the
+        teacher modes ask a text teacher (and ``teacher_step`` continues through the generation service)."""
+        mode = self.options.mode
+        if mode != "reference_suffix":
+            return f"with mode={mode!r}, {IMAGES_TEXT_TEACHER}"
+        return None
 
     def __init__(self, options=None):
         super().__init__(options)

@@ -100,6 +100,7 @@ class SeedGrpoPlugin(Plugin):
     """Semantic-entropy advantage scaling (advantage stage; clusters read at the reward stage)."""
 
     name = "seed_grpo"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "SEED-GRPO: Semantic Entropy Enhanced GRPO for Uncertainty-Aware Policy Optimization, arXiv:2505.12346"

@@ -52,6 +52,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.option_groups import WarmupOptions
 from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
 
 from ._hints import DEFAULT_TEMPLATE, hinted_prompt, question_key
 
@@ -176,6 +177,7 @@ class SeelePlugin(Plugin):
     accuracy (sampling stage; with the hint in the response, its imitation term at the advantage and loss stages)."""
 
     name = "seele"
+    image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = (
         "it edits completions after generation (replace_row / in-step generation), and the generation service samples "
         "single-turn text without running tools, so the edited rows would lose their tool-call turns."

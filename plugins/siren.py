@@ -119,6 +119,7 @@ class SirenPlugin(Plugin):
     """Anchored top-p entropy regularisation on peak-entropy positions (loss stage; anchor at the advantage stage)."""
 
     name = "siren"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "Rethinking Entropy Regularization in Large Reasoning Models (SIREN), arXiv:2509.25133"

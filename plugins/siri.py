@@ -54,6 +54,7 @@ class SiriPlugin(Plugin):
     """SIRI's oscillating rollout length cap with the length-capping reward (lifecycle and reward stage)."""
 
     name = "siri"
+    image_inputs = True
     multi_turn = LENGTH_COUNTS_TOOL_TOKENS
     version = "0.1.0"
     paper = "SIRI: Scaling Iterative Reinforcement Learning with Interleaved Compression, arXiv:2509.25176"

@@ -144,6 +144,7 @@ class SteerPlugin(Plugin):
     """Down-weights tokens by their estimated entropy change (loss stage)."""
 
     name = "steer"
+    image_inputs = True
     multi_turn = True
     version = "0.1.0"
     paper = "Rethinking Entropy Interventions in RLVR: An Entropy Change Perspective (STEER), arXiv:2510.10150"

@@ -22,6 +22,22 @@ def dataset_columns(dataset: Any) -> list[str] | None:
     return columns
 
 
+#: The columns TRL's GRPOTrainer reads images from (``images``: a list per row; ``image``: one per row).
+IMAGE_COLUMNS = ("image", "images")
+
+
+def has_image_prompts(dataset: Any) -> bool:
+    """Whether the dataset's prompts carry images: it has one of TRL's :data:`IMAGE_COLUMNS` (column names, or the
+    features of a streaming dataset). A ``dict`` of datasets (TRL's eval datasets) counts when any of them does."""
+    if isinstance(dataset, dict) and not hasattr(dataset, "column_names"):
+        return any(has_image_prompts(d) for d in dataset.values())
+    columns = dataset_columns(dataset)
+    if columns is None:
+        features = getattr(dataset, "features", None)
+        columns = list(features) if features else []
+    return any(c in IMAGE_COLUMNS for c in columns)
+
+
 def is_sized(dataset: Any) -> bool:
     """Whether the dataset has a length (a streaming ``IterableDataset`` has none)."""
     try:

@@ -84,6 +84,10 @@ class Plugin:
         multi_turn: whether the plugin works with multi-turn tool rollouts (TRL ``tools`` /
             ``environment_factory``): True, or the reason it does not (a self-contained sentence; the plugin is then
             refused at construction with it); None (the default): not stated -- allowed, with a warning.
+        image_inputs: whether the plugin works when the prompts carry images (a training dataset with TRL's
+            ``image`` / ``images`` column, for a vision-language model): True, or the reason it does not (a
+            self-contained sentence, e.g. "its extra rollouts are generated from the prompt text alone"; the plugin
+            is then refused at construction with it); None (the default): not stated -- allowed, with a warning.
         moved_by, moved: deprecated spellings that became plugins of their own (one release of grace): the values of
             the option ``moved_by`` that moved, each with its :class:`Moved`. With such a value the stack builds the
             new plugin instead, under this plugin's name (so metrics, reward columns and checkpoint state keep their
@@ -114,6 +118,7 @@ class Plugin:
     official: ClassVar[OfficialSource | None] = None
     claim_metric: ClassVar[tuple[str, str] | tuple[()]] = ()
     multi_turn: ClassVar[bool | str | None] = None
+    image_inputs: ClassVar[bool | str | None] = None
     moved_by: ClassVar[str] = ""
     moved: ClassVar[Mapping[Any, Moved]] = {}
 
@@ -141,6 +146,11 @@ class Plugin:
         """Why this plugin, with its options, cannot run on multi-turn tool rollouts (None: it can). Defaults to
         :attr:`multi_turn` when that is a reason; override to decide from the options."""
         return self.multi_turn if isinstance(self.multi_turn, str) else None
+
+    def image_inputs_refusal(self) -> str | None:
+        """Why this plugin, with its options, cannot run on image prompts (None: it can). Defaults to
+        :attr:`image_inputs` when that is a reason; override to decide from the options."""
+        return self.image_inputs if isinstance(self.image_inputs, str) else None
 
     def hook_enabled(self, hook: str) -> bool:
         """Whether this instance, with its options, takes part in ``hook`` (default: every hook it implements).

@@ -3,6 +3,8 @@
 * Why a plugin cannot run on multi-turn tool rollouts (:attr:`trl_plugins.Plugin.multi_turn`): it edits completions
   after generation (:func:`edits_completions`, :data:`EDITS_COMPLETIONS`), or it drops groups for the refill stage
   (:data:`REFILLS_GROUPS`).
+* Why a plugin cannot run on image prompts (:attr:`trl_plugins.Plugin.image_inputs`): what it runs on the prompt's
+  text or token ids alone, without the image (:func:`without_images`).
 * Why two plugins are refused together (:attr:`trl_plugins.Plugin.conflict_reason`, "pick one"): one reason per family
   of plugins acting on the same quantity, so a plugin of the family names it here rather than importing a peer.
 """
@@ -13,11 +15,17 @@ __all__ = [
     "ADVANTAGE_PICK_ONE",
     "CORRECTNESS_PICK_ONE",
     "EDITS_COMPLETIONS",
+    "IMAGES_DEFERRED_ROWS",
+    "IMAGES_GENERATION_SERVICE",
+    "IMAGES_POLICY_PROBE",
+    "IMAGES_REFILL",
+    "IMAGES_TEXT_TEACHER",
     "ENTROPY_PICK_ONE",
     "LENGTH_COUNTS_TOOL_TOKENS",
     "LIKELIHOOD_PICK_ONE",
     "REFILLS_GROUPS",
     "edits_completions",
+    "without_images",
 ]
 
 
@@ -37,6 +45,39 @@ REFILLS_GROUPS = (
     "it rejects groups for the refill stage, which regenerates whole groups through the generation service (no tool "
     "loop); the trainer refuses refill with tools."
 )
+
+def without_images(what: str) -> str:
+    """The image-prompt refusal of a plugin that runs ``what`` without the prompt's image (TRL passes the image's pixel
+    values only with the batch's own generation and forwards; the framework services that take text or token ids
+    -- the generation service, the refill and deferred-row rounds, the no-grad policy probes on given ids -- carry
+    none)."""
+    return f"{what}, which would not see the prompt's image (only TRL's own generation and forwards carry it)."
+
+
+#: The image-prompt refusal of the plugins that sample extra completions within the step.
+IMAGES_GENERATION_SERVICE = without_images(
+    "it samples completions within the step through the generation service, from the prompt's token ids alone"
+)
+
+#: The image-prompt refusal of the plugins that drop groups for the refill stage.
+IMAGES_REFILL = without_images(
+    "it rejects groups for the refill stage, whose rounds regenerate whole groups from the prompt's token ids alone"
+)
+
+#: The image-prompt refusal of the plugins that defer rows to a later generation round.
+IMAGES_DEFERRED_ROWS = without_images(
+    "it defers rows to a later generation round (PromptContext.defer), which samples them from the prompt's token ids "
+    "alone"
+)
+
+#: The image-prompt refusal of the plugins that run the policy on token ids they choose.
+IMAGES_POLICY_PROBE = without_images(
+    "it runs the policy on token ids it chooses (ctx.policy_logprobs / ctx.policy_entropies / ctx.policy_features)"
+)
+
+#: The image-prompt refusal of the plugins whose teacher (a language model or endpoint) reads the prompt as text.
+IMAGES_TEXT_TEACHER = without_images("its teacher writes or scores text from the prompt's text alone")
+
 
 #: The multi-turn refusal of the length-efficient reasoning plugins (laser, dler, decs, pear, siri, hbpo).
 LENGTH_COUNTS_TOOL_TOKENS = (

@@ -385,7 +385,7 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         loss_types = "any" if cls.supported_loss_types() is None else loss_types_text(cls)
         lines.append(f"| [`{name}`](plugins/{name}.md) | {', '.join(cls.stages()) or '-'} | {_cell(replaces)} | "
                      f"{_cell(loss_types)} |")
-    lines += ["", *trl_feature_lines()]
+    lines += ["", *image_prompt_lines(plugins), "", *liger_lines(), "", *trl_feature_lines()]
     lines += [
         "",
         "## GPU and vLLM validation",
@@ -402,6 +402,61 @@ def compatibility_page(plugins: Mapping[str, type]) -> str:
         *gpu_record_lines(),
     ]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def image_inputs_text(cls: type) -> str:
+    """Whether a plugin runs on image prompts (``Plugin.image_inputs``, or its options: ``image_inputs_refusal``)."""
+    from trl_plugins.api.plugin import Plugin
+
+    if getattr(cls, "image_inputs_refusal", None) is not Plugin.image_inputs_refusal:
+        doc = " ".join((inspect.getdoc(cls.image_inputs_refusal) or "").split())
+        return f"depends on the options: {doc}"
+    if cls.image_inputs is True:
+        return "works"
+    if isinstance(cls.image_inputs, str):
+        return f"refused: {cls.image_inputs}"
+    return "not stated (runs with a warning)"
+
+
+def image_prompt_lines(plugins: Mapping[str, type]) -> list[str]:
+    """The "Image prompts" section: every plugin's ``image_inputs`` (checked by ``tests/conformance/test_vlm.py``)."""
+    lines = [
+        "## Image prompts (vision-language models)",
+        "",
+        "A training (or eval) dataset with TRL's `image` / `images` column makes TRL turn each prompt into image + text "
+        "messages and pass the processor's pixel values with its generation and every forward (old, reference and "
+        "policy log-probs, the loss). Everything the plugin stages read from the batch sees the images: rewards, "
+        "advantages, `ctx.policy_stats()` (per-token log-probs, entropies, head statistics), "
+        "`ctx.reference_logprobs()` and the loss path. The framework services that take text or token ids instead "
+        "carry no image: the generation service (`ctx.generate` / `ctx.service.generate`), the refill rounds "
+        "(`trl_plugins_reject_groups`), deferred rows (`PromptContext.defer`) and the probes on chosen ids "
+        "(`ctx.policy_logprobs` / `policy_entropies` / `policy_features`). A plugin that uses one declares it "
+        "(`Plugin.image_inputs`, a reason) and is refused when the trainer is built, naming the plugin and the "
+        "reason; an undeclared one is stopped by the service itself (and refill by the refill stage's construction "
+        "check). Text-only datasets are not affected, even with a vision-language model. Tested on a tiny Llava built "
+        "offline (`trl_plugins.testing.vlm`): no plugin gives TRL's run exactly; the plugins declared to work each "
+        "train a step on image prompts.",
+        "",
+        "| plugin | image prompts |",
+        "|---|---|",
+    ]
+    lines += [f"| `{name}` | {_cell(image_inputs_text(cls))} |" for name, cls in plugins.items()]
+    return lines
+
+
+def liger_lines() -> list[str]:
+    """The "Liger kernels" section (checked by ``tests/conformance/test_liger.py``)."""
+    return [
+        "## Liger kernels",
+        "",
+        "`use_liger_kernel=True` works with every plugin; nothing is refused. trl 1.16 applies only Liger's layer "
+        "kernels (RMSNorm, RoPE, SwiGLU; transformers patches the model when training starts) and forces "
+        "`liger_kernel_config[\"fused_linear_cross_entropy\"] = False`, so the loss is still computed from TRL's "
+        "per-token log-probs (its fused log-prob head), which is what every plugin stage reads (log-probs, entropies, "
+        "head statistics). A config asking for the fused linear cross-entropy is refused by TRL at construction, and "
+        "by the plugin trainer with TRL's message. Checked on CPU with a stand-in for `apply_liger_kernel` (liger-kernel "
+        "needs triton and a GPU): the runs with and without the layer kernels are equal, plugins included.",
+    ]
 
 
 def gpu_record_lines() -> list[str]:

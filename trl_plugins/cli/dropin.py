@@ -196,7 +196,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("use_liger_kernel", {"use_liger_kernel": True}, mode="construct", refuses=ANY,
       reason="liger-kernel is not installed on the test machine (and its kernels need a GPU); TRL 1.16 applies only its "
              "layer kernels (never the fused linear cross-entropy, which would replace the forward both trainers "
-             "patch), so the log-probs every plugin reads come from the same fused LM head; both trainers agree here"),
+             "patch), so the log-probs every plugin reads come from the same fused LM head; both trainers agree here "
+             "(trained with a stand-in for the kernels in tests/conformance/test_liger.py)"),
     # ---------------------------------------------------------------- GRPOTrainer arguments
     S("GRPOTrainer(model=)", setup="model_path"),
     S("GRPOTrainer(model=)", setup="peft_model"),

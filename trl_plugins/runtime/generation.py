@@ -19,6 +19,19 @@ from trl_plugins.api.errors import GenerationBudgetExceeded, PluginError
 SCORING_FAILED = "reward functions (sampling-stage scoring)"
 
 
+def check_text_only(trainer: Any, service: str) -> None:
+    """Refuse ``service`` (a framework service that runs the policy on token ids alone: the generation service, the
+    no-grad probes on given ids) when the run's prompts carry images (``trainer.image_prompts``): it would run without
+    them. Built-in plugins that call such a service declare it (``Plugin.image_inputs``) and are refused at
+    construction; this catches a plugin that does not."""
+    if getattr(trainer, "image_prompts", False):
+        raise PluginError(
+            f"{service} runs the policy on token ids alone, without the prompts' images, so it is not available with "
+            "image prompts (the training dataset has an 'image' / 'images' column). A plugin calling it should declare "
+            "Plugin.image_inputs with that reason, so that it is refused when the trainer is built."
+        )
+
+
 class GenerationService:
     """Extra completions within a training step, through the trainer's generation backend.
 
@@ -96,6 +109,7 @@ class GenerationService:
         """
         if (prompts is None) == (prompt_ids is None):
             raise PluginError("GenerationService.generate: pass exactly one of `prompts` or `prompt_ids`.")
+        check_text_only(self.trainer, "The generation service (ctx.generate / ctx.service.generate)")
         ids = self.tokenize(prompts) if prompt_ids is None else [list(p) for p in prompt_ids]
         prefixes = [list(p) for p in prefix_ids] if prefix_ids is not None else [[] for _ in ids]
         if len(prefixes) != len(ids):

@@ -34,6 +34,7 @@ from trl_plugins.runtime import loss_rules as rules
 from trl_plugins.api.contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from trl_plugins.api.errors import IncompatiblePluginsError
 from trl_plugins.api.loss_types import SUPPORTED_LOSS_TYPES
+from trl_plugins.runtime.trl_seam import multimodal_forward_kwargs
 
 
 def check_loss_type(loss_type: str) -> None:
@@ -71,16 +72,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
             logits_to_keep,
             compute_entropy=True,
             compute_aux_loss=t.aux_loss_enabled,
-            pixel_values=inputs.get("pixel_values"),
-            image_grid_thw=inputs.get("image_grid_thw"),
-            num_images=inputs.get("num_images"),
-            pixel_attention_mask=inputs.get("pixel_attention_mask"),
-            spatial_shapes=inputs.get("spatial_shapes"),
-            num_tiles=inputs.get("num_tiles"),
-            image_sizes=inputs.get("image_sizes"),
-            token_type_ids=inputs.get("token_type_ids"),
-            mm_token_type_ids=inputs.get("mm_token_type_ids"),
-            image_position_ids=inputs.get("image_position_ids"),
+            **multimodal_forward_kwargs(inputs),
         )
 
     entropy_mask = None

@@ -287,18 +287,24 @@ class PluginStack:
     def check_multi_turn(self) -> None:
         """Refuse plugins that cannot run on multi-turn tool rollouts (TRL ``tools`` / ``environment_factory``), with
         their stated reason (:attr:`Plugin.multi_turn`); warn about plugins that do not say."""
+        self._check_capability("multi_turn", "multi-turn tool rollouts", "(tools / environment_factory)", "tools")
+
+    def check_image_inputs(self) -> None:
+        """Refuse plugins that cannot run on image prompts (a dataset with TRL's ``image`` / ``images`` column), with
+        their stated reason (:attr:`Plugin.image_inputs`); warn about plugins that do not say."""
+        self._check_capability("image_inputs", "image prompts", "(an 'image' / 'images' dataset column)", "images")
+
+    def _check_capability(self, attribute: str, feature: str, detail: str, short: str) -> None:
+        """The rule of a declared capability (``Plugin.<attribute>``: True, a reason, or None = not stated)."""
         for plugin in self.plugins:
-            reason = plugin.multi_turn_refusal()
+            reason = getattr(plugin, f"{attribute}_refusal")()
             if reason:
-                raise IncompatiblePluginsError(
-                    f"Plugin {plugin.name!r} does not work with multi-turn tool rollouts (tools / environment_factory): "
-                    f"{reason}"
-                )
-            if plugin.multi_turn is None:
+                raise IncompatiblePluginsError(f"Plugin {plugin.name!r} does not work with {feature} {detail}: {reason}")
+            if getattr(plugin, attribute) is None:
                 warnings.warn(
-                    f"Plugin {plugin.name!r} does not state whether it works with multi-turn tool rollouts "
-                    "(Plugin.multi_turn); it runs, but its author has not checked it with tools.",
-                    stacklevel=3,
+                    f"Plugin {plugin.name!r} does not state whether it works with {feature} (Plugin.{attribute}); it "
+                    f"runs, but its author has not checked it with {short}.",
+                    stacklevel=4,
                 )
 
     @property

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from trl_plugins.api.contexts import PolicyStats
-from trl_plugins.runtime.generation import SCORING_FAILED
+from trl_plugins.runtime.generation import SCORING_FAILED, check_text_only
+from trl_plugins.runtime.trl_seam import multimodal_forward_kwargs
 from trl_plugins.api.model_utils import prompt_completion_batch
 
 
@@ -40,6 +41,9 @@ class PolicyProbe:
         logits_to_keep = output["completion_ids"].size(1)
         mask = output["completion_mask"] * output.get("tool_mask", 1)
         batch_size = tr.args.per_device_train_batch_size
+        images = {k: v for k, v in multimodal_forward_kwargs(output).items() if v is not None}
+        if images:  # TRL slices the image fields by rows inside its own chunk loop, not ours: one chunk here
+            batch_size = prompt_completion_ids.size(0)
         stats_obj = None
         with torch.no_grad():
             if head_stats:
@@ -52,7 +56,7 @@ class PolicyProbe:
                     with capture_hidden_states(tr.model) as cap:
                         lp, ent, _ = tr.per_token_logps_and_entropies(
                             tr.model, prompt_completion_ids[sl], attention_mask[sl], logits_to_keep,
-                            compute_entropy=True,
+                            compute_entropy=True, **images,
                         )
                     hidden_parts.append(cap.hidden[:, -(logits_to_keep + 1):])
                     logps_parts.append(lp)
@@ -66,7 +70,7 @@ class PolicyProbe:
             else:
                 logps, entropies, _ = tr.per_token_logps_and_entropies(
                     tr.model, prompt_completion_ids, attention_mask, logits_to_keep,
-                    batch_size=batch_size, compute_entropy=True,
+                    batch_size=batch_size, compute_entropy=True, **images,
                 )
         mean_entropy = (entropies * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         result = PolicyStats(
@@ -88,6 +92,7 @@ class PolicyProbe:
         completion; chunks of ``per_device_train_batch_size`` rows.
         """
         tr = self.trainer
+        check_text_only(tr, "The policy probe on given token ids (ctx.policy_logprobs / ctx.policy_entropies)")
         eos_id = tr.eos_token_ids[0]
         pad_id = tr.text_tokenizer.pad_token_id
         rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
@@ -138,6 +143,7 @@ class PolicyProbe:
 
     def _features(self, model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
         tr = self.trainer
+        check_text_only(tr, "The policy features on given token ids (ctx.policy_features / ctx.reference_features)")
         acc = tr.accelerator
         n_local = len(completion_ids)
         max_n = self._largest_count(n_local)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from trl_plugins.api.errors import PluginConfigError, PluginError
+from trl_plugins.runtime.trl_seam import multimodal_forward_kwargs
 
 
 def _is_peft(model: Any) -> bool:
@@ -102,7 +103,8 @@ def reference_logprobs(trainer: Any, output: dict, cache: dict) -> torch.Tensor:
 
     def forward(model):
         logps, _, _ = trainer.per_token_logps_and_entropies(
-            model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size
+            model, prompt_completion_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            **multimodal_forward_kwargs(output),  # the prompts' images, as TRL's own forwards pass them
         )
         return logps
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from trl_plugins.api.data_checks import has_image_prompts
 from trl_plugins.api.contexts import RefillContext
 from trl_plugins.api.errors import PluginConfigError, PluginError
 from trl_plugins.api.success import combined_reward
@@ -113,6 +114,8 @@ def check_refill_supported(trainer: Any) -> None:
     iterable = isinstance(dataset, torch.utils.data.IterableDataset) or type(dataset).__name__ == "IterableDataset"
     if dataset is not None and (iterable or not hasattr(dataset, "__getitem__")):
         reasons.append("an iterable training dataset (the refill stream draws rows by index)")
+    if has_image_prompts(dataset):
+        reasons.append("image prompts (the refill rounds generate from the prompt's token ids alone, without the image)")
     if reasons:
         names = [p.name for p in trainer.plugin_stack.implementers(REJECT_HOOK)]
         raise PluginConfigError(

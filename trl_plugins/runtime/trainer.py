@@ -39,6 +39,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 from trl.data_utils import apply_chat_template, is_conversational
 
+from trl_plugins.api.data_checks import has_image_prompts
 from trl_plugins.api.engines import check_engine_support, engine_of
 from trl_plugins.runtime.checkpoints import (
     PLUGIN_STATE_FILE,
@@ -162,6 +163,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         stack = build_plugins(names, getattr(args, "plugin_config", None))
         if uses_tools:
             stack.check_multi_turn()
+        image_prompts = has_image_prompts(train_dataset) or has_image_prompts(kwargs.get("eval_dataset"))
+        if image_prompts:
+            stack.check_image_inputs()
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
@@ -184,6 +188,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                 "or leave environment_factory out for single-turn training."
             )
         self.plugin_stack: PluginStack = stack
+        #: The prompts carry images (a dataset with TRL's image column): the services that run the policy on token ids
+        #: alone refuse (:func:`trl_plugins.runtime.generation.check_text_only`).
+        self.image_prompts: bool = image_prompts
         self.add_callback(_NothingLeftToTrain())
         #: The engine this run trains under ("single", "ddp", "fsdp1", "fsdp2", "zero2", "zero3"; trl_plugins.api.engines).
         self.engine: str = engine_of(self.accelerator)

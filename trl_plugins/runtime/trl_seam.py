@@ -70,6 +70,20 @@ ACCESSORS = (
 )
 
 
+#: The multimodal fields of TRL's generation batch (the output of ``_generate_and_score_completions``) that TRL's own
+#: forwards pass to ``_get_per_token_logps_and_entropies``: a vision-language model sees the prompts' images only
+#: through them (absent fields are None, as TRL passes them).
+MULTIMODAL_FORWARD_KEYS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+def multimodal_forward_kwargs(batch: dict) -> dict:
+    """The :data:`MULTIMODAL_FORWARD_KEYS` of TRL's generation batch ``batch``, for a forward of its rows."""
+    return {key: batch.get(key) for key in MULTIMODAL_FORWARD_KEYS}
+
+
 class TrlSeamTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with its private protocol turned into public override points and accessors (module
     docstring). Not used on its own: :class:`~trl_plugins.PluginGRPOTrainer` is the trainer."""

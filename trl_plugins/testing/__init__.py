@@ -21,6 +21,11 @@ Hand-made stage contexts for unit tests (no model, no trainer; stub services rec
     call one of its hooks (``run_hook(name, "loss", ctx, options={...})``); :func:`loss_from_context` composes a loss context's contributions as the framework
     does; :func:`run_on_processes` runs a function on simulated processes with a working all-gather.
 
+Vision-language runs, in :mod:`trl_plugins.testing.vlm` (``from trl_plugins.testing.vlm import ...``; it builds on this
+module): ``tiny_vlm`` and ``tiny_vlm_processor`` (a tiny Llava with a ``ProcessorMixin`` over the character-level
+tokenizer, built offline), ``tiny_image_dataset`` (image prompts with TRL's ``image`` column), ``with_images`` (adds
+that column to any task), ``color_overlap_reward`` and ``make_vlm_trainer``.
+
 Stage-contract assertions (work on contexts, on a generation batch and on a :class:`RunRecord`):
     :func:`assert_group_sizes` (exactly G rows per group, layout from the global position) and
     :func:`assert_offpolicy_logprobs_nan` (provenance: off-policy tokens and prompt-swapped rows carry NaN
