@@ -135,9 +135,8 @@ class SirenPlugin(Plugin):
     claim_metric = ("peak_token_fraction", "tokens regularised")
     needs_head_stats = True
     unsupported_engines = {
-        engine: "its top-p entropy term needs its gradient through the LM head, which this engine only holds "
-        "gathered outside its gradient reduction; use DDP, ZeRO-2 or FSDP2"
-        for engine in ("fsdp1", "zero3")
+        "fsdp1": "its top-p entropy term needs its gradient through the LM head, which FSDP1 keeps in the root unit's "
+        "flat parameter, out of reach after the forward; use DDP, FSDP2, ZeRO-2 or ZeRO-3",
     }
     conflicts_with = ("lp_reg", "clip_cov", "kl_cov")
     conflict_reason = ENTROPY_PICK_ONE

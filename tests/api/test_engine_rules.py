@@ -7,7 +7,9 @@ import torch
 import torch.nn as nn
 
 from trl_plugins import IncompatiblePluginsError
-from trl_plugins.api.engines import check_engine_support, gathered_lm_head, unwrap_causal_lm, whole_model_loading
+from trl_plugins.api.engines import (
+    check_engine_support, gathered_lm_head, head_gradient_path, through_head_module, unwrap_causal_lm, whole_model_loading,
+)
 from trl_plugins.runtime.head_stats import lm_head_of
 from trl_plugins.testing import tiny_model, tiny_tokenizer
 
@@ -46,9 +48,9 @@ def test_a_plugin_unsupported_under_the_engine_is_refused_naming_plugin_engine_a
     from trl_plugins_builtin.siren import SirenPlugin
 
     plugin = SirenPlugin()
-    check_engine_support([plugin], "zero2")  # supported
-    with pytest.raises(IncompatiblePluginsError, match=r"under the zero3 engine: siren: .*gradient through the LM head"):
-        check_engine_support([plugin], "zero3")
+    check_engine_support([plugin], "zero3")  # supported
+    with pytest.raises(IncompatiblePluginsError, match=r"under the fsdp1 engine: siren: .*gradient through the LM head"):
+        check_engine_support([plugin], "fsdp1")
 
 
 def test_local_models_load_outside_the_zero3_flag_and_it_is_restored():
@@ -82,3 +84,31 @@ def test_policy_logprobs_pads_to_the_largest_count_across_processes():
     assert probe.logprobs([], []) == [] and forwards == [(3, 3)]
     out = probe.logprobs([[5]], [[6, 7]])
     assert forwards[-1] == (3, 3) and len(out) == 1 and out[0].shape == (2,)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_head_gradient_through_the_head_module_equals_the_live_parameters_one(with_bias):
+    """ZeRO-3's path (a module call on identity rows): values are the copies bit for bit, gradients those of autograd
+    through the live parameters (here a plain Linear stands for the partitioned head)."""
+    torch.manual_seed(0)
+    head = nn.Linear(6, 11, bias=with_bias)
+    h = torch.randn(5, 6)
+    probe = torch.randn(5, 11)
+
+    def loss(weight, bias):
+        z = h @ weight.T + (0 if bias is None else bias)
+        return (torch.tanh(z) * probe).sum()
+
+    loss(head.weight, head.bias).backward()
+    expected = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    copies = (head.weight.detach().clone(), None if head.bias is None else head.bias.detach().clone())
+    weight, bias = through_head_module(head, *copies)
+    assert torch.equal(weight, copies[0]) and (bias is None or torch.equal(bias, copies[1]))
+    loss(weight, bias).backward()
+    for got, want in zip([p.grad for p in head.parameters()], expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_no_head_gradient_path_where_the_head_is_live():
+    assert head_gradient_path(tiny_model(tiny_tokenizer())) is None  # autograd delivers it

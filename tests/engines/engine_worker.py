@@ -31,7 +31,8 @@ cpu_engines.install()
 import torch  # noqa: E402
 
 #: one rank's rows: 2 whole groups of G=2 (4 groups globally), so per-rank work (a guided group, a refill) is real
-PER_DEVICE, G = 4, 2
+PER_DEVICE = 4
+G = 2
 SOFTCAP = 2.0
 LOGIT_SCALE = 10.0
 
@@ -43,8 +44,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "vanilla": ([], {}, {}),
     # no-grad head statistics (lp_reg's proxy at the advantage stage, its loss-stage head log-probs), softcapped head
     "head_stats": (["canon", "lp_reg"], {"lp_reg": {"kappa": 0.1, "rho": 0.5}}, {"softcap": True}),
-    # a head statistic WITH gradient through the head
-    "siren": (["siren"], {}, {"softcap": True, "refused": {"fsdp1": "siren", "zero3": "siren"}}),
+    # a head statistic WITH gradient through the head (a large coefficient: at the default one the head's share of the
+    # update is below ZeRO-3's tolerance, so losing it would go unseen; the anchored term acts from the second step)
+    "siren": (["siren"], {"siren": {"coef": 0.5}}, {"softcap": True, "refused": {"fsdp1": "siren"}}),
     # uneven per-rank policy forwards: log-probs and entropies on rank 0 only; hidden features (repexp)
     "uneven_probes": (["test_uneven_probes", "repexp"], {"repexp": {"features": "policy"}}, {}),
     # ampo's guided groups on rank 0 only (rank 1's rows succeed): its policy scoring of the solutions on one rank
@@ -71,8 +73,29 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # (rlpr's std filter zeroes advantages here: its refill, the default, is refused under FSDP / ZeRO-3 with several
     # processes at construction -- tests/plugins/test_rlpr.py -- because its reward runs a policy forward per process)
     "stack5": (["riskpo", "rl_plus", "rlpr"], {"rlpr": {"filter_drop": "zero_advantage"}}, ZERO3_FSDP2),
-    # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ)
-    "stack6": (["rover", "seed_grpo", "steer"], {"seed_grpo": {"function": "exponential"}}, ZERO3_FSDP2),
+    # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ; hbpo's
+    # budget sub-groups have one row each at G=2)
+    "stack6": (["rover", "seed_grpo", "steer", "hbpo"], {"seed_grpo": {"function": "exponential"},
+                                                         "hbpo": {"budgets": [8, 16]}}, ZERO3_FSDP2),
+    # (the tool-agent plugins: multi-turn rollouts of TRL's tool loop on the bundled environment, the backend scripted
+    # with the gold traces; igpo and matchtir both replace the advantages, hence two phases)
+    "tools1": (["igpo", "otc_po", "aspo", "e_grpo", "funrl", "epo"], {"igpo": {"mode": "a2tgpo"}},
+               {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    "tools2": (["matchtir", "ikea", "salt"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    # oreal's own surrogate with its token reward model (success on the partial-credit column: the random tiny model
+    # is never right), cure's branch regeneration, seele's hinted rounds (both collective generation calls)
+    "stack7": (["oreal", "cure", "seele"],
+               {"oreal": {"success_column": "digit_fraction_reward", "success_threshold": 0.05, "token_rm": True},
+                "cure": {"branches_per_response": 1}, "seele": {"rounds": 2}},
+               {**ZERO3_FSDP2, "args": {"loss_type": "dapo"}}),
+    # scripted answers (right in even rows, wrong in odd ones, each closed with EOS): siri zeroes only responses cut
+    # off at its cap, which every response of the random tiny model is; disco trains on groups holding a success
+    "scripted": (["disco", "siri"], {}, {**ZERO3_FSDP2, "script": True,
+                                        "args": {"loss_type": "grpo", "max_completion_length": 16}}),
+    # refill on one rank only: rank 0's groups score flat at each step's first scoring (dynamic_sampling rejects
+    # them and only rank 0 regenerates, one round), rank 1's never; the generation calls stay collective
+    "uneven_refill": (["dynamic_sampling"], {"dynamic_sampling": {"criterion": "reward_std"}},
+                      {"reward": "flat_on_rank0_first_round", "steps": 2, "args": {"max_refill_rounds": 1}}),
     # kepo's local HF teacher called on one rank only: hints for rank 0's failing groups, teacher log-probs for
     # rank 1's successful rows
     "uneven_teacher": (["kepo"], {"kepo": {"teacher_model": "@teacher", "success_column": "solved_on_rank1",
@@ -114,6 +137,40 @@ def solved_on_rank1(completions, **kwargs) -> list[float]:
     return [float(os.environ.get("RANK", "0") == "1")] * len(completions)
 
 
+#: (step, rows) of every call of flat_on_rank0_first_round on this process
+scored_calls: list = []
+
+
+def flat_on_rank0_first_round(completions, trainer_state=None, **kwargs) -> list[float]:
+    """On process 0, 0.0 for every row at the first scoring of each step (zero-variance groups: dynamic_sampling
+    rejects them); everywhere else the fraction of digits plus 0.5 in odd rows, which differ within every group of
+    G=2 (each process's rows are whole groups). So exactly one rank refills, once per step, deterministically."""
+    from trl_plugins.testing import digit_fraction_reward
+
+    step = trainer_state.global_step if trainer_state is not None else -1
+    first = all(s != step for s, _n in scored_calls)
+    scored_calls.append((step, len(completions)))
+    if os.environ.get("RANK", "0") == "0" and first:
+        return [0.0] * len(completions)
+    return [v + 0.5 * (i % 2) for i, v in enumerate(digit_fraction_reward(completions, **kwargs))]
+
+
+#: phase option "reward" -> the only reward function of the phase
+phase_rewards = {"flat_on_rank0_first_round": flat_on_rank0_first_round}
+
+
+def arithmetic_script(dataset):
+    """A scripted backend (trl_plugins.testing.script_generation) for the arithmetic rows: ``Answer: N``, right in
+    even request rows, one off in odd ones (each group of G=2 holds one of each)."""
+    answers = {row["prompt"][-1]["content"]: int(row["answer"]) for row in dataset}
+
+    def script(prompt_text: str, row: int) -> str:
+        answer = next((a for q, a in answers.items() if q in prompt_text), 0)
+        return f"Answer: {answer + row % 2}"
+
+    return script
+
+
 def _model(softcap: bool):
     from trl_plugins.testing import tiny_model, tiny_tokenizer
 
@@ -140,24 +197,36 @@ def build_trainer(engine: str, phase: str, out_dir: str):
     if int(os.environ.get("RANK", "0")) == 0:  # the test checks that training moved the parameters
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                    os.path.join(out_dir, f"{phase}-initial.pt"))
-    return make_tiny_trainer(
+    args = {"loss_type": "dr_grpo", "max_steps": options.get("steps", 2), "max_completion_length": 8,
+            **options.get("args", {})}
+    common = dict(
         model=model,
         plugins=plugins,
         plugin_config=plugin_config,
-        dataset=tiny_dataset(16),
-        # a dense reward: the random tiny model never answers right, and zero advantages would train nothing
-        reward_funcs=[accuracy_reward, digit_fraction_reward] + ([solved_on_rank1] if options.get("rank_reward") else []),
         output_dir=os.path.join(out_dir, phase),
         per_device_train_batch_size=PER_DEVICE,
         num_generations=G,
-        max_completion_length=8,
-        max_steps=options.get("steps", 2),
-        **options.get("args", {}),
-        loss_type="dr_grpo",
+        **args,
         # the engines need it off (cpu_engines pins the device to the CPU); the DDP reference is accelerate's CPU path
         use_cpu=engine == "ddp",
         log_level="error",
     )
+    if options.get("tools"):  # the bundled tool environment, the backend writing the gold traces
+        from trl_plugins.testing import make_tool_trainer
+
+        return make_tool_trainer(n=8, kinds=("lookup", "scaled"), **{**common, "max_completion_length": 300})
+    if "reward" in options:
+        reward_funcs = [phase_rewards[options["reward"]]]
+    else:  # a dense reward: the random tiny model never answers right, and zero advantages would train nothing
+        reward_funcs = [accuracy_reward, digit_fraction_reward] + ([solved_on_rank1] if options.get("rank_reward")
+                                                                   else [])
+    dataset = tiny_dataset(16)
+    trainer = make_tiny_trainer(dataset=dataset, reward_funcs=reward_funcs, **common)
+    if options.get("script"):
+        from trl_plugins.testing import script_generation
+
+        script_generation(trainer, arithmetic_script(dataset))
+    return trainer
 
 
 def full_parameters(trainer, engine: str) -> dict[str, torch.Tensor]:
@@ -193,6 +262,7 @@ def run_phase(engine: str, phase: str, out_dir: str) -> None:
         from trl_plugins.runtime.manager import available_plugins
 
         record["probes"] = available_plugins()["test_uneven_probes"].seen if phase == "uneven_probes" else []
+        record["scored"] = scored_calls if phase == "uneven_refill" else []
         record["logs"] = {k: v for log in trainer.state.log_history for k, v in log.items()
                           if isinstance(v, (int, float))}
         acc.wait_for_everyone()

@@ -42,7 +42,7 @@ def _load_module(name: str, path: Path):
 cpu_engines = _load_module("trl_plugins_cpu_engines", HERE / "cpu_engines.py")
 
 
-def _phases() -> dict[str, tuple[list[str], dict, dict]]:
+def _phases() -> tuple[dict[str, tuple[list[str], dict, dict]], int]:
     # the worker installs the CPU patch on import: run only its upper-case constant assignments instead
     import ast
 
@@ -53,7 +53,7 @@ def _phases() -> dict[str, tuple[list[str], dict, dict]]:
                  and not isinstance(node.value, ast.Call)]
     namespace: dict = {}
     exec(compile(ast.Module(body=constants, type_ignores=[]), str(WORKER), "exec"), namespace)
-    return namespace["PHASES"]
+    return namespace["PHASES"], namespace["PER_DEVICE"]
 
 
 def phases_of(engine: str) -> list[str]:
@@ -62,7 +62,7 @@ def phases_of(engine: str) -> list[str]:
             if engine == "ddp" or engine in options.get("engines", cpu_engines.ENGINES)]
 
 
-PHASE_SPECS = _phases()
+PHASE_SPECS, PER_DEVICE = _phases()
 PHASES = list(PHASE_SPECS)
 
 
@@ -186,6 +186,27 @@ def test_uneven_policy_forwards_finish_on_every_engine(engine, engine_runs):
     assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
     assert r0["probes"] and all(len(p["logprobs"]) == len(p["entropies"]) == 3 and p["finite"] for p in r0["probes"])
     assert len(r1["probes"]) == len(r0["probes"]) and all(p["logprobs"] == [] for p in r1["probes"])
+
+
+@pytest.mark.parametrize("engine", [e for e in cpu_engines.ENGINES if "uneven_refill" in phases_of(e)])
+def test_refill_on_one_rank_finishes_on_every_engine(engine, engine_runs):
+    """dynamic_sampling rejects rank 0's groups only, at every step: rank 0 alone regenerates and rescores them (one
+    refill round), rank 1 joins the collectives with nothing to do; both finish every step with the same batch."""
+    from collections import Counter
+
+    out = engine_runs(engine)
+    r0, r1 = _record(out, "uneven_refill", 0), _record(out, "uneven_refill", 1)
+    assert "error" not in r0 and "error" not in r1, r0.get("error") or r1.get("error")
+    steps = PHASE_SPECS["uneven_refill"][2]["steps"]
+    assert r0["steps"] == r1["steps"] == steps
+    # scorings per step: rank 0 the flat first one, then its refilled rows; rank 1 its own rows once
+    assert Counter(step for step, _rows in r0["scored"]) == {s: 2 for s in range(steps)}, r0["scored"]
+    assert Counter(step for step, _rows in r1["scored"]) == {s: 1 for s in range(steps)}, r1["scored"]
+    assert all(rows == PER_DEVICE for _step, rows in r0["scored"] + r1["scored"])
+    for r in (r0, r1):  # the last step's refill, as every process logged it: rank 0's two groups, one round
+        logs = r["logs"]
+        assert (logs["plugins/framework/refill_rounds"], logs["plugins/framework/rejected_groups"],
+                logs["plugins/framework/refill_rollouts"]) == (1.0, 2.0, float(PER_DEVICE)), logs
 
 
 # ------------------------------------------------------------------------------------------ the docs' matrix

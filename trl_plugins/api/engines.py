@@ -12,11 +12,14 @@ Plugins never see these rules; the framework's services (head statistics, policy
   ``deepspeed.zero.GatheredParameters``, as TRL's ``maybe_gather_lm_head_ctx`` does) and, when it had to gather,
   hands out a detached copy that outlives the gather. Gathering under FSDP1 and ZeRO-3 is a collective: the framework
   calls it the same number of times on every process.
-* **Gradient through the head.** Under FSDP1 and ZeRO-3 the gathered head is a copy outside the engine's gradient
-  reduction, so a statistic whose gradient must reach the head (SIREN's top-p entropy) cannot be computed there: such
-  plugins declare it (``Plugin.unsupported_engines``) and are refused at construction, naming plugin, engine and
-  reason. Under DDP, ZeRO-2 and FSDP2 (whose root unit keeps the head unsharded at loss time under accelerate 1.15)
-  the head is the live parameter and its gradient is reduced with the others.
+* **Gradient through the head.** Under DDP, ZeRO-2 and FSDP2 (whose root unit keeps the head unsharded at loss time
+  under accelerate 1.15) the head is the live parameter and its gradient is reduced with the others. Under ZeRO-3 the
+  gathered head is a copy outside the engine's gradient reduction; :func:`head_gradient_path` routes a statistic's
+  head gradient back through a call of the head *module* on the rows of an identity matrix (``W^T``, one head-sized
+  activation), which ZeRO-3 gathers in its forward hooks and whose gradient it reduces with the others (a collective:
+  every process asks for it the same number of times). Under FSDP1 the head lives in the root unit's flat parameter,
+  which no call outside the root forward can reach: a statistic whose gradient must reach the head (SIREN's top-p
+  entropy) is refused there at construction (``Plugin.unsupported_engines``), naming plugin, engine and reason.
 * **Local component models** (an HF teacher, judge or PRM run in-process): frozen, no-grad, never trained, so they
   are loaded whole on every process (:func:`whole_model_loading`: outside transformers' ZeRO-3 ``zero.Init``, which
   would partition them with nothing to gather them) and generate with ``synced_gpus=False``
@@ -33,12 +36,12 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 
-__all__ = ["ENGINES", "LOCAL_GENERATE_KWARGS", "whole_model_loading", "GATHERING_ENGINES", "check_engine_support", "engine_of", "gathered_lm_head", "head_owner_fsdp1", "unwrap_causal_lm"]
+__all__ = ["ENGINES", "LOCAL_GENERATE_KWARGS", "whole_model_loading", "GATHERING_ENGINES", "check_engine_support", "engine_of", "gathered_lm_head", "head_gradient_path", "head_owner_fsdp1", "unwrap_causal_lm"]
 
 ENGINES = ("single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3")
 #: engines under which the LM head must be gathered (a collective) for statistics read after a forward
@@ -137,6 +140,39 @@ def head_owner_fsdp1(model: nn.Module, head: nn.Module) -> nn.Module | None:
 
 def _is_zero3_partitioned(param: torch.Tensor | None) -> bool:
     return param is not None and hasattr(param, "ds_id") and hasattr(param, "ds_status")
+
+
+def head_gradient_path(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor | None], tuple] | None:
+    """How a head gradient reaches the engine when :func:`gathered_lm_head` handed out copies; None where it handed out
+    the live parameters (autograd delivers the gradient: nothing to do).
+
+    Under ZeRO-3 returns ``attach(weight (V, d), bias (V,) or None) -> (weight, bias)``: the same values, exactly
+    (the gathered copies), with autograd through :func:`through_head_module`. Calling ``attach`` is a collective (the
+    module's forward gathers the partitioned head). Under FSDP1 (no path: see the module docstring) also None; plugins
+    that need one declare FSDP1 unsupported."""
+    head = unwrap_causal_lm(model).get_output_embeddings()
+    if not _is_zero3_partitioned(head.weight):
+        return None
+    return lambda weight, bias: through_head_module(head, weight, bias)
+
+
+def through_head_module(head: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """``(weight (V, d), bias (V,) or None)`` equal in value to the given copies of ``head``'s parameters, with their
+    gradient flowing into ``head``'s own parameters through one call of the module.
+
+    The call is ``out = head(R)`` with ``R`` the ``(d, d)`` identity (``(d + 1, d)`` with a row of zeros when there is
+    a bias): ``out[:d] = W^T (+ b)``, ``out[d] = b``. The returned tensors are ``copy + (x - x.detach())`` of the
+    matching parts of ``out``, so their values are the copies bit for bit and ``d/dx`` is the identity: a gradient
+    ``G_W`` on the weight reaches ``head.weight`` as ``R^T G_W^T = G_W``, and the bias row cancels the ``b`` that every
+    identity row carries."""
+    d = weight.shape[1]
+    rows = torch.eye(d + (bias is not None), d, dtype=weight.dtype, device=weight.device)
+    out = head(rows)  # (d [+ 1], V)
+    w_t = out[:d] if bias is None else out[:d] - out[d:]
+    weight = weight.detach() + (w_t - w_t.detach()).T
+    if bias is not None:
+        bias = bias.detach() + (out[d] - out[d].detach())
+    return weight, bias
 
 
 @contextmanager

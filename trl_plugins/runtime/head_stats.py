@@ -298,6 +298,9 @@ class HeadStats:
         vocab_tile: when ``weight`` is not float32, it is cast to float32 ``vocab_tile`` rows at a time, so no full
             float32 copy of the head is made (gradient path included; a head that itself requires grad gets its
             gradient accumulated in one ``(V, d)`` float32 buffer).
+        head_gradient: when ``weight`` / ``bias`` are gathered copies (ZeRO-3), the engine rule that routes their
+            gradient back to the model's head (:func:`trl_plugins.api.engines.head_gradient_path`); used by
+            :meth:`top_p_entropy_with_grad` only.
 
     Valid positions are ordered row-major (``completion_mask.nonzero()`` order); ``N`` denotes their number.
     Methods returning ``(B, C)`` put 0 at invalid positions.
@@ -318,6 +321,7 @@ class HeadStats:
         temperature: float = 1.0,
         chunk_size: int = 1024,
         vocab_tile: int = 8192,
+        head_gradient: Callable | None = None,
     ) -> None:
         C = int(logits_to_keep)
         if hidden.dim() != 3 or hidden.shape[1] < C + 1:
@@ -328,6 +332,9 @@ class HeadStats:
             raise ValueError("chunk_size must be >= 1")
         self.weight = weight
         self.bias = bias
+        #: ``trl_plugins.api.engines.head_gradient_path`` of the model: how the head's gradient reaches the engine
+        #: when ``weight`` / ``bias`` are gathered copies (ZeRO-3); None when they are the live parameters
+        self.head_gradient = head_gradient
         self.logit_scale = float(logit_scale)
         self.softcap = None if softcap is None else float(softcap)
         self.temperature = float(temperature)
@@ -353,9 +360,13 @@ class HeadStats:
         temperature: float = 1.0,
         chunk_size: int = 1024,
     ) -> "HeadStats":
-        """Build from a (possibly wrapped) model; the head and its transform come from :func:`lm_head_of`."""
+        """Build from a (possibly wrapped) model; the head and its transform come from :func:`lm_head_of`, the
+        head's gradient path from :func:`~trl_plugins.api.engines.head_gradient_path`."""
+        from trl_plugins.api.engines import head_gradient_path
+
         weight, bias, logit_scale, softcap = lm_head_of(model)
-        return cls(hidden, logits_to_keep, completion_mask, weight, bias, logit_scale, softcap, temperature, chunk_size)
+        return cls(hidden, logits_to_keep, completion_mask, weight, bias, logit_scale, softcap, temperature, chunk_size,
+                   head_gradient=head_gradient_path(model))
 
     # ------------------------------------------------------------------------------------------------- plumbing
 
@@ -568,10 +579,14 @@ class HeadStats:
         that of the no-grad statistics (a few ``(chunk_size, V)`` float32 blocks) for any ``k_max`` and nucleus
         width, plus ``N * d`` for the saved hidden rows and, when the head requires grad, its ``(V, d)`` float32
         gradient buffer. Invalid positions and empty nuclei give 0 with zero gradient. Gradients reach ``hidden``
-        (thus the model), ``weight`` and ``bias`` when those require grad.
+        (thus the model), ``weight`` and ``bias`` when those require grad; with a ``head_gradient`` path (ZeRO-3: a
+        collective, so every process calls this method the same number of times) they reach the model's head.
         """
         if mode not in _NUCLEUS_MODES:
             raise ValueError(f"mode must be one of {_NUCLEUS_MODES}, got {mode!r}")
         h = self._valid(self.hidden_c)  # (N, d), graph kept
-        H = _NucleusEntropy.apply(h, self.weight, self.bias, self, top_p, k_max, mode)
+        weight, bias = self.weight, self.bias
+        if self.head_gradient is not None:
+            weight, bias = self.head_gradient(weight, bias)
+        H = _NucleusEntropy.apply(h, weight, bias, self, top_p, k_max, mode)
         return self.to_bc(H)

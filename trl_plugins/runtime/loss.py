@@ -267,6 +267,7 @@ def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, m
 
     def build():
         if "stats" not in cache:
+            from trl_plugins.api.engines import head_gradient_path
             from trl_plugins.runtime.head_stats import HeadStats, lm_head_of
 
             weight, bias, logit_scale, softcap = lm_head_of(model)
@@ -280,6 +281,7 @@ def _head_stats_factory(t: Any, model: Any, capture: Any, logits_to_keep: int, m
                 softcap=softcap,
                 temperature=t.temperature,
                 chunk_size=t.args.head_stats_chunk_size,
+                head_gradient=head_gradient_path(model),
             )
         return cache["stats"]
 
