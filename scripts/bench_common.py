@@ -95,6 +95,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
+    # the arithmetic completions end with "Answer: N" (no \\boxed); c scaled from the paper's 1000 (reasoning of
+    # thousands of characters) to the 40-token completions
+    "rlsp": ({"answer_pattern": "Answer:", "length_penalty": 2.0}, {}),
     # steps_per_generation=2 with one accumulation step: the second micro-step is off-policy, so U is computed
     "rover": ({}, {"steps_per_generation": 2}),
     "ruscarl": ({"judge": "rule"}, {}),

@@ -267,6 +267,8 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
+        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions)
+        "rlsp": (["rlsp"], {"rlsp": {"answer_pattern": "Answer:", "length_penalty": 2.0}}, {"loss_type": "dapo"}, []),
     }
 
 
