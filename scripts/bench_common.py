@@ -108,6 +108,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "siren": ({}, {}),
     "siri": ({}, {}),
     "steer": ({}, {}),
+    # the benchmark's only reward is the binary verifier: the tiers are 0 (wrong) and alpha (right)
+    "sweet_spot": ({}, {}),
 }
 
 

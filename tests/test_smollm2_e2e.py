@@ -267,8 +267,14 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
-        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions)
-        "rlsp": (["rlsp"], {"rlsp": {"answer_pattern": "Answer:", "length_penalty": 2.0}}, {"loss_type": "dapo"}, []),
+        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions) and SSL's
+        # tiers of the partial-credit column
+        "rlsp+sweet_spot": (
+            ["rlsp", "sweet_spot"],
+            {"rlsp": {"answer_pattern": "Answer:", "length_penalty": 2.0},
+             "sweet_spot": {"score_column": "digit_fraction_reward"}},
+            {"loss_type": "dapo"}, [],
+        ),
     }
 
 
