@@ -73,6 +73,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
     "oreal": ({}, {"loss_type": "dapo"}),
+    # the 40-token completions never pass the official 100-token bonus constraint; the ladder by the task's level
+    "observe_r1": ({"bonus_constraint": 0, "ladder_column": "level"}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
     "otc_po": ({}, {}),
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy

@@ -267,12 +267,15 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
-        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions) and SSL's
-        # tiers of the partial-credit column
-        "rlsp+sweet_spot": (
-            ["rlsp", "sweet_spot"],
+        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions), SSL's
+        # tiers of the partial-credit column, Observe-R1's ladder (by level), bonus and weights (success on the
+        # partial-credit column: the 135M policy is rarely correct, and all-fail groups weigh 0)
+        "rlsp+sweet_spot+observe_r1": (
+            ["rlsp", "sweet_spot", "observe_r1"],
             {"rlsp": {"answer_pattern": "Answer:", "length_penalty": 2.0},
-             "sweet_spot": {"score_column": "digit_fraction_reward"}},
+             "sweet_spot": {"score_column": "digit_fraction_reward"},
+             "observe_r1": {"ladder_column": "level", "bonus_constraint": 0,
+                            "success_column": "digit_fraction_reward", "success_threshold": 0.2}},
             {"loss_type": "dapo"}, [],
         ),
     }
