@@ -32,6 +32,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
+    # the encoder is the warm-started demo model (mean-pooled hidden states); the answer follows "Answer:"
+    "armed": ({"embedder": "hf", "embedder_model": "(set below: demo_model_dir())", "answer_pattern": r"Answer:\s*(\S+)"},
+              {}),
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
     # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0,
     # SALT's graph has one step per rollout). EPO acts on any rollout (its entropy bonus; one turn on this task).
@@ -240,6 +243,7 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
 
 
 PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
+PLUGIN_SETTINGS["armed"][0]["embedder_model"] = str(demo_model_dir())
 
 
 def load_model(cache_dir: str | Path | None = None, untrained: bool = False):
