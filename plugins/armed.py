@@ -48,6 +48,7 @@ from trl_plugins.api.engines import whole_model_loading
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.text import completion_text
 from trl_plugins.components.client import EndpointError, OpenAICompatibleClient, endpoint_options
+from ._regex import compile_option
 
 COLUMN = "armed"
 EmbedderEndpointOptions = endpoint_options("embedder", "embedding model", model="default")
@@ -77,13 +78,7 @@ class ArmedOptions(EmbedderEndpointOptions):
 
     def validate(self) -> None:
         if self.answer_pattern is not None:
-            try:
-                re.compile(self.answer_pattern)
-            except re.error as exc:
-                raise PluginConfigError(
-                    f"Option 'answer_pattern' of plugin 'armed' got {self.answer_pattern!r}, which is not a regular "
-                    f"expression ({exc}); allowed: a Python regular expression, or None."
-                ) from exc
+            compile_option("armed", "answer_pattern", self.answer_pattern)
         if self.embedder == "hf" and self.embedder_model == "default":
             raise PluginConfigError(
                 "Plugin 'armed' with embedder='hf' needs embedder_model (a Hugging Face encoder name or local path)."

@@ -38,7 +38,6 @@ import torch
 from trl_plugins.api import (
     OfficialSource,
     Plugin,
-    PluginConfigError,
     PluginOptions,
     RewardContext,
     hookimpl,
@@ -46,6 +45,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.text import completion_text
+from ._regex import compile_option
 
 COLUMN = "rlsp"
 #: the official answer pattern: the outermost ``\boxed{...}`` with one level of nested braces
@@ -74,13 +74,7 @@ class RlspOptions(PluginOptions):
     reward_weight: float = option(1.0, min=0.0, help="TRL reward weight of the rlsp column (official: 1, a plain sum).")
 
     def validate(self) -> None:
-        try:
-            re.compile(self.answer_pattern)
-        except re.error as exc:
-            raise PluginConfigError(
-                f"Option 'answer_pattern' of plugin 'rlsp' got {self.answer_pattern!r}, which is not a regular "
-                f"expression ({exc}); allowed: a Python regular expression matching the final answer."
-            ) from exc
+        compile_option("rlsp", "answer_pattern", self.answer_pattern)
 
 
 def reasoning_length(text: str, pattern: re.Pattern, chars_per_token: float) -> tuple[float, bool]:
