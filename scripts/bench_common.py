@@ -32,6 +32,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
+    # the encoder is the warm-started demo model (mean-pooled hidden states); the answer follows "Answer:"
+    "armed": ({"embedder": "hf", "embedder_model": "(set below: demo_model_dir())", "answer_pattern": r"Answer:\s*(\S+)"},
+              {}),
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
     # run their hooks and leave the batch as it is (no tool calls: IGPO is GRPO, OTC's coefficient and ASPO's term 0,
     # SALT's graph has one step per rollout). EPO acts on any rollout (its entropy bonus; one turn on this task).
@@ -73,6 +76,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
     "oreal": ({}, {"loss_type": "dapo"}),
+    # the 40-token completions never pass the official 100-token bonus constraint; the ladder by the task's level
+    "observe_r1": ({"bonus_constraint": 0, "ladder_column": "level"}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
     "otc_po": ({}, {}),
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
@@ -95,6 +100,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
+    # the arithmetic completions end with "Answer: N" (no \\boxed); c scaled from the paper's 1000 (reasoning of
+    # thousands of characters) to the 40-token completions
+    "rlsp": ({"answer_pattern": "Answer:", "length_penalty": 2.0}, {}),
     # steps_per_generation=2 with one accumulation step: the second micro-step is off-policy, so U is computed
     "rover": ({}, {"steps_per_generation": 2}),
     "ruscarl": ({"judge": "rule"}, {}),
@@ -105,6 +113,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "siren": ({}, {}),
     "siri": ({}, {}),
     "steer": ({}, {}),
+    # the benchmark's only reward is the binary verifier: the tiers are 0 (wrong) and alpha (right)
+    "sweet_spot": ({}, {}),
 }
 
 
@@ -233,6 +243,7 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
 
 
 PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
+PLUGIN_SETTINGS["armed"][0]["embedder_model"] = str(demo_model_dir())
 
 
 def load_model(cache_dir: str | Path | None = None, untrained: bool = False):

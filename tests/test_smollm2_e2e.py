@@ -115,11 +115,24 @@ def _teacher_logprob_handler(calls):
     return handler
 
 
+def _embeddings_handler(calls):
+    """An OpenAI-compatible /v1/embeddings server: character counts of digits and letters (a scripted encoder)."""
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+    def handler(path, payload):
+        calls.append(path)
+        texts = payload["input"]
+        vectors = [[float(t.lower().count(c)) for c in alphabet] + [1.0] for t in texts]
+        return {"data": [{"index": i, "embedding": v} for i, v in enumerate(vectors)]}
+
+    return handler
+
+
 @contextlib.contextmanager
 def loopback_components():
     """Base URLs and call logs of the PRM, teacher, critic, rubric judge, feedback judge and teacher log-prob
     servers."""
-    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs")}
+    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs", "embeddings")}
     prm_seen = calls["prm"]
     with contextlib.ExitStack() as stack:
         urls = {
@@ -132,6 +145,7 @@ def loopback_components():
                 _fixed_text_handler(calls["feedback"], "Check each step's arithmetic and end with 'Answer: N'."))),
             "teacher_logprobs": stack.enter_context(serve_openai_compatible(
                 _teacher_logprob_handler(calls["teacher_logprobs"]))),
+            "embeddings": stack.enter_context(serve_openai_compatible(_embeddings_handler(calls["embeddings"]))),
         }
         yield urls, calls
 
@@ -267,6 +281,20 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
+        # RLSP's exploration column (-c / L before the "Answer:" line; c scaled to the 16-token completions), SSL's
+        # tiers of the partial-credit column, Observe-R1's ladder (by level), bonus and weights (success on the
+        # partial-credit column: the 135M policy is rarely correct, and all-fail groups weigh 0)
+        "rlsp+sweet_spot+observe_r1": (
+            ["rlsp", "sweet_spot", "observe_r1"],
+            {"rlsp": {"answer_pattern": "Answer:", "length_penalty": 2.0},
+             "sweet_spot": {"score_column": "digit_fraction_reward"},
+             "observe_r1": {"ladder_column": "level", "bonus_constraint": 0,
+                            "success_column": "digit_fraction_reward", "success_threshold": 0.2}},
+            {"loss_type": "dapo"}, [],
+        ),
+        # ARMed's semantic column from an embeddings endpoint (the answer after "Answer:" against the reference)
+        "armed": (["armed"], {"armed": {"embedder_base_url": urls["embeddings"], "embedder_max_retries": 1,
+                                        "answer_pattern": r"Answer:\s*(\S+)"}}, {"loss_type": "dapo"}, ["embeddings"]),
     }
 
 

@@ -255,12 +255,14 @@ def test_every_plugin_declared_for_images_trains_on_image_prompts(name):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from bench_common import PLUGIN_SETTINGS
+    from bench_common import PLUGIN_SETTINGS, demo_model_dir, load_demo_model
 
     if name in ("e_grpo", "funrl", "matchtir"):
         pytest.skip("reads tool-call columns (entities / gold_calls) of the tool task; single-turn image prompts "
                     "have no tool calls to score")
     options, overrides = PLUGIN_SETTINGS.get(name, ({}, {}))
+    if str(demo_model_dir()) in options.values():
+        load_demo_model()  # a component model of the settings (e.g. armed's encoder) is the cached demo model
     processor = tiny_vlm_processor()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
