@@ -85,6 +85,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
+    "reg_grpo": ({}, {}),
     "repexp": ({}, {}),
     # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),

@@ -249,6 +249,8 @@ def _stacks(urls):
             ["rec", "dynamic_sampling"], {"rec": {"variant": "opmd"}},
             {"loss_type": "bnpo", "scale_rewards": "none", "max_refill_rounds": 1}, [],
         ),
+        # Reg-GRPO regresses the group-normalised log-ratio onto the advantage: whole groups per micro-batch (G=2 of 4)
+        "reg_grpo": (["reg_grpo"], {}, {"loss_type": "grpo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy
