@@ -30,6 +30,7 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
+    "aepo": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
     # the agent plugins act on multi-turn tool rollouts only (trl_plugins.tasks.tools); on the arithmetic task they
