@@ -35,23 +35,20 @@ from dataclasses import dataclass
 
 import torch
 
-from trl_plugins.api import (IncompatiblePluginsError, LossContext, OfficialSource, Plugin, PluginOptions, hookimpl,
-                             option)
+from trl_plugins.api import IncompatiblePluginsError, LossContext, OfficialSource, hookimpl, option
+
+from ._group_loss import (GroupLossOptions, GroupLossPlugin, row_advantages, sequence_log_ratios,
+                          take_surrogate_place)
 
 #: variance floor before the square root, so the standard deviation has a finite gradient when every rho is equal
 _VAR_FLOOR = 1e-20
 
 
 @dataclass
-class RegGrpoOptions(PluginOptions):
+class RegGrpoOptions(GroupLossOptions):
     eps: float = option(
         1e-4, min=0.0, min_exclusive=True,
         help="Added to the group std of the sequence log-ratios in the predicted advantage.", reconstructed=True,
-    )
-    mix: float = option(
-        1.0, min=0.0, max=1.0,
-        help="Weight of the regression loss; TRL's surrogate keeps 1 - mix (1: the paper; 0: vanilla TRL).",
-        reconstructed=True,
     )
 
 
@@ -69,7 +66,7 @@ def predicted_advantages(rho: torch.Tensor, eps: float) -> torch.Tensor:
     return (rho - mean) / (std + eps)
 
 
-class RegGrpoPlugin(Plugin):
+class RegGrpoPlugin(GroupLossPlugin):
     """Regresses the group-normalised sequence log-ratio onto the group advantage, without clip or min (loss stage)."""
 
     name = "reg_grpo"
@@ -85,16 +82,11 @@ class RegGrpoPlugin(Plugin):
     )
     claim_metric = ("regression_error", "mean squared gap between group advantage and predicted advantage")
     replaces = ("the base surrogate (a regression of the group-normalised sequence log-ratio onto the advantage)",)
-    needs_whole_groups = True
-    replaces_surrogate = True  # weights it by 1 - mix: another replacer's values would be scaled away with it
     reconstructed = (
         "eps = 1e-4 added to the std of the sequence log-ratios (TRL's advantage epsilon)",
         "regression term: mean over the micro-batch's rows, divided by the gradient-accumulation steps",
         "mix (ours): (1 - mix) TRL surrogate + mix regression; 1 is the paper, 0 is vanilla",
     )
-
-    def hook_enabled(self, hook: str) -> bool:
-        return hook != "trl_plugins_loss" or self.options.mix > 0  # mix = 0: TRL's own loss (and row shuffle)
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -107,13 +99,7 @@ class RegGrpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
-        mix = self.options.mix
-        mask = ctx.mask.to(ctx.per_token_logps.dtype)
-        rho = ((ctx.per_token_logps - ctx.old_per_token_logps) * mask).sum(dim=1)  # (B,)
-        advantages = ctx.advantages.expand_as(mask)
-        target = (advantages * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)  # the row's advantage
-        error = (ctx.group_rows(target.detach()) - predicted_advantages(ctx.group_rows(rho), self.options.eps)).pow(2)
-        ctx.scale_tokens(torch.tensor(1.0 - mix, dtype=mask.dtype, device=mask.device))
-        ctx.add_loss(mix * error.mean() / ctx.gradient_accumulation_steps)
+        error = (row_advantages(ctx) - predicted_advantages(sequence_log_ratios(ctx), self.options.eps)).pow(2)
+        take_surrogate_place(ctx, error.mean(), self.options.mix)
         per_row = error.detach().reshape(-1, 1)
         ctx.log_metric("regression_error", ctx.global_masked_mean(per_row, torch.ones_like(per_row)))

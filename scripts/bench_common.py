@@ -79,6 +79,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
     # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch
     "luffy": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
+    # the paper's reward differences: TRL's group mean cancels in A_i - A_j, the std is kept out
+    "p3o": ({}, {"scale_rewards": "none"}),
     "pear": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
