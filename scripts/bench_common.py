@@ -30,6 +30,7 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "adaptive_sampler": ({}, {}),
+    "aepo": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
     # the encoder is the warm-started demo model (mean-pooled hidden states); the answer follows "Answer:"
@@ -83,6 +84,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
     # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch
     "luffy": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
+    # the paper's reward differences: TRL's group mean cancels in A_i - A_j, the std is kept out
+    "p3o": ({}, {"scale_rewards": "none"}),
     "pear": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
@@ -90,6 +93,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
+    "reg_grpo": ({}, {}),
     "repexp": ({}, {}),
     # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),

@@ -263,6 +263,13 @@ def _stacks(urls):
             ["rec", "dynamic_sampling"], {"rec": {"variant": "opmd"}},
             {"loss_type": "bnpo", "scale_rewards": "none", "max_refill_rounds": 1}, [],
         ),
+        # Reg-GRPO regresses the group-normalised log-ratio onto the advantage: whole groups per micro-batch (G=2 of 4)
+        "reg_grpo": (["reg_grpo"], {}, {"loss_type": "grpo"}, []),
+        # P3O's jointly clipped pairwise loss on the two rows of each group (reward differences: scale_rewards none)
+        "p3o": (["p3o"], {}, {"loss_type": "grpo", "scale_rewards": "none"}, []),
+        # AEPO's loss half: entropy-aware advantages from the real model's entropies (one on-policy step: r = 1, the
+        # clips are checked on small tensors in tests/plugins/test_aepo.py)
+        "aepo": (["aepo"], {}, {"loss_type": "dapo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy

@@ -634,7 +634,7 @@ class PolicyStats:
 # =============================================================================================== loss
 @dataclass
 class LossContext(_StageContext):
-    """Loss stage of one micro-batch (a shuffled slice: it does not hold whole groups).
+    """Loss stage of one micro-batch (a shuffled slice: it holds whole groups only for ``needs_whole_groups`` stacks).
 
     Attributes (B rows, T positions):
         inputs: the micro-batch dict TRL built (prompt/completion ids and masks, ...).
@@ -664,6 +664,9 @@ class LossContext(_StageContext):
         mode: "train" or "eval".
         gradient_accumulation_steps: TRL's normaliser of this micro-batch's loss (its current gradient-accumulation
             steps in train mode, 1 in eval); divide a scalar term given to :meth:`add_loss` by it, as TRL does.
+        num_generations: G when a plugin of the stack declares ``needs_whole_groups``: the micro-batch then holds whole
+            groups, rows ``k*G .. k*G+G-1`` being group k in index-in-group order (:meth:`group_rows`); None otherwise
+            (the rows are a shuffled slice of the generation batch).
         services: the :class:`~trl_plugins.api.services.StageServices` behind the methods (a constructor argument).
     """
 
@@ -685,6 +688,7 @@ class LossContext(_StageContext):
     iteration: int
     mode: str
     gradient_accumulation_steps: int = 1
+    num_generations: int | None = None
     log_ratio: torch.Tensor | None = None
     coef_1: torch.Tensor | None = None
     per_token_loss: torch.Tensor | None = None
@@ -713,6 +717,14 @@ class LossContext(_StageContext):
         """(B, T) float32 teacher log-probs of the completion tokens (no grad), NaN where absent (rows no plugin scored,
         padding); None when no plugin attached any (``AdvantageContext.attach_teacher_logps``)."""
         return self.extras.get(TEACHER_LOGPS_EXTRA)
+
+    def group_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, ...) viewed per group: (B / G, G, ...). Only for plugins declaring ``needs_whole_groups``."""
+        if self.num_generations is None:
+            raise PluginError(
+                f"Plugin {self._active_plugin!r} called ctx.group_rows() without declaring needs_whole_groups = True."
+            )
+        return x.view(-1, self.num_generations, *x.shape[1:])
 
     def head_stats(self):
         """Chunked LM-head statistics of this forward (:class:`~trl_plugins.runtime.head_stats.HeadStats`).

@@ -52,6 +52,10 @@ class Plugin:
         unsupported_engines: engines (DDP, FSDP1/2, ZeRO-1/2/3; :mod:`trl_plugins.api.engines`) the plugin cannot run
             under, each with its reason; refused at construction.
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
+        needs_whole_groups: the loss hook needs every micro-batch to hold whole groups (all G rows of each group in it,
+            consecutive: ``ctx.group_rows``). The trainer then shuffles groups instead of rows before splitting the
+            generation batch, and refuses at construction a ``per_device_train_batch_size`` (or, with evaluation,
+            ``per_device_eval_batch_size``) that is not a multiple of the group size (:mod:`trl_plugins.runtime.whole_groups`).
         needs_reference_model: the advantage hook calls ``ctx.reference_logprobs()`` (log-probs under the reference
             policy); with full fine-tuning and ``beta == 0`` the trainer then keeps a frozen copy of the initial policy.
         replaces: the stage quantities the plugin replaces outright rather than adjusts (e.g. ``"the advantages"``,
@@ -106,6 +110,7 @@ class Plugin:
     #: naming plugin, engine and reason.
     unsupported_engines: ClassVar[dict[str, str]] = {}
     replaces_surrogate: ClassVar[bool] = False
+    needs_whole_groups: ClassVar[bool] = False
     needs_reference_model: ClassVar[bool] = False
     replaces: ClassVar[tuple[str, ...]] = ()
     overwrites: ClassVar[tuple[str, ...]] = ()

@@ -111,6 +111,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
         iteration=(t.micro_step // args.steps_per_generation) % t.num_iterations,
         mode=mode,
         gradient_accumulation_steps=t.current_gradient_accumulation_steps if mode == "train" else 1,
+        num_generations=_whole_group_size(t, mode) if stack.needs_whole_groups else None,
         services=t.plugin_services if capture is None else dataclasses.replace(
             t.plugin_services, head_stats=_head_stats_factory(t, model, capture, logits_to_keep, mask)
         ),
@@ -196,6 +197,11 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     if has_offpolicy or stack.has("trl_plugins_after_generation"):
         t.record_metric(mode, "plugins/framework/offpolicy_token_fraction", _global_masked_mean(t, offpolicy.float(), mask))
     return loss
+
+
+def _whole_group_size(t: Any, mode: str) -> int:
+    """G of this micro-batch's groups (whole, consecutive: :mod:`trl_plugins.runtime.whole_groups`)."""
+    return t.num_generations if mode == "train" else t.num_generations_eval
 
 
 def _global_masked_mean(t: Any, x: torch.Tensor, mask: torch.Tensor) -> float:

@@ -31,6 +31,7 @@ import pluggy
 from trl_plugins.api import hookspecs
 from trl_plugins.api.errors import IncompatiblePluginsError, PluginConfigError, UnknownPluginError, suggest
 from trl_plugins.api.options import option_default
+from trl_plugins.api.hookspecs import HOOK_STAGES
 from trl_plugins.api.plugin import OVERWRITABLE, Plugin, hook_method_problems
 from trl_plugins.runtime.plugin_settings import merge_plugin_settings
 
@@ -310,6 +311,15 @@ class PluginStack:
     @property
     def needs_head_stats(self) -> bool:
         return any(p.needs_head_stats for p in self.plugins if self.has_loss(p))
+
+    @property
+    def needs_whole_groups(self) -> bool:
+        """Whether a plugin whose loss hooks are enabled needs whole groups in every micro-batch
+        (:attr:`Plugin.needs_whole_groups`)."""
+        return any(
+            p.needs_whole_groups and any(p.hook_enabled(h) for h in p.hook_names() if HOOK_STAGES.get(h) == "loss")
+            for p in self.plugins
+        )
 
     def has_loss(self, plugin: Plugin) -> bool:
         return "loss" in plugin.stages()

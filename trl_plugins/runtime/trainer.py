@@ -69,6 +69,7 @@ from trl_plugins.guards.dataset_guard import check_training_dataset
 from trl_plugins.api.errors import PluginConfigError, PluginError
 from trl_plugins.runtime.generation import SCORING_FAILED, GenerationService
 from trl_plugins.runtime.loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
+from trl_plugins.runtime.whole_groups import check_whole_groups
 from trl_plugins.runtime.reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
 from trl_plugins.runtime.manager import PluginStack, build_plugins
 from trl_plugins.runtime.models import resolve_model_name
@@ -215,6 +216,10 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         if self._uses_plugin_loss:
             check_loss_type(self.loss_type)
         stack.check_loss_type(self.loss_type)
+        if stack.needs_whole_groups:  # loss plugins comparing a group's rows: groups, not rows, are shuffled
+            check_whole_groups([p.name for p in stack if p.needs_whole_groups], args, self.num_generations,
+                               self.num_generations_eval)
+            self.whole_groups = self.num_generations
         #: The refill stage (plugins rejecting whole groups: ``trl_plugins_reject_groups``), else None.
         self.refill_stage: RefillStage | None = RefillStage(self) if stack.has(REJECT_HOOK) else None
         #: Frozen copy of the initial policy for plugins needing the reference (full fine-tuning with beta=0 only).

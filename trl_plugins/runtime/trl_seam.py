@@ -28,6 +28,7 @@ Three parts:
   ``_get_train_sampler``                       :meth:`~TrlSeamTrainer.get_train_sampler`
   ``_save_checkpoint``                         :meth:`~TrlSeamTrainer.save_checkpoint`
   ``_load_optimizer_and_scheduler``            :meth:`~TrlSeamTrainer.load_optimizer_and_scheduler`
+  ``_prepare_inputs``                          :meth:`~TrlSeamTrainer.prepare_inputs`
   ==========================================  =====================================
 
 * the **accessors** of TRL's private state and helpers, each a public, documented method or property of
@@ -60,6 +61,7 @@ OVERRIDE_POINTS = {
     "_get_train_sampler": "get_train_sampler",
     "_save_checkpoint": "save_checkpoint",
     "_load_optimizer_and_scheduler": "load_optimizer_and_scheduler",
+    "_prepare_inputs": "prepare_inputs",
 }
 
 #: The public accessors of TRL's private state and helpers that :class:`TrlSeamTrainer` adds.
@@ -138,6 +140,30 @@ class TrlSeamTrainer(GRPOTrainer):
     def compute_grpo_loss(self, model: Any, inputs: dict) -> torch.Tensor:
         """TRL's ``_compute_loss``: the GRPO loss of one micro-batch (a scalar tensor)."""
         return super()._compute_loss(model, inputs)
+
+    def _prepare_inputs(self, generation_batch):
+        return self.prepare_inputs(generation_batch)
+
+    #: Group size G when a loss plugin needs whole groups in every micro-batch (set by the plugin trainer,
+    #: :mod:`trl_plugins.runtime.whole_groups`); None: TRL's row shuffle.
+    whole_groups: int | None = None
+
+    def prepare_inputs(self, generation_batch: Any) -> dict:
+        """TRL's ``_prepare_inputs``: the micro-batch of the current step (generating, scoring, shuffling and splitting
+        a new generation batch every ``steps_per_generation * num_iterations`` steps). With :attr:`whole_groups` set,
+        the same steps in training with whole groups shuffled instead of rows (evaluation batches are not shuffled)."""
+        if self.whole_groups is None or not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+
+        from trl_plugins.runtime.whole_groups import group_permutation, permute_rows
+
+        steps = self.args.steps_per_generation
+        if self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+            batch = permute_rows(batch, group_permutation(batch["completion_ids"].size(0), self.whole_groups))
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in split_tensor_dict(batch, steps)]
+        return self._buffered_inputs[self._step % steps]
 
     def _get_train_sampler(self, dataset=None):
         return self.get_train_sampler(dataset)

@@ -1086,6 +1086,7 @@ def make_loss_context(
     iteration: int = 0,
     mode: str = "train",
     gradient_accumulation_steps: int = 1,
+    num_generations: int | None = None,
     seed: int = 0,
     loss_options: Mapping[str, Any] | None = None,
     run: RunInfo | None = None,
@@ -1107,7 +1108,8 @@ def make_loss_context(
     ``clip_scale`` (B, T) builds the clipped surrogate with the per-token range a ``trl_plugins_loss_advantages``
     hook sets through ``ctx.scale_clip_range`` (call the hook on one context, then pass its ``ctx.clip_scale`` here).
     ``gradient_accumulation_steps`` is TRL's normaliser (1 in eval mode, as the trainer gives
-    it); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
+    it); ``num_generations`` (G) says the rows are whole groups of G consecutive rows (``ctx.group_rows``, for plugins
+    declaring ``needs_whole_groups``); ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`. ``ctx.metrics`` records the
     metrics the plugin logs.
     """
     from trl_plugins.runtime import loss_rules as rules
@@ -1169,6 +1171,7 @@ def make_loss_context(
         iteration=iteration,
         mode=mode,
         gradient_accumulation_steps=gradient_accumulation_steps if mode == "train" else 1,
+        num_generations=num_generations,
         log_ratio=weights.log_weights,
         coef_1=weights.coef_1,
         per_token_loss=per_token_loss,
