@@ -55,6 +55,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "empo": ({}, {}),
     "epo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
+    "fleming_r1": ({}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
     "hapo": ({}, {}),
     # the paper's budgets (512-2560 tokens) exceed the 40-token completions: four sub-groups of 2 rollouts instead
@@ -90,6 +91,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
     # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
     "r2vpo": ({}, {"steps_per_generation": 2}),
+    # two arithmetic problems chained into one prompt; the chained verifier wants boxed answers
+    "r_horizon": ({}, {}),
     "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     # the reference solution is the demonstration (official: a teacher trace)

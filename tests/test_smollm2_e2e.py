@@ -267,6 +267,10 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
+        # failure mining from the first outcome on (one failed group makes a prompt a persistent failure)
+        "fleming_r1": (["fleming_r1"], {"fleming_r1": {"min_failures": 1}}, {"loss_type": "grpo"}, []),
+        # two problems per prompt: the dataset is composed when the trainer is built, the chained verifier scores it
+        "r_horizon": (["r_horizon"], {}, {"loss_type": "grpo"}, []),
     }
 
 
