@@ -73,6 +73,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "llds": ({}, {}),
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
+    # the bench task's two levels as two cascade stages (level 1 first, then level 2)
+    "nemotron_cascade": ({"stages": ["1", "2"], "stage_steps": [5], "domain_column": "level"}, {}),
     "oreal": ({}, {"loss_type": "dapo"}),
     "lp_reg": ({"rho": 0.05}, {}),
     "otc_po": ({}, {}),

@@ -269,8 +269,14 @@ def _stacks(urls):
         ),
         # failure mining from the first outcome on (one failed group makes a prompt a persistent failure)
         "fleming_r1": (["fleming_r1"], {"fleming_r1": {"min_failures": 1}}, {"loss_type": "grpo"}, []),
-        # two problems per prompt: the dataset is composed when the trainer is built, the chained verifier scores it
-        "r_horizon": (["r_horizon"], {}, {"loss_type": "grpo"}, []),
+        # two problems per prompt (the dataset composed when the trainer is built, the chained verifier scoring it), in
+        # a one-stage cascade over the composed rows' level that trains on the chained verifier only, capped at 8 tokens
+        "r_horizon+nemotron_cascade": (
+            ["r_horizon", "nemotron_cascade"],
+            {"nemotron_cascade": {"stages": ["1"], "domain_column": "level", "stage_rewards": [["r_horizon_chain"]],
+                                  "stage_max_lengths": [8]}},
+            {"loss_type": "grpo"}, [],
+        ),
     }
 
 
