@@ -50,7 +50,7 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.answers import extract_all_boxed, normalize_answer
-from trl_plugins.api.text import completion_text
+from trl_plugins.api.text import completion_text, last_user_text, with_last_user_text
 
 ANSWERS_COLUMN = "r_horizon_answers"
 REWARD_NAME = "r_horizon_chain"
@@ -166,22 +166,7 @@ def chain_reward(completion: str, targets: Sequence[str], mode: str = "all", thi
 # ================================================================================================ dataset transform
 def question_text(row: dict, question_column: str | None) -> str:
     """A row's problem text: ``question_column``, else the prompt's last user message (or the prompt string)."""
-    if question_column is not None:
-        return str(row[question_column])
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return prompt
-    return str([m for m in prompt if m.get("role") == "user"][-1]["content"])
-
-
-def with_question(prompt: Any, text: str) -> Any:
-    """``prompt`` with its last user message (or the whole string prompt) replaced by ``text``."""
-    if isinstance(prompt, str):
-        return text
-    messages = [dict(m) for m in prompt]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-    messages[last]["content"] = text
-    return messages
+    return str(row[question_column]) if question_column is not None else last_user_text(row["prompt"])
 
 
 def compose_dataset(dataset: Any, num_problems: int, seed: int, answer_column: str = "answer",
@@ -230,7 +215,7 @@ def compose_dataset(dataset: Any, num_problems: int, seed: int, answer_column: s
         seen.add(chain)
         last = rows[chain[-1]]
         row = dict(last)
-        row["prompt"] = with_question(last["prompt"], compose_chain([texts[i] for i in chain],
+        row["prompt"] = with_last_user_text(last["prompt"], compose_chain([texts[i] for i in chain],
                                                                      [answers[i] for i in chain]))
         row[answer_column] = str(answers[chain[-1]])
         row[ANSWERS_COLUMN] = [str(answers[i]) for i in chain]

@@ -85,6 +85,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
+    # the arithmetic task has no paraphrase column: two rewording templates give each group three variants
+    "ps_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
+                {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),

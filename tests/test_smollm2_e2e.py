@@ -267,13 +267,21 @@ def _stacks(urls):
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
         ),
-        # failure mining from the first outcome on (one failed group makes a prompt a persistent failure)
-        "fleming_r1": (["fleming_r1"], {"fleming_r1": {"min_failures": 1}}, {"loss_type": "grpo"}, []),
+        # failure mining from the first outcome on, then (ps_grpo) each G=2 group over the question and one rewording,
+        # rewarded by agreement across the two
+        "fleming_r1+ps_grpo": (
+            ["fleming_r1", "ps_grpo"],
+            {"fleming_r1": {"min_failures": 1},
+             "ps_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]}},
+            {"loss_type": "grpo"}, [],
+        ),
         # two problems per prompt (the dataset composed when the trainer is built, the chained verifier scoring it), in
-        # a one-stage cascade over the composed rows' level that trains on the chained verifier only, capped at 8 tokens
+        # a one-stage cascade over the composed rows' level that drops the accuracy column (the partial-credit column
+        # gives the groups variance: the 135M policy never solves a chain), capped at 8 tokens
         "r_horizon+nemotron_cascade": (
             ["r_horizon", "nemotron_cascade"],
-            {"nemotron_cascade": {"stages": ["1"], "domain_column": "level", "stage_rewards": [["r_horizon_chain"]],
+            {"nemotron_cascade": {"stages": ["1"], "domain_column": "level",
+                                  "stage_rewards": [["r_horizon_chain", "digit_fraction_reward"]],
                                   "stage_max_lengths": [8]}},
             {"loss_type": "grpo"}, [],
         ),

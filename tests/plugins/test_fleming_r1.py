@@ -4,15 +4,13 @@ loop drew, bad options refused, and tiny-model runs (the neutral setting is vani
 
 import pytest
 import torch
-from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.components.prompt_history import HistoryRepeatSampler
 from trl_plugins.runtime.checkpoints import load_plugin_state, save_plugin_state
 from trl_plugins.testing import (
-    assert_runs_equal,
-    digit_fraction_reward,
+    assert_reduces_to_vanilla,
     make_reward_context,
     make_tiny_trainer,
     record_run,
@@ -188,14 +186,8 @@ def test_bad_options_are_refused_at_construction(options, message):
 
 
 # ------------------------------------------------------------------------------------------ trainer runs
-def test_neutral_setting_keeps_trls_sampler_and_is_vanilla(tmp_path):
-    common = dict(reward_funcs=[digit_fraction_reward], max_steps=1, log_level="error")
-    trainer = make_tiny_trainer(plugins=["fleming_r1"], plugin_config={"fleming_r1": {"wrong_share": 0.0}},
-                                output_dir=str(tmp_path / "a"), **common)
-    with_plugin = record_run(trainer)
-    vanilla = record_run(make_tiny_trainer(trainer_cls=GRPOTrainer, output_dir=str(tmp_path / "b"), **common))
-    assert_runs_equal(with_plugin, vanilla)
-    assert type(trainer._get_train_sampler()) is RepeatSampler
+def test_neutral_setting_is_vanilla():
+    assert_reduces_to_vanilla("fleming_r1", {"wrong_share": 0.0}, loss_types=("grpo", "dapo"), steps=1)
 
 
 def test_tiny_run_mines_the_prompts_it_keeps_failing(tmp_path):
