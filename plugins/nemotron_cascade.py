@@ -168,7 +168,8 @@ class NemotronCascadePlugin(Plugin):
                 f"nemotron_cascade: stage_rewards names {unknown}, which are not reward functions of this run "
                 f"({trainer.reward_func_names})."
             )
-        self._bind(trainer.train_dataset)
+        if trainer.train_dataset is not None:
+            self._bind(trainer.train_dataset)
         self._apply_cap(trainer, 0)
 
     def _bind(self, dataset) -> None:

@@ -270,11 +270,8 @@ class RHorizonPlugin(Plugin):
 
         def r_horizon_chain(completions, **kwargs):
             targets = kwargs.get(ANSWERS_COLUMN)
-            if targets is None:
-                raise PluginConfigError(
-                    f"r_horizon: the batch has no {ANSWERS_COLUMN!r} column (the training dataset was not composed by "
-                    "this plugin, e.g. an eval dataset): give it composed rows or disable r_horizon."
-                )
+            if targets is None:  # rows this plugin did not compose (an eval dataset): not applicable (NaN)
+                return [None] * len(completions)
             return [chain_reward(completion_text(c), t, o.reward, o.think_end) for c, t in zip(completions, targets)]
 
         r_horizon_chain.reward_weight = o.reward_weight

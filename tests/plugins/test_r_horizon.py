@@ -167,3 +167,12 @@ def test_a_run_trains_on_composed_prompts_with_the_chained_verifier(tmp_path):
     run = record_run(trainer)
     logs = [log for log in run.logs if "loss" in log]
     assert "plugins/r_horizon/chain_accuracy" in logs[0] and "rewards/r_horizon_chain/mean" in logs[0]
+
+
+def test_reward_function_scores_composed_rows_and_skips_others():
+    plugin = build_plugins(["r_horizon"], {}).by_name["r_horizon"]
+    (reward,) = plugin.trl_plugins_reward_functions(None)
+    assert reward.__name__ == "r_horizon_chain"
+    done = "### Final Answers\nProblem 1: \\boxed{6}\nProblem 2: \\boxed{8}"
+    assert reward([done, "\\boxed{6} \\boxed{9}"], **{ANSWERS_COLUMN: [["6", "8"], ["6", "8"]]}) == [1.0, 0.0]
+    assert reward([done, done]) == [None, None]  # rows it did not compose (an eval dataset): not applicable
