@@ -48,16 +48,21 @@ pruning are reconstructed (``trl-plugins show adaptive_sampler``, docs/faithfuln
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import Sampler
-
-from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginError, RewardContext, hookimpl, option
+from trl_plugins.api import OfficialSource, Plugin, PluginError, RewardContext, hookimpl, option
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text
+from trl_plugins.components.prompt_history import (
+    HistoryRepeatSampler,
+    chunk_generator,
+    default_feedback_delay,
+    refuse_iterable_dataset,
+    refuse_unrestored_resume,
+    warn_lagging_feedback,
+)
 
 
 @dataclass
@@ -178,50 +183,14 @@ def sampling_probabilities(
     return q / q.sum()
 
 
-def chunk_generator(seed: int, chunk: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed((seed * 1_000_003 + chunk * 7_919 + 12_345) % (2**63 - 1))
-    return g
-
-
 # ================================================================================================ sampler
-class AdaptiveRepeatSampler(Sampler):
-    """TRL's ``RepeatSampler`` layout with prompts drawn by :class:`AdaptiveSamplerPlugin` (one chunk at a time).
-
-    Each chunk of ``batch_size`` prompt indices is drawn lazily, when the dataloader first needs it; each index is
-    yielded ``mini_repeat_count`` times in a row, each chunk ``repeat_count`` times; an epoch has as many chunks as
-    TRL's sampler would (``len(dataset) // batch_size``).
-    """
+class AdaptiveRepeatSampler(HistoryRepeatSampler):
+    """TRL's ``RepeatSampler`` layout with prompts drawn by :class:`AdaptiveSamplerPlugin` (one chunk at a time)."""
 
     def __init__(self, plugin: AdaptiveSamplerPlugin, num_samples: int, mini_repeat_count: int, batch_size: int,
                  repeat_count: int):
+        super().__init__(plugin.draw_chunk, num_samples, mini_repeat_count, batch_size, repeat_count)
         self.plugin = plugin
-        self.num_samples = num_samples
-        self.mini_repeat_count = mini_repeat_count
-        self.batch_size = batch_size
-        self.repeat_count = repeat_count
-        self.epoch: int | None = None
-        self._iterations = 0
-
-    @property
-    def chunks_per_epoch(self) -> int:
-        return self.num_samples // self.batch_size
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        epoch = self.epoch if self.epoch is not None else self._iterations
-        self._iterations += 1
-        for j in range(self.chunks_per_epoch):
-            chunk = self.plugin.draw_chunk(epoch * self.chunks_per_epoch + j, self.batch_size)
-            for _ in range(self.repeat_count):
-                for index in chunk:
-                    for _ in range(self.mini_repeat_count):
-                        yield index
-
-    def __len__(self) -> int:
-        return self.chunks_per_epoch * self.batch_size * self.mini_repeat_count * self.repeat_count
 
 
 # ================================================================================================ plugin
@@ -316,19 +285,11 @@ class AdaptiveSamplerPlugin(Plugin):
     # ------------------------------------------------------------------------------------------ lifecycle
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        from torch.utils.data import IterableDataset
-
-        if self.options.active and isinstance(trainer.train_dataset, IterableDataset):
-            raise PluginConfigError(
-                "adaptive_sampler needs a map-style training dataset (TRL attaches no sampler to an IterableDataset)."
-            )
+        if self.options.active:
+            refuse_iterable_dataset(trainer, self.name)
         self._seed = int(args.seed)
         if self.options.feedback_delay is None:
-            repeat = max(1, trainer.num_iterations * args.steps_per_generation)
-            ahead = args.gradient_accumulation_steps
-            if args.dataloader_num_workers > 0:
-                ahead += args.dataloader_num_workers * (args.dataloader_prefetch_factor or 2)
-            self._delay = ahead // repeat + 1
+            self._delay = default_feedback_delay(trainer, args)
         dataset = trainer.train_dataset
         if dataset is not None and self.options.active and len(self.accuracy) == 0:
             self._bind_dataset(dataset)
@@ -390,11 +351,7 @@ class AdaptiveSamplerPlugin(Plugin):
     def _apply_due(self, chunk: int) -> None:
         due = chunk - self._delay
         if due >= 0 and self.batches_seen <= due and not self._lag_warned:
-            warnings.warn(
-                f"adaptive_sampler: chunk {chunk} is drawn before the outcome of chunk {due} is known; increase "
-                "feedback_delay (draws stay identical across processes, but a resumed run may differ).",
-                stacklevel=2,
-            )
+            warn_lagging_feedback(self.name, chunk, due)
             self._lag_warned = True
         for c in sorted(k for k in self.pending if k <= due):
             self._apply(self.pending.pop(c))
@@ -427,12 +384,7 @@ class AdaptiveSamplerPlugin(Plugin):
         k = self.batches_seen
         step = ctx.step
         if k == 0 and step > 0 and not self._restored:
-            raise PluginError(
-                f"adaptive_sampler: training resumed at step {step} without this plugin's saved state (the checkpoint "
-                "was saved by a run without adaptive_sampler, or its trl_plugins_state.pt is missing), so the "
-                "sampler's draws no longer line up with the batches. Resume from a checkpoint saved with "
-                "adaptive_sampler enabled, or start a new run (resume_from_checkpoint unset) from those weights."
-            )
+            refuse_unrestored_resume(self.name, step)
         chunk = self.chunks.get(k)
         if chunk is None:
             return  # not drawn by this plugin's sampler (e.g. a custom loop); nothing to learn from

@@ -59,6 +59,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "empo": ({}, {}),
     "epo": ({}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
+    "fleming_r1": ({}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),
     "hapo": ({}, {}),
     # the paper's budgets (512-2560 tokens) exceed the 40-token completions: four sub-groups of 2 rollouts instead
@@ -76,6 +77,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "llds": ({}, {}),
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
+    # the bench task's two levels as two cascade stages (level 1 first, then level 2)
+    "nemotron_cascade": ({"stages": ["1", "2"], "stage_steps": [5], "domain_column": "level"}, {}),
     "oreal": ({}, {"loss_type": "dapo"}),
     # the 40-token completions never pass the official 100-token bonus constraint; the ladder by the task's level
     "observe_r1": ({"bonus_constraint": 0, "ladder_column": "level"}, {}),
@@ -90,6 +93,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
+    # the arithmetic task has no paraphrase column: two rewording templates give each group three variants
+    "ps_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
+                {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
@@ -99,6 +105,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
     # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
     "r2vpo": ({}, {"steps_per_generation": 2}),
+    # two arithmetic problems chained into one prompt; the chained verifier wants boxed answers
+    "r_horizon": ({}, {}),
     "remax": ({}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     # the reference solution is the demonstration (official: a teacher trace)

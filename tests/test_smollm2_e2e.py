@@ -302,6 +302,25 @@ def _stacks(urls):
         # ARMed's semantic column from an embeddings endpoint (the answer after "Answer:" against the reference)
         "armed": (["armed"], {"armed": {"embedder_base_url": urls["embeddings"], "embedder_max_retries": 1,
                                         "answer_pattern": r"Answer:\s*(\S+)"}}, {"loss_type": "dapo"}, ["embeddings"]),
+
+        # failure mining from the first outcome on, then (ps_grpo) each G=2 group over the question and one rewording,
+        # rewarded by agreement across the two
+        "fleming_r1+ps_grpo": (
+            ["fleming_r1", "ps_grpo"],
+            {"fleming_r1": {"min_failures": 1},
+             "ps_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]}},
+            {"loss_type": "grpo"}, [],
+        ),
+        # two problems per prompt (the dataset composed when the trainer is built, the chained verifier scoring it), in
+        # a one-stage cascade over the composed rows' level that drops the accuracy column (the partial-credit column
+        # gives the groups variance: the 135M policy never solves a chain), capped at 8 tokens
+        "r_horizon+nemotron_cascade": (
+            ["r_horizon", "nemotron_cascade"],
+            {"nemotron_cascade": {"stages": ["1"], "domain_column": "level",
+                                  "stage_rewards": [["r_horizon_chain", "digit_fraction_reward"]],
+                                  "stage_max_lengths": [8]}},
+            {"loss_type": "grpo"}, [],
+        ),
     }
 
 

@@ -42,6 +42,7 @@ def _noop_hooks() -> dict:
     def trl_plugins_load_state_dict(self, state): pass
     def trl_plugins_reward_functions(self, args): return []
     def trl_plugins_train_sampler(self, trainer, sampler, dataset): return None
+    def trl_plugins_train_dataset(self, dataset, args): return None
     def trl_plugins_generation_prompts(self, ctx): pass
     def trl_plugins_after_generation(self, ctx): pass
     def trl_plugins_reject_groups(self, ctx): pass

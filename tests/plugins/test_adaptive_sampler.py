@@ -21,6 +21,7 @@ from trl_plugins.testing import (
     make_reward_context,
     make_tiny_trainer,
     record_run,
+    simulate_sampler_loop,
     tiny_dataset,
 )
 from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
@@ -99,25 +100,8 @@ def test_sampler_keeps_trl_repeat_layout_and_is_identical_on_every_process():
     assert list(sa)[:6] == [a.chunks[5][0]] * 3 + [a.chunks[5][1]] * 3  # epoch 1 starts at chunk 5
 
 
-def _reward_ctx(chunk, G, success_of, k):
-    rows = []
-    for idx in chunk:
-        s = success_of(idx, k)
-        rows += [1.0 if j < round(s * G) else 0.0 for j in range(G)]
-    N = len(rows)
-    return make_reward_context(torch.tensor(rows).unsqueeze(1), num_generations=G, reward_func_names=["acc"],
-                               completions=[f"c{j}" for j in range(N)], step=k)
-
-
-def simulate(plugin, start, stop, bs, G, success_of, lag=1):
-    """A training loop whose dataloader draws ``lag`` chunks ahead of the batch it reports (as TRL + accelerate)."""
-    drawn = {}
-    for c in range(start, stop):
-        for ahead in range(c, c + lag + 1):
-            if ahead not in drawn:
-                drawn[ahead] = plugin.draw_chunk(ahead, bs)
-        plugin.trl_plugins_transform_rewards(_reward_ctx(drawn[c], G, success_of, c))
-    return drawn
+def simulate(plugin, start, stop, bs, G, success_of):
+    return simulate_sampler_loop(plugin, start, stop, bs, G, success_of)
 
 
 def _success(idx, k):

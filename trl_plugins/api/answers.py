@@ -58,25 +58,45 @@ def extract_task_answer(text: str) -> str | None:
     return None if value is None else str(value)
 
 
+def _boxed_at(text: str, start: int) -> str | None:
+    r"""Content of the ``\boxed{...}`` starting at ``start`` (balanced braces), or None when it is not closed."""
+    i = start + len("\\boxed")
+    while i < len(text) and text[i].isspace():
+        i += 1
+    if i < len(text) and text[i] == "{":
+        depth, j = 0, i
+        while j < len(text):
+            if text[j] == "{":
+                depth += 1
+            elif text[j] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[i + 1 : j].strip()
+            j += 1
+    return None
+
+
 def extract_boxed(text: str) -> str | None:
     r"""Content of the last ``\boxed{...}`` in ``text`` (balanced braces), or None."""
     start = text.rfind("\\boxed")
     while start != -1:
-        i = start + len("\\boxed")
-        while i < len(text) and text[i].isspace():
-            i += 1
-        if i < len(text) and text[i] == "{":
-            depth, j = 0, i
-            while j < len(text):
-                if text[j] == "{":
-                    depth += 1
-                elif text[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[i + 1 : j].strip()
-                j += 1
+        content = _boxed_at(text, start)
+        if content is not None:
+            return content
         start = text.rfind("\\boxed", 0, start)
     return None
+
+
+def extract_all_boxed(text: str) -> list[str]:
+    r"""Contents of every closed ``\boxed{...}`` in ``text``, in order (balanced braces)."""
+    out = []
+    start = text.find("\\boxed")
+    while start != -1:
+        content = _boxed_at(text, start)
+        if content is not None:
+            out.append(content)
+        start = text.find("\\boxed", start + 1)
+    return out
 
 
 def find_numbers(text: str) -> list[str]:

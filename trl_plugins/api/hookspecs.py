@@ -64,6 +64,7 @@ HOOK_STAGES: dict[str, str] = {
     "trl_plugins_load_state_dict": "lifecycle",
     "trl_plugins_reward_functions": "reward",
     "trl_plugins_train_sampler": "sampling",
+    "trl_plugins_train_dataset": "sampling",
     "trl_plugins_generation_prompts": "sampling",
     "trl_plugins_after_generation": "sampling",
     "trl_plugins_reject_groups": "sampling",
@@ -145,6 +146,18 @@ def trl_plugins_train_sampler(trainer: Any, sampler: Any, dataset: Any) -> Any:
     times in a row, each chunk yielded ``sampler.repeat_count`` times, ``len()`` unchanged, and the same sequence on
     every process (decide from seeds and from state updated only with gathered data). It may implement
     ``set_epoch(epoch)``. Not called for iterable datasets (TRL attaches no sampler to them).
+    """
+
+
+@hookspec
+def trl_plugins_train_dataset(dataset: Any, args: Any) -> Any:
+    """Return a replacement for the training dataset (a data transform of the method), or None to keep ``dataset``.
+
+    Called once when the trainer is built, before TRL sees the dataset (before the column checks and TRL's own
+    preparation), with the user's map-style dataset or the previous plugin's replacement (plugins chain in order).
+    Every process calls it with the same dataset, so the transform must be a function of the dataset, the options and
+    ``args.seed`` alone (no gathers needed: every process then trains on the same rows). Not called without a training
+    dataset or for an iterable one.
     """
 
 

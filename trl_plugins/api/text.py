@@ -82,3 +82,21 @@ def check_template(plugin: str, option: str, template: Any, fields: tuple[str, .
     missing = [f for f in required if f not in seen]
     if missing:
         refuse(f"it must contain {', '.join('{' + f + '}' for f in missing)}")
+
+
+def last_user_text(prompt: Any) -> str:
+    """The text of a prompt's last user message (conversational), or the prompt itself (a string)."""
+    if isinstance(prompt, str):
+        return prompt
+    return str([m for m in prompt if m.get("role") == "user"][-1]["content"])
+
+
+def with_last_user_text(prompt: Any, text: str) -> Any:
+    """``prompt`` with its last user message's text replaced by ``text`` (a new list; a string prompt becomes
+    ``text``); the other messages are kept as they are."""
+    if isinstance(prompt, str):
+        return text
+    messages = [dict(m) for m in prompt]
+    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
+    messages[last]["content"] = text
+    return messages

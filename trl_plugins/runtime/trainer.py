@@ -170,6 +170,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         user_reward_weights = args.reward_weights
         try:
             reward_funcs = self._with_plugin_rewards(stack, reward_funcs, args)
+            train_dataset = self._plugin_train_dataset(stack, train_dataset, args)
             check_training_dataset(train_dataset, environment_owned=kwargs.get("environment_factory") is not None)
             self._check_columns(stack, train_dataset)
             check_reward_columns(reward_funcs, train_dataset)
@@ -593,6 +594,21 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             images,
             tool_images,
         )
+
+    @staticmethod
+    def _plugin_train_dataset(stack: PluginStack, dataset: Any, args: Any) -> Any:
+        """The training dataset after the plugins' ``trl_plugins_train_dataset`` transforms (chained in order)."""
+        import datasets
+        from torch.utils.data import IterableDataset
+
+        iterable = isinstance(dataset, (IterableDataset, datasets.IterableDataset))
+        if dataset is None or iterable or not stack.has("trl_plugins_train_dataset"):
+            return dataset
+        for plugin in stack.implementers("trl_plugins_train_dataset"):
+            replacement = plugin.trl_plugins_train_dataset(dataset=dataset, args=args)
+            if replacement is not None:
+                dataset = replacement
+        return dataset
 
     def get_train_sampler(self, dataset=None):
         sampler = super().get_train_sampler(dataset)

@@ -15,7 +15,8 @@ Training runs on the tiny model:
 
 Hand-made stage contexts for unit tests (no model, no trainer; stub services record what the plugin asked):
     :func:`make_prompt_context`, :func:`make_rollout_context` (with :class:`StubGenerationService`),
-    :func:`make_reward_context`, :func:`make_advantage_context`, :func:`make_loss_context` (their services are
+    :func:`make_reward_context` (:func:`simulate_sampler_loop` drives a history sampler with it),
+    :func:`make_advantage_context`, :func:`make_loss_context` (their services are
     :func:`stub_services`: a :class:`CharTokenizer`, a one-process gather ...; keyword arguments replace any);
     :func:`build_stack` / :func:`run_hook` enable a plugin by name (options validated, ``configure`` called) and
     call one of its hooks (``run_hook(name, "loss", ctx, options={...})``); :func:`loss_from_context` composes a loss context's contributions as the framework
@@ -885,6 +886,33 @@ def make_reward_context(
     )
     ctx.metrics = metrics
     return ctx
+
+
+def simulate_sampler_loop(
+    plugin: Any, start: int, stop: int, chunk_size: int, num_generations: int,
+    success_of: Callable[[int, int], float], lag: int = 1,
+) -> dict[int, list[int]]:
+    """A training loop for a history sampler (``plugin.draw_chunk`` + its reward hook), without a model.
+
+    Batch ``c`` (from ``start`` to ``stop - 1``) is chunk ``c``; the dataloader draws ``lag`` chunks ahead of the batch
+    it reports, as TRL with accelerate's prefetch does. Prompt ``idx`` of batch ``c`` gets ``round(success_of(idx, c)
+    * G)`` correct rollouts (reward 1 on a single verifier column ``acc``) of ``G = num_generations``.
+
+    Returns:
+        ``{chunk: prompt indices}`` of every chunk drawn.
+    """
+    drawn: dict[int, list[int]] = {}
+    G = num_generations
+    for c in range(start, stop):
+        for ahead in range(c, c + lag + 1):
+            if ahead not in drawn:
+                drawn[ahead] = plugin.draw_chunk(ahead, chunk_size)
+        rows = [1.0 if j < round(success_of(idx, c) * G) else 0.0 for idx in drawn[c] for j in range(G)]
+        plugin.trl_plugins_transform_rewards(make_reward_context(
+            torch.tensor(rows).unsqueeze(1), num_generations=G, reward_func_names=["acc"],
+            completions=[f"c{j}" for j in range(len(rows))], step=c,
+        ))
+    return drawn
 
 
 def group_normalized_advantages(rewards: torch.Tensor, num_generations: int, scale: bool = True) -> torch.Tensor:
