@@ -54,15 +54,17 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from trl_plugins.api.errors import PluginConfigError
-from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient
+from trl_plugins.api.options import option
+from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options
 
 __all__ = [
     "AGGREGATIONS",
     "EndpointGenRMBackend",
     "GenRMBackend",
+    "GenRMOptions",
     "GenRMParseError",
     "GenRMResult",
     "GenRMTemplate",
@@ -71,7 +73,10 @@ __all__ = [
     "MetaFilter",
     "ScriptedGenRMBackend",
     "aggregate_verdicts",
+    "clear_shared_genrm_backends",
+    "genrm_from_options",
     "genrm_handler",
+    "neutral_fill",
     "meta_judge_filter",
     "scripted_genrm",
 ]
@@ -204,6 +209,23 @@ class GenRMResult:
     @property
     def unparsable_rows(self) -> list[int]:
         return [i for i, v in enumerate(self.values) if math.isnan(v)]
+
+
+def neutral_fill(values: Any, group_size: int) -> tuple[Any, Any]:
+    """Rows without a verdict (NaN) take the mean of their group's verdicts -- the group mean is unchanged, so the
+    row's group-relative advantage is 0 -- or 0.0 when no row of the group has one.
+
+    Args:
+        values: (N,) float tensor, groups of ``group_size`` contiguous rows.
+    Returns:
+        (N,) filled values and the (N,) bool mask of the rows that had no verdict.
+    """
+    import torch
+
+    missing = torch.isnan(values)
+    groups = values.view(-1, group_size)
+    means = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(groups).reshape(-1)
+    return torch.where(missing, means, values), missing
 
 
 # ============================================================================================= backends
@@ -444,16 +466,22 @@ _SECTION_RE = {
     "response": re.compile(r"\[Response\]\n(.*?)\n\[End of Response\]", re.DOTALL),
     "response_a": re.compile(r"\[Response A\]\n(.*?)\n\[End of Response A\]", re.DOTALL),
     "response_b": re.compile(r"\[Response B\]\n(.*?)\n\[End of Response B\]", re.DOTALL),
+    "judgement": re.compile(r"\[Judgement\]\n(.*?)\n\[End of Judgement\]", re.DOTALL),
 }
+_BOXED_RE = re.compile(r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}")
 
 
 def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0, low: float = 1.0) -> Callable:
     """``messages -> answer`` grading with a task's verifier, in the built-in templates' formats (sections
     ``[Question]`` / ``[Response]`` or ``[Response A]`` / ``[Response B]``): pointwise, ``high`` for a correct
-    response, else between ``low`` and the middle by how many steps precede its first error, ending in
+    response, else a whole score between ``low`` and the middle by how many steps precede its first error, ending in
     ``\\boxed{score}``; pairwise, ``<answer>A</answer>`` or ``B`` for the better one (correct first, then the later
-    first error; a tie names A, a position bias that a swap exposes). The question is rebuilt into a row by
-    ``QUESTION_ROWS[oracle]`` and graded by ``VERIFIER_FEEDBACK[oracle]``."""
+    first error; a tie names A, a position bias that a swap exposes) -- or, when the prompt asks for the signed
+    scale "from -3 to 3", ``<answer>+-2</answer>`` (0 is not on the scale: a tie answers -1, A slightly better);
+    a meta-RM request (a ``[Judgement]`` section holding a pointwise judgement of a request) is rated ``high`` when
+    the judgement's last ``\\boxed{}`` score equals the verifier's, else ``low``. The question is rebuilt into a row
+    by ``QUESTION_ROWS[oracle]`` and graded by ``VERIFIER_FEEDBACK[oracle]``; a request without these sections is a
+    ``ValueError``."""
     from trl_plugins.components.feedback import feedback_oracle
     from trl_plugins.components.local_server import QUESTION_ROWS
 
@@ -465,17 +493,25 @@ def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0,
             return high
         steps = len([line for line in text.splitlines() if line.strip()]) or 1
         done = steps if verdict.first_error is None else verdict.first_error
-        return low + (high - low) / 2 * min(done / steps, 1.0)
+        return float(round(low + (high - low) / 2 * min(done / steps, 1.0)))  # whole scores, as judges write them
 
     def answer(messages: list[dict]) -> str:
-        user = messages[-1]["content"]
-        parts = {name: m.group(1) for name, rx in _SECTION_RE.items() if (m := rx.search(user))}
+        text = "\n".join(str(m.get("content", "")) for m in messages)
+        parts = {name: m.group(1) for name, rx in _SECTION_RE.items() if (m := rx.search(text))}
+        if "question" not in parts or not ({"response", "response_a"} & set(parts)):
+            raise ValueError("scripted_genrm: the request has no [Question] and [Response] sections.")
         row = row_of(parts["question"])
+        if "judgement" in parts:
+            said = _BOXED_RE.findall(parts["judgement"])
+            right = bool(said) and float(said[-1]) == quality(row, parts["response"])
+            return f"The judgement {'matches' if right else 'contradicts'} the verifier. \\boxed{{{high if right else low:g}}}"
         if "response" in parts:
             score = quality(row, parts["response"])
             return (f"Principles: the final answer must be exact; every step must be right.\n"
                     f"Critique: graded by the task's verifier.\nScore: \\boxed{{{score:g}}}")
         a, b = quality(row, parts["response_a"]), quality(row, parts["response_b"])
+        if "from -3 to 3" in text:
+            return f"Compared by the task's verifier.\n<answer>{2 if b > a else (-2 if a > b else -1)}</answer>"
         return f"Compared by the task's verifier.\n<answer>{'B' if b > a else 'A'}</answer>"
 
     return answer
@@ -492,3 +528,97 @@ def genrm_handler(backend: GenRMBackend, seen: list | None = None) -> Callable[[
         return chat_response(backend.ask([payload["messages"]])[0])
 
     return handler
+
+
+# ============================================================================================= plugin options
+_SHARED: dict[tuple, GenRMBackend] = {}
+
+#: ``genrm_model``, ``genrm_base_url``, ``genrm_api_key_env``, ``genrm_timeout``, ``genrm_max_retries``.
+GenRMEndpointOptions = endpoint_options("genrm", "generative reward model")
+
+
+@dataclass
+class GenRMOptions(GenRMEndpointOptions):
+    """The generative-RM options of the plugins that ask one (deepseek_grm, think_rm); their option dataclasses
+    derive from this one, set ``plugin_name``, may redeclare a field with their paper's default, and call
+    ``super().validate()`` from their own checks."""
+
+    plugin_name: ClassVar[str] = "?"
+
+    genrm: Literal["endpoint", "hf", "scripted"] = option(
+        "endpoint", help="Generative RM: an OpenAI-compatible server (genrm_base_url, e.g. `vllm serve`), a local "
+        "Hugging Face model (genrm_model, loaded whole on every process like a teacher), or a task's scripted judge "
+        "(genrm_oracle; tests and demos).",
+    )
+    genrm_oracle: str = option(
+        "arithmetic", help="genrm='scripted': the task whose verifier answers (components.feedback.VERIFIER_FEEDBACK "
+        "and components.local_server.QUESTION_ROWS; 'arithmetic' = the bundled tasks).",
+    )
+    genrm_temperature: float = option(1.0, min=0.0, help="Sampling temperature of the judge's answers.")
+    genrm_max_tokens: int = option(1024, min=1, help="Longest judge answer in tokens.")
+    genrm_device: str | None = option(None, help="Device of a local (hf) judge (None: the run's device).")
+    genrm_max_concurrency: int = option(16, min=1, help="Endpoint requests in flight at once.")
+    genrm_parse_retries: int = option(0, min=0, help="Extra asks for each sampled verdict that did not parse.")
+    genrm_max_unparsable: float = option(
+        0.5, min=0.0, max=1.0, reconstructed=True,
+        help="Largest share of unparsable sampled verdicts in one reward batch; above it the step fails with an "
+        "error naming the judge, the row and the text. Rows without any verdict get their group's mean (a neutral "
+        "advantage), and are counted (metric unparsable_fraction) and logged.",
+    )
+
+    def validate(self) -> None:
+        self.require_base_url("genrm", self.plugin_name, otherwise="genrm='hf' with genrm_model, or 'scripted'")
+        if self.genrm == "hf" and self.genrm_model == "default":
+            raise PluginConfigError(
+                f"Plugin {self.plugin_name!r} with genrm='hf' needs genrm_model (a model name or path).")
+        if self.genrm == "scripted":
+            from trl_plugins.components.local_server import QUESTION_ROWS
+
+            QUESTION_ROWS.check(self.genrm_oracle, f"Option 'genrm_oracle' of plugin {self.plugin_name!r}: ")
+
+
+def _build_backend(kind: str, **kw: Any) -> GenRMBackend:
+    if kind == "scripted":
+        return ScriptedGenRMBackend(scripted_genrm(kw["oracle"]))
+    if kind == "hf":
+        return HFGenRMBackend(kw["model"], temperature=kw["temperature"], max_tokens=kw["max_tokens"],
+                              device=kw["device"])
+    from trl_plugins.components.client import api_key_from_env
+
+    config = EndpointConfig(base_url=kw["base_url"], model=kw["model"], api_key=api_key_from_env(kw["api_key_env"]),
+                            timeout=kw["timeout"], max_retries=kw["max_retries"], max_concurrency=kw["concurrency"])
+    return EndpointGenRMBackend(config, {"temperature": kw["temperature"], "max_tokens": kw["max_tokens"]})
+
+
+def genrm_from_options(o: GenRMOptions, template: GenRMTemplate, *, k: int, aggregate: str, device: Any = None,
+                       meta_template: GenRMTemplate | None = None, meta_keep: int | None = None) -> GenerativeRewardModel:
+    """A :class:`GenerativeRewardModel` for a plugin's options. The backend is shared by every plugin with the same
+    judge options (one local model in memory, one HTTP client); ``device`` places a local judge when
+    ``genrm_device`` is None. With ``meta_template``, the same backend rates each sampled judgement with it
+    (:func:`meta_judge_filter`) and the ``meta_keep`` best are voted."""
+    kw: dict[str, Any] = dict(model=o.genrm_model, temperature=o.genrm_temperature, max_tokens=o.genrm_max_tokens)
+    if o.genrm == "scripted":
+        kw = dict(oracle=o.genrm_oracle)
+    elif o.genrm == "hf":
+        where = o.genrm_device if o.genrm_device is not None else device
+        kw["device"] = None if where is None else str(where)
+    else:
+        kw.update(o.endpoint_kwargs("genrm"), concurrency=o.genrm_max_concurrency)
+    key = (o.genrm, tuple(sorted(kw.items())))
+    if key not in _SHARED:
+        _SHARED[key] = _build_backend(o.genrm, **kw)
+    backend = _SHARED[key]
+    common = dict(parse_retries=o.genrm_parse_retries, max_unparsable=o.genrm_max_unparsable)
+    meta = None
+    if meta_template is not None:
+        meta = meta_judge_filter(GenerativeRewardModel(backend, meta_template, k=1, aggregate="mean",
+                                                       name=f"{o.plugin_name} meta-RM", **common))
+    return GenerativeRewardModel(backend, template, k=k, aggregate=aggregate, meta_filter=meta,
+                                 meta_keep=meta_keep if meta is not None else None, name=o.plugin_name, **common)
+
+
+def clear_shared_genrm_backends() -> None:
+    """Forget the shared judge backends (closing their clients)."""
+    for backend in _SHARED.values():
+        backend.close()
+    _SHARED.clear()
