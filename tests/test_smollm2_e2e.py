@@ -21,6 +21,7 @@ import torch
 
 from trl_plugins import Plugin, PluginGRPOTrainer, hookimpl
 from trl_plugins.components import chat_response, serve_openai_compatible
+from trl_plugins.components.genrm import ScriptedGenRMBackend, genrm_handler, scripted_genrm
 from trl_plugins.components.judge import rule_judge_handler
 from trl_plugins.components.prm import ProgrammaticPRM, arithmetic_row, prm_handler
 from trl_plugins.runtime.manager import available_plugins
@@ -119,7 +120,7 @@ def _teacher_logprob_handler(calls):
 def loopback_components():
     """Base URLs and call logs of the PRM, teacher, critic, rubric judge, feedback judge and teacher log-prob
     servers."""
-    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs")}
+    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs", "genrm")}
     prm_seen = calls["prm"]
     with contextlib.ExitStack() as stack:
         urls = {
@@ -132,6 +133,8 @@ def loopback_components():
                 _fixed_text_handler(calls["feedback"], "Check each step's arithmetic and end with 'Answer: N'."))),
             "teacher_logprobs": stack.enter_context(serve_openai_compatible(
                 _teacher_logprob_handler(calls["teacher_logprobs"]))),
+            "genrm": stack.enter_context(serve_openai_compatible(
+                genrm_handler(ScriptedGenRMBackend(scripted_genrm()), calls["genrm"]))),
         }
         yield urls, calls
 
@@ -266,6 +269,18 @@ def _stacks(urls):
              "dcpo": {"success_column": "digit_fraction_reward", "success_threshold": 0.2},
              "rover": {"next_value": "always"}},
             {"loss_type": "dapo"}, [],
+        ),
+        # generative reward models on a loopback judge endpoint (the scripted verifier-backed judge): deepseek_grm's
+        # k sampled judgements voted after the meta-RM filter, beside the partial-credit column; think_rm's pairwise
+        # advantages alone (the official mode: the other columns weighted 0)
+        "deepseek_grm": (
+            ["deepseek_grm"],
+            {"deepseek_grm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1, "k": 2}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
+        "think_rm": (
+            ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
+            {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
     }
 
