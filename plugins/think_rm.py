@@ -173,6 +173,7 @@ class ThinkRmPlugin(Plugin):
         "compared responses."
     )
     replaces = ("the advantages (advantage='pairwise': Think-RM's pairwise-difference advantages)",)
+    overwrites = ("advantages",)  # recomputed from the pairwise differences: runs first in the advantage chain
     reconstructed = ("the prompt wording (the official templates' structure and verdict tags, our words)",)
 
     def __init__(self, options=None):
@@ -180,6 +181,14 @@ class ThinkRmPlugin(Plugin):
         self.grm = None
         self._device = None
         self._scale: torch.Tensor | None = None
+
+    def overwritten(self) -> tuple[str, ...]:
+        return self.overwrites if self.options.advantage == "pairwise" else ()
+
+    def hook_enabled(self, hook: str) -> bool:
+        if hook == "trl_plugins_transform_advantages":
+            return self.options.advantage == "pairwise"
+        return super().hook_enabled(hook)
 
     @hookimpl
     def trl_plugins_reward_functions(self, args):

@@ -49,6 +49,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "dars": ({"n_max": 16}, {}),
     "dcpo": ({}, {}),
     "decs": ({}, {}),
+    # the scripted verifier-backed generative judge (no model)
+    "deepseek_grm": ({"genrm": "scripted"}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
     "dler": ({}, {}),
     "dynamic_sampling": ({}, {}),
@@ -105,6 +107,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "siren": ({}, {}),
     "siri": ({}, {}),
     "steer": ({}, {}),
+    # the scripted judge; the official pairwise advantages replace TRL's, so the accuracy column is weighted 0 (the
+    # judge reads correctness itself)
+    "think_rm": ({"genrm": "scripted"}, {"reward_weights": [0.0]}),
 }
 
 

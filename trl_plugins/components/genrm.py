@@ -450,13 +450,15 @@ class GenerativeRewardModel:
 
 def meta_judge_filter(meta: GenerativeRewardModel) -> MetaFilter:
     """A :data:`MetaFilter` asking a pointwise GenRM to rate each sampled answer: its question is the original
-    request's user message, its response the sampled judgement (a meta-RM that reads the critique)."""
+    request's user message, its response the sampled judgement (a meta-RM that reads the critique). The filter's
+    ``judge`` attribute is ``meta`` (its :attr:`~GenerativeRewardModel.stats` count the meta ratings)."""
 
     def rate(messages: list[dict], texts: list[str]) -> list[float]:
         question = messages[-1]["content"]
         values = meta.score([question] * len(texts), list(texts)).values
         return [-math.inf if math.isnan(v) else v for v in values]
 
+    rate.judge = meta
     return rate
 
 
