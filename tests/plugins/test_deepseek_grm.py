@@ -179,7 +179,7 @@ def test_end_to_end_column_from_the_scripted_judge(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_itself_as_the_generative_rm_through_the_local_hf_backend(capsys):
-    """builtin:smollm2 (135M) judges 8 completions of 4 held-out prompts through the local HF backend: k=4 sampled
+    """builtin:smollm2 (135M) judges 4 completions of 2 held-out prompts through the local HF backend: k=3 sampled
     judgements each, rated by the same model as meta RM, voted into the reward column. A 135M model follows the
     \\boxed{score} format poorly: the test checks the accounting (every sample parsed or counted, rows without a
     verdict at their group's mean, the metric equal to their share), not the quality, and prints the numbers."""
@@ -187,14 +187,14 @@ def test_smollm2_itself_as_the_generative_rm_through_the_local_hf_backend(capsys
     from trl_plugins.tasks.arithmetic import make_dataset
 
     clear_shared_genrm_backends()
-    rows = list(make_dataset(4, levels=(1,), seed=7, split="test"))
+    rows = list(make_dataset(2, levels=(1,), seed=7, split="test"))
     texts = [t for r in rows for t in (r["solution"], "I think the answer is 12.\nAnswer: 12")]
     N = len(texts)
     ctx = make_reward_context(torch.zeros(N, 2), num_generations=2, reward_func_names=["accuracy_reward", COLUMN],
                               rows=[r for r in rows for _ in range(2)],
                               completions=[[{"role": "assistant", "content": t}] for t in texts])
     stack = build_plugins(["deepseek_grm"], {"deepseek_grm": {
-        "genrm": "hf", "genrm_model": str(smollm2_path()), "k": 4, "genrm_max_tokens": 96,
+        "genrm": "hf", "genrm_model": str(smollm2_path()), "k": 3, "genrm_max_tokens": 64,
         "genrm_max_unparsable": 1.0}})
     plugin = list(stack)[0]
     stack.call("trl_plugins_transform_rewards", ctx)
@@ -205,10 +205,10 @@ def test_smollm2_itself_as_the_generative_rm_through_the_local_hf_backend(capsys
     with capsys.disabled():
         print(f"\nsmollm2 as GRM: judge stats {stats}; meta-RM stats {meta_stats}; rows without a verdict {share:.3f}; "
               f"column {[round(v, 2) for v in column.tolist()]}")
-    assert stats["requests"] == N and stats["samples"] == N * 4  # k samples per row, no retries configured
+    assert stats["requests"] == N and stats["samples"] == N * 3  # k samples per row, no retries configured
     assert 0 <= stats["unparsable_samples"] <= stats["samples"] and stats["unparsable_rows"] == round(share * N)
     assert torch.isfinite(column).all()
     for g in range(N // 2):  # rows without a verdict hold their group's mean; voted rows lie in k * [1, 10]
         pair = column[2 * g:2 * g + 2]
-        assert all(4.0 <= v <= 40.0 for v in pair.tolist()) or pair[0] == pair[1]
+        assert all(3.0 <= v <= 30.0 for v in pair.tolist()) or pair[0] == pair[1]
     clear_shared_genrm_backends()
