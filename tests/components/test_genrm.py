@@ -72,6 +72,7 @@ def test_template_parses_the_last_verdict_in_range_and_skips_think_blocks():
     (dict(low=5, high=5), r"score range \[5, 5\] is empty"),
     (dict(labels={}, user="{question} {response_a} {response_b}"), "needs verdict labels"),
     (dict(labels={"A": -1}), r"pairwise template needs exactly"),
+    (dict(user="{question} {response"), "is not a template"),
 ])
 def test_bad_templates_are_refused(kwargs, match):
     base = dict(name="bad", system="", user="{question} {response}", verdict_regex=r"(\d+)")

@@ -117,7 +117,10 @@ class GenRMTemplate:
     labels: Mapping[str, float] | None = None
 
     def __post_init__(self):
-        fields = tuple(sorted({f for _, f, _, _ in string.Formatter().parse(self.user) if f}))
+        try:
+            fields = tuple(sorted({f for _, f, _, _ in string.Formatter().parse(self.user) if f}))
+        except ValueError as exc:
+            raise PluginConfigError(f"GenRM template {self.name!r}: its user text is not a template ({exc}).") from exc
         expected = PAIRWISE_FIELDS if self.labels is not None else POINTWISE_FIELDS
         if fields != tuple(sorted(expected)):
             raise PluginConfigError(
@@ -366,8 +369,9 @@ class GenerativeRewardModel:
                 f"{protocol} template.")
 
     def _key(self, messages: list[dict]) -> str:
-        text = repr((self.template.name, self.template.user, self.template.verdict_regex, self.k, self.aggregate,
-                     self.meta_keep, messages))
+        t = self.template
+        text = repr((t.name, t.system, t.user, t.verdict_regex, t.low, t.high, sorted((t.labels or {}).items()),
+                     self.k, self.aggregate, self.meta_keep, messages))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _judge(self, requests: list[list[dict]]) -> GenRMResult:
