@@ -53,6 +53,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "dars": ({"n_max": 16}, {}),
     "dcpo": ({}, {}),
     "decs": ({}, {}),
+    # the scripted verifier-backed generative judge (no model)
+    "deepseek_grm": ({"genrm": "scripted"}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
     "dler": ({}, {}),
     "dynamic_sampling": ({}, {}),
@@ -127,6 +129,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "steer": ({}, {}),
     # the benchmark's only reward is the binary verifier: the tiers are 0 (wrong) and alpha (right)
     "sweet_spot": ({}, {}),
+    # the scripted judge; the official pairwise advantages replace TRL's, so the accuracy column is weighted 0 (the
+    # judge reads correctness itself)
+    "think_rm": ({"genrm": "scripted"}, {"reward_weights": [0.0]}),
 }
 
 

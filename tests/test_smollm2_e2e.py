@@ -21,6 +21,7 @@ import torch
 
 from trl_plugins import Plugin, PluginGRPOTrainer, hookimpl
 from trl_plugins.components import chat_response, serve_openai_compatible
+from trl_plugins.components.genrm import ScriptedGenRMBackend, genrm_handler, scripted_genrm
 from trl_plugins.components.judge import rule_judge_handler
 from trl_plugins.components.prm import ProgrammaticPRM, arithmetic_row, prm_handler
 from trl_plugins.runtime.manager import available_plugins
@@ -132,7 +133,8 @@ def _embeddings_handler(calls):
 def loopback_components():
     """Base URLs and call logs of the PRM, teacher, critic, rubric judge, feedback judge and teacher log-prob
     servers."""
-    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs", "embeddings")}
+    calls = {name: [] for name in ("prm", "teacher", "critic", "judge", "feedback", "teacher_logprobs", "embeddings",
+                                   "genrm")}
     prm_seen = calls["prm"]
     with contextlib.ExitStack() as stack:
         urls = {
@@ -146,6 +148,8 @@ def loopback_components():
             "teacher_logprobs": stack.enter_context(serve_openai_compatible(
                 _teacher_logprob_handler(calls["teacher_logprobs"]))),
             "embeddings": stack.enter_context(serve_openai_compatible(_embeddings_handler(calls["embeddings"]))),
+            "genrm": stack.enter_context(serve_openai_compatible(
+                genrm_handler(ScriptedGenRMBackend(scripted_genrm()), calls["genrm"]))),
         }
         yield urls, calls
 
@@ -302,7 +306,6 @@ def _stacks(urls):
         # ARMed's semantic column from an embeddings endpoint (the answer after "Answer:" against the reference)
         "armed": (["armed"], {"armed": {"embedder_base_url": urls["embeddings"], "embedder_max_retries": 1,
                                         "answer_pattern": r"Answer:\s*(\S+)"}}, {"loss_type": "dapo"}, ["embeddings"]),
-
         # failure mining from the first outcome on, then (ps_grpo) each G=2 group over the question and one rewording,
         # rewarded by agreement across the two
         "fleming_r1+ps_grpo": (
@@ -320,6 +323,18 @@ def _stacks(urls):
                                   "stage_rewards": [["r_horizon_chain", "digit_fraction_reward"]],
                                   "stage_max_lengths": [8]}},
             {"loss_type": "grpo"}, [],
+        ),
+        # generative reward models on a loopback judge endpoint (the scripted verifier-backed judge): deepseek_grm's
+        # k sampled judgements voted after the meta-RM filter, beside the partial-credit column; think_rm's pairwise
+        # advantages alone (the official mode: the other columns weighted 0)
+        "deepseek_grm": (
+            ["deepseek_grm"],
+            {"deepseek_grm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1, "k": 2}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
+        "think_rm": (
+            ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
+            {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
     }
 
