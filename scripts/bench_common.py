@@ -74,6 +74,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the teacher is the warm-started demo model itself (distillation pulls successful rollouts toward it; its hints
     # for all-fail groups are what a tiny model writes); gated on the accuracy column
     "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),
+    # the warm-started tiny model as the frozen listener (it shares the benchmark policy's character tokenizer)
+    "listener": ({"teacher_model": "(set below: demo_model_dir())"}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "laser": ({}, {}),
     "llds": ({}, {}),
@@ -260,6 +262,7 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
 
 
 PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
+PLUGIN_SETTINGS["listener"][0]["teacher_model"] = str(demo_model_dir())
 PLUGIN_SETTINGS["armed"][0]["embedder_model"] = str(demo_model_dir())
 
 

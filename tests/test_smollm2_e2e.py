@@ -336,6 +336,13 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
+        # the listener re-reads each completion's reasoning (the text before "Answer:") through a teacher endpoint
+        # answering the echo protocol with SmolLM2's own log-probs; its probability of the reference answer is a column
+        "listener": (
+            ["listener"], {"listener": {"teacher": "endpoint", "teacher_base_url": urls["teacher_logprobs"],
+                                        "teacher_max_retries": 1}},
+            {"loss_type": "grpo"}, ["teacher_logprobs"],
+        ),
     }
 
 
