@@ -9,6 +9,7 @@ import torch
 import trl
 
 from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.api.errors import PluginError
 from trl_plugins.components.client import EndpointConfig
 from trl_plugins.components.local_server import serve_openai_compatible
 from trl_plugins.components.teacher import EndpointTeacher, HFTeacher, clear_shared_teachers
@@ -20,6 +21,7 @@ from trl_plugins.testing import (
     make_reward_context,
     make_tiny_trainer,
     record_run,
+    run_on_processes,
     tiny_model,
     tiny_tokenizer,
 )
@@ -41,11 +43,12 @@ def local():
     return HFTeacher(model=tiny_model(TOK, seed=5), tokenizer=TOK, batch_size=3)
 
 
-def _ctx(texts=TEXTS, G=2):
+def _ctx(texts=TEXTS, G=2, **processes):
     N = len(texts)
     return make_reward_context(torch.zeros(N, 2), num_generations=G, reward_func_names=["accuracy_reward", COLUMN],
                                rows=[{"prompt": [{"role": "user", "content": QUESTION}], "answer": "7"}] * N,
-                               completions=[[{"role": "assistant", "content": t}] for t in texts], tokenizer=TOK)
+                               completions=[[{"role": "assistant", "content": t}] for t in texts], tokenizer=TOK,
+                               **processes)
 
 
 def _run(ctx, listener, **options):
@@ -104,6 +107,37 @@ def test_an_endpoint_listener_over_loopback_gives_the_local_column(local):
     here = _ctx()
     _run(here, local)
     torch.testing.assert_close(remote.rewards_per_func, here.rewards_per_func, rtol=1e-4, atol=1e-6)
+
+
+def test_two_processes_each_score_their_rows_and_share_the_whole_column(local):
+    here = _ctx()
+    _run(here, local)
+
+    def work(rank, gather):
+        ctx = _ctx(num_processes=2, process_index=rank, gather=gather)
+        _run(ctx, local)
+        return ctx.rewards_per_func[:, 1]
+
+    for column in run_on_processes(2, work, timeout=60):
+        torch.testing.assert_close(column, here.rewards_per_func[:, 1], rtol=1e-5, atol=1e-7)
+
+
+def test_a_listener_failing_on_one_process_stops_both(local):
+    class Broken:
+        def logprobs(self, prompt_ids, completion_ids):
+            raise RuntimeError("listener endpoint gone")
+
+    def work(rank, gather):
+        ctx = _ctx(num_processes=2, process_index=rank, gather=gather)
+        try:
+            _run(ctx, local if rank == 0 else Broken())
+        except Exception as exc:
+            return exc
+        return None
+
+    first, second = run_on_processes(2, work, timeout=60)
+    assert isinstance(second, RuntimeError) and "listener endpoint gone" in str(second)
+    assert isinstance(first, PluginError) and "listener: process 1 failed" in str(first)
 
 
 @pytest.mark.parametrize(("options", "message"), [
