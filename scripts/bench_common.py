@@ -29,6 +29,9 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # Per plugin: (plugin options, GRPOConfig overrides) that make it act on the arithmetic task with the tiny model.
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
+    # the arithmetic rows have no options column: acre re-asks nothing there (reasked_fraction 0); its cost is the
+    # per-row check only
+    "acre": ({}, {}),
     "adaptive_sampler": ({}, {}),
     "aepo": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
