@@ -31,6 +31,16 @@ DeepSeekMath's process-supervision rule applied to PRM step scores (arXiv:2402.0
 where ``A_i`` is the advantage from the other reward columns (TRL's). The advantages become (N, T). With
 ``dense_weight = 0`` the advantages are TRL's.
 
+**Fin-PRM** (arXiv:2508.15202) is a mode of this plugin, not a plugin of its own: its online-RL code
+(Amazing-J/qwen-dianjin@06e4583, ``DianJin-PRM/src/verl/workers/fsdp_workers.py``) is ReasonFlux-PRM's with the
+mix removed -- the whole response is one step (``<extra_0>`` after it, :1287), the reward is the PRM's score at the
+first step token (the ``<extra_0>`` / ``<extra_1>`` positions, :1380-1385) **alone** (:1386; the rule-based score of
+:1336 is computed but unused). Here: ``reasonflux_prm`` with the Fin-PRM model as ``prm_model`` and the outcome
+columns weighted 0 (TRL's ``reward_weights``); the PRM column alone then decides the group-standardised advantage.
+What is Fin-PRM's own -- step labels from Monte-Carlo importance, an LLM judge and knowledge checks, trajectory labels
+from the outcome and knowledge coverage, combined into the PRM's training targets -- trains the reward model and is
+not a GRPO plugin.
+
 The PRM is the shared component :mod:`trl_plugins.components.prm` (one instance with scope / posterior_grpo when
 configured alike). Metrics: ``process_reward_mean``, ``process_reward_std``; dense mode: ``dense_advantage_abs_mean``.
 """

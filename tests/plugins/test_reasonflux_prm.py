@@ -7,7 +7,7 @@ import torch
 import trl
 
 from trl_plugins import PluginConfigError, build_plugins
-from trl_plugins.components.prm import FunctionPRM
+from trl_plugins.components.prm import STEP_VERIFIERS, FunctionPRM, clear_shared_prms
 from trl_plugins.tasks.arithmetic import accuracy_reward
 from trl_plugins.testing import (
     digit_fraction_reward,
@@ -161,3 +161,21 @@ def test_trainer_runs_both_modes(tmp_path):
             assert run.advantages[0].dim() == 2
         else:
             assert run.rewards[0].shape[1] == 2
+
+
+def test_fin_prm_mode_outcome_weighted_zero_leaves_the_prm_alone(tmp_path):
+    """Fin-PRM's official RL reward is the PRM score alone: the outcome columns weighted 0 (TRL's reward_weights)."""
+    STEP_VERIFIERS.register("reasonflux_test_length", lambda problem, steps: [1.0 / (1 + len(s)) for s in steps],
+                            replace=True)
+    trainer = make_tiny_trainer(
+        plugins=["reasonflux_prm"],
+        plugin_config={"reasonflux_prm": {"prm": "programmatic", "prm_verifier": "reasonflux_test_length"}},
+        max_steps=1, reward_funcs=[accuracy_reward], reward_weights=[0.0], output_dir=str(tmp_path), log_level="error")
+    run = record_run(trainer)
+    clear_shared_prms()
+    G = trainer.num_generations
+    assert any(r[:, 1].view(-1, G).std(1).gt(0).any() for r in run.rewards), "the PRM column has no variance"
+    for rewards, advantages in zip(run.rewards, run.advantages):
+        prm = column_weight(0.75) * rewards[:, 1].view(-1, G)  # the combined reward: the PRM column alone
+        expected = ((prm - prm.mean(1, keepdim=True)) / (prm.std(1, keepdim=True) + 1e-4)).view(-1)
+        torch.testing.assert_close(advantages.float(), expected.float(), atol=1e-5, rtol=1e-5)
