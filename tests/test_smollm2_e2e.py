@@ -336,6 +336,11 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
+        # ReasonFlux-PRM's dense mode on the loopback PRM endpoint: step scores mapped to the real BPE tokens and added
+        # to TRL's advantages per token (the official trajectory column runs in the CPU tests)
+        "reasonflux_prm": (
+            ["reasonflux_prm"], {"reasonflux_prm": {**prm, "mode": "dense"}}, {"loss_type": "grpo"}, ["prm"],
+        ),
     }
 
 
