@@ -52,6 +52,7 @@ from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.success import SuccessRule, mark_placeholder
 from trl_plugins.api.text import completion_text
 from trl_plugins.components.prm import PRMOptions, prm_from_options
+from trl_plugins.components.steps import aggregate_step_scores
 
 COLUMN = "posterior_process"
 
@@ -100,17 +101,8 @@ class PosteriorGrpoOptions(PRMOptions):
 
 
 
-def aggregate_scores(scores: list[float], how: str) -> float:
-    """One process reward from step scores (0.0 for a completion without steps)."""
-    if not scores:
-        return 0.0
-    if how == "mean":
-        return sum(scores) / len(scores)
-    if how == "min":
-        return min(scores)
-    if how == "last":
-        return scores[-1]
-    return math.prod(scores)
+#: one process reward from step scores (the shared rule of :mod:`trl_plugins.components.steps`)
+aggregate_scores = aggregate_step_scores
 
 
 def trust_weights(process: torch.Tensor, correct: torch.Tensor, group_size: int,

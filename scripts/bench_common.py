@@ -98,6 +98,7 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "p3o": ({}, {"scale_rewards": "none"}),
     "pear": ({}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
+    "reasonflux_prm": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
     "prl": ({"step_len": 8, "eta": 20.0}, {}),
     # the arithmetic task has no paraphrase column: two rewording templates give each group three variants

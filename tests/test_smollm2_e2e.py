@@ -346,6 +346,11 @@ def _stacks(urls):
                                         "teacher_max_retries": 1}},
             {"loss_type": "grpo"}, ["teacher_logprobs"],
         ),
+        # ReasonFlux-PRM's dense mode on the loopback PRM endpoint: step scores mapped to the real BPE tokens and added
+        # to TRL's advantages per token (the official trajectory column runs in the CPU tests)
+        "reasonflux_prm": (
+            ["reasonflux_prm"], {"reasonflux_prm": {**prm, "mode": "dense"}}, {"loss_type": "grpo"}, ["prm"],
+        ),
     }
 
 

@@ -5,6 +5,7 @@ Common interface (:class:`ProcessRewardModel`), batched over rows:
 * ``steps(completion) -> list[StepSpan]``: how this PRM splits a completion into steps (with character spans, so a
   step boundary can be mapped back to a token of the completion);
 * ``score_steps(rows, completions) -> list[list[float]]``: one list of step scores per completion;
+* ``score_step_lists(rows, step_lists) -> list[list[float]]``: the same for steps split by the caller;
 * ``first_error(rows, completions, threshold) -> list[int | None]``: 0-based index of the first step scored below
   ``threshold`` (None when every step reaches it).
 
@@ -130,9 +131,16 @@ class ProcessRewardModel:
         """One score in [0, 1] per step of each completion (batched; ``len(rows) == len(completions)``)."""
         if len(rows) != len(completions):
             raise ValueError(f"score_steps: {len(rows)} rows for {len(completions)} completions.")
-        step_lists = [[s.text for s in self.steps(c)] for c in completions]
+        return self.score_step_lists(rows, [[s.text for s in self.steps(c)] for c in completions])
+
+    def score_step_lists(self, rows: Sequence[Any], step_lists: Sequence[Sequence[str]]) -> list[list[float]]:
+        """One score in [0, 1] per given step (steps already split by the caller, e.g. a whole response as one step,
+        as ReasonFlux-PRM's RL code does); an empty step list gets no scores."""
+        if len(rows) != len(step_lists):
+            raise ValueError(f"score_step_lists: {len(rows)} rows for {len(step_lists)} step lists.")
+        step_lists = [list(steps) for steps in step_lists]
         scored = [j for j, steps in enumerate(step_lists) if steps]
-        out: list[list[float]] = [[] for _ in completions]
+        out: list[list[float]] = [[] for _ in step_lists]
         if scored:
             values = self._score_step_lists(
                 [_question(rows[j]) for j in scored], [step_lists[j] for j in scored], [rows[j] for j in scored]

@@ -12,11 +12,13 @@ Conventions shared by the PRMs (:mod:`trl_plugins.components.prm`), the teachers
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StepSpan", "first_error", "join_steps", "question_text", "split_steps", "token_boundary"]
+__all__ = ["StepSpan", "aggregate_step_scores", "first_error", "join_steps", "question_text", "split_steps", "token_boundary"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,25 @@ def _split_keep(text: str, separator: str) -> list[str]:
 def join_steps(steps: Sequence[str], separator: str = "\n\n") -> str:
     """Inverse of :func:`split_steps` for clean steps: ``separator.join(steps)``."""
     return separator.join(steps)
+
+
+def aggregate_step_scores(scores: Sequence[float], how: str) -> float:
+    """One process reward from step scores: ``"mean"``, ``"min"``, ``"last"`` or ``"prod"`` (0.0 without steps).
+
+    >>> aggregate_step_scores([1.0, 0.5], "mean"), aggregate_step_scores([0.5, 0.5], "prod")
+    (0.75, 0.25)
+    """
+    if not scores:
+        return 0.0
+    if how == "mean":
+        return sum(scores) / len(scores)
+    if how == "min":
+        return min(scores)
+    if how == "last":
+        return scores[-1]
+    if how == "prod":
+        return math.prod(scores)
+    raise ValueError(f"aggregate_step_scores: how={how!r}; allowed: mean, min, last, prod.")
 
 
 def first_error(scores: Sequence[float], threshold: float = 0.5) -> int | None:
