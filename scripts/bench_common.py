@@ -29,6 +29,9 @@ DEFAULT_CACHE = ROOT / "runs" / "bench_cache"
 # Per plugin: (plugin options, GRPOConfig overrides) that make it act on the arithmetic task with the tiny model.
 # The GRPOConfig overrides are applied to the vanilla baseline as well, so a ratio isolates the plugin's own cost.
 PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
+    # the arithmetic rows have no options column: acre re-asks nothing there (reasked_fraction 0); its cost is the
+    # per-row check only
+    "acre": ({}, {}),
     "adaptive_sampler": ({}, {}),
     "aepo": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
@@ -74,6 +77,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the teacher is the warm-started demo model itself (distillation pulls successful rollouts toward it; its hints
     # for all-fail groups are what a tiny model writes); gated on the accuracy column
     "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),
+    # the warm-started tiny model as the frozen listener (it shares the benchmark policy's character tokenizer)
+    "listener": ({"teacher_model": "(set below: demo_model_dir())"}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "laser": ({}, {}),
     "llds": ({}, {}),
@@ -261,6 +266,7 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
 
 
 PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
+PLUGIN_SETTINGS["listener"][0]["teacher_model"] = str(demo_model_dir())
 PLUGIN_SETTINGS["armed"][0]["embedder_model"] = str(demo_model_dir())
 
 

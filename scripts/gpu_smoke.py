@@ -62,6 +62,8 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     "lp_reg": {"kappa": 0.45, "rho": 0.5},
     # the teacher is the policy's own base model, loaded by path (it shares the tokenizer by construction)
     "kepo": {"teacher_model": "<policy model>", "success_column": "digit_fraction_reward", "success_threshold": 0.0},
+    # the listener is the policy's own base model too (it reads the reasoning, shares the tokenizer)
+    "listener": {"teacher_model": "<policy model>"},
     "luffy": {},
     # the tasks' one reference solution per problem stands in for the teachers' solutions
     "ampo": {"solutions_column": "solution"},

@@ -336,6 +336,16 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
+        # the arithmetic rows carry no options column, so acre re-asks nothing on them (its metrics say so); its re-ask
+        # through the generation service is tested on multiple-choice rows in tests/plugins/test_acre.py
+        "acre": (["acre"], {}, {"loss_type": "grpo"}, []),
+        # the listener re-reads each completion's reasoning (the text before "Answer:") through a teacher endpoint
+        # answering the echo protocol with SmolLM2's own log-probs; its probability of the reference answer is a column
+        "listener": (
+            ["listener"], {"listener": {"teacher": "endpoint", "teacher_base_url": urls["teacher_logprobs"],
+                                        "teacher_max_retries": 1}},
+            {"loss_type": "grpo"}, ["teacher_logprobs"],
+        ),
         # ReasonFlux-PRM's dense mode on the loopback PRM endpoint: step scores mapped to the real BPE tokens and added
         # to TRL's advantages per token (the official trajectory column runs in the CPU tests)
         "reasonflux_prm": (

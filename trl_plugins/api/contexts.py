@@ -414,6 +414,10 @@ class RewardContext(_VerdictMixin, _StageContext):
         local_turns: (B,) :class:`~trl_plugins.api.turns.TurnStructure` of this process's completions (multi-turn tool
             rollouts; empty list without tools). A plugin may set ``local_turns[i].turn_rewards`` (one float per
             assistant turn): the advantage stage's ``AdvantageContext.turn_rewards`` is gathered from them.
+        local_annotations: (B,) this process's per-row dicts written by the sampling stage
+            (``RolloutContext.annotations``, e.g. a check run with the generation service there), for reward
+            transforms that need it; read-only here, empty when the sampling stage did not run (rows of a refill round
+            carry only ``{"refill_round": n}``). Local: no collective.
     """
 
     rewards_per_func: torch.Tensor
@@ -432,6 +436,7 @@ class RewardContext(_VerdictMixin, _StageContext):
     shared: dict[str, Any] = field(default_factory=dict)
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
     local_turns: list = field(default_factory=list)
+    local_annotations: list = field(default_factory=list)
 
     def gather_object(self, values: list) -> list:
         """Gather a per-row Python list (B,) from every process into (N,) (collective)."""

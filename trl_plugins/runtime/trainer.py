@@ -742,6 +742,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                 mode=state.mode,
                 services=self.plugin_services,
                 local_turns=list(state.turns or []),
+                local_annotations=list(state.annotations or []),
             )
             self.plugin_stack.call("trl_plugins_transform_rewards", ctx)
             rewards_per_func = ctx.rewards_per_func

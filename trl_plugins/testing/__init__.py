@@ -841,6 +841,7 @@ def make_reward_context(
     num_processes: int = 1,
     process_index: int = 0,
     turns: Sequence[Any] | None = None,
+    annotations: Sequence[dict] | None = None,
     **services: Any,
 ) -> RewardContext:
     """A :class:`~trl_plugins.RewardContext`: the gathered (N, K) matrix, and the local rows of process
@@ -852,7 +853,8 @@ def make_reward_context(
     characters (:func:`char_encode`). ``run`` is what ``ctx.run`` gives; ``services`` go to :func:`stub_services`
     (``gather`` from :func:`run_on_processes` also gathers ``ctx.gather_object``). ``ctx.metrics`` records the
     metrics the plugin logs. ``turns``: (N,) :class:`~trl_plugins.api.turns.TurnStructure` of multi-turn tool rollouts
-    (this process's slice becomes ``local_turns``).
+    (this process's slice becomes ``local_turns``). ``annotations``: (N,) sampling-stage per-row dicts (this process's
+    slice becomes ``local_annotations``).
     """
     matrix = _as_matrix(rewards_per_func).clone()
     N, K = matrix.shape
@@ -883,6 +885,7 @@ def make_reward_context(
         mode=mode,
         services=stub_services(metrics, run=run, **services),
         local_turns=list(turns[local]) if turns is not None else [],
+        local_annotations=list(annotations[local]) if annotations is not None else [],
     )
     ctx.metrics = metrics
     return ctx
