@@ -43,7 +43,7 @@ def split_steps(text: str, separator: str = "\n\n") -> list[StepSpan]:
     :func:`trl_plugins.tasks.arithmetic.split_steps`).
 
     >>> [(s.text, s.start) for s in split_steps("a=1\\n\\n  b=2\\n\\n\\n\\nc", "\\n\\n")]
-    [('a=1', 0), ('b=2', 7), ('c', 16)]
+    [('a=1', 0), ('b=2', 7), ('c', 14)]
     """
     if not separator:
         raise ValueError("split_steps: the step separator must be a non-empty string.")
