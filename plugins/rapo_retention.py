@@ -316,6 +316,12 @@ class RapoRetentionPlugin(Plugin):
         o = self.options
         return read_state_file(o.ctan_state_file) if o.ctan and o.ctan_state_file else None
 
+    def image_inputs_refusal(self) -> str | None:
+        return self.image_inputs if self.options.retention_active else None  # CTAN alone reads rewards only
+
+    def multi_turn_refusal(self) -> str | None:
+        return self.multi_turn if self.options.retention_active else None
+
     def overwritten(self) -> tuple[str, ...]:
         o = self.options
         return ("advantages",) if o.ctan and o.task_index >= 2 else ()
