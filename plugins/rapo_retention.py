@@ -317,7 +317,9 @@ class RapoRetentionPlugin(Plugin):
         return read_state_file(o.ctan_state_file) if o.ctan and o.ctan_state_file else None
 
     def image_inputs_refusal(self) -> str | None:
-        return self.image_inputs if self.options.retention_active else None  # CTAN alone reads rewards only
+        """Image prompts: refused with the retention reward (the previous task's policy scores the prompt's text
+        only); a first task (``task_index=1``) or ``retention_lambda=0`` runs CTAN alone, which reads rewards only."""
+        return self.image_inputs if self.options.retention_active else None
 
     def multi_turn_refusal(self) -> str | None:
         return self.multi_turn if self.options.retention_active else None
