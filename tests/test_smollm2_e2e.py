@@ -222,6 +222,9 @@ def _stacks(urls):
         # refill within the step: DARS asks for extra groups of the hard prompts (and drops the pools its filter
         # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
+        # CLPO's first batch queues its hard and medium problems for the policy to rewrite (the rewrite itself and
+        # the refill of the next batch: test_clpo_rewrites_with_the_real_policy_and_refills_the_next_batch)
+        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         # (igpo in its A2TGPO mode: the adaptive turn-level clipping reaches the loss of the real model)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {"igpo": {"mode": "a2tgpo"}}, {"loss_type": "grpo"},
@@ -387,6 +390,29 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
     assert not silent, f"no metrics from {silent}; logged: {sorted(k for k in logs if k.startswith('plugins/'))}"
     for component in must_call:
         assert calls[component], f"the {component} endpoint was never called"
+
+
+def test_clpo_rewrites_with_the_real_policy_and_refills_the_next_batch(smollm2, tmp_path):
+    """Two steps of clpo: the first batch's hard and medium problems (all of them fail on the 135M model) are rewritten
+    by the policy through the generation service on the real tokenizer, and the second batch's zero-signal groups are
+    replaced by the valid rewrites (rows keeping the original answers)."""
+    args = tiny_config(str(tmp_path), plugins=["clpo"], **{**RUN, "max_steps": 2, "loss_type": "grpo",
+                                                            "max_refill_rounds": 1})
+    trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
+                                peft_config=_lora())
+    trainer.train()
+    plugin = trainer.plugin_stack.by_name["clpo"]
+    steps = [log for log in trainer.state.log_history if "plugins/clpo/hard_fraction" in log]
+    assert len(steps) == 2
+    requests = steps[1]["plugins/clpo/rewrite_requests"]
+    queued = (steps[0]["plugins/clpo/hard_fraction"] + steps[0]["plugins/clpo/medium_fraction"]) * 2  # 2 groups
+    assert requests == queued > 0
+    valid = round(steps[1]["plugins/clpo/rewrite_valid_fraction"] * requests)
+    placed = round(steps[1]["plugins/clpo/rewritten_fraction"] * 2)
+    assert placed + len(plugin.pool) == valid  # every valid rewrite is placed or waits in the pool
+    assert steps[1]["plugins/framework/rejected_groups"] >= placed
+    answers = {row["answer"] for row in _dataset()}
+    assert all(item["row"]["answer"] in answers for item in plugin.pool)
 
 
 @pytest.mark.parametrize("stack", TOOL_STACKS)
