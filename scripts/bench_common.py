@@ -48,6 +48,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
+    # CLPO: the policy rewrites hard / medium problems into later batches (refill rounds count in the budget)
+    "clpo": ({}, {}),
     "critique_grpo": ({"critique_type": "simple_gt"}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     # character-level tokenizer: every token is one character
     "cure": ({"branches_per_response": 3, "min_token_chars": 1}, {}),

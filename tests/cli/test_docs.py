@@ -158,7 +158,7 @@ def test_compatibility_page_lists_every_builtin_and_every_pick_one_pair(plugins)
 def test_hook_conflicts_and_deprecated_spellings_are_rendered(plugins):
     pages = render_all(plugins)
     reason = plugins["hbpo"].conflicts_with_hooks["trl_plugins_reject_groups"]
-    assert f"| `hbpo` + any plugin with `trl_plugins_reject_groups` (`dars`, `decs`, `dler`, `dynamic_sampling`, `rlpr`) | {reason} |" in \
+    assert f"| `hbpo` + any plugin with `trl_plugins_reject_groups` (`clpo`, `dars`, `decs`, `dler`, `dynamic_sampling`, `rlpr`) | {reason} |" in \
         pages["compatibility.md"]
     assert "Cannot be stacked with any plugin implementing `trl_plugins_reject_groups`" in pages["plugins/hbpo.md"]
     legacy = pages["plugins/length_shaping.md"]
