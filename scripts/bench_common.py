@@ -105,6 +105,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "ps_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
                 {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
+    # the arithmetic task has no paraphrase column: two rewording templates give each group three variants
+    "ic_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
+                {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
     "reg_grpo": ({}, {}),
