@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from trl_plugins.api import PluginConfigError, PromptContext, RewardContext, hookimpl, option
 from trl_plugins.api.data_checks import check_column_values
 from trl_plugins.api.options import PluginOptions
-from trl_plugins.api.text import last_user_text, with_last_user_text
+from trl_plugins.api.text import completion_text, last_user_text, with_last_user_text
 
 
 @dataclass
@@ -88,6 +88,13 @@ class ParaphraseGroups:
         G = ctx.num_generations
         counts = ctx.gather_object([self.num_variants(row, G) for row in ctx.local_rows])
         return [variant_of(i % G, counts[i - i % G]) for i in range(len(counts))]
+
+    def gathered_texts_and_variants(self, ctx: RewardContext) -> tuple[list[str], list[int]] | None:
+        """(N,) completion texts and (N,) variants of the gathered batch (collective: call it on every process);
+        None in evaluation, whose prompts are not paraphrased (a plugin's columns then stay 0)."""
+        if ctx.mode != "train":
+            return None
+        return ctx.gather_object([completion_text(c) for c in ctx.local_completions]), self.group_variants(ctx)
 
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx: PromptContext):

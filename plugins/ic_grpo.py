@@ -41,7 +41,6 @@ import torch
 
 from trl_plugins.api import OfficialSource, Plugin, RewardContext, hookimpl, option
 from trl_plugins.api.success import placeholder_column
-from trl_plugins.api.text import completion_text
 
 from ._paraphrase import ParaphraseGroups, ParaphraseOptions, variants_mean
 
@@ -153,11 +152,10 @@ class IcGrpoPlugin(ParaphraseGroups, Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         """Fill both columns from the gathered completions, one group at a time (every process alike)."""
-        if ctx.mode != "train":
-            return  # evaluation prompts are not paraphrased: the columns stay 0
-        G = ctx.num_generations
-        texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
-        variants = self.group_variants(ctx)
+        gathered = self.gathered_texts_and_variants(ctx)
+        if gathered is None:
+            return
+        (texts, variants), G = gathered, ctx.num_generations
         units = [information_units(t, self.options.units) for t in texts]
         helpful = torch.tensor([helpfulness(u) for u in units], dtype=torch.float64)
         stable = torch.zeros(len(texts), dtype=torch.float64)

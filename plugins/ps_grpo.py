@@ -41,7 +41,6 @@ import torch
 from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
 from trl_plugins.api.answers import get_extractor, normalize_answer
 from trl_plugins.api.success import placeholder_column
-from trl_plugins.api.text import completion_text
 
 from ._paraphrase import ParaphraseGroups, ParaphraseOptions, variants_mean
 
@@ -158,11 +157,10 @@ class PsGrpoPlugin(ParaphraseGroups, Plugin):
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         """Fill the similarity column from the gathered completions, one group at a time (every process alike)."""
-        if ctx.mode != "train":
-            return  # evaluation prompts are not paraphrased: the column stays 0
-        G = ctx.num_generations
-        texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
-        all_variants = self.group_variants(ctx)
+        gathered = self.gathered_texts_and_variants(ctx)
+        if gathered is None:
+            return
+        (texts, all_variants), G = gathered, ctx.num_generations
         values = torch.zeros(len(texts), dtype=torch.float64)
         for g in range(len(texts) // G):
             rows = range(g * G, (g + 1) * G)
