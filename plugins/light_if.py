@@ -28,25 +28,21 @@ its row's ``constraints_column`` (plus the ``constraints`` option's, for every r
 Constraint schema (one list of dicts per row; unknown types and fields are refused; ``None`` fields count as absent,
 as Arrow fills them in for mixed lists; every constraint may set ``weight``, its partial credit):
 
-======================  ==========================================================  =================================
-type                    fields                                                      holds when / default weight
-======================  ==========================================================  =================================
-``keyword``             ``word`` (str), ``min`` (int, default 1), ``max`` (int)     ``min <= count <= max`` / 0.1 with
-                                                                                    both bounds, else 0.05
-``word_count``          ``min``, ``max`` (at least one)                             words in range / as ``keyword``
-``capital_words``       ``min``, ``max`` (at least one)                             all-caps words in range / as above
-``highlights``          ``min`` (int)                                               ``>= min`` spans / 0.05
-``placeholders``        ``min`` (int)                                               ``>= min`` ``[x]`` / 0.05
-``bullets``             ``count`` (int)                                             exactly ``count`` / 0.1
-``paragraphs``          ``count`` (int), ``separator`` (str, default blank line)    exactly ``count`` / 0.1
-``starts_with``         ``text`` (str)                                              answer starts with it / 0.1
-``ends_with``           ``text`` (str)                                              answer ends with it / 0.1
-======================  ==========================================================  =================================
+* ``keyword``: ``word`` (str), ``min`` (int, default 1), ``max`` (int): ``min <= count <= max`` (``min = max = 0``
+  forbids the word); weight 0.1 with both bounds, else 0.05.
+* ``word_count`` / ``capital_words``: ``min``, ``max`` (at least one): the count in range; weights as ``keyword``.
+* ``highlights`` / ``placeholders``: ``min`` (int): at least ``min`` spans; weight 0.05.
+* ``bullets``: ``count`` (int): exactly ``count`` bullet lines; weight 0.1.
+* ``paragraphs``: ``count`` (int), ``separator`` (str, default a blank line): exactly ``count`` non-empty parts;
+  weight 0.1.
+* ``starts_with`` / ``ends_with``: ``text`` (str): the answer starts / ends with it; weight 0.1.
 
 Deviations and reconstructions: the entropy weight ``w`` is treated as a weight (no gradient through the covariance;
-the official code lets ``lp`` carry one); the released ``dp_actor.py:421-456`` reaches the entropy-with-covariance
-branch only outside ``loss_mode='vanilla'`` and then overwrites ``policy_loss``, so the recipes as released may not
-apply it -- the paper's TEA-RL does, and so does this plugin. The constraint types are the English checks of the
+the official code lets ``lp`` carry one). The defaults ``alpha = 10``, ``ub = 5`` and ``entropy_mode:
+"token-level-cov"`` are in ``rl/verl/verl/trainer/config/ppo_trainer.yaml:161-163``; the released
+``rl/verl/verl/workers/actor/dp_actor.py:421-456`` reaches the entropy-with-covariance branch only outside
+``loss_mode='vanilla'`` and then overwrites ``policy_loss``, so the recipes as released may not apply it -- the
+paper's TEA-RL does, and so does this plugin. The constraint types are the English checks of the
 official scorer reduced to a declarative schema (the official data stores them as a ``jqzl_prompt`` dict); ``ends_with``
 and the paragraphs' separator option are ours. Entropy-SFT (the cold start) is a separate SFT stage, outside GRPO.
 """
@@ -280,7 +276,7 @@ class LightIfPlugin(Plugin):
     official = OfficialSource(
         "Qihoo360/Light-IF", "01e9003", verdict="faithful",
         files=("rl/verl/verl/utils/reward_score/IF.py", "rl/verl/verl/utils/reward_score/__init__.py",
-               "rl/verl/verl/trainer/ppo/core_algos.py"),
+               "rl/verl/verl/trainer/ppo/core_algos.py", "rl/verl/verl/trainer/config/ppo_trainer.yaml"),
         note="Constraints from a declarative column instead of the official jqzl_prompt dict; the entropy weight "
         "carries no gradient; the bonus is aggregated by loss_type (the recipes' token-mean is dapo).",
     )
