@@ -86,6 +86,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kl_cov": ({"ratio": 0.02}, {}),
     "laser": ({}, {}),
     "llds": ({}, {}),
+    # the arithmetic rows have no constraints column: one constraint for every row, and no thinking block
+    "light_if": ({"constraints_column": None, "constraints": [{"type": "word_count", "max": 20}], "think_end": None},
+                 {}),
     # the official wo_tokenrm recipe: +-1 rewards, leave-one-out, every row, per-sign normalisation on dapo (no KL:
     # TRL beta 0, official 0.01)
     # the bench task's two levels as two cascade stages (level 1 first, then level 2)
@@ -109,6 +112,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "ps_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
                 {}),
     "r3l": ({"reflection_source": "task_feedback"}, {}),
+    # the arithmetic task has no paraphrase column: two rewording templates give each group three variants
+    "ic_grpo": ({"paraphrase_column": None, "templates": ["Please solve: {question}", "{question} Show each step."]},
+                {}),
     "replay": ({}, {}),
     "rec": ({}, {"scale_rewards": "none", "loss_type": "bnpo"}),
     "reg_grpo": ({}, {}),

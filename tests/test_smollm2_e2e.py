@@ -317,6 +317,16 @@ def _stacks(urls):
              "ps_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]}},
             {"loss_type": "grpo"}, [],
         ),
+        # Information-consistent GRPO's helpfulness and stability columns over each G=2 group's question and one
+        # rewording, with Light-IF's constraint column (the arithmetic rows carry no constraints column: two
+        # constraints for every row, no thinking block) and its entropy-adaptive bonus on the real model's entropies
+        "ic_grpo+light_if": (
+            ["ic_grpo", "light_if"],
+            {"ic_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]},
+             "light_if": {"constraints_column": None, "think_end": None,
+                          "constraints": [{"type": "word_count", "max": 12}, {"type": "keyword", "word": "Answer"}]}},
+            {"loss_type": "dapo"}, [],
+        ),
         # two problems per prompt (the dataset composed when the trainer is built, the chained verifier scoring it), in
         # a one-stage cascade over the composed rows' level that drops the accuracy column (the partial-credit column
         # gives the groups variance: the 135M policy never solves a chain), capped at 8 tokens

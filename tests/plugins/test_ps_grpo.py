@@ -19,7 +19,8 @@ from trl_plugins.testing import (
     record_run,
     tiny_dataset,
 )
-from trl_plugins_builtin.ps_grpo import COLUMN, group_similarity, subsample, token_f1, variant_of
+from trl_plugins_builtin._paraphrase import variant_of
+from trl_plugins_builtin.ps_grpo import COLUMN, group_similarity, subsample, token_f1
 
 
 def test_token_f1():

@@ -393,6 +393,18 @@ CASES = [
          {"dataset": "solutions_number", "plugins": ["ampo"], "reward": "digits",
           "plugin_config": {"ampo": {"teachers": "column"}}},
          "ampo: column 'teacher_solutions' holds int 7 in row 0; allowed: a list of solutions"),
+    Case("light-if-constraints-as-text", "trainer",
+         {"dataset": "constraints_text", "plugins": ["light_if"], "reward": "digits"},
+         "light_if: column 'constraints' holds str 'at most 50 words' in row 0; allowed: a list of constraint dicts"),
+    Case("light-if-unknown-constraint-type", "config",
+         _config(plugins=["light_if"], plugin_config={"light_if": {"constraints": [{"type": "rhyme"}]}}),
+         "constraint type 'rhyme' is not one of"),
+    Case("ic-grpo-template-without-question", "config",
+         _config(plugins=["ic_grpo"], plugin_config={"ic_grpo": {"templates": ["Answer it"]}}),
+         "Option 'templates' of plugin 'ic_grpo' got 'Answer it'; allowed: strings holding '{question}'"),
+    Case("ic-grpo-paraphrases-as-text", "trainer",
+         {"dataset": "paraphrases_text", "plugins": ["ic_grpo"], "reward": "digits"},
+         "ic_grpo: column 'paraphrases' holds str 'What is it?' in row 0"),
     # ---------------------------------------------------------------- the command line: argparse's own errors
     Case("yaml-wrong-typed-field", "cli", {"per_device_train_batch_size": "eight"},
          "Invalid configuration: argument --per_device_train_batch_size"),
@@ -550,6 +562,10 @@ def _dataset(kind):
         return Dataset.from_list([{**r, "teacher_solutions": 7} for r in base])
     if kind == "entities_text":
         return Dataset.from_list([{**r, "entities": "Paris"} for r in base])
+    if kind == "constraints_text":
+        return Dataset.from_list([{**r, "constraints": "at most 50 words"} for r in base])
+    if kind == "paraphrases_text":
+        return Dataset.from_list([{**r, "paraphrases": "What is it?"} for r in base])
     if kind == "entities_ints":
         return Dataset.from_list([{**r, "entities": [1, 2]} for r in base])
     return Dataset.from_list(base)
