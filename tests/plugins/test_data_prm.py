@@ -237,16 +237,17 @@ def test_trainer_runs_with_the_scripted_judge(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_judges_its_own_steps_through_the_local_hf_backend(capsys):
-    """builtin:smollm2 (135M) gives ternary verdicts on the steps of 4 completions through the local HF backend. A
-    135M model follows the <score> format poorly: the test checks the accounting (every step judged or counted as
-    unparsable, parsed verdicts on the ternary scale), not the quality, and prints the numbers."""
+    """builtin:smollm2 (135M) gives ternary verdicts on the one-line completions of 2 prompts (4 steps, 16 tokens each)
+    through the local HF backend. A 135M model follows the <score> format poorly: the test checks the accounting
+    (every step judged or counted as unparsable, parsed verdicts on the ternary scale), not the quality, and prints
+    the numbers."""
     from trl_plugins.runtime.models import smollm2_path
 
     rows = make_dataset(2, levels=(1,), seed=7, split="test")
-    texts = [t for r in rows for t in (Problem.from_json(r["problem"]).solution, "I think it is 12.\nAnswer: 12")]
+    texts = [t for r in rows for t in (Problem.from_json(r["problem"]).solution.splitlines()[-1], "Answer: 12")]
     ctx = make_reward_context(torch.zeros(4), num_generations=2, rows=[r for r in rows for _ in range(2)],
                               completions=[[{"role": "assistant", "content": t}] for t in texts])
-    stack, plugin = _plugin(genrm="hf", genrm_model=str(smollm2_path()), genrm_max_tokens=24,
+    stack, plugin = _plugin(genrm="hf", genrm_model=str(smollm2_path()), genrm_max_tokens=16,
                             genrm_max_unparsable=1.0)
     stack.call("trl_plugins_transform_rewards", ctx)
     stats = dict(plugin.grm.stats)
