@@ -249,10 +249,9 @@ class ReasonFluxPRMPlugin(Plugin):
             return
         if self._batch is None or len(self._batch) != ctx.rewards.numel():
             raise PluginError(f"{self.name}: the reward stage did not record this batch's step scores.")
-        mask = ctx.completion_mask().float()
-        dense = dense_process_advantages([s for s, _ in self._batch], [e for _, e in self._batch],
-                                         ctx.num_generations, mask.size(1), o.eps).to(mask.device) * mask
-        base = ctx.advantages if ctx.advantages.dim() == 2 else ctx.advantages.unsqueeze(1).expand_as(mask)
-        ctx.advantages = (base.to(mask) + o.dense_weight * dense).to(ctx.advantages.dtype)
-        ctx.log_metric("dense_advantage_abs_mean", (dense.abs().sum() / mask.sum().clamp(min=1)).item())
+        mask = ctx.completion_mask()
+        dense = ctx.add_token_advantages(dense_process_advantages(
+            [s for s, _ in self._batch], [e for _, e in self._batch], ctx.num_generations, mask.size(1), o.eps),
+            o.dense_weight)
+        ctx.log_metric("dense_advantage_abs_mean", (dense.abs().sum() / mask.float().sum().clamp(min=1)).item())
         self._batch = None

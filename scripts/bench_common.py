@@ -56,6 +56,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "dagrpo": ({"scorer": "prm"}, {}),
     # refill plugins: the refill rollouts count in the rollout budget (max_refill_rounds: the PluginGRPOConfig default)
     "dars": ({"n_max": 16}, {}),
+    # the scripted verifier-backed judge gives each line of a completion a ternary verdict (no model)
+    "data_prm": ({"genrm": "scripted", "step_separator": "\n"}, {}),
     "dcpo": ({}, {}),
     "decs": ({}, {}),
     # the scripted verifier-backed generative judge (no model)

@@ -349,6 +349,14 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
+        # DataPRM's ternary step verdicts from the loopback judge (the scripted verifier-backed one) on each line of the
+        # real completions, paid to the lines' BPE tokens as dense advantages (smollm2 judging itself through the local
+        # HF backend: tests/plugins/test_data_prm.py)
+        "data_prm": (
+            ["data_prm"], {"data_prm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1,
+                                        "step_separator": "\n"}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
         # the arithmetic rows carry no options column, so acre re-asks nothing on them (its metrics say so); its re-ask
         # through the generation service is tested on multiple-choice rows in tests/plugins/test_acre.py
         "acre": (["acre"], {}, {"loss_type": "grpo"}, []),

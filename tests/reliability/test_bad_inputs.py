@@ -368,6 +368,10 @@ CASES = [
     Case("rapo-retention-state-file-without-ctan", "config",
          _config(plugins={"rapo_retention": {"task_index": 1, "ctan": False, "ctan_state_file": "ctan.json"}}),
          "ctan_state_file='ctan.json' is only used with ctan=True"),
+
+    Case("data-prm-verdict-rewards-out-of-order", "config",
+         _config(plugins={"data_prm": {"genrm": "scripted", "correct_reward": 0.0, "wrong_reward": 1.0}}),
+         "Options correct_reward / neutral_reward / wrong_reward of plugin 'data_prm' are (0.0, 0.5, 1.0)"),
     Case("genrm-url-malformed", "stack", ("think_rm", {"genrm_base_url": "localhost", "advantage": "trl"}),
          "Endpoint URL 'localhost' is malformed"),
     Case("genrm-oracle-unknown", "config", _config(plugins={"think_rm": {"genrm": "scripted", "genrm_oracle": "chess"}}),

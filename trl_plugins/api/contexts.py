@@ -600,6 +600,16 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         """(N, T_max) loss mask of all rows, padded across processes (collective)."""
         return self._service("completion_mask")()
 
+    def add_token_advantages(self, dense: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """Add ``weight * dense`` ((N, T_max) per-token values, e.g. process rewards on their steps' tokens) to the
+        advantages, masked by :meth:`completion_mask` (collective); (N,) advantages become (N, T_max). Returns the
+        masked ``dense`` (for metrics)."""
+        mask = self.completion_mask().float()
+        dense = dense.to(mask.device) * mask
+        base = self.advantages if self.advantages.dim() == 2 else self.advantages.unsqueeze(1).expand_as(mask)
+        self.advantages = (base.to(mask) + weight * dense).to(self.advantages.dtype)
+        return dense
+
     def reference_logprobs(self) -> torch.Tensor:
         """(B, T) no-grad log-probs of this process's completion tokens under the **reference policy** (cached).
 

@@ -1,6 +1,6 @@
 """Generative reward models (GenRMs): an LLM writes a critique and a verdict; k sampled verdicts are parsed and voted.
 
-Two protocols, each a :class:`GenRMTemplate` (system + user text with named fields, and the regex that finds the
+Three protocols, each a :class:`GenRMTemplate` (system + user text with named fields, and the regex that finds the
 verdict in an answer):
 
 * **pointwise** (``fields = question, response``): the judge writes principles, a critique and a score in a range
@@ -9,6 +9,10 @@ verdict in an answer):
   one, or a signed strength; the verdict is mapped by ``labels`` to a number, **positive when response B is better**
   (Think-RM's convention). :meth:`GenerativeRewardModel.compare` turns it into ``pref(first over second)`` and, with
   ``swap=True``, asks again with the two responses exchanged and averages both orders (position-bias control).
+* **step** (``fields = question, history, step``; ``step=True``): a process judge reads the question, the steps
+  before and one step, and gives that step a verdict from ``labels`` (e.g. the ternary
+  :data:`TERNARY_STEP_TEMPLATE`: ``1`` correct, ``0.5`` minor / correctable error, ``0`` fatal error);
+  :meth:`GenerativeRewardModel.judge_steps` asks one request per step (all steps of a batch in one call).
 
 :class:`GenerativeRewardModel` samples ``k`` answers per request (a fresh sample each: no response cache), parses
 each, re-asks the unparsable ones up to ``parse_retries`` times, optionally keeps the ``meta_keep`` samples a meta
@@ -71,6 +75,8 @@ __all__ = [
     "GenerativeRewardModel",
     "HFGenRMBackend",
     "MetaFilter",
+    "STEP_FIELDS",
+    "TERNARY_STEP_TEMPLATE",
     "ScriptedGenRMBackend",
     "aggregate_verdicts",
     "clear_shared_genrm_backends",
@@ -86,6 +92,7 @@ logger = logging.getLogger(__name__)
 AGGREGATIONS = ("vote", "mean", "majority")
 POINTWISE_FIELDS = ("question", "response")
 PAIRWISE_FIELDS = ("question", "response_a", "response_b")
+STEP_FIELDS = ("question", "history", "step")
 
 
 class GenRMParseError(EndpointError):
@@ -101,11 +108,15 @@ class GenRMTemplate:
         name: identifies the template in cache keys and errors.
         system: the system message (may be empty: no system message is sent).
         user: the user message, a ``str.format`` text with exactly the fields of the protocol: ``{question}`` and
-            ``{response}`` (pointwise) or ``{question}``, ``{response_a}``, ``{response_b}`` (pairwise).
+            ``{response}`` (pointwise), ``{question}``, ``{response_a}``, ``{response_b}`` (pairwise) or
+            ``{question}``, ``{history}``, ``{step}`` (step).
         verdict_regex: finds the verdict; its first group is the verdict text. The **last** match counts (a judge that
             restates the format before answering is read at its answer).
         low, high: pointwise: the score range (a number outside it is unparsable).
-        labels: pairwise: verdict text -> value, positive when response B is better (e.g. ``{"A": -1, "B": 1}``).
+        labels: pairwise: verdict text -> value, positive when response B is better (e.g. ``{"A": -1, "B": 1}``);
+            step: verdict text -> value of the step (e.g. ``{"1": 1.0, "0.5": 0.5, "0": 0.0}``). A verdict text
+            that is not a key but is a number equal to a numeric key's number (``"1.0"`` for ``"1"``) reads as it.
+        step: the step protocol (labels required).
     """
 
     name: str
@@ -115,13 +126,14 @@ class GenRMTemplate:
     low: float = 1.0
     high: float = 10.0
     labels: Mapping[str, float] | None = None
+    step: bool = False
 
     def __post_init__(self):
         try:
             fields = tuple(sorted({f for _, f, _, _ in string.Formatter().parse(self.user) if f}))
         except ValueError as exc:
             raise PluginConfigError(f"GenRM template {self.name!r}: its user text is not a template ({exc}).") from exc
-        expected = PAIRWISE_FIELDS if self.labels is not None else POINTWISE_FIELDS
+        expected = {"pointwise": POINTWISE_FIELDS, "pairwise": PAIRWISE_FIELDS, "step": STEP_FIELDS}[self.protocol]
         if fields != tuple(sorted(expected)):
             raise PluginConfigError(
                 f"GenRM template {self.name!r}: its user text has the fields {list(fields)}; a "
@@ -135,12 +147,12 @@ class GenRMTemplate:
             raise PluginConfigError(f"GenRM template {self.name!r}: verdict_regex needs a group holding the verdict.")
         if self.labels is None and not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
             raise PluginConfigError(f"GenRM template {self.name!r}: score range [{self.low}, {self.high}] is empty.")
-        if self.labels is not None and not self.labels:
-            raise PluginConfigError(f"GenRM template {self.name!r}: a pairwise template needs verdict labels.")
+        if self.labels is not None and not self.labels or self.step and self.labels is None:
+            raise PluginConfigError(f"GenRM template {self.name!r}: a {self.protocol} template needs verdict labels.")
 
     @property
     def protocol(self) -> str:
-        return "pairwise" if self.labels is not None else "pointwise"
+        return "step" if self.step else ("pairwise" if self.labels is not None else "pointwise")
 
     def messages(self, **fields: str) -> list[dict]:
         """The chat messages of one request (fields as in :attr:`user`)."""
@@ -159,13 +171,50 @@ class GenRMTemplate:
         raw = matches[-1][0] if isinstance(matches[-1], tuple) else matches[-1]
         raw = raw.strip()
         if self.labels is not None:
-            value = self.labels.get(raw)
-            return None if value is None else float(value)
+            return _label_value(self.labels, raw)
         try:
             value = float(raw)
         except ValueError:
             return None
         return value if self.low <= value <= self.high and math.isfinite(value) else None
+
+
+def _label_value(labels: Mapping[str, float], raw: str) -> float | None:
+    """The value of verdict text ``raw``: its label, else the label whose key is the same number (None if neither)."""
+    if raw in labels:
+        return float(labels[raw])
+    try:
+        number = float(raw)
+    except ValueError:
+        return None
+    for key, value in labels.items():
+        try:
+            if float(key) == number:
+                return float(value)
+        except ValueError:
+            continue
+    return None
+
+
+#: DataPRM's reflection-aware ternary step verdict (arXiv:2604.24198; our wording of the official judge prompt,
+#: zjunlp/DataMind@4b49ef0 ``dataprm/evaluate/prompt.py:1-41``): ``1`` correct and useful, ``0.5`` generally correct
+#: with a minor error the later steps can easily fix, ``0`` a fatal error; the last ``<score>...</score>`` counts, and
+#: a score outside {1, 0.5, 0} is unparsable (``run_eval.py:81-98``). The official judge also runs code against the
+#: environment before it answers; here it reads the steps (and their tool results) only.
+TERNARY_STEP_TEMPLATE = GenRMTemplate(
+    name="data_prm/ternary_step",
+    system="You are a careful expert verifier of multi-step solutions (analysis, code, tool calls and the results "
+    "they returned). Check whether the designated step is correct and reasonable, then score it: 1 if the step is "
+    "correct and helps solve the problem; 0.5 if it is generally correct but omits a detail or has a minor error that "
+    "later steps can easily fix without harming the overall solution; 0 if it has a fatal error or a severe omission "
+    "that leads to wrong or misleading results. Judge correctness, not formatting. Reason first, then give the score "
+    "inside <score></score> (one of 1, 0.5, 0) and a one-sentence reason inside <summary></summary>.",
+    user="[Question]\n{question}\n[End of Question]\n\n[History]\n{history}\n[End of History]\n\n"
+    "[Step]\n{step}\n[End of Step]",
+    verdict_regex=r"<score>\s*([^<]*?)\s*</score>",
+    labels={"1": 1.0, "0.5": 0.5, "0": 0.0},
+    step=True,
+)
 
 
 # ============================================================================================= aggregation
@@ -344,6 +393,12 @@ class GenerativeRewardModel:
         return self._judge([self.template.messages(question=q, response=r) for q, r in zip(questions, responses,
                                                                                             strict=True)])
 
+    def judge_steps(self, questions: Sequence[str], histories: Sequence[str], steps: Sequence[str]) -> GenRMResult:
+        """Step protocol: one aggregated verdict per (question, history of the steps before, step)."""
+        self._need("step")
+        return self._judge([self.template.messages(question=q, history=h, step=s)
+                            for q, h, s in zip(questions, histories, steps, strict=True)])
+
     def compare(self, questions: Sequence[str], first: Sequence[str], second: Sequence[str], *,
                 swap: bool = False) -> GenRMResult:
         """Pairwise: ``pref(first over second)`` per request -- the template's value negated (it is positive when
@@ -371,7 +426,7 @@ class GenerativeRewardModel:
     def _key(self, messages: list[dict]) -> str:
         t = self.template
         text = repr((t.name, t.system, t.user, t.verdict_regex, t.low, t.high, sorted((t.labels or {}).items()),
-                     self.k, self.aggregate, self.meta_keep, messages))
+                     t.step, self.k, self.aggregate, self.meta_keep, messages))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _judge(self, requests: list[list[dict]]) -> GenRMResult:
@@ -473,7 +528,11 @@ _SECTION_RE = {
     "response_a": re.compile(r"\[Response A\]\n(.*?)\n\[End of Response A\]", re.DOTALL),
     "response_b": re.compile(r"\[Response B\]\n(.*?)\n\[End of Response B\]", re.DOTALL),
     "judgement": re.compile(r"\[Judgement\]\n(.*?)\n\[End of Judgement\]", re.DOTALL),
+    "history": re.compile(r"\[History\]\n(.*?)\n?\[End of History\]", re.DOTALL),
+    "step": re.compile(r"\[Step\]\n(.*?)\n\[End of Step\]", re.DOTALL),
 }
+#: lines of a step request that are framing, not solution text (paragraph tags, the final-step note)
+_FRAMING_RE = re.compile(r"^\s*(\[/?Paragraph_\d+\]|Note: This is the final step\.)\s*$")
 _BOXED_RE = re.compile(r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}")
 
 
@@ -485,7 +544,10 @@ def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0,
     first error; a tie names A, a position bias that a swap exposes) -- or, when the prompt asks for the signed
     scale "from -3 to 3", ``<answer>+-2</answer>`` (0 is not on the scale: a tie answers -1, A slightly better);
     a meta-RM request (a ``[Judgement]`` section holding a pointwise judgement of a request) is rated ``high`` when
-    the judgement's last ``\\boxed{}`` score equals the verifier's, else ``low``. The question is rebuilt into a row
+    the judgement's last ``\\boxed{}`` score equals the verifier's, else ``low``; a step request (``[History]`` and
+    ``[Step]``, the :data:`TERNARY_STEP_TEMPLATE` format) is ``<score>1</score>`` when no step up to this one is wrong,
+    ``<score>0</score>`` when the first wrong step lies in this one, ``<score>0.5</score>`` when an earlier step is
+    wrong (this one builds on a correctable error) -- lines are steps, paragraph tags are skipped. The question is rebuilt into a row
     by ``QUESTION_ROWS[oracle]`` and graded by ``VERIFIER_FEEDBACK[oracle]``; a request without these sections is a
     ``ValueError``."""
     from trl_plugins.components.feedback import feedback_oracle
@@ -501,12 +563,22 @@ def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0,
         done = steps if verdict.first_error is None else verdict.first_error
         return float(round(low + (high - low) / 2 * min(done / steps, 1.0)))  # whole scores, as judges write them
 
+    def step_verdict(row: dict, history: str, step: str) -> str:
+        def lines(text: str) -> list[str]:
+            return [ln for ln in text.splitlines() if ln.strip() and not _FRAMING_RE.match(ln)]
+
+        before = lines(history)
+        first = grade(row["problem"], "\n".join(before + lines(step))).first_error
+        return "1" if first is None else ("0" if first >= len(before) else "0.5")
+
     def answer(messages: list[dict]) -> str:
         text = "\n".join(str(m.get("content", "")) for m in messages)
         parts = {name: m.group(1) for name, rx in _SECTION_RE.items() if (m := rx.search(text))}
-        if "question" not in parts or not ({"response", "response_a"} & set(parts)):
-            raise ValueError("scripted_genrm: the request has no [Question] and [Response] sections.")
+        if "question" not in parts or not ({"response", "response_a", "step"} & set(parts)):
+            raise ValueError("scripted_genrm: the request has no [Question] and [Response] (or [Step]) sections.")
         row = row_of(parts["question"])
+        if "step" in parts:
+            return f"Checked with the task's verifier.\n<score>{step_verdict(row, parts.get('history', ''), parts['step'])}</score>"
         if "judgement" in parts:
             said = _BOXED_RE.findall(parts["judgement"])
             right = bool(said) and float(said[-1]) == quality(row, parts["response"])
