@@ -204,12 +204,14 @@ class VerlErankPlugin(Plugin):
                                     o.aux_weight)
         self.mids = [(1 - o.ema_alpha) * m + o.ema_alpha * v for m, v in zip(self.mids, self.prev_means)]
         self.prev_means = means
+        ctx.log_metric("tendency", float(tendency.mean()))
+        ctx.log_metric("aux", float(aux.mean()))
+        if not (aux > 0).any() or math.isinf(o.kappa):  # no positive bonus: the advantages stay as they are
+            return
         adv = ctx.advantages
         aux = aux.to(device=adv.device, dtype=adv.dtype)
         mask = ctx.completion_mask().to(adv.device) if o.bonus_tokens == "last" else None
         ctx.advantages = shape_advantages(adv, aux, o.kappa, mask)
-        ctx.log_metric("tendency", float(tendency.mean()))
-        ctx.log_metric("aux", float(aux.mean()))
 
     @hookimpl
     def trl_plugins_state_dict(self):
