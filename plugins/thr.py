@@ -86,6 +86,8 @@ class ThrPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
         o = self.options
+        if o.p == 0:  # neutral: every weight is 1, nothing to compute
+            return
         G = ctx.num_generations
         start = ctx.process_slice.start or 0
         correct = ctx.success(o.success_rule).cpu()
