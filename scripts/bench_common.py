@@ -79,6 +79,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "kepo": ({"teacher_model": "(set below: demo_model_dir())", "teacher_max_tokens": 24}, {}),
     # the warm-started tiny model as the frozen listener (it shares the benchmark policy's character tokenizer)
     "listener": ({"teacher_model": "(set below: demo_model_dir())"}, {}),
+    # RaPO's previous-task policy: the warm-started demo model the benchmark policy starts from (a second task)
+    "rapo_retention": ({"teacher_model": "(set below: demo_model_dir())"}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "laser": ({}, {}),
     "llds": ({}, {}),
@@ -270,6 +272,7 @@ def load_demo_model(cache_dir: str | Path | None = None, verbose: bool = False):
 
 PLUGIN_SETTINGS["kepo"][0]["teacher_model"] = str(demo_model_dir())
 PLUGIN_SETTINGS["listener"][0]["teacher_model"] = str(demo_model_dir())
+PLUGIN_SETTINGS["rapo_retention"][0]["teacher_model"] = str(demo_model_dir())
 PLUGIN_SETTINGS["armed"][0]["embedder_model"] = str(demo_model_dir())
 
 

@@ -64,6 +64,8 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     "kepo": {"teacher_model": "<policy model>", "success_column": "digit_fraction_reward", "success_threshold": 0.0},
     # the listener is the policy's own base model too (it reads the reasoning, shares the tokenizer)
     "listener": {"teacher_model": "<policy model>"},
+    # RaPO's previous-task policy is the policy's own base model (a second task starting from it)
+    "rapo_retention": {"teacher_model": "<policy model>"},
     "luffy": {},
     # the tasks' one reference solution per problem stands in for the teachers' solutions
     "ampo": {"solutions_column": "solution"},

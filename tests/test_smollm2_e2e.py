@@ -351,6 +351,10 @@ def _stacks(urls):
                                         "teacher_max_retries": 1}},
             {"loss_type": "grpo"}, ["teacher_logprobs"],
         ),
+        # RaPO's second task: SmolLM2 itself, loaded by path as a local model, is the previous task's policy (the LoRA
+        # policy starts equal to it, so the first drift is ~0); CTAN starts fresh (no statistics from a first task)
+        "rapo_retention": (["rapo_retention"], {"rapo_retention": {"teacher_model": SMOLLM2_DIR}}, {"loss_type": "grpo"},
+                           []),
         # ReasonFlux-PRM's dense mode on the loopback PRM endpoint: step scores mapped to the real BPE tokens and added
         # to TRL's advantages per token (the official trajectory column runs in the CPU tests)
         "reasonflux_prm": (
@@ -359,6 +363,8 @@ def _stacks(urls):
     }
 
 
+#: Placeholder in a stack's plugin options for the folder of builtin:smollm2 (resolved by the test that runs it).
+SMOLLM2_DIR = "<smollm2>"
 #: every stack of `_stacks`, by name (the URLs do not matter for the names)
 _ANY_URL = collections.defaultdict(lambda: "http://127.0.0.1:9/v1")
 #: the tool stacks train on the tool environment in their own test (test_tool_stack_trains_one_lora_step_with_tools)
@@ -376,6 +382,7 @@ def test_the_stacks_cover_every_builtin_plugin():
 def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tmp_path):
     with loopback_components() as (urls, calls):
         plugins, plugin_config, overrides, must_call = _stacks(urls)[stack]
+        plugin_config = {p: {k: smollm2 if v == SMOLLM2_DIR else v for k, v in o.items()} for p, o in plugin_config.items()}
         args = tiny_config(str(tmp_path), plugins=plugins, plugin_config=plugin_config, **{**RUN, **overrides})
         trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=REWARDS, args=args, train_dataset=_dataset(),
                                     peft_config=_lora())
