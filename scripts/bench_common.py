@@ -150,6 +150,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the scripted judge; the official pairwise advantages replace TRL's, so the accuracy column is weighted 0 (the
     # judge reads correctness itself)
     "think_rm": ({"genrm": "scripted"}, {"reward_weights": [0.0]}),
+    "thr": ({}, {}),
+    # stride scaled from the script's 40 to the short benchmark completions
+    "verl_erank": ({"stride": 4}, {}),
 }
 
 

@@ -219,6 +219,11 @@ def _stacks(urls):
              "dagrpo": {"delta": 0.0, "anchors": False}},
             {"loss_type": "grpo", "num_generations": 4}, ["feedback"],
         ),
+        # the hidden-state service on the real model: effective ranks of each response (verl_erank) and THR's two
+        # passes through the LoRA policy and its 49k-token head on the group vocabularies (success on the
+        # partial-credit column: the 135M policy is rarely correct)
+        "verl_erank+thr": (["verl_erank", "thr"], {"verl_erank": {"stride": 4}, "thr": {
+            "success_column": "digit_fraction_reward", "success_threshold": 0.05}}, {"loss_type": "grpo"}, []),
         # refill within the step: DARS asks for extra groups of the hard prompts (and drops the pools its filter
         # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),

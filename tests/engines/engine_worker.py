@@ -73,6 +73,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # (rlpr's std filter zeroes advantages here: its refill, the default, is refused under FSDP / ZeRO-3 with several
     # processes at construction -- tests/plugins/test_rlpr.py -- because its reward runs a policy forward per process)
     "stack5": (["riskpo", "rl_plus", "rlpr"], {"rlpr": {"filter_drop": "zero_advantage"}}, ZERO3_FSDP2),
+    # the hidden-state service (ctx.hidden_states): verl_erank's per-row effective ranks, thr's two passes with the
+    # LM head on a vocabulary subset (success on the partial-credit column: the random tiny model is never right)
+    "hidden_states": (["verl_erank", "thr"], {"verl_erank": {"stride": 2}, "thr": {
+        "success_column": "digit_fraction_reward", "success_threshold": 0.05}}, ZERO3_FSDP2),
     # (seed_grpo's exponential form: the linear one scales every advantage by 0 when all answers differ; hbpo's
     # budget sub-groups have one row each at G=2)
     "stack6": (["rover", "seed_grpo", "steer", "hbpo"], {"seed_grpo": {"function": "exponential"},

@@ -233,6 +233,10 @@ CASES = [
     # ---------------------------------------------------------------- plugins that need the run's settings / components
     Case("replace-index-beyond-group", "stack", ("hint_scaffold", {"replace": "one", "replace_index": 4}),
          "allowed: a slot of the group, 0 to 3 (num_generations=4)"),
+    Case("verl-erank-ema-alpha-zero", "stack", ("verl_erank", {"ema_alpha": 0}),
+         "Option 'ema_alpha' of plugin 'verl_erank' got 0.0; allowed: a value > 0.0 and <= 1.0"),
+    Case("thr-p-beyond-one", "stack", ("thr", {"p": 2.0}),
+         "Option 'p' of plugin 'thr' got 2.0; allowed: a value <= 1.0 and >= -1.0"),
     Case("endpoint-url-no-scheme", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "127.0.0.1:8000/v1"}),
          "Endpoint URL '127.0.0.1:8000/v1' is malformed"),
     Case("endpoint-url-bad-scheme", "stack", ("ruscarl", {**RUSCARL_ENDPOINT, "judge_base_url": "ftp://h/v1"}),

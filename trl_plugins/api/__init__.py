@@ -21,6 +21,7 @@ kit or the tasks.
 from trl_plugins.api.contexts import (
     AdvantageContext,
     Completion,
+    HiddenChunk,
     LossContext,
     PolicyStats,
     PromptContext,
@@ -56,6 +57,7 @@ __all__ = [
     "PluginConfigError",
     "PluginError",
     "PluginOptions",
+    "HiddenChunk",
     "PolicyStats",
     "PromptContext",
     "RefillContext",

@@ -596,6 +596,31 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         """
         return self._service("policy_stats")(head_stats)
 
+    def hidden_states(self, reduce: Any, layer: int = -1, head: bool = False) -> Any:
+        """Per-token hidden states of one layer of the current policy on this process's generation batch, reduced
+        chunk by chunk by ``reduce`` (no grad; one extra forward per call).
+
+        ``reduce(chunk: HiddenChunk)`` gets ``per_device_train_batch_size`` rows at a time (:class:`HiddenChunk`:
+        ``hidden`` (n, C, d), ``mask``, ``completion_ids``, ``rows``, and ``head_logprobs`` when ``head``) and returns
+        a tensor of n rows, a dict of such tensors, or None; the results are concatenated along rows ((B, ...)). The
+        chunk's hidden states are dropped after the call, so no (B, T, d) tensor of the whole batch is held.
+        ``layer``: transformers' ``hidden_states`` numbering (0 the embeddings, ``i`` decoder block ``i``, -1 the
+        final output after the last norm); pass the plugin's ``hidden_states_layer``. ``head=True`` also gathers the
+        LM head once for :meth:`HiddenChunk.head_logprobs` (last layer only).
+
+        Only for plugins declaring ``needs_hidden_states = True``. Collective: every process makes the same forward
+        calls, so call it on every process (contexts are identical, so a plugin deciding from context data does),
+        and call no collective inside ``reduce``. Not available with image prompts (text-only forwards).
+        """
+        if self.services.hidden_states is None:
+            raise PluginError(
+                f"Plugin {self._active_plugin!r} called ctx.hidden_states() without declaring needs_hidden_states = True."
+            )
+        if head and layer not in (-1,):
+            raise PluginError(f"ctx.hidden_states(head=True) projects the final hidden states through the LM head; "
+                              f"got layer={layer!r}, allowed: -1.")
+        return self.services.hidden_states(reduce, layer, head)
+
     def completion_mask(self) -> torch.Tensor:
         """(N, T_max) loss mask of all rows, padded across processes (collective)."""
         return self._service("completion_mask")()
@@ -644,6 +669,34 @@ class PolicyStats:
     completion_ids: torch.Tensor
     mean_entropy: torch.Tensor
     head_stats: Any = None
+
+
+@dataclass
+class HiddenChunk:
+    """One chunk of the hidden-state service (:meth:`AdvantageContext.hidden_states`), no grad.
+
+    Attributes:
+        rows: the chunk's rows of the local generation batch (a slice of ``range(B)``).
+        hidden: (n, C, d) hidden states of the requested layer in the model's dtype; position ``t`` is the state that
+            predicts completion token ``t`` (sequence position ``P - 1 + t``); padded positions hold whatever the
+            forward produced (mask them).
+        mask: (n, C) loss mask of the completion tokens.
+        completion_ids: (n, C) completion token ids.
+    """
+
+    rows: slice
+    hidden: torch.Tensor
+    mask: torch.Tensor
+    completion_ids: torch.Tensor
+    _head: Any = None
+
+    def head_logprobs(self, vocab_ids: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., K) float32 log-probs of the tokens ``vocab_ids`` (K,) under the policy at ``hidden`` (default: the
+        chunk's (n, C, d)), the run's temperature applied, normalised over the full vocabulary (computed in blocks of
+        ``head_stats_chunk_size`` positions: no (n, C, V) logits). Only with ``ctx.hidden_states(..., head=True)``."""
+        if self._head is None:
+            raise PluginError("HiddenChunk.head_logprobs needs ctx.hidden_states(..., head=True).")
+        return self._head(self.hidden if hidden is None else hidden, vocab_ids)
 
 
 # =============================================================================================== loss

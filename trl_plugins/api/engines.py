@@ -27,6 +27,9 @@ Plugins never see these rules; the framework's services (head statistics, policy
   only the processes with requests call it.
 * **Collective forwards.** A forward of a sharded model is itself a collective, so every service that runs the policy
   for given rows (:mod:`trl_plugins.runtime.policy_probe`) pads each process's rows to the largest count across processes.
+  The hidden-state service (:mod:`trl_plugins.runtime.hidden_states`) runs over the local generation batch, which has
+  the same number of rows on every process, so every process makes the same forward calls; with ``head=True`` it
+  gathers the LM head once per call, before the chunks, on every process.
 
 Engine names: ``"single"`` (one process), ``"ddp"``, ``"fsdp1"``, ``"fsdp2"``, ``"zero2"``, ``"zero3"`` (ZeRO-1 is
 reported as ``"zero1"`` and treated like ZeRO-2).

@@ -49,6 +49,10 @@ class Plugin:
         paper: citation with arXiv id, e.g. ``"Lp-Reg, arXiv:2510.03222"``.
         summary: one line for ``trl-plugins list``.
         needs_head_stats: the loss hook uses ``ctx.head_stats()`` (chunked LM-head statistics).
+        needs_hidden_states: the advantage hook uses ``ctx.hidden_states(reduce, layer)`` (per-token hidden states of
+            one layer, reduced chunk by chunk by the plugin's callback; :class:`~trl_plugins.api.contexts.HiddenChunk`).
+        hidden_states_layer: the layer the plugin asks for (transformers' ``hidden_states`` numbering: 0 the
+            embeddings, ``i`` decoder block ``i``, -1 the final output; default -1). Instances may set their own.
         unsupported_engines: engines (DDP, FSDP1/2, ZeRO-1/2/3; :mod:`trl_plugins.api.engines`) the plugin cannot run
             under, each with its reason; refused at construction.
         replaces_surrogate: the loss hook calls ``ctx.replace_tokens``; at most one such plugin per stack.
@@ -105,6 +109,8 @@ class Plugin:
     summary: ClassVar[str] = ""
     Options: ClassVar[type[PluginOptions]] = PluginOptions
     needs_head_stats: ClassVar[bool] = False
+    needs_hidden_states: ClassVar[bool] = False
+    hidden_states_layer: int = -1
     #: Engines this plugin cannot run under, with the reason: ``{"zero3": "why"}`` (names of
     #: :data:`trl_plugins.api.engines.ENGINES`). The trainer refuses the stack at construction under such an engine,
     #: naming plugin, engine and reason.

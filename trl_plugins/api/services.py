@@ -72,6 +72,9 @@ class StageServices:
         completion_mask: ``() -> (N, T_max)`` loss mask of all rows (advantage stage, collective).
         reference_logprobs: ``() -> (B, T)`` no-grad log-probs of the local completion tokens under the reference
             policy (advantage stage; plugins declaring ``needs_reference_model``).
+        hidden_states: ``(reduce, layer, head) -> reduced`` per-token hidden states of one layer of the local
+            generation batch, reduced chunk by chunk (advantage stage, plugins declaring ``needs_hidden_states``;
+            collective: the same forwards on every process).
         head_stats: ``() -> HeadStats`` of the loss forward (loss stage, plugins declaring ``needs_head_stats``).
         masked_mean: ``(x (B, T), mask (B, T)) -> float``, token-mean across all processes (collective).
     """
@@ -91,6 +94,7 @@ class StageServices:
     policy_stats: Callable[[bool], Any] | None = None
     completion_mask: Callable[[], torch.Tensor] | None = None
     reference_logprobs: Callable[[], torch.Tensor] | None = None
+    hidden_states: Callable[[Any, int, bool], Any] | None = None
     head_stats: Callable[[], Any] | None = None
     masked_mean: Callable[[torch.Tensor, torch.Tensor], float] | None = None
 

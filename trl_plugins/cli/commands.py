@@ -49,6 +49,9 @@ def describe_plugin(name: str) -> str:
             lines += textwrap.wrap(line, 100, initial_indent="  - ", subsequent_indent="    ")
     head_note = "Uses chunked LM-head statistics (at most chunk_size x V logits at a time, gradient path included)."
     notes = [head_note] if cls.needs_head_stats else []
+    if cls.needs_hidden_states:
+        notes.append("Reads per-token hidden states (ctx.hidden_states): an extra no-grad forward per call, reduced "
+                     "chunk by chunk.")
     notes += stacking_notes(cls, code=str)
     lines.append("Stacking:")
     for note in notes:

@@ -228,6 +228,9 @@ def plugin_page(cls: type, builtin: bool = True) -> str:
     if cls.needs_head_stats:
         notes.append("Uses chunked LM-head statistics (`ctx.head_stats()`); the full (B, T, V) logits are never "
                      "materialised.")
+    if cls.needs_hidden_states:
+        notes.append("Reads per-token hidden states (`ctx.hidden_states`): an extra no-grad forward per call, reduced "
+                     "chunk by chunk; no (B, T, d) tensor of the whole batch is held.")
     notes += stacking_notes(cls)
     notes.append("Stacks with plugins of other stages; within a stage, hooks chain in the order of `plugins`."
                  + (" All plugins: [compatibility](../compatibility.md)." if builtin else ""))

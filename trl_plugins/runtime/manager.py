@@ -313,6 +313,11 @@ class PluginStack:
         return any(p.needs_head_stats for p in self.plugins if self.has_loss(p))
 
     @property
+    def needs_hidden_states(self) -> bool:
+        """Whether an enabled plugin calls the hidden-state service (:attr:`Plugin.needs_hidden_states`)."""
+        return any(p.needs_hidden_states for p in self.plugins)
+
+    @property
     def needs_whole_groups(self) -> bool:
         """Whether a plugin whose loss hooks are enabled needs whole groups in every micro-batch
         (:attr:`Plugin.needs_whole_groups`)."""

@@ -73,6 +73,7 @@ from trl_plugins.runtime.whole_groups import check_whole_groups
 from trl_plugins.runtime.reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
 from trl_plugins.runtime.manager import PluginStack, build_plugins
 from trl_plugins.runtime.models import resolve_model_name
+from trl_plugins.runtime.hidden_states import HiddenStateService
 from trl_plugins.runtime.policy_probe import PolicyProbe
 from trl_plugins.runtime.refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from trl_plugins.guards.rewards_guard import check_reward_columns, guard_reward_funcs
@@ -835,6 +836,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                 policy_stats=functools.partial(self.policy_probe.stats, output, state.policy_stats),
                 completion_mask=lambda: acc.gather(acc.pad_across_processes(mask, dim=1, pad_index=0)),
                 reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
+                hidden_states=(functools.partial(HiddenStateService(self).run, output)
+                               if self.plugin_stack.needs_hidden_states else None),
             ),
             turn_ids=turn_ids,
             turn_rewards=turn_rewards,
