@@ -86,8 +86,11 @@ class DnoOptions(GroupLossOptions, GenRMOptions):
     k: int = option(1, min=1, help="Sampled judge verdicts per pair and order, averaged (genrm only).")
 
     def validate(self) -> None:
-        if self.genrm != "none":
-            super().validate()
+        if self.genrm == "none":  # no oracle: the judge options are unused
+            return
+        self.require_base_url("genrm", self.plugin_name, otherwise="genrm='none' (the task's reward as the oracle), "
+                              "'hf' with genrm_model, or 'scripted'")
+        super().validate()
 
 
 def win_rates(pref: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -336,6 +336,12 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
+        # DNO-Prct with the loopback judge as the preference oracle (both A/B orders): each G=2 group's pair, when the
+        # judge tells its two answers apart, trained with the contrastive loss against the sampling policy
+        "dno": (
+            ["dno"], {"dno": {"genrm": "endpoint", "genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
         # the arithmetic rows carry no options column, so acre re-asks nothing on them (its metrics say so); its re-ask
         # through the generation service is tested on multiple-choice rows in tests/plugins/test_acre.py
         "acre": (["acre"], {}, {"loss_type": "grpo"}, []),
