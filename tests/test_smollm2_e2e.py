@@ -336,10 +336,12 @@ def _stacks(urls):
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],
         ),
-        # DNO-Prct with the loopback judge as the preference oracle (both A/B orders): each G=2 group's pair, when the
-        # judge tells its two answers apart, trained with the contrastive loss against the sampling policy
+        # DNO-Prct with the loopback judge as the preference oracle, one A/B order per pair (the 135M policy's answers
+        # usually tie, which the scripted judge reads as "A": with both orders a tie is 1/2 and no pair is kept), each
+        # G=2 group's pair trained with the contrastive loss against the sampling policy
         "dno": (
-            ["dno"], {"dno": {"genrm": "endpoint", "genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
+            ["dno"], {"dno": {"genrm": "endpoint", "genrm_base_url": urls["genrm"], "genrm_max_retries": 1,
+                              "position_swap": False}},
             {"loss_type": "grpo"}, ["genrm"],
         ),
         # the arithmetic rows carry no options column, so acre re-asks nothing on them (its metrics say so); its re-ask
