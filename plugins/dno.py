@@ -84,6 +84,12 @@ class DnoOptions(GroupLossOptions, GenRMOptions):
     position_swap: bool = option(True, reconstructed=True, help="Judge each pair in both A/B orders and average "
                                  "(position-bias control; genrm only).")
     k: int = option(1, min=1, help="Sampled judge verdicts per pair and order, averaged (genrm only).")
+    genrm_max_unparsable: float = option(
+        0.5, min=0.0, max=1.0, reconstructed=True,
+        help="Largest share of unparsable sampled verdicts in one reward batch; above it the step fails with an error "
+        "naming the judge, the row and the text. A pair without a verdict is left out of both rows' win rates "
+        "(counted: metric unparsable_fraction); a row with no judged pair cannot be chosen.",
+    )
 
     def validate(self) -> None:
         if self.genrm == "none":  # no oracle: the judge options are unused
