@@ -204,14 +204,18 @@ class DnoPlugin(GroupLossPlugin):
         return self.options.genrm != "none"
 
     def multi_turn_refusal(self) -> str | None:
+        """Multi-turn rollouts: the scalar-reward oracle works; a generative judge reads answer texts only."""
         if self._judged():
-            return ("its generative judge compares two answer texts to one question; tool calls and tool results are "
-                    "not part of the compared responses (genrm='none' works on multi-turn rollouts).")
+            return (f"with genrm={self.options.genrm!r}, its generative judge compares two answer texts to one "
+                    "question; tool calls and tool results are not part of the compared responses (genrm='none' "
+                    "works on multi-turn rollouts).")
         return None
 
     def image_inputs_refusal(self) -> str | None:
+        """Image prompts: the scalar-reward oracle works; a generative judge reads the prompt as text."""
         if self._judged():
-            return "its generative judge reads the prompt as text (genrm='none' works with image prompts)."
+            return (f"with genrm={self.options.genrm!r}, its generative judge reads the prompt as text, which would "
+                    "not see the prompt's image (genrm='none' works with image prompts).")
         return None
 
     def hook_enabled(self, hook: str) -> bool:
