@@ -28,12 +28,12 @@ The oracle ``P``:
   columns) induces the preference ``P(y_i > y_j) = 1[r_i > r_j] + 1[r_i = r_j] / 2``; rows with a NaN reward cannot be
   chosen. The win rate is then the rank of the reward in its group, and the pair is the best and the worst completion.
 
-No official code was found (none is linked from the paper or its project page; searched: code, issues). The loss and
-the pair rule follow Algorithm 2 and Sec. 5 of the paper; reconstructed here: ``beta = 0.1`` and ``margin = 0``
-(values not given as defaults for this setting), the generative judge's prompt (the shared Think-RM-style A/B
-template, our words), the win rate over the G on-policy samples only (the paper also ranks a gold response from
-the teacher, which a GRPO batch does not have), ties of ``argmax`` / ``argmin`` broken by the lower index, and the
-``mix`` and ``reference`` options.
+No official code was found (searched the stored code and issue indexes; the paper text at hand links none). The
+loss and the pair rule follow Algorithm 2 and Sec. 5 of the paper; reconstructed here: ``beta = 0.1`` (DPO's customary
+value) and ``margin = 0`` (the paper's margin threshold could not be checked, no text of it being at hand), the
+generative judge's prompt (the shared Think-RM-style A/B template, our words), the win rate over the G on-policy
+samples only (the paper also ranks a gold response from the teacher, which a GRPO batch does not have), ties of
+``argmax`` / ``argmin`` broken by the lower index, and the ``mix`` and ``reference`` options.
 
 Neutral setting: ``mix = 0`` switches every hook off, so the run is vanilla TRL (``assert_reduces_to_vanilla``).
 There is no setting at which DNO's loss equals TRL's GRPO surrogate (a logistic loss on one pair against a clipped
