@@ -150,6 +150,29 @@ def pairwise_rewards(d: torch.Tensor, group_size: int) -> tuple[torch.Tensor, to
     return numer, scale
 
 
+def _local_pairs(grm, ctx: RewardContext, questions: list[str], texts: list[str], swap: bool) -> list[list]:
+    """Per local row i: ``[(j, pref(i over j))]`` for the rows j > i of its group (each pair asked once)."""
+    G, start = ctx.num_generations, ctx.process_slice.start or 0
+    asks = [(start + b, j) for b in range(len(ctx.local_rows))
+            for j in range(start + b + 1, ((start + b) // G + 1) * G)]
+    out: list[list] = [[] for _ in ctx.local_rows]
+    if asks:
+        result = grm.compare([questions[i] for i, _ in asks], [texts[i] for i, _ in asks],
+                             [texts[j] for _, j in asks], swap=swap)
+        for (i, j), value in zip(asks, result.values):
+            out[i - start].append((j, value))
+    return out
+
+
+def judge_group_pairs(grm, ctx: RewardContext, plugin: str, swap: bool) -> list[list]:
+    """Every unordered pair ``(i, j), i < j`` of each group judged by the pairwise GenRM ``grm`` (``swap``: in both
+    orders, averaged), each process asking its own rows' pairs: (N,) lists, row i's ``[(j, pref(i over j))]``
+    (NaN: no parsable verdict). Collective: every process calls it; a judge failing on one stops all (``plugin``)."""
+    questions = ctx.gather_object([question_text(p) for p in ctx.local_prompts])  # (N,)
+    texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
+    return gather_objects_together(ctx, plugin, _local_pairs, grm, ctx, questions, texts, swap)
+
+
 class ThinkRmPlugin(Plugin):
     """Pairwise generative-RM verdicts within each group turned into group rewards and advantages (Think-RM)."""
 
@@ -216,19 +239,6 @@ class ThinkRmPlugin(Plugin):
         template = BINARY_TEMPLATE if o.verdict == "binary" else MULTICLASS_TEMPLATE
         return genrm_from_options(o, template, k=o.k, aggregate="mean", device=self._device)
 
-    def _local_pairs(self, ctx: RewardContext, questions: list[str], texts: list[str]) -> list[list]:
-        """Per local row i: ``[(j, pref(i over j))]`` for the rows j > i of its group (each pair judged once)."""
-        G, start = ctx.num_generations, ctx.process_slice.start or 0
-        asks = [(start + b, j) for b in range(len(ctx.local_rows))
-                for j in range(start + b + 1, ((start + b) // G + 1) * G)]
-        out: list[list] = [[] for _ in ctx.local_rows]
-        if asks:
-            result = self.grm.compare([questions[i] for i, _ in asks], [texts[i] for i, _ in asks],
-                                      [texts[j] for _, j in asks], swap=self.options.position_swap)
-            for (i, j), value in zip(asks, result.values):
-                out[i - start].append((j, value))
-        return out
-
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
         names = ctx.reward_func_names
@@ -236,9 +246,7 @@ class ThinkRmPlugin(Plugin):
             return
         if self.grm is None:
             self.grm = self._build()
-        questions = ctx.gather_object([question_text(p) for p in ctx.local_prompts])  # (N,) collective
-        texts = ctx.gather_object([completion_text(c) for c in ctx.local_completions])
-        per_row = gather_objects_together(ctx, self.name, self._local_pairs, ctx, questions, texts)
+        per_row = judge_group_pairs(self.grm, ctx, self.name, self.options.position_swap)
         triples = [(i, j, v) for i, row in enumerate(per_row) for j, v in row]
         d = pair_matrix([(i, j, v) for i, j, v in triples if not math.isnan(v)], len(per_row))
         numer, self._scale = pairwise_rewards(d, ctx.num_generations)

@@ -64,6 +64,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "deepseek_grm": ({"genrm": "scripted"}, {}),
     "disco": ({}, {"loss_type": "grpo"}),
     "dler": ({}, {}),
+    # the scripted verifier-backed pairwise judge as the preference oracle (no model)
+    "dno": ({"genrm": "scripted"}, {}),
     "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
     "epo": ({}, {}),

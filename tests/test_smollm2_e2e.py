@@ -362,6 +362,14 @@ def _stacks(urls):
                                         "step_separator": "\n"}},
             {"loss_type": "grpo"}, ["genrm"],
         ),
+        # DNO-Prct with the loopback judge as the preference oracle, one A/B order per pair (the 135M policy's answers
+        # usually tie, which the scripted judge reads as "A": with both orders a tie is 1/2 and no pair is kept), each
+        # G=2 group's pair trained with the contrastive loss against the sampling policy
+        "dno": (
+            ["dno"], {"dno": {"genrm": "endpoint", "genrm_base_url": urls["genrm"], "genrm_max_retries": 1,
+                              "position_swap": False}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
         # the arithmetic rows carry no options column, so acre re-asks nothing on them (its metrics say so); its re-ask
         # through the generation service is tested on multiple-choice rows in tests/plugins/test_acre.py
         "acre": (["acre"], {}, {"loss_type": "grpo"}, []),

@@ -191,6 +191,8 @@ def test_refused_plugin_names_itself_and_its_reason(name):
         ("empo", {"mode": "majority_vote", "vote_pool": 16}, True),  # extra votes through the generation service
         ("scope", {"mode": "reference_suffix", "prm": "programmatic"}, False),  # the dataset's reference text
         ("scope", {"mode": "teacher_suffix", "teacher_base_url": "http://127.0.0.1:1/v1"}, True),  # a text teacher
+        ("dno", {}, False),  # the task's scalar reward as the preference oracle
+        ("dno", {"genrm": "scripted"}, True),  # a generative judge reads the prompt as text
     ],
 )
 def test_refusal_decided_by_options(name, options, refused):
