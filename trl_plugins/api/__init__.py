@@ -21,12 +21,14 @@ kit or the tasks.
 from trl_plugins.api.contexts import (
     AdvantageContext,
     Completion,
+    Continuation,
     LossContext,
     PolicyStats,
     PromptContext,
     RefillContext,
     RewardContext,
     RolloutContext,
+    TokenProbe,
 )
 from trl_plugins.api.errors import (
     GenerationBudgetExceeded,
@@ -46,6 +48,7 @@ from trl_plugins.api.turns import TurnStructure
 __all__ = [
     "AdvantageContext",
     "Completion",
+    "Continuation",
     "GenerationBudgetExceeded",
     "IncompatiblePluginsError",
     "LossContext",
@@ -61,6 +64,7 @@ __all__ = [
     "RefillContext",
     "RewardContext",
     "RolloutContext",
+    "TokenProbe",
     "RunInfo",
     "StageServices",
     "TurnStructure",
