@@ -56,7 +56,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, edits_completions
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
 
 #: Annotation keys: the cut points with their values, the low-probability token positions, the completion length.
 CUTS_KEY = "spo_cuts"
@@ -145,7 +145,10 @@ class SpoPlugin(Plugin):
     summary = "Cuts rollouts at low-probability tokens; Monte-Carlo values of the cuts give segment advantages."
     Options = SpoOptions
     image_inputs = IMAGES_GENERATION_SERVICE
-    multi_turn = edits_completions("Monte-Carlo continuations of completion prefixes through the branching seam")
+    multi_turn = (
+        "its Monte-Carlo continuations run through the branching seam, which samples single-turn text without running "
+        "tools, so they would not continue the same multi-turn episode."
+    )
     official = OfficialSource(
         "AIFrameResearch/SPO", "b9fc6a2", verdict="faithful",
         files=(
