@@ -125,6 +125,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "repexp": ({}, {}),
     # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
+    # two Monte-Carlo continuations per cut point and at most three cut points: (cuts * 2) generations per rollout
+    "spo": ({"mc_samples": 2, "max_cutpoints": 3}, {}),
     # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy
     "r2vpo": ({}, {"steps_per_generation": 2}),
     # two arithmetic problems chained into one prompt; the chained verifier wants boxed answers

@@ -282,6 +282,9 @@ def _stacks(urls):
         # AEPO's loss half: entropy-aware advantages from the real model's entropies (one on-policy step: r = 1, the
         # clips are checked on small tensors in tests/plugins/test_aepo.py)
         "aepo": (["aepo"], {}, {"loss_type": "dapo"}, []),
+        # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
+        # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
+        "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy

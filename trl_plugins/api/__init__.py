@@ -21,6 +21,7 @@ kit or the tasks.
 from trl_plugins.api.contexts import (
     AdvantageContext,
     Completion,
+    Continuation,
     HiddenChunk,
     LossContext,
     PolicyStats,
@@ -28,6 +29,7 @@ from trl_plugins.api.contexts import (
     RefillContext,
     RewardContext,
     RolloutContext,
+    TokenProbe,
 )
 from trl_plugins.api.errors import (
     GenerationBudgetExceeded,
@@ -47,6 +49,7 @@ from trl_plugins.api.turns import TurnStructure
 __all__ = [
     "AdvantageContext",
     "Completion",
+    "Continuation",
     "GenerationBudgetExceeded",
     "IncompatiblePluginsError",
     "LossContext",
@@ -63,6 +66,7 @@ __all__ = [
     "RefillContext",
     "RewardContext",
     "RolloutContext",
+    "TokenProbe",
     "RunInfo",
     "StageServices",
     "TurnStructure",

@@ -196,6 +196,46 @@ class Completion:
 
 
 @dataclass
+class TokenProbe:
+    """The policy's next-token distribution at one completion position (the branching seam's probes).
+
+    Attributes:
+        position: completion index ``t``: the distribution of token ``t`` given the prompt and ``completion[:t]``.
+        top_ids: the ``k`` most likely next tokens, most likely first (``k`` = the call's ``top_k``).
+        top_logprobs: their log-probs (temperature applied as in TRL's log-probs), same order.
+        entropy: entropy of the whole next-token distribution there (nats, temperature applied).
+    """
+
+    position: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+    entropy: float
+
+
+@dataclass
+class Continuation:
+    """One continuation of a given prefix (``GenerationService.continue_prefixes``, ``ctx.continue_prefixes``).
+
+    Attributes:
+        completion_ids: the prefix ids followed by the new ids (the whole completion so far).
+        new_ids: the generated ids alone (at least one), cut at the request's ``max_new_tokens`` and just after its
+            first stop string.
+        logprobs: (len(new_ids),) per-token sampling log-probs of ``new_ids`` under the policy that sampled them
+            (temperature applied, from a teacher-forced no-grad forward of the same weights).
+        finished: True when the continuation ended by EOS or a stop string, False when a length limit cut it.
+        stop: the stop string that ended it, or None.
+        probes: one :class:`TokenProbe` per requested position, in the order asked (empty when none asked).
+    """
+
+    completion_ids: list[int]
+    new_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    stop: str | None = None
+    probes: list[TokenProbe] = field(default_factory=list)
+
+
+@dataclass
 class RolloutContext(_StageContext):
     """Sampling stage, after generation: the generated local batch, editable row by row.
 
@@ -289,6 +329,29 @@ class RolloutContext(_StageContext):
         """
         entropies = self._service("policy_entropies")
         return entropies([self.prompt_ids[i] for i in indices], [self.completion_ids[i] for i in indices])
+
+    def continue_prefixes(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        prefix_ids: Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
+        *,
+        stop: Sequence[str] | Sequence[Sequence[str]] | None = None,
+        probe_positions: Sequence[Sequence[int]] | None = None,
+        top_k: int = 0,
+    ) -> list[Continuation]:
+        """Continue ``prompt_ids[j] + prefix_ids[j]`` for each request ``j``: the branching seam (one
+        :class:`Continuation` per request, in order). See
+        :meth:`~trl_plugins.runtime.generation.GenerationService.continue_prefixes` for the arguments.
+
+        Collective: call it on every process the same number of times, with zero requests where a process has none;
+        counted in the rollout budget like ``service.generate``. TRL's HF-generate backend only (refused under vLLM).
+        """
+        if self.service is None:
+            raise PluginError("RolloutContext.continue_prefixes: this context has no generation service.")
+        return self.service.continue_prefixes(
+            prompt_ids, prefix_ids, max_new_tokens, stop=stop, probe_positions=probe_positions, top_k=top_k
+        )
 
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""

@@ -24,6 +24,7 @@ __all__ = [
     "LENGTH_COUNTS_TOOL_TOKENS",
     "LIKELIHOOD_PICK_ONE",
     "REFILLS_GROUPS",
+    "VLLM_BRANCHING",
     "edits_completions",
     "without_images",
 ]
@@ -45,6 +46,16 @@ REFILLS_GROUPS = (
     "it rejects groups for the refill stage, which regenerates whole groups through the generation service (no tool "
     "loop); the trainer refuses refill with tools."
 )
+
+#: Why the branching seam (``ctx.continue_prefixes``) runs on TRL's HF-generate backend only; plugins that use it give
+#: this reason when they are refused with vLLM or transformers' continuous batching.
+VLLM_BRANCHING = (
+    "the branching seam (ctx.continue_prefixes) needs a per-request max_new_tokens, stop strings and the policy's "
+    "distribution at given steps; TRL's vLLM client (and transformers' continuous batching path) takes one set of "
+    "sampling parameters for the whole call and returns no distribution at a step, so it runs on TRL's HF-generate "
+    "backend only: set use_vllm=False (and use_transformers_continuous_batching=False)."
+)
+
 
 def without_images(what: str) -> str:
     """The image-prompt refusal of a plugin that runs ``what`` without the prompt's image (TRL passes the image's pixel

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from trl_plugins.api.collectives import HeldRewardErrors
-from trl_plugins.api.contexts import Completion
+from trl_plugins.api.contexts import Completion, Continuation, TokenProbe
 from trl_plugins.api.errors import GenerationBudgetExceeded, PluginError
+from trl_plugins.api.reasons import VLLM_BRANCHING
 
 
 #: How a process that waited names the failure of another process's reward scoring in the sampling stage.
@@ -117,15 +118,8 @@ class GenerationService:
         n_local = len(ids)
         # (P, 2): what each process asks for now and has already used; every process takes the same decision
         gathered = self._gather_counts(n_local)
-        counts, used = gathered[:, 0], gathered[:, 1]
-        max_n = int(counts.max().item())
-        if self.budget is not None and int((used + counts).max().item()) > self.budget:
-            j = int(torch.argmax(used + counts).item())
-            raise GenerationBudgetExceeded(
-                f"Plugins requested {int(counts[j].item())} more completions on process {j}, which already used "
-                f"{int(used[j].item())} in this generation batch; plugin_generation_budget is {self.budget} per "
-                "generation batch and process."
-            )
+        counts = gathered[:, 0]
+        max_n = self._check_budget(gathered)
         if max_n == 0:
             return []
         full = [p + q for p, q in zip(ids, prefixes)]
@@ -148,15 +142,104 @@ class GenerationService:
             results.append(Completion(completion_ids=out_ids, logprobs=out_lps, text=text))
         return results
 
-    def _gather_counts(self, n_local: int) -> torch.Tensor:
-        """(num_processes, 2) long tensor: each process's request count and completions already used this batch.
+    def continue_prefixes(
+        self,
+        prompt_ids: list[list[int]],
+        prefix_ids: list[list[int]],
+        max_new_tokens: int | list[int],
+        *,
+        stop: list[str] | list[list[str]] | None = None,
+        probe_positions: list[list[int]] | None = None,
+        top_k: int = 0,
+    ) -> list[Continuation]:
+        """The branching seam: continue ``prompt_ids[j] + prefix_ids[j]`` (token ids) for every request ``j``.
+
+        Args:
+            prompt_ids: generation-prompt ids per request (as :meth:`tokenize` builds them).
+            prefix_ids: the partial completion each request continues (may be empty).
+            max_new_tokens: new tokens at most, one int for all requests or one per request (>= 1); also capped so
+                that the prefix and the new tokens fit in ``max_completion_length``.
+            stop: stop strings, one list for all requests or one list per request (non-empty strings); a
+                continuation ends just after the first token that completes one of them.
+            probe_positions: per request, completion indices ``t`` in ``[0, len(prefix)]`` at which to return the
+                policy's next-token distribution (:class:`~trl_plugins.api.contexts.TokenProbe`: top-``top_k`` ids
+                and log-probs, entropy). ``t = len(prefix)`` is the fork point of the prefix.
+            top_k: how many most-likely next tokens each probe lists (0: entropy only).
+
+        Returns:
+            One :class:`~trl_plugins.api.contexts.Continuation` per request, with the per-token sampling log-probs of
+            its new tokens.
+
+        Collective: every process calls it the same number of times (zero requests where it has none); the requests
+        are padded to the largest count across processes, and every process generates with the same
+        ``max_new_tokens`` (the largest requested anywhere), then runs one padded teacher-forced forward for the
+        log-probs and probes. Counted in the budget like :meth:`generate`. Through TRL's HF-generate backend only:
+        TRL's vLLM client takes one set of sampling parameters for a whole call (no per-request length or stop) and
+        returns no distribution at a step, so a call under vLLM raises (plugins using the seam are refused when the
+        trainer is built, :data:`~trl_plugins.api.reasons.VLLM_BRANCHING`). The log-probs are the temperature-scaled
+        policy log-probs of the same weights that sampled; they are the exact sampling log-probs when the run's
+        ``top_k``/``top_p``/``min_p`` leave the distribution untruncated (TRL's defaults).
+        """
+        from trl_plugins.runtime.branching import check_requests, cut_continuation
+
+        tr = self.trainer
+        if getattr(tr, "use_vllm", False) or getattr(tr, "use_transformers_continuous_batching", False):
+            raise PluginError(f"GenerationService.continue_prefixes: {VLLM_BRANCHING}")
+        check_text_only(tr, "The branching seam (ctx.continue_prefixes / ctx.service.continue_prefixes)")
+        requests = check_requests(prompt_ids, prefix_ids, max_new_tokens, stop, probe_positions, top_k,
+                                  tr.max_completion_length)
+        n_local = len(requests)
+        local_max = max([r.max_new for r in requests], default=0)
+        gathered = self._gather_counts(n_local, local_max)
+        max_n = self._check_budget(gathered)
+        if max_n == 0:
+            return []
+        full = [r.prompt + r.prefix for r in requests]
+        dummy = full[0] if full else (self._dummy_ids or [tr.text_tokenizer.eos_token_id])
+        padded = full + [dummy] * (max_n - n_local)
+        with transformers_generation_settings(tr, {"max_new_tokens": int(gathered[:, 2].max().item())}):
+            completion_ids, _ = tr.sample_completions(padded, num_generations=1)
+        self.count_rollouts(len(completion_ids))
+        self.used_this_batch += n_local
+        self.total += int(gathered[:, 0].sum().item())
+        decode = lambda ids: tr.text_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        cuts = [cut_continuation(list(completion_ids[j]) or [tr.eos_token_ids[0]], r.max_new, r.stop,
+                                 tr.eos_token_ids, decode) for j, r in enumerate(requests)]
+        logps, probes = tr.policy_probe.continuation_stats(
+            [r.prompt for r in requests], [r.prefix + ids for r, (ids, _, _) in zip(requests, cuts)],
+            [r.positions for r in requests], top_k,
+        )
+        results = []
+        for j, (r, (ids, finished, hit)) in enumerate(zip(requests, cuts)):
+            results.append(Continuation(
+                completion_ids=r.prefix + ids, new_ids=ids, logprobs=logps[j][len(r.prefix):].float().tolist(),
+                finished=finished, stop=hit,
+                probes=[TokenProbe(t, top, lps, ent) for t, (top, lps, ent) in zip(r.positions, probes[j])],
+            ))
+        return results
+
+    def _check_budget(self, gathered: torch.Tensor) -> int:
+        """Raise on every process together when a process's requests pass the budget; else the largest count."""
+        counts, used = gathered[:, 0], gathered[:, 1]
+        if self.budget is not None and int((used + counts).max().item()) > self.budget:
+            j = int(torch.argmax(used + counts).item())
+            raise GenerationBudgetExceeded(
+                f"Plugins requested {int(counts[j].item())} more completions on process {j}, which already used "
+                f"{int(used[j].item())} in this generation batch; plugin_generation_budget is {self.budget} per "
+                "generation batch and process."
+            )
+        return int(counts.max().item())
+
+    def _gather_counts(self, n_local: int, *more: int) -> torch.Tensor:
+        """(num_processes, 2 + len(more)) long tensor: each process's request count, completions already used this
+        batch, then ``more`` (e.g. the branching seam's largest ``max_new_tokens``).
 
         A reward-function error that the sampling stage holds on some process (see the trainer) rides in the same
         collective and is raised here on every process, before anything is generated.
         """
         acc = self.trainer.accelerator
         held = getattr(self.trainer, "held_reward_errors", None) or HeldRewardErrors()  # (a bare stand-in trainer)
-        return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch], acc.device, SCORING_FAILED)
+        return held.gather_with_flag(acc.gather, [n_local, self.used_this_batch, *more], acc.device, SCORING_FAILED)
 
     def state_dict(self) -> dict:
         return {"total": self.total}

@@ -192,3 +192,65 @@ class PolicyProbe:
             list(prompt_ids) + [dummy] * (max_n - n_local), list(completion_ids) + [dummy] * (max_n - n_local), False
         )
         return [logps[j, : len(completion_ids[j])].detach() for j in range(n_local)]
+
+    def continuation_stats(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], positions: list[list[int]], top_k: int
+    ) -> tuple[list[torch.Tensor], list[list[tuple[list[int], list[float], float]]]]:
+        """No-grad log-probs of every completion token and, at the given completion ``positions`` of each row, the
+        policy's top-``top_k`` next tokens and the entropy there (the branching seam's teacher-forced half).
+
+        Collective like :meth:`logprobs` (rows padded to the largest count across processes; the LM head is read once
+        per call on every process, itself a collective under FSDP1 / ZeRO-3). Only the probed positions go through the
+        head a second time: ``(M, V)`` logits for the ``M`` probes of a chunk, never ``(R, L, V)``.
+
+        Returns:
+            ``(logps, probes)``: one (len(completion),) tensor per row; per row, one ``(top_ids, top_logprobs,
+            entropy)`` per position, temperature applied as in TRL's log-probs.
+        """
+        from trl_plugins.runtime.head_stats import capture_hidden_states, lm_head_of, transform_logits
+
+        tr = self.trainer
+        check_text_only(tr, "The branching seam (ctx.continue_prefixes)")
+        n_local = len(completion_ids)
+        max_n = self._largest_count(n_local)
+        if max_n == 0:
+            return [], []
+        eos_id = tr.eos_token_ids[0]
+        pad_id = tr.text_tokenizer.pad_token_id
+        rows = [(list(p) or [eos_id], list(c) or [eos_id]) for p, c in zip(prompt_ids, completion_ids)]
+        rows += [([eos_id], [eos_id])] * (max_n - n_local)
+        wanted = list(positions) + [[] for _ in range(max_n - n_local)]
+        step = tr.args.per_device_train_batch_size
+        logps_out: list[torch.Tensor] = []
+        hidden_out: list[torch.Tensor] = []  # (d,) hidden state before each probed position, in row order
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            input_ids, attention_mask, c_len = prompt_completion_batch(
+                [p for p, _ in chunk], [c for _, c in chunk], eos_id if pad_id is None else pad_id,
+                tr.accelerator.device,
+            )
+            with torch.no_grad(), capture_hidden_states(tr.model) as cap:
+                logps, _, _ = tr.per_token_logps_and_entropies(
+                    tr.model, input_ids, attention_mask, c_len, batch_size=len(chunk), compute_entropy=False
+                )
+            block = cap.hidden[:, -(c_len + 1):-1]  # (R, C, d): the state that predicts completion token t
+            for r in range(len(chunk)):
+                logps_out.append(logps[r, : len(chunk[r][1])].detach())
+                for t in wanted[start + r]:
+                    hidden_out.append(block[r, t].detach())
+        weight, bias, logit_scale, softcap = lm_head_of(tr.model)
+        probes: list[list[tuple[list[int], list[float], float]]] = [[] for _ in range(n_local)]
+        if hidden_out:
+            with torch.no_grad():
+                h = torch.stack(hidden_out).to(weight.dtype)
+                z = h @ weight.T if bias is None else h @ weight.T + bias
+                logp = torch.log_softmax(transform_logits(z.float(), logit_scale, softcap, tr.temperature), dim=-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                k = min(top_k, logp.size(-1))
+                top_lp, top_ids = torch.topk(logp, k, dim=-1) if k > 0 else (logp[:, :0], logp[:, :0].long())
+            m = 0
+            for j in range(n_local):
+                for _ in wanted[j]:
+                    probes[j].append((top_ids[m].tolist(), top_lp[m].tolist(), float(entropy[m])))
+                    m += 1
+        return logps_out[:n_local], probes
