@@ -7,6 +7,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`-n N`) the workers share the cores: each takes its share of torch's intra-op threads instead of
+# all of them (oversubscribed threads spin and slow every worker down). OMP_NUM_THREADS, when set, wins.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
 
 pytest_plugins = ["trl_plugins.testing"]

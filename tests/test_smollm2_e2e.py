@@ -227,9 +227,10 @@ def _stacks(urls):
         # refill within the step: DARS asks for extra groups of the hard prompts (and drops the pools its filter
         # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
-        # CLPO's first batch queues its hard and medium problems for the policy to rewrite (the rewrite itself and
-        # the refill of the next batch: test_clpo_rewrites_with_the_real_policy_and_refills_the_next_batch)
-        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
+        # CLPO, two steps: the first batch queues its hard and medium problems, the second has the real policy rewrite
+        # them through the generation service and refills its zero-signal groups with them (the rewrite and refill
+        # metrics are checked on the tiny model: tests/plugins/test_clpo.py)
+        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         # (igpo in its A2TGPO mode: the adaptive turn-level clipping reaches the loss of the real model)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {"igpo": {"mode": "a2tgpo"}}, {"loss_type": "grpo"},

@@ -167,7 +167,7 @@ def test_every_builtin_plugin_declares_image_inputs():
 #: Options a few plugins need to be built at all (an endpoint or model they would otherwise ask for).
 _BUILD_OPTIONS = {"kepo": {"teacher_model": "unused"}, "listener": {"teacher_model": "unused"},
                   "rapo_retention": {"teacher_model": "unused"}, "ruscarl": {"judge": "rule"},
-                  "deepseek_grm": {"genrm": "scripted"},
+                  "data_prm": {"genrm": "scripted"}, "deepseek_grm": {"genrm": "scripted"},
                   "think_rm": {"genrm": "scripted"},
                   "scope": {"mode": "reference_suffix", "prm": "programmatic"}}
 

@@ -209,7 +209,7 @@ STATEFUL = {
     "hapo": {"temperature_tau": 0.05},
     "hint_scaffold": {}, "laser": {}, "oreal": {"token_rm": True}, "r2vpo": {}, "replay": {}, "rlpr": {},
     "rapo_retention": {"teacher_model": "unused", "retention_lambda": 0.0},  # CTAN's statistics (no previous policy)
-    "seele": {}, "siren": {},
+    "seele": {}, "siren": {}, "verl_erank": {},  # verl_erank: the running baselines of its three bonus terms
 }
 
 
