@@ -21,7 +21,7 @@ def test_catalogue_lists_every_builtin_plugin_as_the_code_says():
 
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
-    command = 'pip install -q torch==2.13.0 -e ".[dev]" && python -m pytest -q -m "not slow"'
+    command = 'pip install -q torch==2.13.0 -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile -m "not slow"'
     assert command in readme
     assert command in (ROOT / ".ci/run").read_text()
 

@@ -422,7 +422,7 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert trainer.processing_class.chat_template and len(trainer.processing_class) == 49152
         before = _adapters(trainer.model)
         trainer.train()
-    assert trainer.state.global_step == 1
+    assert trainer.state.global_step == args.max_steps  # one step, two for clpo (its rewrites fill the second batch)
     after = _adapters(trainer.model)
     assert all("lora_" in n for n in before)
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"

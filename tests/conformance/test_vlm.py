@@ -253,7 +253,9 @@ def test_undeclared_generation_is_stopped_by_the_generation_service():
 # ------------------------------------------------------------------------------------- every declared plugin runs
 #: Settings replaced for the image run: the benchmark's settings that name data the 8-row image dataset lacks
 #: (nemotron_cascade's second stage is level 2; these rows are all level 1).
-_IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "level"}}
+#: dno's benchmark settings use the scripted judge, which reads text only: the image run uses its default (the
+#: reward as the preference oracle, declared for image prompts).
+_IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "level"}, "dno": {}}
 
 
 @pytest.mark.slow
