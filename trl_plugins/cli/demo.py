@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl_plugins.runtime.config import PluginGRPOConfig
     from trl_plugins.runtime.models import cache_root
     from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
-    from trl_plugins.tasks.tiny import DemoSettings, demo_model, evaluate_accuracy
+    from trl_plugins.tasks.tiny import DemoSettings, demo_model, evaluate_accuracy, shipped_weights
     from trl_plugins.runtime.trainer import PluginGRPOTrainer
 
     settings = DemoSettings()
@@ -113,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     tiny = args.model == "builtin:tiny"
     if tiny:
         cache = args.cache_dir or cache_root()
-        print(f"[1/4] Warm-starting the tiny model (cached under {cache}) ...", flush=True)
+        if shipped_weights(settings) is not None:
+            print("[1/4] Loading the tiny model (its weights ship in the package) ...", flush=True)
+        else:
+            print(f"[1/4] Warm-starting the tiny model (cached under {cache}) ...", flush=True)
         model, tokenizer = demo_model(cache, settings, progress=True)
     else:
         print(f"[1/4] Loading {args.model} ...", flush=True)
