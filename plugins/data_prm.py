@@ -60,6 +60,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.reasons import without_images
 from trl_plugins.api.text import completion_text
@@ -197,7 +198,7 @@ class DataPrmPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self._device = getattr(getattr(trainer, "accelerator", None), "device", None)
+        self._device = trainer_device(trainer)
 
     def _judge(self):
         if self.grm is None:

@@ -35,6 +35,7 @@ from typing import ClassVar, Literal
 import torch
 
 from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.reasons import without_images
 from trl_plugins.api.success import placeholder_column
@@ -142,7 +143,7 @@ class DeepseekGrmPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self._device = getattr(getattr(trainer, "accelerator", None), "device", None)
+        self._device = trainer_device(trainer)
         if self.grm is None:
             self.grm = self._build()
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from trl_plugins.api import (AdvantageContext, LossContext, OfficialSource, PluginError, RewardContext, hookimpl,
                              option)
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.components.genrm import GenRMOptions, genrm_from_options
 
 from ._group_loss import GroupLossOptions, GroupLossPlugin, take_surrogate_place
@@ -227,7 +228,7 @@ class DnoPlugin(GroupLossPlugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self._device = getattr(getattr(trainer, "accelerator", None), "device", None)
+        self._device = trainer_device(trainer)
         if self._judged() and self.grm is None:
             self.grm = self._build()
 

@@ -53,6 +53,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_floats, run_together
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
@@ -208,7 +209,7 @@ class KepoPlugin(Plugin):
                                 "its text is the hint of an all-fail group")
         if not o.needs_teacher or self.teacher is not None:
             return
-        self.teacher = teacher_from_options(o, getattr(getattr(trainer, "accelerator", None), "device", None))
+        self.teacher = teacher_from_options(o, trainer_device(trainer))
         if o.distilling:
             processing = getattr(trainer, "processing_class", None)
             tokenizer = getattr(processing, "tokenizer", processing)

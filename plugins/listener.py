@@ -42,6 +42,7 @@ from typing import ClassVar, Literal
 import torch
 
 from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.reasons import without_images
@@ -156,7 +157,7 @@ class ListenerPlugin(Plugin):
                                 "the listener is scored on its probability of the reference answer")
         if self.listener is not None:
             return
-        self.listener = teacher_from_options(o, getattr(getattr(trainer, "accelerator", None), "device", None))
+        self.listener = teacher_from_options(o, trainer_device(trainer))
         processing = getattr(trainer, "processing_class", None)
         tokenizer = getattr(processing, "tokenizer", processing)
         if tokenizer is None:

@@ -62,6 +62,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import run_together
 from trl_plugins.api.data_checks import check_column_filled
 from trl_plugins.api.option_groups import OffPolicyOptions
@@ -195,7 +196,7 @@ class LuffyPlugin(Plugin):
                 stacklevel=2,
             )
         if o.source == "teacher" and self.teacher is None:
-            device = getattr(getattr(trainer, "accelerator", None), "device", None)
+            device = trainer_device(trainer)
             self.teacher = teacher_from_options(o, device)
 
     @hookimpl

@@ -62,6 +62,7 @@ from typing import ClassVar
 import torch
 
 from trl_plugins.api import AdvantageContext, OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.contexts import checked_teacher_logprobs
 from trl_plugins.api.reasons import IMAGES_TEXT_TEACHER
@@ -357,7 +358,7 @@ class RapoRetentionPlugin(Plugin):
             warnings.warn(
                 f"rapo_retention: temperature={args.temperature}: the policy's log-probs are temperature-scaled, the "
                 "previous task's policy's are not, so the drift is exact at temperature=1.0 only.", stacklevel=2)
-        self.teacher = teacher_from_options(o, getattr(getattr(trainer, "accelerator", None), "device", None))
+        self.teacher = teacher_from_options(o, trainer_device(trainer))
         processing = getattr(trainer, "processing_class", None)
         tokenizer = getattr(processing, "tokenizer", processing)
         if tokenizer is None:

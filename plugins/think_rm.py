@@ -54,6 +54,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
+from trl_plugins.api.engines import trainer_device
 from trl_plugins.api.collectives import gather_objects_together
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.text import completion_text
@@ -221,7 +222,7 @@ class ThinkRmPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        self._device = getattr(getattr(trainer, "accelerator", None), "device", None)
+        self._device = trainer_device(trainer)
         if self.options.advantage == "pairwise":
             names = list(getattr(trainer, "reward_func_names", []))
             weights = [float(w) for w in getattr(trainer, "reward_weights", [])]

@@ -67,6 +67,12 @@ def engine_of(accelerator: Any) -> str:
 LOCAL_GENERATE_KWARGS = {"synced_gpus": False}
 
 
+def trainer_device(trainer: Any) -> torch.device | None:
+    """The device of this process's accelerator (where a component model such as a local judge or teacher is placed),
+    or None for a trainer without one (stub trainers in tests)."""
+    return getattr(getattr(trainer, "accelerator", None), "device", None)
+
+
 @contextmanager
 def whole_model_loading() -> Iterator[None]:
     """Within the block, ``from_pretrained`` loads a model whole even under ZeRO-3 (transformers' global ZeRO-3 flag,
