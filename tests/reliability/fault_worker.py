@@ -164,6 +164,17 @@ def main(argv: list[str]) -> None:
         with open(os.path.join(out_dir, f"{phase}-rank{rank()}.json"), "w") as f:
             json.dump(record, f)
         print(f"rank {rank()} {phase}: {record}", file=sys.stderr, flush=True)
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """Both ranks leave at once and close the process group first: a rank exiting while the other still tears down
+    its gloo threads aborted the survivor at interpreter exit ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
