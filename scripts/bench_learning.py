@@ -84,12 +84,26 @@ REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "
                 "dynamic_sampling", "replay", "dars", "luffy", "rl_plus", "ampo", "oreal", "rec",
                 "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
 
-# The summary table's family of a method: the first training stage its (first) plugin hooks, in pipeline order
-# (``Plugin.stages``); the plugins that act on tool rollouts only are "agentic", stacks of several plugins "stack".
+# The summary table's family of a method: its paper's family in the catalogue (docs/coverage.md: SMP sampling, RWD
+# reward, ADV advantage, LOS loss, AGT agentic); a plugin outside that table, the first training stage it hooks
+# (``Plugin.stages``); stacks of several plugins "stack".
 FAMILIES = ("baseline", "sampling", "reward", "advantage", "loss", "agentic", "stack")
-FAMILY_TITLES = {"baseline": "Baselines", "sampling": "Sampling-stage plugins", "reward": "Reward-stage plugins",
-                 "advantage": "Advantage-stage plugins", "loss": "Loss-stage plugins",
-                 "agentic": "Agent plugins (tool task)", "stack": "Recommended stacks"}
+FAMILY_TITLES = {"baseline": "Baselines", "sampling": "Sampling and data", "reward": "Rewards",
+                 "advantage": "Advantage and credit", "loss": "Loss and objective", "agentic": "Agent methods",
+                 "stack": "Recommended stacks"}
+_CATALOGUE_FAMILIES = {"SMP": "sampling", "RWD": "reward", "ADV": "advantage", "LOS": "loss", "AGT": "agentic"}
+
+
+def _catalogue_families() -> dict[str, str]:
+    """Plugin name -> family of the first catalogue row of docs/coverage.md that links it."""
+    import re
+
+    families: dict[str, str] = {}
+    for line in (bc.ROOT / "docs" / "coverage.md").read_text().splitlines():
+        m = re.match(r"\| ([A-Z]{3})-\d+ \|.*?\[`(\w+)`\]", line)
+        if m and m.group(1) in _CATALOGUE_FAMILIES:
+            families.setdefault(m.group(2), _CATALOGUE_FAMILIES[m.group(1)])
+    return families
 
 
 def family(method: str) -> str:
@@ -98,9 +112,10 @@ def family(method: str) -> str:
         return "baseline"
     if "+" in method:
         return "stack"
-    plugin = method.split(":")[0]
-    if plugin in bc.TOOL_ONLY_PLUGINS or plugin in ba.VARIANTS:
-        return "agentic"
+    plugin = ba.VARIANTS.get(method, (method.split(":")[0],))[0]
+    catalogue = _catalogue_families()
+    if plugin in catalogue:
+        return catalogue[plugin]
     from trl_plugins.runtime.manager import get_plugin_class
 
     stages = get_plugin_class(plugin).stages()
