@@ -60,7 +60,16 @@ from typing import Any
 
 import torch
 
-from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, PluginOptions, RewardContext, RolloutContext, hookimpl, option
+from trl_plugins.api import (
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    RewardContext,
+    RolloutContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.collectives import gather_id_lists, gather_objects_together
 from trl_plugins.api.reasons import without_images
 from trl_plugins.api.success import placeholder_column
@@ -158,7 +167,8 @@ def preference_judge_rows(rows: Iterable[dict], *, prompt: str = "prompt", chose
         missing = [c for c in (prompt, chosen, rejected) if row.get(c) in (None, "", [])]
         if missing:
             raise ValueError(f"preference_judge_rows: row {i} has no {', '.join(missing)}.")
-        others = row[rejected] if isinstance(row[rejected], list) and not _is_messages(row[rejected]) else [row[rejected]]
+        others = row[rejected]
+        others = others if isinstance(others, list) and not _is_messages(others) else [others]
         responses = [completion_text(row[chosen])] + [completion_text(r) for r in others]
         order = list(range(len(responses)))
         rng.shuffle(order)
@@ -281,8 +291,8 @@ class UrpoPlugin(Plugin):
                         continue
                     if not isinstance(best, int) or isinstance(best, bool) or best < 1:
                         raise PluginConfigError(
-                            f"urpo: judge row {i} of the reward call has {o.best_column}={best!r}; allowed: the 1-based "
-                            "position of the labelled best response (preference_judge_rows writes it).")
+                            f"urpo: judge row {i} of the reward call has {o.best_column}={best!r}; allowed: the "
+                            "1-based position of the labelled best response (preference_judge_rows writes it).")
                     n_resp = len(re.findall(r"\[End of Response \d+\]", question_text(prompts[i])))
                     out.append(agreement(parse_scores(completion_text(completion), n_resp, o.score_low, o.score_high),
                                          best))

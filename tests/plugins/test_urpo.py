@@ -134,7 +134,7 @@ def test_unparsable_judgements_are_counted_and_refused_past_their_share():
     assert ctx.metrics["plugins/urpo/unparsable_fraction"] == [0.5]
     assert [a[SCORE_KEY] for a in ctx.annotations] == [None, None, 1.0, 2.0]
     ctx = make_rollout_context([["a", "bb"], ["c", "dd"]], rows=rows, service=StubGenerationService(half))
-    with pytest.raises(GenRMParseError, match=r"1 of 2 open groups; first: group 0, text 'no verdict'.*max_unparsable=0.4"):
+    with pytest.raises(GenRMParseError, match=r"1 of 2 open groups; first: group 0, text 'no verdict'.*unparsable=0.4"):
         _stack(default_kind="open", max_unparsable=0.4).call("trl_plugins_after_generation", ctx)
 
 
