@@ -42,6 +42,15 @@ the strict-argmax agreement reward, the [0, 1] rescaling, one judgement per grou
 the run's generation settings are **reconstructed** (no official code was found: searched GitHub code, issues and
 docs for the title, arXiv id and authors on 2026-11-28).
 
+Why the generation service and not :class:`~trl_plugins.components.genrm.HFGenRMBackend`: that backend loads its own
+frozen copy of a model on every process and generates locally -- it would judge with the initial weights, not the
+policy being trained, and it does not see a ZeRO-3 / FSDP-sharded policy. The generation service samples from the
+current policy weights, collectively (the same path as ``clpo``'s rewrites), and counts in the rollout budget
+(``plugin_generation_budget``). A judge request holds the question and all G completions, and its reply is cut at
+``max_completion_length`` like any completion: leave room for the judgement (a cut reply has no ``<scores>`` list and
+is unparsable). A run whose batches hold no judge rows can set ``judge_weight=0`` (otherwise the ``urpo_judge``
+column is None everywhere and the reward guard warns that it scored nothing).
+
 Neutral setting: ``self_judge_weight=0`` and ``judge_weight=0`` -- no column, no hook (vanilla GRPO, tested).
 Metrics: ``judged_groups``, ``unparsable_fraction``, ``self_score_mean`` (the mean raw score the referee gave),
 ``unjudged_fraction`` (open rows without a judgement: refill / eval), ``judge_accuracy`` (judge rows whose verdict
