@@ -266,7 +266,7 @@ class UrpoPlugin(Plugin):
                   "that text only as far as completion_text renders them.")
     image_inputs = without_images("its referee is asked through the generation service with the prompt's text")
     reconstructed = (
-        "the judge format wording and the <scores>s_1, ..., s_G</scores> verdict with scores 1 to 10",
+        "the judge format wording and the `<scores>s_1, ..., s_G</scores>` verdict with scores 1 to 10",
         "self-judge reward = (s - low) / (high - low); rows of an unparsable judgement get their group's mean",
         "judge-row reward = 1 when the labelled best response gets the strictly highest score (else 0)",
         "one judgement per open group, sampled with the run's generation settings (no voting)",
