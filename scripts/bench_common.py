@@ -155,6 +155,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # judge reads correctness itself)
     "think_rm": ({"genrm": "scripted"}, {"reward_weights": [0.0]}),
     "thr": ({}, {}),
+    # the arithmetic rows have no urpo_kind column: every group is open-ended, the policy judges it (max_unparsable
+    # 1: the small policy rarely writes a well-formed <scores> list, its groups then get a neutral advantage); no judge
+    # rows, so no urpo_judge column
+    "urpo": ({"default_kind": "open", "max_unparsable": 1.0, "judge_weight": 0.0}, {}),
     # stride scaled from the script's 40 to the short benchmark completions
     "verl_erank": ({"stride": 4}, {}),
 }
