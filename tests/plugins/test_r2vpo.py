@@ -233,3 +233,26 @@ def test_end_to_end_replay_trains_stored_groups_and_checkpoints_the_buffer(tmp_p
     (fresh,) = list(build_plugins(["r2vpo"], {"r2vpo": {"replay_groups": 1}}))
     fresh.trl_plugins_load_state_dict(state)
     assert fresh.buffer == plugin.buffer and fresh._next_key == plugin._next_key
+
+
+def test_two_processes_defer_the_same_global_slot_from_the_same_buffer():
+    """2 groups of G=2 over 2 processes (one group each): both plan the last slot, held by process 1, from one key."""
+    from trl_plugins.api.services import RunInfo
+    from trl_plugins.testing import make_advantage_context
+
+    source = build_stack("r2vpo", {"r2vpo": {"replay_groups": 1}}, num_generations=2)
+    run_hook(source, "trl_plugins_transform_advantages",
+             make_advantage_context([1.0, 0.0, 0.0, 1.0], num_generations=2, step=0, rows=stub_rows(2, 2)))
+    state = list(source)[0].trl_plugins_state_dict()
+    assert len(state["buffer"]) == 2
+    deferred = []
+    for rank in (0, 1):
+        s = build_stack("r2vpo", {"r2vpo": {"replay_groups": 1}}, num_generations=2)
+        list(s)[0].trl_plugins_load_state_dict(state)
+        pctx = make_prompt_context(stub_rows(1, 2, first_group=rank), num_generations=2, step=1, process_index=rank,
+                                   run=RunInfo(num_processes=2))
+        run_hook(s, "trl_plugins_generation_prompts", pctx)
+        deferred.append((pctx.deferred or [False, False], dict(list(s)[0]._plan)))
+    assert deferred[0] == ([False, False], {})
+    assert deferred[1][0] == [True, True] and sorted(deferred[1][1]) == [2, 3]
+    assert {key for key, _ in deferred[1][1].values()} <= set(state["buffer"])
