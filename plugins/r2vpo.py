@@ -212,9 +212,13 @@ class R2vpoPlugin(Plugin):
         return True
 
     def multi_turn_refusal(self) -> str | None:
+        """Tool rollouts: refused with the replay buffer (``replay_groups > 0``: replayed rows are spliced as single-turn
+        token ids); the ratio-variance loss alone (the default) runs on them."""
         return EDITS_COMPLETIONS if self.options.replay_groups > 0 else None
 
     def image_inputs_refusal(self) -> str | None:
+        """Image prompts: refused with the replay buffer (``replay_groups > 0``: a stored prompt keeps no image); the
+        ratio-variance loss alone (the default) runs on them."""
         if self.options.replay_groups > 0:
             return "its replay buffer stores the prompts' text and replays rows through replace_row (no image)."
         return None
