@@ -192,7 +192,8 @@ class R2vpoPlugin(Plugin):
         "the unclipped objective, the ratio-variance constraint and the primal-dual scheme, not the formulas)",
         "the replay buffer: which groups are stored (fresh groups with a non-zero advantage), replay_max_age, "
         "replay_capacity, the replayed slots (the batch's last replay_groups, drawn uniformly from the buffer), the "
-        "stored advantages and the ratio against the stored behaviour log-probs",
+        "stored advantages (a row's token mean when they are token-level) and the ratio against the stored behaviour "
+        "log-probs",
     )
 
     def __init__(self, options=None):
@@ -252,7 +253,6 @@ class R2vpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
-        replayed = 0
         for i in range(len(ctx)):
             planned = self._plan.get(ctx.global_index[i])
             if planned is None:
@@ -262,9 +262,7 @@ class R2vpoPlugin(Plugin):
             ctx.replace_row(i, list(entry["ids"]), offpolicy=False, logprobs=None, training_prompt=entry["prompt"],
                             prompt_swapped=False)
             ctx.annotations[i][REPLAY] = [key, j, entry["step"]]
-            replayed += 1
-        self._plan = {}
-        ctx.log_metric("replayed_rows", float(replayed))
+        self._plan = {}  # (metrics at the advantage stage, where the whole batch is seen)
 
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
@@ -302,7 +300,11 @@ class R2vpoPlugin(Plugin):
     def _store(self, ctx: AdvantageContext, replayed: set[int], G: int, N: int) -> None:
         """Store the fresh groups with a non-zero advantage (decided from shared data, gathered on every process)."""
         adv = ctx.advantages.detach().float().cpu()
-        per_row = adv if adv.dim() == 1 else adv.mean(dim=1)
+        if adv.dim() == 2:  # token-level advantages (another plugin's) are stored as their row's token mean
+            mask = ctx.completion_mask().float().cpu()
+            per_row = (adv * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        else:
+            per_row = adv
         clean = (ctx.offpolicy_fraction.cpu() == 0) & ~ctx.prompt_swapped.cpu().bool()
         groups = [g for g in range(N // G)
                   if not replayed & set(range(g * G, (g + 1) * G)) and bool(clean[g * G:(g + 1) * G].all())
