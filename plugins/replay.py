@@ -294,6 +294,10 @@ class ReplayPlugin(Plugin):
         note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; the tool-call reward: "
         "verl/recipe/spear/reward.py:120-162); RAPO "
         "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
+        non_official_defaults={
+            "tool_call_reward": "'cosine' in SPEAR's recipe scripts (its yaml default is 'none'); 'none' here keeps "
+            "runs without tools free of an all-zero reward column",
+        },
     )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
