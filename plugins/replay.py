@@ -73,7 +73,8 @@ holds every buffer, and a run resumed on another number of processes sees the sa
 Neutral setting: ``max_age_steps=0`` (every entry expires before a later step could replay it) leaves every row and
 advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_group_fraction``, ``stored_rollouts``,
 ``buffer_prompts``, ``buffer_rollouts``, ``replay_age`` (steps since the replayed rollout was stored),
-``replay_advantage`` (mean advantage of the replayed rows).
+``replay_advantage`` (mean advantage of the replayed rows); with the tool-call reward ``tool_call_turns_mean`` (assistant
+turns that called a tool, per rollout) and ``tool_call_weight`` (the schedule's w(step)).
 
 Official code checked against: ``TencentYoutuResearch/SPEAR@7e84315`` (faithful with documented options; the files and
 the deviating options: ``trl-plugins show replay``, docs/faithfulness.md).

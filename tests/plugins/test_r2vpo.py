@@ -256,3 +256,10 @@ def test_two_processes_defer_the_same_global_slot_from_the_same_buffer():
     assert deferred[0] == ([False, False], {})
     assert deferred[1][0] == [True, True] and sorted(deferred[1][1]) == [2, 3]
     assert {key for key, _ in deferred[1][1].values()} <= set(state["buffer"])
+
+
+def test_the_replay_buffer_is_refused_with_tools():
+    from trl_plugins.testing import make_tool_trainer
+
+    with pytest.raises(IncompatiblePluginsError, match="r2vpo"):
+        make_tool_trainer(plugins=["r2vpo"], plugin_config={"r2vpo": {"replay_groups": 1}}, max_steps=1)

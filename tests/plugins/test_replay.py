@@ -469,14 +469,13 @@ def test_bad_tool_call_options_are_refused_at_construction(options, match):
         build_plugins(["replay"], {"replay": options})
 
 
-def test_the_replay_refuses_tool_rollouts_and_the_tool_call_reward_alone_runs_on_them():
+def test_the_replay_refuses_tool_rollouts():
+    """(With max_age_steps=0 the tool-call reward alone runs on them: test_tool_call_reward_on_real_tool_rollouts.)"""
     from trl_plugins import IncompatiblePluginsError
     from trl_plugins.testing import make_tool_trainer
 
     with pytest.raises(IncompatiblePluginsError, match="replay"):
         make_tool_trainer(plugins=["replay"], max_steps=1)
-    make_tool_trainer(plugins=["replay"], plugin_config={"replay": {"max_age_steps": 0, "tool_call_reward": "cosine"}},
-                      max_steps=1)
 
 
 @pytest.mark.slow
