@@ -177,7 +177,8 @@ class R2vpoPlugin(Plugin):
     official = OfficialSource(
         None, verdict="reconstructed",
         note="No official code was found and the method section was unreachable: the dual update (initial lambda, "
-        "target, learning rate, cap) is reconstructed.",
+        "target, learning rate, cap) and the replay buffer (what is stored, for how long, where it is replayed) are "
+        "reconstructed.",
     )
     replaces_surrogate = True
     replaces = ("the clipped surrogate on every on-policy token (unclipped r A minus the ratio-variance penalty)",)
