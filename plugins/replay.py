@@ -46,6 +46,24 @@ training code: the slot that receives the replay (replace_index), 'pick' and RAP
 reconstructed.
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
 
+SPEAR's curriculum also has an **intrinsic tool-call reward** (skill exploration early, self-imitation later), on
+multi-turn tool rollouts (``tool_call_reward``, a reward column ``spear_tool_call`` filled at the reward stage)::
+
+    r_tool(row, step) = min(tool_call_bonus * U_call, tool_call_cap) * w(step)
+    U_call            = the row's assistant turns that called at least one tool (TRL's parsed tool calls)
+    w(step)           = 'cosine': (cos(pi * step / tool_call_reward_steps) + 1) / 2 up to tool_call_reward_steps,
+                        0 after; 'constant': 1; 'none': no column (the default, vanilla)
+
+Facts from SPEAR's official code: ``verl/recipe/spear/reward.py:120-162`` (the posneg_decay score: +0.1 per assistant
+message holding tool calls, capped at 1.0, added to the score of every rollout, right or wrong; the 'none' /
+'constant' / 'cosine' ratio, 0 past max_toolcall_steps), ``verl-agent/agent_system/reward_manager/episode.py:143-159``
+(the same schedule on episode lengths), ``verl-agent/verl/trainer/config/ppo_trainer.yaml:295-296`` (defaults 'none'
+and 100) and ``verl/recipe/spear/run_qwen2-32b_spear.sh:79-80`` ('cosine', 200: the defaults here once it is on).
+SPEAR adds the bonus to the score itself; here it is a column of its own with weight 1 (the same combined reward, the
+verifier column and so the success rule untouched). The step is TRL's ``global_step`` (0 at the first step; verl
+counts from 1). The replay splices single-turn token ids and is refused on tool rollouts, so there the tool-call
+reward runs with the replay off (``max_age_steps=0``); SPEAR's covariance-based token clipping is not in this plugin.
+
 Multi-process: the buffers are **global and identical on every process**. Success flags and prompt keys of all rows
 are gathered (one collective), the token ids of the rows to store too (two collectives, only in steps that store
 something, decided from the gathered flags); every process then applies the same updates. A rollout of prompt p is
@@ -55,7 +73,8 @@ holds every buffer, and a run resumed on another number of processes sees the sa
 Neutral setting: ``max_age_steps=0`` (every entry expires before a later step could replay it) leaves every row and
 advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_group_fraction``, ``stored_rollouts``,
 ``buffer_prompts``, ``buffer_rollouts``, ``replay_age`` (steps since the replayed rollout was stored),
-``replay_advantage`` (mean advantage of the replayed rows).
+``replay_advantage`` (mean advantage of the replayed rows); with the tool-call reward ``tool_call_turns_mean`` (assistant
+turns that called a tool, per rollout) and ``tool_call_weight`` (the schedule's w(step)).
 
 Official code checked against: ``TencentYoutuResearch/SPEAR@7e84315`` (faithful with documented options; the files and
 the deviating options: ``trl-plugins show replay``, docs/faithfulness.md).
@@ -74,6 +93,7 @@ from trl_plugins.api import (
     OfficialSource,
     Plugin,
     PluginConfigError,
+    RewardContext,
     RolloutContext,
     hookimpl,
     option,
@@ -81,8 +101,10 @@ from trl_plugins.api import (
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
 from trl_plugins.api.reasons import edits_completions
-from trl_plugins.api.success import SuccessOptions
+from trl_plugins.api.success import SuccessOptions, placeholder_column
 from trl_plugins.api.text import stable_key
+
+from ._rollout_buffer import RolloutBuffer
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
 REPLAYED = "replayed"
@@ -157,6 +179,24 @@ class ReplayOptions(SuccessOptions):
         help="replay_gate 'full': SPEAR's buffer_size (2048 by default); the buffers replay once they hold more than "
         "1.5 x this many rollouts.",
     )
+    tool_call_reward: Literal["none", "constant", "cosine"] = option(
+        "none",
+        help="SPEAR's intrinsic tool-call reward (multi-turn tool rollouts), a reward column 'spear_tool_call': "
+        "min(tool_call_bonus x assistant turns that called a tool, tool_call_cap) times a schedule: 'cosine' "
+        "(SPEAR's recipe scripts) decays it from 1 at step 0 to 0 at tool_call_reward_steps and keeps 0 after; "
+        "'constant' keeps 1; 'none' (the yaml default) adds no column.",
+    )
+    tool_call_reward_steps: int = option(
+        200, min=1,
+        help="'cosine': the steps over which the tool-call reward decays to 0 (SPEAR's max_toolcall_steps: its "
+        "recipe scripts pass 200, its yaml default is 100).",
+    )
+    tool_call_bonus: float = option(
+        0.1, min=0.0, help="Tool-call reward per assistant turn that called a tool (SPEAR: 0.1)."
+    )
+    tool_call_cap: float = option(
+        1.0, min=0.0, help="Upper bound of the tool-call reward of a rollout (SPEAR: 1.0, i.e. ten calling turns)."
+    )
 
     def validate(self) -> None:
         if self.key_column is not None and not self.key_column:
@@ -171,7 +211,32 @@ SPEAR_WARMUP_STEPS = 300
 SPEAR_FULL_FACTOR = 1.5
 
 
+#: The reward column of SPEAR's tool-call reward (added only when ``tool_call_reward`` is not 'none').
+TOOL_CALL_COLUMN = "spear_tool_call"
+
+
 # ============================================================================================= pure functions
+def tool_call_schedule(mode: str, step: int, steps: int) -> float:
+    """SPEAR's weight of the tool-call reward at ``step``: 0 ('none'), 1 ('constant'), or ``(cos(pi step / steps) +
+    1) / 2`` up to ``steps`` and 0 after ('cosine')."""
+    if mode == "none":
+        return 0.0
+    if mode == "constant":
+        return 1.0
+    if step > steps:
+        return 0.0
+    return max((math.cos(math.pi * max(step, 0) / steps) + 1.0) / 2.0, 0.0)
+
+
+def tool_call_reward(calling_turns: torch.Tensor, bonus: float, cap: float, weight: float) -> torch.Tensor:
+    """(N,) ``min(bonus * calling_turns, cap) * weight``: SPEAR's intrinsic reward of each rollout.
+
+    Args:
+        calling_turns: (N,) long, the assistant turns of each rollout that called at least one tool.
+    """
+    return (calling_turns.float() * bonus).clamp(max=cap) * weight
+
+
 def cosine_ramp(step: int, warmup_steps: int) -> float:
     """``(1 - cos(pi * min(step / warmup, 1))) / 2``, rising from 0 to 1; 1 when ``warmup_steps`` is 0."""
     if warmup_steps <= 0:
@@ -217,7 +282,7 @@ class ReplayPlugin(Plugin):
     multi_turn = edits_completions("stored successes spliced into all-fail groups")
 
     name = "replay"
-    version = "0.2.0"
+    version = "0.3.0"
     paper = (
         "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
         "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
@@ -227,8 +292,13 @@ class ReplayPlugin(Plugin):
     Options = ReplayOptions
     official = OfficialSource(
         "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
-        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py); RAPO "
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; the tool-call reward: "
+        "verl/recipe/spear/reward.py:120-162); RAPO "
         "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
+        non_official_defaults={
+            "tool_call_reward": "'cosine' in SPEAR's recipe scripts (its yaml default is 'none'); 'none' here keeps "
+            "runs without tools free of an all-zero reward column",
+        },
     )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
     replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
@@ -238,11 +308,12 @@ class ReplayPlugin(Plugin):
         "training code)",
         "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch",
         "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
+        "the tool-call reward as a reward column of its own (SPEAR adds it to the score: same combined reward)",
     )
 
     def __init__(self, options=None):
         super().__init__(options)
-        self.buffers: dict[int, list[dict]] = {}  # prompt key -> entries {"ids", "step", "advantage"}, newest last
+        self.buffers = RolloutBuffer()  # prompt key -> entries {"ids", "step", "advantage"}, newest last
         self.group_means: list[float] = []  # 'spear_baseline' history, oldest first
         self.group_stds: list[float] = []
         self._pending: dict[int, dict] = {}  # global row -> entry stored this step (its advantage comes later)
@@ -265,17 +336,46 @@ class ReplayPlugin(Plugin):
         self._scale = {True: "group", False: "none"}.get(scale, scale)
         self._seed = int(args.seed)
 
+    def multi_turn_refusal(self) -> str | None:
+        """The replay splices single-turn token ids into groups (their tool turns would be lost); with the replay off
+        (``max_age_steps=0``) the tool-call reward alone runs on multi-turn tool rollouts."""
+        return None if self.options.max_age_steps == 0 else self.multi_turn
+
+    def hook_enabled(self, hook: str) -> bool:
+        if hook in ("trl_plugins_reward_functions", "trl_plugins_transform_rewards"):
+            return self.options.tool_call_reward != "none"
+        return True
+
+    # ------------------------------------------------------------------------------------------ tool-call reward
+    @hookimpl
+    def trl_plugins_reward_functions(self, args):
+        # SPEAR adds the bonus to the score; a column of its own keeps the verifier (success) untouched and logged
+        return [placeholder_column(TOOL_CALL_COLUMN)]
+
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx: RewardContext):
+        o = self.options
+        local = [sum(1 for calls in t.tool_calls if calls) for t in ctx.local_turns] or [0] * len(ctx.local_rows)
+        turns = torch.tensor(ctx.gather_object(local), dtype=torch.long)
+        weight = tool_call_schedule(o.tool_call_reward, ctx.step, o.tool_call_reward_steps)
+        values = tool_call_reward(turns, o.tool_call_bonus, o.tool_call_cap, weight)
+        rewards = ctx.rewards_per_func.clone()
+        rewards[:, ctx.reward_func_names.index(TOOL_CALL_COLUMN)] = values.to(rewards)
+        ctx.rewards_per_func = rewards
+        ctx.log_metric("tool_call_turns_mean", float(turns.float().mean()) if turns.numel() else 0.0)
+        ctx.log_metric("tool_call_weight", weight)
+
     @hookimpl
     def trl_plugins_state_dict(self) -> dict:
         return {
-            "buffers": {int(k): [dict(e, ids=list(e["ids"])) for e in v] for k, v in self.buffers.items()},
+            "buffers": self.buffers.state(),
             "group_means": list(self.group_means),
             "group_stds": list(self.group_stds),
         }
 
     @hookimpl
     def trl_plugins_load_state_dict(self, state: dict) -> None:
-        self.buffers = {int(k): [dict(e, ids=list(e["ids"])) for e in v] for k, v in state["buffers"].items()}
+        self.buffers = RolloutBuffer.from_state(state["buffers"])
         self.group_means = list(state["group_means"])
         self.group_stds = list(state["group_stds"])
         self._pending = {}
@@ -292,15 +392,7 @@ class ReplayPlugin(Plugin):
 
     def evict(self, step: int) -> None:
         """Drop entries older than ``max_age_steps`` at ``step`` (and prompts left without entries)."""
-        limit = self.options.max_age_steps
-        if limit is None:
-            return
-        for key in list(self.buffers):
-            kept = [e for e in self.buffers[key] if step - e["step"] <= limit]
-            if kept:
-                self.buffers[key] = kept
-            else:
-                del self.buffers[key]
+        self.buffers.evict(step, self.options.max_age_steps)
 
     def _gate(self) -> str:
         """'full' or 'always' (``replay_gate``; 'auto' follows the advantage: SPEAR's gate with a SPEAR advantage)."""
@@ -340,7 +432,7 @@ class ReplayPlugin(Plugin):
         self.evict(ctx.step)
         splices: dict[int, dict] = {}  # global row -> entry
         all_fail = ~ok.view(n_groups, G).any(dim=1)
-        held = sum(len(v) for v in self.buffers.values())
+        held = self.buffers.total()
         full = self._gate() == "full"
         ready = not full or held > SPEAR_FULL_FACTOR * o.gate_capacity
         for g in torch.nonzero(all_fail).flatten().tolist() if ready else []:
@@ -350,7 +442,7 @@ class ReplayPlugin(Plugin):
                 splices[target] = self._pick(entries, ctx.step, g)
         to_store = self._rows_to_store(storable, keys, G)
         if full and ready:  # SPEAR's reset_buffer after a replay: this step's batch (already added there) goes too
-            self.buffers, self._pending, to_store = {}, {}, []
+            self.buffers, self._pending, to_store = RolloutBuffer(), {}, []
         else:
             self._store(ctx, to_store, keys)
         for i in range(B):
@@ -362,7 +454,7 @@ class ReplayPlugin(Plugin):
         ctx.log_metric("replayed_group_fraction", len(splices) / max(n_groups, 1))
         ctx.log_metric("stored_rollouts", len(to_store))
         ctx.log_metric("buffer_prompts", len(self.buffers))
-        ctx.log_metric("buffer_rollouts", sum(len(v) for v in self.buffers.values()))
+        ctx.log_metric("buffer_rollouts", self.buffers.total())
         if splices:
             ctx.log_metric("replay_age", sum(ctx.step - e["step"] for e in splices.values()) / len(splices))
 
@@ -382,10 +474,7 @@ class ReplayPlugin(Plugin):
                                     for i in range(len(ctx))])
         for n in rows:
             entry = {"ids": ids[n], "step": int(ctx.step), "advantage": math.nan}
-            entries = self.buffers.setdefault(keys[n], [])
-            entries.append(entry)
-            del entries[: max(len(entries) - self.options.buffer_size, 0)]
-            self._pending[n] = entry
+            self._pending[n] = self.buffers.add(keys[n], entry, self.options.buffer_size)
 
     def _splice(self, ctx: RolloutContext, i: int, entry: dict) -> None:
         o = self.options

@@ -244,11 +244,14 @@ def _stacks(urls):
         SALT_EPO_STACK: (["salt", "epo"], {"epo": {"entropy_coef": 0.01}}, {"loss_type": "grpo"}, []),
         # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
         MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),
-        "r3l+gtpo+steer+rlpr+clip_cov+r2vpo": (
-            ["r3l", "gtpo", "steer", "rlpr", "clip_cov", "r2vpo"],
+        "r3l+gtpo+steer+rlpr+clip_cov": (
+            ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
             {"loss_type": "grpo"}, [],
         ),
+        # R2VPO with its replay buffer, two steps: the first stores its groups with their behaviour log-probs, the
+        # second replays one into its last group slot (deferred, filled through replace_row) and trains it against them
+        "r2vpo": (["r2vpo"], {"r2vpo": {"replay_groups": 1}}, {"loss_type": "grpo", "max_steps": 2}, []),
         # demonstrations in slot 0 of each G=2 group; kepo scores the rows that pass its gate (on the partial-credit
         # column here: the 135M policy is rarely correct and 16 tokens cut the demonstrations) with a teacher endpoint
         # answering the echo protocol on the real BPE tokenizer (probed at construction)
@@ -428,7 +431,8 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert trainer.processing_class.chat_template and len(trainer.processing_class) == 49152
         before = _adapters(trainer.model)
         trainer.train()
-    assert trainer.state.global_step == args.max_steps  # one step, two for clpo (its rewrites fill the second batch)
+    assert trainer.state.global_step == args.max_steps  # one step; two for clpo (its rewrites fill the second batch)
+    # and r2vpo (its replay buffer fills the second batch)
     after = _adapters(trainer.model)
     assert all("lora_" in n for n in before)
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
@@ -438,6 +442,8 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
     assert not silent, f"no metrics from {silent}; logged: {sorted(k for k in logs if k.startswith('plugins/'))}"
     for component in must_call:
         assert calls[component], f"the {component} endpoint was never called"
+    if stack == "r2vpo":  # the second step trained a replayed stale group
+        assert any(h.get("plugins/r2vpo/replayed_groups", 0) > 0 for h in trainer.state.log_history)
 
 
 @pytest.mark.parametrize("stack", TOOL_STACKS)

@@ -403,3 +403,91 @@ def test_replace_index_outside_the_group_is_refused_at_configure():
     with pytest.raises(PluginConfigError, match=r"replace_index.*0 to 3"):
         stack(replace_index=4)
 
+
+
+# ============================================================================================ tool-call reward (SPEAR)
+from trl_plugins.api.turns import build_turn_structure  # noqa: E402
+from trl_plugins.testing import make_reward_context  # noqa: E402
+from trl_plugins_builtin.replay import TOOL_CALL_COLUMN, tool_call_reward, tool_call_schedule  # noqa: E402
+
+
+def _tool_turns(*calls):
+    """A completion with one assistant turn per entry of ``calls`` (the number of tool calls of that turn)."""
+    mask, messages = [], []
+    for n in calls:
+        mask += [1, 1, 0]
+        messages += [{"role": "assistant", "content": "",
+                      "tool_calls": [{"function": {"name": "search", "arguments": {}}}] * n},
+                     {"role": "tool", "name": "search", "content": "doc"}]
+    return build_turn_structure(list(range(len(mask) + 2)), mask + [1, 1],
+                                messages + [{"role": "assistant", "content": "Answer: 1"}])
+
+
+def test_tool_call_schedule_follows_spears_cosine_constant_and_none():
+    assert tool_call_schedule("none", 0, 200) == 0.0
+    assert tool_call_schedule("constant", 10_000, 200) == 1.0
+    assert tool_call_schedule("cosine", 0, 200) == pytest.approx(1.0)
+    assert tool_call_schedule("cosine", 50, 200) == pytest.approx((math.cos(math.pi / 4) + 1) / 2)
+    assert tool_call_schedule("cosine", 100, 200) == pytest.approx(0.5)
+    assert tool_call_schedule("cosine", 200, 200) == pytest.approx(0.0)
+    assert tool_call_schedule("cosine", 201, 200) == 0.0
+
+
+def test_tool_call_reward_counts_calling_turns_capped():
+    turns = torch.tensor([0, 1, 3, 10, 14])
+    assert tool_call_reward(turns, 0.1, 1.0, 1.0).tolist() == pytest.approx([0.0, 0.1, 0.3, 1.0, 1.0])
+    assert tool_call_reward(turns, 0.1, 1.0, 0.5).tolist() == pytest.approx([0.0, 0.05, 0.15, 0.5, 0.5])
+
+
+def test_tool_call_column_counts_turns_that_called_a_tool_and_decays():
+    turns = [_tool_turns(), _tool_turns(1), _tool_turns(2, 1), _tool_turns(1, 0)]  # 0, 1, 2, 1 calling turns
+    matrix = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    for step, weight in [(0, 1.0), (100, 0.5), (300, 0.0)]:
+        ctx = make_reward_context(matrix, num_generations=2, reward_func_names=["accuracy", TOOL_CALL_COLUMN],
+                                  turns=turns, step=step)
+        run_hook("replay", "trl_plugins_transform_rewards", ctx, {"replay": {"tool_call_reward": "cosine"}})
+        assert torch.equal(ctx.rewards_per_func[:, 0], matrix[:, 0])  # the verifier (success) is untouched
+        assert ctx.rewards_per_func[:, 1].tolist() == pytest.approx([0.0, 0.1 * weight, 0.2 * weight, 0.1 * weight])
+
+
+def test_tool_call_reward_none_adds_no_column_and_no_hook():
+    plugin = plugin_of(build_plugins(["replay"], {"replay": {}}))
+    assert not plugin.hook_enabled("trl_plugins_reward_functions")
+    assert not plugin.hook_enabled("trl_plugins_transform_rewards")
+    on = plugin_of(build_plugins(["replay"], {"replay": {"tool_call_reward": "cosine"}}))
+    assert [f.__name__ for f in on.trl_plugins_reward_functions(None)] == [TOOL_CALL_COLUMN]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"tool_call_reward": "linear"}, "tool_call_reward"),
+    ({"tool_call_reward_steps": 0}, "tool_call_reward_steps"),
+    ({"tool_call_bonus": -0.1}, "tool_call_bonus"),
+    ({"tool_call_cap": -1.0}, "tool_call_cap"),
+])
+def test_bad_tool_call_options_are_refused_at_construction(options, match):
+    with pytest.raises(PluginConfigError, match=match):
+        build_plugins(["replay"], {"replay": options})
+
+
+def test_the_replay_refuses_tool_rollouts():
+    """(With max_age_steps=0 the tool-call reward alone runs on them: test_tool_call_reward_on_real_tool_rollouts.)"""
+    from trl_plugins import IncompatiblePluginsError
+    from trl_plugins.testing import make_tool_trainer
+
+    with pytest.raises(IncompatiblePluginsError, match="replay"):
+        make_tool_trainer(plugins=["replay"], max_steps=1)
+
+
+@pytest.mark.slow
+def test_tool_call_reward_on_real_tool_rollouts():
+    from trl_plugins.testing import make_tool_trainer, record_run
+
+    run = record_run(make_tool_trainer(plugins=["replay"], max_steps=1, plugin_config={
+        "replay": {"max_age_steps": 0, "tool_call_reward": "constant"}}))
+    rewards = run.rewards[0]
+    assert rewards.shape[1] == 2
+    # the scripted gold traces call one tool per calling turn: lookup questions search once, scaled ones search then
+    # compute; shortcut answers call nothing
+    assert set(torch.round(rewards[:, 1] * 10).tolist()) <= {0.0, 1.0, 2.0}
+    assert (rewards[:, 1] > 0).any()
+    assert any("plugins/replay/tool_call_turns_mean" in log for log in run.logs)
