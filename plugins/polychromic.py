@@ -27,15 +27,20 @@ Neutral setting: ``set_size=1`` with ``num_sets=None`` (each rollout its own set
 ``A_i = (R_i - mean R) / (std R + 1e-4)``, TRL's advantage, bit for bit (tested). Defaults: ``n = 4``, ``M = 4``
 (the paper's Table 3, with ``N = 8`` vines, which is GRPO's ``num_generations=8``).
 
-Not here (coverage "partly"): **vine sampling**, the paper's extra rollouts from intermediate states of a rollout
-(``p = 2`` rollout states per trajectory, the set advantage applied to a window of ``W = 5`` actions after the state,
-GAE elsewhere): the set advantage is computed at the root state only (the group). The per-state KL penalty to the
-pre-trained policy is TRL's ``beta``. NaN rewards (no reward function applied) count as 0 in the set scores and the
-row gets advantage 0.
+Vine sampling (``rollout_states`` > 0; off by default, the paper uses 2): at ``rollout_states`` evenly spaced
+intermediate states of each rollout (the prefix ``completion[:c]``), ``vines - 1`` continuations are sampled through
+the branching seam (``ctx.continue_prefixes``, HF generation; counted in the rollout budget) and scored by TRL's reward
+functions (``ctx.score``); with the rollout's own continuation they are the state's ``N = vines`` trajectories. Sets
+are drawn among them as above, and the rollout's set advantage at that state (std-scaled within the state) replaces
+its advantage on the ``window`` completion tokens from ``c`` on (the paper's W = 5 actions, read as tokens); the other
+tokens keep the group-level advantage (the paper: GAE elsewhere). Reconstructed: the vines are scored, not trained
+(they are not rows of the batch; the paper trains them), and the states are evenly spaced (the paper picks "a subset
+of visited states"). The per-state KL penalty to the pre-trained policy is TRL's ``beta``. NaN rewards (no reward
+function applied) count as 0 in the set scores and the row gets advantage 0.
 
-No official code was found (the paper's project lists none; searched by title, authors and method names); the
-method follows the paper's text, read through its summaries and two public replications, and is marked
-reconstructed.
+No official code was found (a paper summary lists the code as "TBD"; searches by title, authors and method names
+found only third-party course replications); the method follows the paper's text, read through its summaries and
+those replications, and is marked reconstructed.
 """
 
 from __future__ import annotations
@@ -50,15 +55,22 @@ import torch
 
 from trl_plugins.api import (
     AdvantageContext,
+    IncompatiblePluginsError,
     OfficialSource,
     Plugin,
     PluginConfigError,
     PluginOptions,
     RewardContext,
+    RolloutContext,
     hookimpl,
     option,
 )
-from trl_plugins.api.answers import batch_clusters, get_extractor
+from trl_plugins.api.answers import batch_clusters, cluster_answers, get_extractor
+from trl_plugins.api.reasons import VLLM_BRANCHING
+from trl_plugins.api.text import completion_text
+
+#: Annotation key: ``[[state, advantage], ...]`` of a rollout's vine states (sampling stage -> advantage stage).
+VINES_KEY = "polychromic_vines"
 
 #: At most this many sets per group with ``num_sets=None`` (every subset).
 MAX_EXHAUSTIVE_SETS = 10_000
@@ -89,12 +101,29 @@ class PolychromicOptions(PluginOptions):
         reconstructed=True,
     )
     seed: int = option(0, help="Seed of the set draws (with the step and the group: the same on every process).")
+    rollout_states: int = option(
+        0, min=0,
+        help="Vine sampling: intermediate states per rollout where vines branch (paper Table 3: 2; 0 = off, our "
+        "default: each state costs vines - 1 continuations per rollout).",
+    )
+    vines: int = option(
+        8, min=2, help="Vine sampling: trajectories per rollout state, the rollout's own continuation included (paper: 8).",
+    )
+    window: int = option(
+        5, min=1, help="Vine sampling: completion tokens after a rollout state that take its set advantage (paper: 5 "
+        "actions).",
+    )
 
     def validate(self) -> None:
         try:
             get_extractor(self.extractor)
         except ValueError as exc:
             raise PluginConfigError(f"Option 'extractor' of plugin 'polychromic': {exc}.") from exc
+        if self.rollout_states and self.set_size > self.vines:
+            raise PluginConfigError(
+                f"Option 'set_size' of plugin 'polychromic' got {self.set_size!r} with vines={self.vines!r}; allowed: "
+                "set_size <= vines when rollout_states > 0."
+            )
 
 
 def whole_text(text: str) -> str:
@@ -220,6 +249,51 @@ def group_keys(cluster_ids: list[list[int | None]], unanswered: str) -> torch.Te
     return torch.tensor(out, dtype=torch.long)
 
 
+def rollout_positions(length: int, count: int) -> list[int]:
+    """Rollout states of a completion of ``length`` tokens: ``count`` evenly spaced cut positions
+    ``floor(k length / (count + 1))``, ``k = 1..count``, kept in ``[1, length - 1]`` and distinct (reconstructed: the
+    paper selects "a subset of visited states"). A state ``c`` is the prefix ``completion[:c]``."""
+    return sorted({length * k // (count + 1) for k in range(1, count + 1)} & set(range(1, length)))
+
+
+def state_advantage(
+    rewards: torch.Tensor, keys: torch.Tensor, set_size: int, num_sets: int | None, scale: bool,
+    generator: torch.Generator,
+) -> tuple[float, float]:
+    """Set advantage of member 0 (the rollout itself) among the N trajectories of one rollout state.
+
+    Args:
+        rewards: (N,) rewards of the rollout's continuation (index 0) and its N - 1 vines; keys: (N,) diversity keys.
+        scale: divide by the std of the state's set scores (+ 1e-4).
+    Returns:
+        (advantage of member 0, mean set score).
+    """
+    sets = draw_sets(rewards.numel(), set_size, num_sets, generator)
+    adv, scores, _ = set_advantages(rewards.view(1, -1), keys.view(1, -1), sets.unsqueeze(0))
+    value = adv[0, 0]
+    if scale:
+        value = value / (score_std(scores, "group")[0, 0] + 1e-4)
+    return float(torch.nan_to_num(value, nan=0.0)), float(scores.mean())
+
+
+def window_advantages(
+    base: torch.Tensor, vines: list[list[list[float]] | None], width: int, window: int
+) -> torch.Tensor:
+    """Token advantages: each row's root advantage, and on the ``window`` tokens from each vine state ``c``
+    (positions ``c .. c + window - 1``) that state's set advantage (a later state overrides an overlap).
+
+    Args:
+        base: (N,) root set advantages. vines: per row ``[[c, advantage], ...]`` or None. width: T_max.
+    Returns:
+        (N, width) advantages.
+    """
+    out = base.view(-1, 1).expand(-1, width).clone()
+    for n, states in enumerate(vines):
+        for c, value in states or []:
+            out[n, int(c) : min(int(c) + window, width)] = value
+    return out
+
+
 class PolychromicPlugin(Plugin):
     """Set-level reward x diversity advantages (reward stage reads the answers; advantage stage)."""
 
@@ -232,9 +306,11 @@ class PolychromicPlugin(Plugin):
     Options = PolychromicOptions
     official = OfficialSource(
         None, verdict="reconstructed",
-        note="No public repository was found; the set advantage follows the paper's text (Algorithm 2, Table 3 "
-        "defaults read through summaries and public replications). The text diversity function (distinct answers) "
-        "is ours; vine sampling from intermediate states is not implemented.",
+        note="No public repository was found; the set advantage and vine sampling follow the paper's text "
+        "(Algorithm 2, Table 3 defaults read through summaries and public replications). The text diversity function "
+        "(distinct answers) is ours; the vines are scored through the branching seam but not trained.",
+        non_official_defaults={"rollout_states": "2 (paper Table 3); 0 here: each state costs vines - 1 extra "
+                                                 "generations per rollout"},
     )
     claim_metric = ("set_diversity", "fraction of distinct rollouts per set")
     replaces = ("the advantages",)
@@ -244,7 +320,7 @@ class PolychromicPlugin(Plugin):
         "a rollout in several sets takes the mean of their advantages; a rollout in no set gets 0",
         "the set advantage is divided by the std of the set scores as TRL's scale_rewards divides rewards",
         "a completion without an answer is distinct from all others (unanswered='singleton')",
-        "vine sampling (extra rollouts from intermediate states) is not implemented: sets are drawn from the group",
+        "vine sampling: states evenly spaced; the vines are scored, not trained; the window counts tokens",
     )
 
     def __init__(self, options=None):
@@ -273,6 +349,67 @@ class PolychromicPlugin(Plugin):
                 stacklevel=2,
             )
         self._scale_rewards = args.scale_rewards
+        if o.rollout_states and (getattr(args, "use_vllm", False)
+                                 or getattr(args, "use_transformers_continuous_batching", False)):
+            raise IncompatiblePluginsError(
+                f"polychromic's vine sampling (rollout_states={o.rollout_states}) cannot run with use_vllm=True or "
+                f"continuous batching: {VLLM_BRANCHING} Set rollout_states=0 or use HF generation."
+            )
+
+    def hook_enabled(self, hook: str) -> bool:
+        return hook != "trl_plugins_after_generation" or self.options.rollout_states > 0
+
+    def _text_key(self, text: str) -> str | None:
+        """The diversity key of one completion text (an answer, the whole text, or the text itself when off)."""
+        o = self.options
+        if o.diversity == "answers":
+            return get_extractor(o.extractor)(text)
+        return text
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx: RolloutContext):
+        """Vine sampling: continue every rollout from its rollout states, N - 1 times each, and score the sets of the
+        N trajectories of each state (the rollout's own continuation is member 0)."""
+        o = self.options
+        limit = ctx.run.max_completion_length
+        plan, prompts, prefixes, room = [], [], [], []
+        for i, ids in enumerate(ctx.completion_ids):
+            states = [c for c in rollout_positions(len(ids), o.rollout_states) if limit is None or c < limit]
+            plan.append(states)
+            for c in states:
+                prompts += [list(ctx.prompt_ids[i])] * (o.vines - 1)
+                prefixes += [list(ids[:c])] * (o.vines - 1)
+                room += [(limit if limit is not None else len(ids)) - c] * (o.vines - 1)
+        # one call on every process, with no request too: generation is a collective
+        continuations = ctx.continue_prefixes(prompts, prefixes, room)
+        rows = [i for i, states in enumerate(plan) for _ in range(len(states) * (o.vines - 1))]
+        texts = [ctx.decode(c.completion_ids, i) for c, i in zip(continuations, rows)]
+        own = [i for i, states in enumerate(plan) if states]
+        scores = ctx.score(rows + own, texts + [ctx.completions[i] for i in own]).float() if own else torch.zeros(0)
+        own_score = dict(zip(own, scores[len(rows):].tolist()))
+        own_key = {i: self._text_key(completion_text(ctx.completions[i])) for i in own}
+        scale = self._scale_rewards != "none"
+        k, set_scores = 0, []
+        for i, states in enumerate(plan):
+            values = []
+            for s_index, c in enumerate(states):
+                block = slice(k, k + o.vines - 1)
+                k += o.vines - 1
+                rewards = torch.tensor([own_score[i]] + scores[block].tolist()).nan_to_num(0.0)
+                answers = [own_key[i]] + [self._text_key(completion_text(t)) for t in texts[block]]
+                if o.diversity == "off":
+                    keys = torch.arange(o.vines)
+                else:
+                    keys = group_keys([cluster_answers(answers)], o.unanswered if o.diversity == "answers"
+                                      else "singleton")
+                generator = torch.Generator().manual_seed(
+                    ((o.seed * 1_000_003 + ctx.step) * 1_000_003 + ctx.global_index[i]) * 31 + s_index)
+                value, mean_score = state_advantage(rewards, keys, o.set_size, o.num_sets, scale, generator)
+                values.append([c, value])
+                set_scores.append(mean_score)
+            ctx.annotations[i][VINES_KEY] = values
+        ctx.log_metric("extra_rollouts", len(prefixes))
+        ctx.log_metric("vine_set_score", sum(set_scores) / len(set_scores) if set_scores else 0.0)
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
@@ -296,6 +433,12 @@ class PolychromicPlugin(Plugin):
         adv, stats = polychromic_advantages(
             ctx.rewards, keys, G, o.set_size, o.num_sets, self._scale_rewards, o.seed, ctx.step
         )
+        vines = [note.get(VINES_KEY) for note in ctx.annotations]
+        if o.rollout_states and ctx.mode == "train":
+            width = ctx.completion_mask().size(1)  # collective: every process, every training batch
+            if any(vines):  # rows of a refill round carry no vine states: they keep the root advantage
+                adv = window_advantages(adv.float().cpu(), vines, width, o.window)
+            ctx.log_metric("vine_states", float(sum(len(v or []) for v in vines)) / max(len(vines), 1))
         ctx.advantages = adv.to(device=ctx.advantages.device, dtype=ctx.advantages.dtype)
         for key, value in stats.items():
             ctx.log_metric(key, value)

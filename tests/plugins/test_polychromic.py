@@ -10,19 +10,28 @@ from trl import GRPOTrainer
 from trl.trainer.utils import nanstd
 
 from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins.api import Continuation
+from trl_plugins.api.services import RunInfo
+from trl_plugins.api.text import completion_text
 from trl_plugins.testing import (
     assert_runs_equal,
+    char_encode,
     digit_fraction_reward,
     make_advantage_context,
     make_reward_context,
+    make_rollout_context,
     make_tiny_trainer,
     record_run,
 )
 from trl_plugins_builtin.polychromic import (
+    VINES_KEY,
     draw_sets,
     group_keys,
     polychromic_advantages,
+    rollout_positions,
     set_diversity,
+    state_advantage,
+    window_advantages,
 )
 
 # one group: rows 0 and 3 are correct with the same answer, row 2 correct with another, row 1 wrong
@@ -183,3 +192,81 @@ def test_short_run_trains_with_texts_diversity(tmp_path):
     assert len(logs) == 2
     for log in logs:
         assert 0.0 < log["plugins/polychromic/set_diversity"] <= 1.0
+
+
+# --- vine sampling -------------------------------------------------------------------------------------------------
+
+
+def test_rollout_positions_are_evenly_spaced_inner_states():
+    assert rollout_positions(9, 1) == [4]
+    assert rollout_positions(10, 2) == [3, 6]
+    assert rollout_positions(2, 2) == [1]  # distinct, inside the completion
+    assert rollout_positions(1, 2) == []
+
+
+def test_state_advantage_of_the_rollout_among_its_vines():
+    # member 0 (the rollout): reward 1 and an answer no vine gives; vines: two equal correct answers and one wrong.
+    # pairs: (0,1) 1, (0,2) 1, (0,3) .5, (1,2) 1 * .5, (1,3) .5, (2,3) .5 -> V = 4/6; member 0: (1/3 + 1/3 - 1/6) / 3
+    value, mean_score = state_advantage(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 1, 1, 2]), 2, None,
+                                        False, torch.Generator())
+    assert value == pytest.approx(1 / 6)
+    assert mean_score == pytest.approx(4 / 6)
+
+
+def test_window_advantages_overwrite_the_tokens_after_each_state():
+    out = window_advantages(torch.tensor([1.0, -1.0]), [[[1, 0.5], [4, 2.0]], None], 6, 2)
+    assert out.tolist() == [[1.0, 0.5, 0.5, 1.0, 2.0, 2.0], [-1.0] * 6]
+
+
+class _VineService:
+    """Continues each prefix with the next scripted text (char tokens), recording the requests."""
+
+    def __init__(self, texts):
+        self.texts, self.requests = list(texts), []
+
+    def continue_prefixes(self, prompt_ids, prefix_ids, max_new_tokens, **kwargs):
+        self.requests.append((list(prefix_ids), list(max_new_tokens)))
+        out = []
+        for prefix in prefix_ids:
+            new = char_encode(self.texts.pop(0))
+            out.append(Continuation(completion_ids=list(prefix) + new, new_ids=new, logprobs=[-1.0] * len(new),
+                                    finished=True))
+        return out
+
+
+def _answer_reward(prompts, completions, **kwargs):
+    texts = [completion_text(c) for c in completions]
+    return [1.0 if ("5" in t or "7" in t) else 0.0 for t in texts]
+
+
+def test_vine_sampling_scores_the_sets_of_each_rollout_state():
+    service = _VineService(["er: 5", "er: 5", "er: 0", "er: 0", "er: 0", "er: 0"])
+    ctx = make_rollout_context([["Answer: 7", "Answer: 0"]], service=service, reward_funcs=[_answer_reward],
+                               run=RunInfo(max_completion_length=16))
+    stack = build_plugins(["polychromic"], {"polychromic": {
+        "set_size": 2, "num_sets": None, "rollout_states": 1, "vines": 4}})
+    stack.plugins[0]._scale_rewards = "none"
+    stack.call("trl_plugins_after_generation", ctx)
+    # one state per rollout at c = 9 // 2 = 4 ("Answ"), 3 vines each, up to max_completion_length
+    assert service.requests == [([char_encode("Answ")] * 6, [12] * 6)]
+    # row 0: rollout "7" (1), vines "5" (1), "5" (1), "0" (0) -> 1/6 (hand-computed above); row 1: all 0 -> 0
+    assert ctx.annotations[0][VINES_KEY] == [[4, pytest.approx(1 / 6)]]
+    assert ctx.annotations[1][VINES_KEY] == [[4, 0.0]]
+    assert ctx.metrics["plugins/polychromic/extra_rollouts"] == [6]
+
+
+def test_vine_sampling_refuses_sets_larger_than_the_vines():
+    with pytest.raises(PluginConfigError, match=r"'set_size'.*got 4 with vines=3"):
+        build_plugins(["polychromic"], {"polychromic": {"set_size": 4, "rollout_states": 2, "vines": 3}})
+
+
+def test_short_run_trains_with_vine_sampling(tmp_path):
+    trainer = make_tiny_trainer(plugins=["polychromic"],
+                                plugin_config={"polychromic": {"set_size": 2, "rollout_states": 1, "vines": 2,
+                                                               "window": 3, "diversity": "texts"}},
+                                output_dir=str(tmp_path), **{**RUN, "max_steps": 1})
+    run = record_run(trainer)
+    logs = [log for log in run.logs if "loss" in log]
+    assert logs and logs[0]["plugins/polychromic/extra_rollouts"] > 0
+    assert logs[0]["plugins/polychromic/vine_states"] > 0
+    assert run.advantages[0].dim() == 2  # per-token: the windows after the vine states
