@@ -35,7 +35,8 @@ are drawn among them as above, and the rollout's set advantage at that state (st
 its advantage on the ``window`` completion tokens from ``c`` on (the paper's W = 5 actions, read as tokens); the other
 tokens keep the group-level advantage (the paper: GAE elsewhere). Reconstructed: the vines are scored, not trained
 (they are not rows of the batch; the paper trains them), and the states are evenly spaced (the paper picks "a subset
-of visited states"). The per-state KL penalty to the pre-trained policy is TRL's ``beta``. NaN rewards (no reward
+of visited states"). Vine sampling needs HF generation and text prompts (the branching seam's limits; image
+prompts train with it off). The per-state KL penalty to the pre-trained policy is TRL's ``beta``. NaN rewards (no reward
 function applied) count as 0 in the set scores and the row gets advantage 0.
 
 No official code was found (a paper summary lists the code as "TBD"; searches by title, authors and method names
