@@ -84,6 +84,44 @@ REAL_METHODS = ["grpo", "critique_grpo", "r3l", "ruscarl", "scope", "fbos_rl", "
                 "dynamic_sampling", "replay", "dars", "luffy", "rl_plus", "ampo", "oreal", "rec",
                 "hint_scaffold+canon+lp_reg", "scope+lp_reg", "ruscarl+kl_cov"]
 
+# The summary table's family of a method: its paper's family in the catalogue (docs/coverage.md: SMP sampling, RWD
+# reward, ADV advantage, LOS loss, AGT agentic); a plugin outside that table, the first training stage it hooks
+# (``Plugin.stages``); stacks of several plugins "stack".
+FAMILIES = ("baseline", "sampling", "reward", "advantage", "loss", "agentic", "stack")
+FAMILY_TITLES = {"baseline": "Baselines", "sampling": "Sampling and data", "reward": "Rewards",
+                 "advantage": "Advantage and credit", "loss": "Loss and objective", "agentic": "Agent methods",
+                 "stack": "Recommended stacks"}
+_CATALOGUE_FAMILIES = {"SMP": "sampling", "RWD": "reward", "ADV": "advantage", "LOS": "loss", "AGT": "agentic"}
+
+
+def _catalogue_families() -> dict[str, str]:
+    """Plugin name -> family of the first catalogue row of docs/coverage.md that links it."""
+    import re
+
+    families: dict[str, str] = {}
+    for line in (bc.ROOT / "docs" / "coverage.md").read_text().splitlines():
+        m = re.match(r"\| ([A-Z]{3})-\d+ \|.*?\[`(\w+)`\]", line)
+        if m and m.group(1) in _CATALOGUE_FAMILIES:
+            families.setdefault(m.group(2), _CATALOGUE_FAMILIES[m.group(1)])
+    return families
+
+
+def family(method: str) -> str:
+    """The family of a learning-benchmark method (one of :data:`FAMILIES`)."""
+    if method == "grpo" or method in CONTROLS:
+        return "baseline"
+    if "+" in method:
+        return "stack"
+    plugin = ba.VARIANTS.get(method, (method.split(":")[0],))[0]
+    catalogue = _catalogue_families()
+    if plugin in catalogue:
+        return catalogue[plugin]
+    from trl_plugins.runtime.manager import get_plugin_class
+
+    stages = get_plugin_class(plugin).stages()
+    return stages[0] if stages and stages[0] in FAMILIES else "loss"
+
+
 # Overhead settings force some plugins to act on every micro-batch; for learning, use the papers' defaults.
 LEARNING_SETTINGS: dict[str, tuple[dict, dict]] = {
     "clip_cov": ({}, {}),
@@ -437,28 +475,11 @@ def _weights_text(result: dict) -> str:
     return f" (weights sha256 {sha})" if sha else ""
 
 
-def markdown(result: dict) -> str:
-    rows, base, target = result["summary"], result["base_accuracy"], result["target"]
-    grpo = next((r for r in rows if r["method"] == "grpo"), None)
-    info = result["machine"]
-    agentic = result.get("task") == "tools"
-    out = [result["header"]] if result.get("header") else [ba.header(result)] if agentic else [
-        _real_model_header(result)] if result.get("model") else [
-        f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
-        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
-        "rollouts), held-out greedy "
-        f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
-        f"before RL{_weights_text(result)}: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) "
-        f"{result['base_pass_rate']:.3f}. "
-        f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
-        f"{info['loadavg_1_5_15']}. {len(result['runs'])} runs; the sum of their wall times is "
-        f"{sum(r['seconds'] for r in result['runs']) / 60:.1f} min (each run shared 2 cores with other processes), "
-        f"this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes "
-        "(runs found in the run cache are not re-run).",
-    ]
+def _table(rows: list[dict], grpo: dict | None, agentic: bool) -> list[str]:
+    """The markdown lines of one learning table (header, separator, a row per method)."""
     # a column for rows taken from a teacher / demonstrations, when a method of the table has any
     teacher = any(r.get("teacher_rollouts", (0.0, 0.0))[0] > 0 for r in rows)
-    out += [
+    out = [
         "",
         "| method | steps | " + ("policy + teacher rollouts / run | " if teacher else "")
         + "final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
@@ -486,6 +507,37 @@ def markdown(result: dict) -> str:
                f"{_fmt(r['final_held_out_accuracy'])} | {_fmt(r['final_held_out_tool_use'], 2)} | " if agentic else "")
             + f"{claim} |"
         )
+    return out
+
+
+def markdown(result: dict) -> str:
+    rows, base, target = result["summary"], result["base_accuracy"], result["target"]
+    grpo = next((r for r in rows if r["method"] == "grpo"), None)
+    info = result["machine"]
+    agentic = result.get("task") == "tools"
+    out = [result["header"]] if result.get("header") else [ba.header(result)] if agentic else [
+        _real_model_header(result)] if result.get("model") else [
+        f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
+        f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
+        "rollouts), held-out greedy "
+        f"accuracy on {result['eval_size']} test problems every {result['eval_every']} rollouts. Warm-started model "
+        f"before RL{_weights_text(result)}: held-out greedy accuracy {base:.3f}, sampled pass rate (T=1) "
+        f"{result['base_pass_rate']:.3f}. "
+        f"Target accuracy: {target:.2f}. Measured {info['time']}, {info['cpu_count']} cores, load average at start "
+        f"{info['loadavg_1_5_15']}. {len(result['runs'])} runs; the sum of their wall times is "
+        f"{sum(r['seconds'] for r in result['runs']) / 60:.1f} min (each run shared 2 cores with other processes), "
+        f"this invocation took {result['wall_seconds'] / 60:.1f} min with {result['workers']} worker processes "
+        "(runs found in the run cache are not re-run).",
+    ]
+    if result["mode"] == "full":  # one table per family, each with the baseline rows for reference
+        baseline = [r for r in rows if family(r["method"]) == "baseline"]
+        for fam in FAMILIES:
+            members = [r for r in rows if family(r["method"]) == fam]
+            if members and fam != "baseline":
+                out += ["", f"**{FAMILY_TITLES[fam]}**"]
+                out += _table(baseline + members, grpo, agentic)
+    else:
+        out += _table(rows, grpo, agentic)
     out.append("")
     prefix = result.get("section") or ("learning" if result["mode"] == "quick" else f"learning_{result['mode']}")
     out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` ({'seen-pair' if agentic else 'held-out'} accuracy "
@@ -498,6 +550,73 @@ def markdown(result: dict) -> str:
         out.append("Failed or missing runs: " + "; ".join(
             f"{m} seed {s}: {e.split('. ')[0][:120]}" for m, s, e in result["failed"]))
     return "\n".join(out)
+
+
+def _verdict(row: dict, grpo: dict, n: int) -> str:
+    """``better`` / ``worse`` when the final accuracies' difference exceeds two standard errors of it (``n`` seeds per
+    method, seed standard deviations), else ``≈``."""
+    (m, sd), (g, gsd) = row["final_acc"], grpo["final_acc"]
+    if m != m or g != g:
+        return "-"
+    se = math.sqrt((sd * sd + gsd * gsd) / max(1, n))
+    return "better" if m - g > 2 * se else "worse" if g - m > 2 * se else "≈"
+
+
+def summary_markdown(full: dict, agentic: dict | None) -> str:
+    """The summary table: every built-in plugin and the recommended stacks, one row each, from the full-mode result
+    (arithmetic task) and the agentic-mode result (tool task); a plugin in neither run gets a row saying so."""
+    from trl_plugins.runtime.manager import available_plugins
+
+    runs = [("arithmetic", full)] + ([("tools", agentic)] if agentic else [])
+    out = [
+        "Every built-in plugin and the recommended stacks, one row each. Arithmetic rows: section 3's full-mode run "
+        f"(shipped tiny model, weights sha256 {full.get('warm_start_sha256')}, {full['budget']} rollouts per run, "
+        f"seeds {full['seeds']}); tool rows: section 4's agentic run"
+        + (f" (shipped tool model, weights sha256 {agentic.get('tool_warm_start_sha256')}, {agentic['budget']} "
+           f"rollouts per run, seeds {agentic['seeds']})" if agentic else " (not measured)")
+        + ". Δ is the final held-out accuracy minus vanilla GRPO's in the same run (tool rows: seen-pair accuracy); "
+        "*vs GRPO* says `better` / `worse` where the difference exceeds two standard errors over the seeds, else `≈`. "
+        "Compare rows within one task; the per-family tables below give every measured quantity.",
+        "",
+        "| method | family | task | final acc (mean ± std) | Δ vs GRPO | vs GRPO | reached target | "
+        "rollouts to target | paper's quantity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    seen: set[str] = set()
+    for task, result in runs:
+        rows = result["summary"]
+        grpo = next((r for r in rows if r["method"] == "grpo"), None)
+        for r in rows:
+            label = r["method"] if r["method"] not in seen else f"{r['method']} ({task} task)"
+            seen.add(r["method"])
+            seen.update(r["method"].split("+"))
+            claim = f"{r['claim'][0]}: {_fmt(r['claim'][1], 3)}" if "claim" in r else "-"
+            for action, value, acted in r.get("actions", []):
+                claim = ("" if claim == "-" else claim + "; ") + f"{action}: {_fmt(value, 3)}"
+            delta = r["final_acc"][0] - grpo["final_acc"][0] if grpo else float("nan")
+            verdict = "-" if r is grpo or grpo is None else _verdict(r, grpo, len(result["seeds"]))
+            out.append(f"| {label} | {family(r['method'])} | {task} | {_fmt(r['final_acc'])} | "
+                       f"{'-' if r is grpo else f'{delta:+.3f}'} | {verdict} | {r['reached_target']} | "
+                       f"{_fmt(r['rollouts_to_target'], 0)} | {claim} |")
+    for name in sorted(set(available_plugins()) - seen):
+        if name in bc.PLUGIN_SETTINGS or name in bc.TOOL_ONLY_PLUGINS:
+            why = "not in a learning run yet (added after the measurement)"
+        else:
+            why = "no benchmark setting (an alias or a plugin that needs something the offline tasks lack)"
+        out.append(f"| {name} | {family(name) if name in bc.PLUGIN_SETTINGS else '-'} | - | - | - | - | - | - | "
+                   f"{why} |")
+    return "\n".join(out)
+
+
+def write_summary(out_dir: Path, command: str) -> Path:
+    """Write the ``learning_summary`` block of docs/benchmarks.md from ``out_dir``'s ``learning_full.json`` and (when
+    present) ``learning_agentic.json``."""
+    from bench_overhead import write_docs_section
+
+    full = json.loads((out_dir / "learning_full.json").read_text())
+    agentic_path = out_dir / "learning_agentic.json"
+    agentic = json.loads(agentic_path.read_text()) if agentic_path.exists() else None
+    return write_docs_section("learning_summary", summary_markdown(full, agentic), command)
 
 
 def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float, target: float,
@@ -635,6 +754,9 @@ def parse_args(argv=None):
     p.add_argument("--fresh", action="store_true", help="ignore cached runs")
     p.add_argument("--out-dir", default=str(bc.ROOT / "docs" / "benchmarks"), help="JSON and PNG output folder")
     p.add_argument("--write-docs", action="store_true", help="rewrite the learning section of docs/benchmarks.md")
+    p.add_argument("--write-summary", action="store_true",
+                   help="run nothing: rewrite the summary table of docs/benchmarks.md from the full-mode and agentic "
+                   "results in --out-dir (learning_full.json, learning_agentic.json)")
     p.add_argument("--section", default=None,
                    help="name of the output files and of the docs/benchmarks.md section (default: by mode, e.g. "
                    "learning for --quick), so that a run of a few methods does not replace the mode's table")
@@ -699,6 +821,9 @@ def _base_model_numbers(args, eval_size: int, real: bool) -> tuple[float, float,
 def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/bench_learning.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    if args.write_summary:
+        print(f"wrote {write_summary(Path(args.out_dir), command.strip())}")
+        return 0
     if args.task == "chat":
         import bench_chat
 
@@ -750,8 +875,9 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir or bc.ROOT / "runs" / "bench_learning" / mode)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    # the agentic model's warm start is part of a cached run's name: a changed warm start re-runs every method
-    model_tag = f"__w{ba.model_key()}" if agentic and not args.tiny else ""
+    # the model's weights are part of a cached run's name: other weights re-run every method (set below, once the base
+    # numbers have built or loaded the model)
+    model_tag = ""
 
     def make_jobs(methods_: list[str], seeds_: list[int], config: dict) -> tuple[list[dict], list[dict]]:
         tag = "" if not config else "__" + "_".join(f"{k}={v}" for k, v in sorted(config.items()))
@@ -784,6 +910,10 @@ def main(argv=None) -> int:
         base_acc, base_pass, instruction_pilot, args.instruction = base_tool["accuracy"], base_tool["pass_rate"], None, None
     else:
         base_acc, base_pass, instruction_pilot = _base_model_numbers(args, eval_size, real)
+    if agentic and not args.tiny:
+        model_tag = f"__w{_weights_sha256(ba.model_dir(args.cache_dir))}"
+    elif not real and not args.tiny:
+        model_tag = f"__w{_weights_sha256(bc.demo_model_dir(args.cache_dir))}"
     target = args.target if args.target is not None else round(base_acc + gain, 2)
     print(f"base {'seen-pair' if agentic else 'held-out'} greedy accuracy {base_acc:.3f}, sampled pass rate "
           f"{base_pass:.3f}, target {target:.2f}", flush=True)

@@ -140,6 +140,54 @@ def test_bench_learning_tables_list_grpo_first_and_leave_tool_only_plugins_out_o
     assert set(bl.bc.PLUGIN_SETTINGS) - set(bl.bc.TOOL_ONLY_PLUGINS) <= set(bl.ALL_METHODS)
 
 
+def test_the_benchmarks_models_are_shipped_and_load_without_a_warm_start(tmp_path, monkeypatch):
+    """The tiny model and the tool-use model the learning tables measure ship as weights: a fresh cache folder gets
+    the same bytes on every load (the weights hash in every table header and run-cache name), no warm start runs."""
+    import hashlib
+
+    bl = _bench_learning_module()
+    from trl_plugins.tasks import tiny, tiny_tools
+
+    monkeypatch.setattr(tiny, "warm_start", lambda *a, **k: pytest.fail("the benchmark model must not be warm-started"))
+    monkeypatch.setattr(tiny_tools, "warm_start_tools", lambda *a, **k: pytest.fail("nor its tool-use model"))
+    assert tiny.shipped_weights(bl.bc.demo_settings()) is not None
+    hashes = []
+    for cache in (tmp_path / "a", tmp_path / "b"):
+        bl.bc.load_demo_model(cache)
+        bl.ba.load_model(cache)
+        hashes.append((bl._weights_sha256(bl.bc.demo_model_dir(cache)), bl._weights_sha256(bl.ba.model_dir(cache))))
+    assert hashes[0] == hashes[1] and None not in hashes[0]
+    shipped = tiny_tools.shipped_tool_weights(bl.ba.model_key())
+    assert shipped is not None and shipped.stat().st_size < 2_000_000
+    assert hashlib.sha256(shipped.read_bytes()).hexdigest() != hashlib.sha256(
+        tiny.shipped_weights(bl.bc.demo_settings()).read_bytes()).hexdigest()
+
+
+def test_bench_learning_families_and_the_summary_table_cover_every_builtin_plugin():
+    """Each method has one family; the summary table has one row per measured method and a row saying why for every
+    built-in plugin that no run measured; a plugin that beats GRPO by more than two standard errors reads better."""
+    bl = _bench_learning_module()
+    from trl_plugins.runtime.manager import available_plugins
+
+    assert bl.family("grpo") == bl.family("grpo_drgrpo") == "baseline"
+    assert bl.family("scope+lp_reg") == "stack" and bl.family("igpo") == "agentic"
+    assert bl.family("lp_reg") == "loss" and bl.family("dynamic_sampling") == "sampling"
+    assert all(bl.family(m) in bl.FAMILIES for m in bl.ALL_METHODS)
+
+    def row(method, mean, sd):
+        return {"method": method, "final_acc": (mean, sd), "reached_target": "3/3",
+                "rollouts_to_target": (640.0, 0.0)}
+
+    full = {"warm_start_sha256": "abc", "budget": 2560, "seeds": [0, 1, 2],
+            "summary": [row("grpo", 0.30, 0.01), row("scope", 0.40, 0.01), row("lp_reg", 0.31, 0.05)]}
+    lines = bl.summary_markdown(full, None).splitlines()
+    by_name = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
+    assert "| better |" in by_name["scope"] and "| ≈ |" in by_name["lp_reg"]
+    assert "+0.100" in by_name["scope"]
+    assert set(available_plugins()) <= set(by_name)
+    assert "not in a learning run" in by_name["dynamic_sampling"]
+
+
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
     bl = _bench_learning_module()
     plugins, options, _ = bl.method_settings("siri")

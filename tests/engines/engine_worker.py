@@ -107,6 +107,23 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # a local HF teacher (loaded from disk while transformers' ZeRO-3 flag is on) writing demonstrations
     "teacher": (["luffy"], {"luffy": {"source": "teacher", "teacher_model": "@teacher", "teacher_max_tokens": 6}},
                 {"steps": 1}),
+    # the branching seam (ctx.continue_prefixes): spo's Monte-Carlo continuations from its cut points, a collective
+    # HF generate with padded requests (every token of the random tiny model is below the probability threshold)
+    "branching": (["spo"], {"spo": {"cutpoint_interval": 2, "mc_samples": 2, "max_cutpoints": 2}}, ZERO3_FSDP2),
+    # the generative reward model's local HF backend (the tiny teacher writes unparsable verdicts: allowed here)
+    "genrm": (["deepseek_grm"], {"deepseek_grm": {"genrm": "hf", "genrm_model": "@teacher", "k": 2,
+                                                 "genrm_max_tokens": 6, "genrm_max_unparsable": 1.0}}, ZERO3_FSDP2),
+    # local teacher models scoring rows: listener's confidence in the reference answer, rapo_retention's KL drift
+    "teachers": (["listener", "rapo_retention"], {"listener": {"teacher_model": "@teacher"},
+                                                  "rapo_retention": {"teacher_model": "@teacher"}}, ZERO3_FSDP2),
+    # reward and loss transforms added later, and the pairwise / regression losses over whole groups
+    # (fleming_r1 and observe_r1 both replace the training sampler: one per phase)
+    # (scripted answers: with the random tiny model's rewards these plugins leave every group flat, nothing trains)
+    "stack8": (["aepo", "sweet_spot", "rlsp", "observe_r1"], {}, {**ZERO3_FSDP2, "script": True,
+                                                                   "args": {"max_completion_length": 16}}),
+    "pairs": (["fleming_r1", "p3o"], {}, ZERO3_FSDP2),
+    "regression": (["reg_grpo"], {}, ZERO3_FSDP2),
+    "dno": (["dno"], {}, ZERO3_FSDP2),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
@@ -192,8 +209,9 @@ def build_trainer(engine: str, phase: str, out_dir: str):
     plugins, plugin_config, options = PHASES[phase]
     plugin_config = json.loads(json.dumps(plugin_config))
     for settings in plugin_config.values():
-        if settings.get("teacher_model") == "@teacher":  # the tiny teacher main() saved
-            settings["teacher_model"] = teacher_path(out_dir)
+        for key, value in settings.items():
+            if value == "@teacher":  # the tiny teacher main() saved
+                settings[key] = teacher_path(out_dir)
     model = _model(options.get("softcap", False))
     if options.get("policy_on_disk"):  # TRL builds its reference model from the policy's _name_or_path
         model.config._name_or_path = policy_path(out_dir)

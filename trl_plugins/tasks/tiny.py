@@ -532,8 +532,11 @@ def demo_model(
 
 
 #: Folder of the warm-started weights shipped in the package, one ``tiny-<DemoSettings.cache_key()>.safetensors`` per
-#: shipped setting (the default ``DemoSettings()``): byte-identical on every machine, where a warm start on the machine
-#: itself would round differently. ``python -m trl_plugins.tasks.tiny --write-shipped`` remakes them with the recipe.
+#: shipped setting: the default ``DemoSettings()`` (``builtin:tiny``, the demo) and the benchmarks' pinned settings
+#: (``scripts/bench_common.py``), plus ``tiny-tools-<key>.safetensors`` for the benchmarks' tool-use warm start
+#: (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`): byte-identical on every machine, where a warm start on the
+#: machine itself would round differently. ``python -m trl_plugins.tasks.tiny --write-shipped`` remakes the demo's
+#: file with the recipe, ``python scripts/bench_common.py --write-shipped`` the benchmarks' two.
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 
@@ -556,7 +559,8 @@ def _tiny_skeleton(settings: DemoSettings) -> tuple[PreTrainedModel, PreTrainedT
     return model, tokenizer
 
 
-def _load_shipped(path: Path, settings: DemoSettings) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+def load_shipped(path: Path, settings: DemoSettings) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """The tiny model of ``settings``'s shape with the weights of the shipped file ``path`` (strict: every tensor)."""
     from safetensors.torch import load_file
 
     model, tokenizer = _tiny_skeleton(settings)
@@ -575,7 +579,7 @@ def _build_or_load(
         return model, tokenizer
     shipped = shipped_weights(settings)
     if shipped is not None:  # no warm start: the same weights on every machine
-        model, tokenizer = _load_shipped(shipped, settings)
+        model, tokenizer = load_shipped(shipped, settings)
         if target is not None:
             save_atomically(model, tokenizer, target)
         return model, tokenizer

@@ -243,7 +243,7 @@ def tool_demo_model(cache_dir: str | Path | None, demo_settings: Any = None,
     template. Cached under ``cache_dir/tiny-tools-<key>`` (built once under a file lock; ``None``: not cached)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_plugins.tasks.tiny import DemoSettings, demo_model, save_atomically
+    from trl_plugins.tasks.tiny import DemoSettings, demo_model, load_shipped, save_atomically
 
     demo_settings = demo_settings or DemoSettings()
     settings = settings or ToolWarmStartSettings()
@@ -259,9 +259,14 @@ def tool_demo_model(cache_dir: str | Path | None, demo_settings: Any = None,
         return load()
 
     def build():
-        model, tokenizer = demo_model(cache_dir, demo_settings)
-        enable_tool_calling(tokenizer)
-        warm_start_tools(model, tokenizer, settings, log_every=50 if verbose else 0)
+        shipped = shipped_tool_weights(settings.cache_key(demo_settings.cache_key()))
+        if shipped is not None:  # no warm start: the same weights on every machine
+            model, tokenizer = load_shipped(shipped, demo_settings)
+            enable_tool_calling(tokenizer)
+        else:
+            model, tokenizer = demo_model(cache_dir, demo_settings)
+            enable_tool_calling(tokenizer)
+            warm_start_tools(model, tokenizer, settings, log_every=50 if verbose else 0)
         if target is not None:
             save_atomically(model, tokenizer, target)
         return model, tokenizer
@@ -275,6 +280,35 @@ def tool_demo_model(cache_dir: str | Path | None, demo_settings: Any = None,
             return load()
         build()
     return load()
+
+
+def shipped_tool_weights(key: str) -> Path | None:
+    """The shipped weights file of the tool-warm-started model with cache key ``key``
+    (:meth:`ToolWarmStartSettings.cache_key`), or None when that model is not shipped (it is warm-started)."""
+    from trl_plugins.tasks.tiny import SHIPPED_WEIGHTS
+
+    path = SHIPPED_WEIGHTS / f"tiny-tools-{key}.safetensors"
+    return path if path.is_file() else None
+
+
+def write_shipped_tool_weights(demo_settings: Any, settings: ToolWarmStartSettings) -> Path:
+    """Warm-start the tool model (``settings``) on top of the arithmetic model of ``demo_settings`` (its shipped weights
+    when those are shipped) on this machine and write its weights as a shipped file; returns the path. Run by
+    maintainers when the recipe changes."""
+    from safetensors.torch import save_file
+
+    from trl_plugins.tasks.tiny import SHIPPED_WEIGHTS
+
+    key = settings.cache_key(demo_settings.cache_key())
+    path = SHIPPED_WEIGHTS / f"tiny-tools-{key}.safetensors"
+    if path.exists():
+        path.unlink()  # warm-start from the arithmetic model, not from the file being replaced
+    model, _ = tool_demo_model(None, demo_settings, settings)
+    SHIPPED_WEIGHTS.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"tool_settings": json.dumps(dataclasses.asdict(settings), default=str),
+                        "base_key": demo_settings.cache_key()})
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

@@ -1,0 +1,393 @@
+"""URPO -- one model is both player and referee: the policy scores its own group (arXiv:2507.17515).
+
+URPO (Unified Reward & Policy Optimization) drops the separate reward model. All alignment data is put in one
+generative format and trained by one GRPO loop: **verifiable** prompts are rewarded by their checker, **preference**
+data is recast as judging prompts (the policy reads a question and several responses and judges them; its reward is
+the agreement of its verdict with the human label), and for **open-ended** prompts the policy, acting as referee,
+judges the group of answers it has just written, and those judgements are the group's rewards.
+
+Here a dataset column (``kind_column``, default ``urpo_kind``) marks each row's kind: ``open_kind`` ("open"),
+``judge_kind`` ("judge") or anything else (verifiable: left to the run's own reward functions). Two reward columns:
+
+* ``urpo_self_judge`` (weight ``self_judge_weight``) -- the reward half. Sampling stage (``after_generation``): every
+  open group's question and G completions (gathered from every process) are put in the judge format
+  (:data:`JUDGE_INSTRUCTION`) and the **current policy answers it through the trainer's generation service**
+  (``ctx.service.generate``, collective: group ``g`` is asked on process ``g % P``, every process calls once, possibly
+  with no request; the replies are gathered and parsed everywhere). The reply's last ``<scores>s_1, ..., s_G</scores>``
+  gives each completion a score ``s_i`` in ``[score_low, score_high]`` (``<think>`` blocks skipped); a reply without
+  exactly G scores in range is **unparsable**. Reward stage::
+
+      r_i = (s_i - score_low) / (score_high - score_low)      in [0, 1]   (open rows)
+      r_i = the mean of its group's r                          (open rows of an unparsable judgement: neutral advantage)
+      r_i = NaN                                                (other rows: not applicable)
+
+  Unparsable judgements are counted (``unparsable_fraction``), logged with their text, and refused past
+  ``max_unparsable`` of the batch's judgements with :class:`~trl_plugins.components.genrm.GenRMParseError` (the rule
+  of :mod:`trl_plugins.components.genrm`: rows without a verdict get the group mean, never a silent zero). Open rows of
+  a refill round or of an evaluation batch are not judged (the sampling stage does not run for them): group mean.
+* ``urpo_judge`` (weight ``judge_weight``) -- training the referee. A judge row's prompt is the same judge format
+  filled with a preference example (:func:`preference_judge_rows` turns ``(prompt, chosen, rejected...)`` rows into
+  such rows, the responses in a seeded random order, the position of the chosen one in ``best_column``); its
+  completion is the policy's judgement, and ``r = 1`` when the parsed scores put the labelled best response strictly
+  first, else ``0`` (an unparsable judgement is a wrong answer here: the policy is being taught the format). Other rows:
+  None (NaN).
+
+**What differs from the paper** (the catalogue's "judge outputs are trained"): the judgements the policy writes for
+its open groups are not themselves trained in that step -- they are produced by the generation service at the
+sampling stage and are not rows of the batch (the batch is fixed when they are written, and they carry no label to
+reward them with). The referee is trained through the judge-format rows instead, the route the paper uses for its
+preference data, in the same batches as the player's prompts (mix them in the dataset, e.g. with
+:func:`preference_judge_rows` and ``datasets.concatenate_datasets``). The judge-format wording, the 1-10 score list,
+the strict-argmax agreement reward, the [0, 1] rescaling, one judgement per group (no voting), and sampling it with
+the run's generation settings are **reconstructed** (no official code was found: searched GitHub code, issues and
+docs for the title, arXiv id and authors on 2026-11-28).
+
+Why the generation service and not :class:`~trl_plugins.components.genrm.HFGenRMBackend`: that backend loads its own
+frozen copy of a model on every process and generates locally -- it would judge with the initial weights, not the
+policy being trained, and it does not see a ZeRO-3 / FSDP-sharded policy. The generation service samples from the
+current policy weights, collectively (the same path as ``clpo``'s rewrites), and counts in the rollout budget
+(``plugin_generation_budget``). A judge request holds the question and all G completions, and its reply is cut at
+``max_completion_length`` like any completion: leave room for the judgement (a cut reply has no ``<scores>`` list and
+is unparsable). A run whose batches hold no judge rows can set ``judge_weight=0`` (otherwise the ``urpo_judge``
+column is None everywhere and the reward guard warns that it scored nothing).
+
+Neutral setting: ``self_judge_weight=0`` and ``judge_weight=0`` -- no column, no hook (vanilla GRPO, tested).
+Metrics: ``judged_groups``, ``unparsable_fraction``, ``self_score_mean`` (the mean raw score the referee gave),
+``unjudged_fraction`` (open rows without a judgement: refill / eval), ``judge_accuracy`` (judge rows whose verdict
+agrees with the label).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from trl_plugins.api import (
+    OfficialSource,
+    Plugin,
+    PluginConfigError,
+    PluginOptions,
+    RewardContext,
+    RolloutContext,
+    hookimpl,
+    option,
+)
+from trl_plugins.api.collectives import gather_id_lists, gather_objects_together
+from trl_plugins.api.reasons import without_images
+from trl_plugins.api.success import placeholder_column
+from trl_plugins.api.text import check_template, completion_text
+from trl_plugins.components.genrm import GenRMParseError, neutral_fill
+from trl_plugins.components.steps import question_text
+
+logger = logging.getLogger(__name__)
+
+SELF_COLUMN = "urpo_self_judge"
+JUDGE_COLUMN = "urpo_judge"
+#: per-row annotation written at the sampling stage: the raw score the referee gave the row (None: unparsable)
+SCORE_KEY = "urpo_score"
+
+#: The unified judge format (our wording; reconstructed): fields {question}, {responses}, {n}, {low}, {high}.
+JUDGE_INSTRUCTION = (
+    "You are an impartial referee. Below are a request and {n} candidate responses to it. Judge how well each "
+    "response serves the request: correctness, helpfulness, completeness and how closely it follows the "
+    "instructions; ignore length and style unless they matter to the request. Reason briefly, then end with one line "
+    "that gives every response a score from {low} to {high}, in the order of the responses, separated by commas, "
+    "inside <scores></scores> -- e.g. for three responses <scores>7, 2, 9</scores>.\n\n"
+    "[Question]\n{question}\n[End of Question]\n\n{responses}"
+)
+_SCORES_RE = re.compile(r"<scores>(.*?)</scores>", re.DOTALL | re.IGNORECASE)
+_NUMBER_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
+_THINK_RE = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
+
+
+def render_responses(responses: Sequence[str]) -> str:
+    """The responses block of the judge format: ``[Response k]`` ... ``[End of Response k]`` sections, k from 1."""
+    return "\n\n".join(f"[Response {k}]\n{r}\n[End of Response {k}]" for k, r in enumerate(responses, start=1))
+
+
+def judge_prompt(question: str, responses: Sequence[str], *, instruction: str = JUDGE_INSTRUCTION,
+                 low: float = 1.0, high: float = 10.0) -> str:
+    """The judge request's text for ``question`` and its ``responses`` (the unified format of both halves)."""
+    return instruction.format(question=question, responses=render_responses(responses), n=len(responses),
+                              low=f"{low:g}", high=f"{high:g}")
+
+
+def parse_scores(text: Any, n: int, low: float = 1.0, high: float = 10.0) -> list[float] | None:
+    """The ``n`` scores of a judgement: the numbers of its last ``<scores>...</scores>`` (``<think>`` blocks
+    skipped); None when there is no such block, it does not hold exactly ``n`` numbers, or one is outside
+    ``[low, high]``."""
+    if not isinstance(text, str):
+        return None
+    blocks = _SCORES_RE.findall(_THINK_RE.sub("", text))
+    if not blocks:
+        return None
+    values = [float(x) for x in _NUMBER_RE.findall(blocks[-1])]
+    if len(values) != n or not all(low <= v <= high for v in values):
+        return None
+    return values
+
+
+def agreement(scores: Sequence[float] | None, best: int) -> float:
+    """Judge-row reward: 1.0 when response ``best`` (1-based) has the strictly highest of ``scores``, else 0.0
+    (also for an unparsable judgement, None)."""
+    if scores is None or not 1 <= best <= len(scores):
+        return 0.0
+    top = scores[best - 1]
+    return float(all(s < top for k, s in enumerate(scores) if k != best - 1))
+
+
+def self_judge_rewards(scores: Sequence[float | None], is_open: Sequence[bool], group_size: int,
+                       low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``urpo_self_judge`` column from (N,) raw referee scores (None: no judgement) and (N,) open-row flags.
+
+    Returns:
+        (N,) rewards: ``(s - low) / (high - low)`` on judged open rows, the group's mean on open rows without a score
+        (0.0 when none of the group has one), NaN on other rows; and the (N,) bool mask of open rows without a score.
+    """
+    raw = torch.tensor([math.nan if s is None or not o else (float(s) - low) / (high - low)
+                        for s, o in zip(scores, is_open, strict=True)], dtype=torch.float32)
+    filled, missing = neutral_fill(raw, group_size)
+    open_mask = torch.tensor(list(is_open), dtype=torch.bool)
+    return torch.where(open_mask, filled, torch.full_like(filled, math.nan)), missing & open_mask
+
+
+def preference_judge_rows(rows: Iterable[dict], *, prompt: str = "prompt", chosen: str = "chosen",
+                          rejected: str = "rejected", kind_column: str = "urpo_kind", judge_kind: str = "judge",
+                          best_column: str = "urpo_best", instruction: str = JUDGE_INSTRUCTION, low: float = 1.0,
+                          high: float = 10.0, conversational: bool = True, seed: int = 0) -> list[dict]:
+    """Preference data in the judge format (URPO's recast of preference pairs), to mix into the training set.
+
+    Each row's ``rejected`` may be one response or a list (an N-way example: one chosen among several). The chosen and
+    rejected responses are shuffled (a seeded order per row, so the chosen one is not always first), and the new row
+    is ``{"prompt": judge request, kind_column: judge_kind, best_column: position of the chosen one (1-based)}``.
+    Prompts and responses may be strings or message lists (their last user / assistant text is used). The other
+    columns of the row are dropped (the judge row has no verifier answer). Raises ``ValueError`` naming the row when a
+    column is missing or empty.
+    """
+    out, rng = [], random.Random(seed)
+    for i, row in enumerate(rows):
+        missing = [c for c in (prompt, chosen, rejected) if row.get(c) in (None, "", [])]
+        if missing:
+            raise ValueError(f"preference_judge_rows: row {i} has no {', '.join(missing)}.")
+        others = row[rejected]
+        others = others if isinstance(others, list) and not _is_messages(others) else [others]
+        responses = [completion_text(row[chosen])] + [completion_text(r) for r in others]
+        order = list(range(len(responses)))
+        rng.shuffle(order)
+        text = judge_prompt(question_text(row[prompt]), [responses[k] for k in order], instruction=instruction,
+                            low=low, high=high)
+        out.append({"prompt": [{"role": "user", "content": text}] if conversational else text,
+                    kind_column: judge_kind, best_column: order.index(0) + 1})
+    return out
+
+
+def _is_messages(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+@dataclass
+class UrpoOptions(PluginOptions):
+    self_judge_weight: float = option(
+        1.0, min=0.0, help="TRL reward weight of the urpo_self_judge column (the policy's scores of its own open "
+        "groups); 0 = no self-judging.",
+    )
+    judge_weight: float = option(
+        1.0, min=0.0, help="TRL reward weight of the urpo_judge column (judge rows: the verdict agrees with the "
+        "label); 0 = the judge rows are not rewarded by urpo.",
+    )
+    kind_column: str = option("urpo_kind", help="Dataset column holding each row's kind (open, judge or other).")
+    open_kind: str = option("open", help="Kind of the open-ended rows, rewarded by the policy judging its group.")
+    judge_kind: str = option("judge", help="Kind of the judge-format rows (preference data, preference_judge_rows).")
+    default_kind: str = option(
+        "verifiable", help="Kind of rows without a kind_column value (e.g. 'open' for a purely open-ended dataset).",
+    )
+    best_column: str = option("urpo_best", help="Judge rows: position (1-based) of the labelled best response.")
+    score_low: float = option(1.0, reconstructed=True, help="Lowest score the referee may give.")
+    score_high: float = option(10.0, reconstructed=True, help="Highest score the referee may give.")
+    instruction: str = option(
+        JUDGE_INSTRUCTION, reconstructed=True,
+        help="The judge format; fields {question}, {responses} (required), {n}, {low}, {high}.",
+    )
+    greedy: bool = option(
+        False, reconstructed=True, help="Judge the groups greedily instead of sampling with the run's settings.",
+    )
+    max_unparsable: float = option(
+        0.5, min=0.0, max=1.0, reconstructed=True,
+        help="Largest share of the batch's self-judgements that may be unparsable; above it the step fails naming "
+        "the group and the text (components.genrm's rule). Their rows get their group's mean (a neutral advantage).",
+    )
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.score_low) and math.isfinite(self.score_high) and self.score_low < self.score_high):
+            raise PluginConfigError(
+                f"Plugin 'urpo': score range [{self.score_low}, {self.score_high}] is empty; allowed: finite "
+                "score_low < score_high.")
+        check_template("urpo", "instruction", self.instruction, ("question", "responses", "n", "low", "high"),
+                       required=("question", "responses"))
+        kinds = {"open_kind": self.open_kind, "judge_kind": self.judge_kind}
+        if self.open_kind == self.judge_kind or not all(kinds.values()):
+            raise PluginConfigError(
+                f"Plugin 'urpo': open_kind={self.open_kind!r} and judge_kind={self.judge_kind!r}; allowed: two "
+                "different non-empty names.")
+        for name in ("kind_column", "best_column"):
+            if not getattr(self, name):
+                raise PluginConfigError(f"Plugin 'urpo': {name}={getattr(self, name)!r}; allowed: a column name.")
+
+    @property
+    def active(self) -> bool:
+        return self.self_judge_weight > 0 or self.judge_weight > 0
+
+
+class UrpoPlugin(Plugin):
+    """The policy judges its own open-ended groups (rewards) and is trained as a judge on preference data."""
+
+    name = "urpo"
+    version = "0.1.0"
+    paper = "URPO: A Unified Reward & Policy Optimization Framework for Large Language Models, arXiv:2507.17515"
+    summary = ("One model is player and referee: open-ended groups rewarded by the policy's own judgement of them; "
+               "judge-format preference rows rewarded by agreement with the label.")
+    Options = UrpoOptions
+    official = OfficialSource(
+        None, verdict="reconstructed",
+        note="No official code was found; the three data kinds in one generative format, the policy judging its own "
+        "open-ended group inside the GRPO loop and preference data recast as judge prompts rewarded by agreement "
+        "follow the paper; the judge wording, the score list, the rescaling, the agreement rule and one judgement "
+        "per group are reconstructed. The self-judgements are not trained in the step that writes them.",
+    )
+    claim_metric = ("judge_accuracy", "judge rows whose verdict agrees with the preference label")
+    multi_turn = ("its referee reads one question and each completion's text; tool calls and tool results are part of "
+                  "that text only as far as completion_text renders them.")
+    image_inputs = without_images("its referee is asked through the generation service with the prompt's text")
+    reconstructed = (
+        "the judge format wording and the `<scores>s_1, ..., s_G</scores>` verdict with scores 1 to 10",
+        "self-judge reward = (s - low) / (high - low); rows of an unparsable judgement get their group's mean",
+        "judge-row reward = 1 when the labelled best response gets the strictly highest score (else 0)",
+        "one judgement per open group, sampled with the run's generation settings (no voting)",
+        "the self-judgements are not trained in their step; the referee is trained through judge-format rows",
+    )
+
+    def hook_enabled(self, hook: str) -> bool:
+        return self.options.active
+
+    def _kind(self, row: Any) -> str:
+        value = row.get(self.options.kind_column) if isinstance(row, dict) else None
+        return self.options.default_kind if value in (None, "") else str(value)
+
+    # ------------------------------------------------------------------------------------------ columns
+    @hookimpl
+    def trl_plugins_reward_functions(self, args):
+        o, funcs = self.options, []
+        if o.self_judge_weight > 0:
+            funcs.append(placeholder_column(SELF_COLUMN, o.self_judge_weight))
+        if o.judge_weight > 0:
+            plugin = self
+
+            def urpo_judge(prompts, completions, **kwargs):
+                n = len(completions)
+                kinds = kwargs.get(o.kind_column) or [None] * n
+                bests = kwargs.get(o.best_column) or [None] * n
+                out = []
+                for i, (kind, best, completion) in enumerate(zip(kinds, bests, completions)):
+                    if plugin._kind({o.kind_column: kind}) != o.judge_kind:
+                        out.append(None)
+                        continue
+                    if not isinstance(best, int) or isinstance(best, bool) or best < 1:
+                        raise PluginConfigError(
+                            f"urpo: judge row {i} of the reward call has {o.best_column}={best!r}; allowed: the "
+                            "1-based position of the labelled best response (preference_judge_rows writes it).")
+                    n_resp = len(re.findall(r"\[End of Response \d+\]", question_text(prompts[i])))
+                    out.append(agreement(parse_scores(completion_text(completion), n_resp, o.score_low, o.score_high),
+                                         best))
+                return out
+
+            urpo_judge.reward_weight = o.judge_weight
+            funcs.append(urpo_judge)
+        return funcs
+
+    # ------------------------------------------------------------------------------------------ referee
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx: RolloutContext):
+        """The current policy judges every open group of the batch (collective), scores into the rows' annotations."""
+        o = self.options
+        if ctx.mode != "train" or o.self_judge_weight == 0:
+            return
+        B, G, P = len(ctx), ctx.num_generations, max(int(ctx.run.num_processes), 1)
+        tok = ctx.tokenizer
+        flags = torch.tensor([self._kind(r) == o.open_kind for r in ctx.rows], dtype=torch.long,
+                             device=ctx.device)
+        is_open = ctx.gather(flags).cpu().bool().tolist()  # (N,)
+        if not any(is_open):
+            return  # the same decision on every process: nobody calls the service
+        encode = lambda text: list(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+        questions = gather_id_lists(ctx, [encode(question_text(p)) if ix == 0 else []
+                                          for p, ix in zip(ctx.prompts, ctx.index_in_group)])
+        answers = gather_id_lists(ctx, [encode(completion_text(c)) for c in ctx.completions])
+        N = len(is_open)
+        groups = [g for g in range(N // G) if all(is_open[g * G:(g + 1) * G])]
+        p = ctx.global_index[0] // B if B else 0
+        conversational = not isinstance(ctx.prompts[0], str) if B else True
+        mine, requests = [g for k, g in enumerate(groups) if k % P == p], []
+        for g in mine:
+            text = judge_prompt(tok.decode(questions[g * G], skip_special_tokens=True),
+                                [tok.decode(answers[g * G + j], skip_special_tokens=True) for j in range(G)],
+                                instruction=o.instruction, low=o.score_low, high=o.score_high)
+            requests.append([{"role": "user", "content": text}] if conversational else text)
+        replies = ctx.service.generate(prompts=requests, greedy=o.greedy)  # collective: every process, maybe none
+        local = [[] for _ in range(B)]
+        for j, reply in enumerate(replies):
+            local[j] = list(reply.completion_ids)
+        gathered = gather_id_lists(ctx, local)  # process q's k-th request sits at q * B + k
+        scores: dict[int, list[float] | None] = {}
+        bad = []
+        for k, g in enumerate(groups):
+            text = tok.decode(gathered[(k % P) * B + k // P], skip_special_tokens=True)
+            scores[g] = parse_scores(text, G, o.score_low, o.score_high)
+            if scores[g] is None:
+                bad.append((g, text))
+        for i, gi in enumerate(ctx.global_index):
+            g = gi // G
+            if g in scores:
+                ctx.annotations[i][SCORE_KEY] = None if scores[g] is None else scores[g][gi % G]
+        ctx.log_metric("judged_groups", float(len(groups)))
+        ctx.log_metric("unparsable_fraction", len(bad) / len(groups) if groups else 0.0)
+        parsed = [s for v in scores.values() if v is not None for s in v]
+        if parsed:
+            ctx.log_metric("self_score_mean", sum(parsed) / len(parsed))
+        if bad:
+            g, text = bad[0]
+            message = (f"The policy as referee (plugin 'urpo') gave no parsable <scores> list of {G} scores in "
+                       f"[{o.score_low:g}, {o.score_high:g}] for {len(bad)} of {len(groups)} open groups; first: group "
+                       f"{g}, text {text[:300]!r}")
+            if len(bad) / len(groups) > o.max_unparsable:
+                raise GenRMParseError(f"{message}. That is more than max_unparsable={o.max_unparsable:g}.")
+            logger.warning("%s.", message)
+
+    # ------------------------------------------------------------------------------------------ rewards
+    @hookimpl
+    def trl_plugins_transform_rewards(self, ctx: RewardContext):
+        o, names = self.options, ctx.reward_func_names
+        local = list(ctx.local_annotations) or [{} for _ in ctx.local_rows]
+        pairs = gather_objects_together(
+            ctx, self.name, lambda: [(self._kind(r) == o.open_kind, a.get(SCORE_KEY), self._kind(r) == o.judge_kind)
+                                     for r, a in zip(ctx.local_rows, local)])
+        is_open = [p[0] for p in pairs]
+        if SELF_COLUMN in names:
+            values, missing = self_judge_rewards([p[1] for p in pairs], is_open, ctx.num_generations,
+                                                 o.score_low, o.score_high)
+            matrix = ctx.rewards_per_func.clone()
+            matrix[:, names.index(SELF_COLUMN)] = values.to(matrix)
+            ctx.rewards_per_func = matrix
+            if any(is_open):
+                ctx.log_metric("unjudged_fraction", missing.float().sum().item() / sum(is_open))
+        if JUDGE_COLUMN in names:
+            judged = torch.tensor([p[2] for p in pairs], dtype=torch.bool)
+            if judged.any():
+                column = ctx.rewards_per_func[:, names.index(JUDGE_COLUMN)]
+                ctx.log_metric("judge_accuracy", column[judged].nan_to_num(0.0).mean().item())
