@@ -108,6 +108,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the paper's reward differences: TRL's group mean cancels in A_i - A_j, the std is kept out
     "p3o": ({}, {"scale_rewards": "none"}),
     "pear": ({}, {}),
+    # sets of 2: the paper's 4 of N = 8 would be the whole group at the smoke runs' num_generations=4 (same ratio)
+    "polychromic": ({"set_size": 2}, {}),
     "posterior_grpo": ({"prm": "programmatic"}, {}),
     "reasonflux_prm": ({"prm": "programmatic"}, {}),
     # short completions: steps of 8 tokens instead of the paper's 256; a smaller eta so that the process term shows
