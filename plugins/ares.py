@@ -337,11 +337,13 @@ class AresPlugin(Plugin):
         if self.neutral_reward:  # neutral: an all-zero column, no forward
             return
         entropies = [h.float().cpu() for h in ctx.policy_entropies()]
-        percentiles = ctx.gather_object([window_percentile(h, o.window_size, o.threshold_percentile) for h in entropies])
+        percentiles = ctx.gather_object([window_percentile(h, o.window_size, o.threshold_percentile)
+                                         for h in entropies])
         train = ctx.mode == "train"
         batch_tau = float(torch.quantile(torch.tensor(percentiles, dtype=torch.float64), 0.5)) if percentiles else 0.0
         tau = self.threshold if self.threshold is not None else batch_tau
-        local = [hwe_count(h, self.is_trigger(list(row), ctx.tokenizer), o.window_size, tau) for h, row in zip(entropies, ids)]
+        local = [hwe_count(h, self.is_trigger(list(row), ctx.tokenizer), o.window_size, tau)
+                 for h, row in zip(entropies, ids)]
         device = ctx.rewards_per_func.device
         counts = torch.tensor(ctx.gather_object(local), dtype=torch.float32, device=device)
         if train and o.high_entropy_threshold is None:  # the next batch counts with the updated threshold

@@ -293,9 +293,9 @@ def test_neutral_setting_reduces_to_vanilla(kl, tiny_path):
 
 
 def test_a_run_with_the_bonus_and_dynamic_kl_trains(tmp_path, tiny_path):
-    trainer = make_tiny_trainer(model=tiny_path, 
-        reward_funcs=[digit_fraction_reward], plugins=["ares"],
-        plugin_config={"ares": {"correct_threshold": 0.2, "kl_update_interval": 1, "trigger_words": list("0123456789")}},
+    options = {"correct_threshold": 0.2, "kl_update_interval": 1, "trigger_words": list("0123456789")}
+    trainer = make_tiny_trainer(
+        model=tiny_path, reward_funcs=[digit_fraction_reward], plugins=["ares"], plugin_config={"ares": options},
         output_dir=str(tmp_path), max_steps=2, num_generations=4, per_device_train_batch_size=8, beta=0.04)
     run = record_run(trainer)
     (plugin,) = list(trainer.plugin_stack)
