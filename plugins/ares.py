@@ -35,12 +35,15 @@ Facts from the official code (shawn0728/ARES @146620e; restated, not copied):
 
 TRL mapping. (1)-(4) are a reward transform filling the ``ares`` column; the entropies come from one no-grad forward
 of the current policy over the local completions (``RewardContext.policy_entropies``: full-vocabulary entropy, where
-the official rollout approximates it from vLLM's top-10 log-probs plus a tail term), and the trigger test reads the
+the official rollout approximates it from vLLM's top-10 log-probs, plus a tail term for the count but not for the
+percentile), and the trigger test reads the
 sampled token (the official code reads the top-1 token of the same distribution). (5) takes TRL's reference KL
 (``beta`` is ``kl_coef``: set ``beta=0.01`` as ARES does; with ``beta=0`` the KL half has nothing to scale) and adds
 ``beta (beta_d - 1) KL_t`` per token, so the total is ``beta beta_d KL_t``; the bucket of each row is recomputed from
 the verifier at the advantage stage. The controller statistics are summed over processes (the official controller
-runs per rank) and TRL's KL is not clamped at +-10 as verl's ``low_var_kl`` is.
+runs per rank) and TRL's KL is not clamped at +-10 as verl's ``low_var_kl`` is. Image prompts (ARES is multimodal)
+are refused: the reward-stage entropy forward conditions on the prompt's text only, and the reward must be final
+before TRL's group normalisation, so the advantage stage's image-aware forward comes too late.
 
 Not here (documented in ``docs/coverage.md``): the HWE-triggered branching of the rollout (it needs the branching
 generation seam), the adaptive cold start (a data-curation SFT stage), the "second chance" KL relaxation (its
