@@ -36,6 +36,10 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "aepo": ({}, {}),
     # the bundled task has one reference solution per prompt: it is the (single) teacher's solution
     "ampo": ({"solutions_column": "solution"}, {}),
+    # ARES's trigger words are natural-language reasoning words, which the character tokenizer never forms: the digits
+    # open the windows here; the KL half scales TRL's reference KL (ARES's kl_coef 0.01) and its controller updates
+    # every micro-batch (official: every 100th)
+    "ares": ({"trigger_words": list("0123456789"), "kl_update_interval": 1}, {"beta": 0.01}),
     # the encoder is the warm-started demo model (mean-pooled hidden states); the answer follows "Answer:"
     "armed": ({"embedder": "hf", "embedder_model": "(set below: demo_model_dir())", "answer_pattern": r"Answer:\s*(\S+)"},
               {}),

@@ -206,6 +206,7 @@ def test_saving_a_state_that_would_need_code_to_load_names_the_plugin_and_the_en
 # options under which each stateful built-in holds more than its initial state after two steps
 STATEFUL = {
     "adaptive_sampler": {}, "clip_cov": {}, "clpo": {}, "dcpo": {}, "decs": {}, "epo": {}, "fleming_r1": {"min_failures": 1},
+    "ares": {"dynamic_kl": False},  # its HWE threshold and bucket weights (TRL's beta is 0 here: no KL half)
     "hapo": {"temperature_tau": 0.05},
     "hint_scaffold": {}, "laser": {}, "oreal": {"token_rm": True}, "r2vpo": {"replay_groups": 1}, "replay": {}, "rlpr": {},
     "rapo_retention": {"teacher_model": "unused", "retention_lambda": 0.0},  # CTAN's statistics (no previous policy)
