@@ -6,7 +6,7 @@ extracted answer is the majority answer gets reward 1, else 0 (the column ``ettr
 as ``empo``'s ``mode="majority_vote"``). ETTRL adds two entropy mechanisms:
 
 * **EAR** (entropy-based advantage reshaping, advantage stage). ``H_i`` is rollout ``i``'s response entropy, the mean
-  over its completion tokens of the policy's next-token entropy; ``H_bar`` the mean of ``H`` over the rollout's
+  over its completion (loss) tokens of the policy's next-token entropy; ``H_bar`` the mean of ``H`` over the rollout's
   group. The advantage is scaled by ``Y_i = 1 + (H_bar - H_i) / H_bar``: confident (low-entropy) rollouts keep more
   of their advantage, uncertain ones less, which damps the large advantages that a few lucky rollouts get from a
   wrong early majority (``advantage="reshape"``, the paper's Adv-Res). The paper's simpler ablation Adv-Clip clips
@@ -23,8 +23,9 @@ Mapping onto TRL. The branch rows (index in group ``k`` with ``k % L != 0``) are
 (``ctx.policy_entropies``, one no-grad forward), gathers the roots and their forks across processes (a group may
 straddle processes), and fills each branch row with a continuation of its root's prefix through the branching seam
 (``ctx.continue_prefixes``: HF generate, one collective call per step, counted in the rollout budget). A group size
-that is not a multiple of L ends with a partial tree (its first rows). EAR takes the response entropies from one
-no-grad forward in the reward stage (``RewardContext.policy_entropies``, training batches only).
+that is not a multiple of L ends with a partial tree (its first rows). EAR takes the response entropies from the
+advantage stage's policy statistics (``AdvantageContext.policy_stats().mean_entropy``: one no-grad forward of the
+generation batch, shared with the other plugins that read it; training batches only).
 
 Reconstructed (no official code was found; the paper and public summaries of it were read):
 
@@ -188,7 +189,6 @@ class EttrlPlugin(Plugin):
 
     def __init__(self, options=None):
         super().__init__(options)
-        self._entropies: torch.Tensor | None = None  # (N,) response entropies of the last training batch
         self._pending = False  # the prompt stage deferred the branch rows of this step
 
     # ----------------------------------------------------------------------------------------- checks
@@ -197,7 +197,7 @@ class EttrlPlugin(Plugin):
         if hook == "trl_plugins_reward_functions":
             return o.vote
         if hook == "trl_plugins_transform_rewards":
-            return o.vote or o.advantage == "reshape"
+            return o.vote
         if hook == "trl_plugins_transform_advantages":
             return o.advantage != "none"
         if hook in ("trl_plugins_generation_prompts", "trl_plugins_after_generation"):
@@ -296,21 +296,14 @@ class EttrlPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
-        o = self.options
-        if o.vote:
-            answers, cluster_ids = batch_clusters(ctx, o.extractor)  # collective, shared with empo / seed_grpo
-            votes = [v for ids in cluster_ids for v in majority_votes(ids)]
-            values = torch.tensor(votes, dtype=ctx.rewards_per_func.dtype, device=ctx.rewards_per_func.device)
-            rewards = ctx.rewards_per_func.clone()
-            rewards[:, ctx.reward_func_names.index(COLUMN)] = values
-            ctx.rewards_per_func = rewards
-            ctx.log_metric("majority_fraction", float(values.mean()))
-            ctx.log_metric("answered_fraction", sum(a is not None for a in answers) / max(len(answers), 1))
-        self._entropies = None
-        if o.advantage == "reshape" and ctx.mode == "train":
-            local = [float(h.float().mean()) if h.numel() else 0.0 for h in ctx.policy_entropies()]  # collective
-            self._entropies = torch.tensor(ctx.gather_object(local), dtype=torch.float32)
-            ctx.log_metric("response_entropy", float(self._entropies.mean()))
+        answers, cluster_ids = batch_clusters(ctx, self.options.extractor)  # collective, shared with empo / seed_grpo
+        votes = [v for ids in cluster_ids for v in majority_votes(ids)]
+        values = torch.tensor(votes, dtype=ctx.rewards_per_func.dtype, device=ctx.rewards_per_func.device)
+        rewards = ctx.rewards_per_func.clone()
+        rewards[:, ctx.reward_func_names.index(COLUMN)] = values
+        ctx.rewards_per_func = rewards
+        ctx.log_metric("majority_fraction", float(values.mean()))
+        ctx.log_metric("answered_fraction", sum(a is not None for a in answers) / max(len(answers), 1))
 
     # ----------------------------------------------------------------------------------------- EAR
     @hookimpl
@@ -321,10 +314,11 @@ class EttrlPlugin(Plugin):
             ctx.log_metric("clipped_fraction", float((clipped != ctx.advantages).float().mean()))
             ctx.advantages = clipped
             return
-        H, self._entropies = self._entropies, None
-        if H is None or H.numel() != ctx.advantages.size(0):
-            return  # evaluation batches: TRL's advantages
+        if ctx.mode != "train":
+            return  # evaluation batches: TRL's advantages (no forward)
+        H = ctx.policy_stats().mean_entropy.float().cpu()  # (N,) collective, cached for the other plugins
         scale = ear_scale(H, ctx.num_generations)
+        ctx.log_metric("response_entropy", float(H.mean()))
         ctx.advantages = reshape_advantages(ctx.advantages, scale)
         ctx.log_metric("ear_scale_min", float(scale.min()))
         ctx.log_metric("ear_scale_max", float(scale.max()))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
+from trl_plugins.api.contexts import PolicyStats
 from trl_plugins.api.answers import majority_votes
 from trl_plugins.testing import assert_reduces_to_vanilla, digit_fraction_reward, make_advantage_context, \
     make_reward_context, make_tiny_trainer, record_run
@@ -41,16 +42,20 @@ def test_vote_fills_the_column_with_the_majority():
     assert ctx.rewards_per_func[:, 0].tolist() == expected == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
 
 
-def test_advantage_hook_reshapes_with_the_stored_entropies_and_clips():
+def test_advantage_hook_reshapes_with_the_policy_entropies_and_clips():
+    H = torch.tensor([[1.0, 1.0, 9.0], [3.0, 3.0, 3.0], [2.0, 2.0, 2.0], [2.0, 2.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])  # 9 is padding
+    stats = PolicyStats(per_token_logps=torch.zeros(4, 3), entropies=H, mask=mask, completion_ids=torch.zeros(4, 3),
+                        mean_entropy=(H * mask).sum(-1) / mask.sum(-1))
     plugin = EttrlPlugin(EttrlPlugin.Options(vote=False))
-    plugin._entropies = torch.tensor([1.0, 3.0, 2.0, 2.0])
-    ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=2)
+    ctx = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=2, policy_stats=stats)
     base = ctx.advantages.clone()
     plugin.trl_plugins_transform_advantages(ctx)
-    torch.testing.assert_close(ctx.advantages, base * torch.tensor([1.5, 0.5, 1.0, 1.0]))
-    again = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=2)
-    plugin.trl_plugins_transform_advantages(again)  # entropies are used once (an eval batch has none)
-    torch.testing.assert_close(again.advantages, base)
+    torch.testing.assert_close(ctx.advantages, base * torch.tensor([1.5, 0.5, 1.0, 1.0]))  # H_resp = 1, 3 | 2, 2
+    evaluation = make_advantage_context(torch.tensor([1.0, 0.0, 1.0, 0.0]), num_generations=2, policy_stats=stats,
+                                        mode="eval")
+    plugin.trl_plugins_transform_advantages(evaluation)
+    torch.testing.assert_close(evaluation.advantages, base)
     clip = EttrlPlugin(EttrlPlugin.Options(advantage="clip", clip_beta=0.5))
     ctx = make_advantage_context(torch.tensor([1.0, 0.0, 0.2, 0.0]), num_generations=2)
     clip.trl_plugins_transform_advantages(ctx)
