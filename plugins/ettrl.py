@@ -35,7 +35,9 @@ Reconstructed (no official code was found; the paper and public summaries of it 
 * forks are the N highest-entropy positions of the root, distinct; a root shorter than N tokens reuses its forks
   in turn;
 * EAR's mean ``H_bar`` is taken over the rollout's group; ``H_bar = 0`` leaves the advantages unchanged;
-* the partial last tree when G is not a multiple of L.
+* the partial last tree when G is not a multiple of L;
+* every leaf is trained (TTRL votes over 64 and trains on 32; whether ETTRL trains on a subset of its 60 leaves is
+  not stated).
 
 Neutral setting: ``vote=False, advantage="none", fork_points=0`` leaves the run vanilla TRL (no hook runs).
 """
@@ -185,6 +187,7 @@ class EttrlPlugin(Plugin):
         "EAR's H_bar: the mean response entropy of the rollout's group",
         "a group size that is not a multiple of 1 + B N ends with a partial tree",
         "fork_tokens='distinct' (forced distinct top tokens at a fork) is ours",
+        "every leaf of the trees is trained (no vote-only subset as in TTRL's 64 votes / 32 trained)",
     )
 
     def __init__(self, options=None):
