@@ -197,9 +197,7 @@ class EttrlPlugin(Plugin):
     # ----------------------------------------------------------------------------------------- checks
     def hook_enabled(self, hook: str) -> bool:
         o = self.options
-        if hook == "trl_plugins_reward_functions":
-            return o.vote
-        if hook == "trl_plugins_transform_rewards":
+        if hook in ("trl_plugins_reward_functions", "trl_plugins_transform_rewards"):
             return o.vote
         if hook == "trl_plugins_transform_advantages":
             return o.advantage != "none"
