@@ -73,6 +73,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "dynamic_sampling": ({}, {}),
     "empo": ({}, {}),
     "epo": ({}, {}),
+    # label-free majority vote; ETMR trees of 1 + 3 * 1 = 4 rollouts (two per group of 8, one in the smoke's 4)
+    # instead of the paper's 12 trees of 1 + 2 * 2 = 5 in a group of 60
+    "ettrl": ({"fork_points": 1, "branches": 3}, {}),
     "fbos_rl": ({"feedback": "task"}, {}),
     "fleming_r1": ({}, {}),
     "gtpo": ({"entropy_threshold": None}, {"loss_type": "grpo"}),

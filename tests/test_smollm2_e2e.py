@@ -303,6 +303,10 @@ def _stacks(urls):
         # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
         # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
         "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),
+        # ETTRL: majority vote, EAR from the real model's entropies, and an ETMR tree of 2 per group (root + one
+        # branch forked at the root's highest-entropy token onto a distinct top token: the seam's fork_prefixes)
+        "ettrl": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}},
+                  {"loss_type": "dapo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy

@@ -193,6 +193,8 @@ def test_refused_plugin_names_itself_and_its_reason(name):
         ("scope", {"mode": "teacher_suffix", "teacher_base_url": "http://127.0.0.1:1/v1"}, True),  # a text teacher
         ("dno", {}, False),  # the task's scalar reward as the preference oracle
         ("dno", {"genrm": "scripted"}, True),  # a generative judge reads the prompt as text
+        ("ettrl", {"fork_points": 0}, False),  # the vote and EAR
+        ("ettrl", {}, True),  # ETMR's branches continue through the branching seam, from token ids alone
     ],
 )
 def test_refusal_decided_by_options(name, options, refused):
@@ -255,7 +257,8 @@ def test_undeclared_generation_is_stopped_by_the_generation_service():
 #: (nemotron_cascade's second stage is level 2; these rows are all level 1).
 #: dno's benchmark settings use the scripted judge, which reads text only: the image run uses its default (the
 #: reward as the preference oracle, declared for image prompts).
-_IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "level"}, "dno": {}}
+_IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "level"}, "dno": {},
+                      "ettrl": {"fork_points": 0}}  # the vote and EAR (ETMR's trees are refused with images)
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 Each rank builds the tiny trainer and calls the branching seam three times with uneven requests: rank 0 asks for three
 continuations (different lengths, a stop string, probes), rank 1 for none; then rank 1 alone asks for one; then
-neither asks. It records every call of the generation backend (rows, ``max_new_tokens``) and of the teacher-forced
+neither asks; then rank 0 alone forks one prefix into two (``fork_prefixes``). It records every call of the generation backend (rows, ``max_new_tokens``) and of the teacher-forced
 forward (rows), and writes ``rank<k>.json`` under the output folder.
 """
 
@@ -41,8 +41,14 @@ def main(out_dir: str) -> None:
     second = ([prompt], [[7]], 4) if rank == 1 else ([], [], 4)
     lengths.append([len(c.new_ids) for c in svc.continue_prefixes(*second)])
     lengths.append([len(c.new_ids) for c in svc.continue_prefixes([], [], 1)])
-    record = {"generate": generate_calls, "forward": forward_calls, "lengths": lengths, "total": svc.total,
-              "used": svc.used_this_batch}
+    record = {"generate": list(generate_calls), "forward": list(forward_calls), "lengths": lengths,
+              "total": svc.total, "used": svc.used_this_batch}
+    # the fork (forced distinct top tokens): rank 0 forks one prefix into two, rank 1 asks for nothing
+    fork = ([prompt] * 2, [[5], [5]], [0, 1], 4) if rank == 0 else ([], [], [], 4)
+    forked = svc.fork_prefixes(*fork, exclude=[6, 6][: len(fork[0])])
+    record["fork"] = {"generate": generate_calls[len(record["generate"]):],
+                      "forward": forward_calls[len(record["forward"]):],
+                      "first": [c.new_ids[0] for c in forked], "lengths": [len(c.new_ids) for c in forked]}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     tr.accelerator.wait_for_everyone()

@@ -233,6 +233,10 @@ CASES = [
     # ---------------------------------------------------------------- plugins that need the run's settings / components
     Case("replace-index-beyond-group", "stack", ("hint_scaffold", {"replace": "one", "replace_index": 4}),
          "allowed: a slot of the group, 0 to 3 (num_generations=4)"),
+    Case("ettrl-branching-factor-zero", "stack", ("ettrl", {"branches": 0}),
+         "Option 'branches' of plugin 'ettrl' got 0; allowed: a value >= 1"),
+    Case("ettrl-tree-beyond-group", "stack", ("ettrl", {"fork_points": 2, "branches": 2}),
+         "= 5 rollouts does not fit in a group of num_generations=4; allowed: num_generations >= 5"),
     Case("verl-erank-ema-alpha-zero", "stack", ("verl_erank", {"ema_alpha": 0}),
          "Option 'ema_alpha' of plugin 'verl_erank' got 0.0; allowed: a value > 0.0 and <= 1.0"),
     Case("thr-p-beyond-one", "stack", ("thr", {"p": 2.0}),

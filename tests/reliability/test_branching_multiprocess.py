@@ -1,5 +1,5 @@
 """The branching seam on two processes (gloo, ``accelerate launch``): with uneven requests (one rank asks for three
-continuations, the other for none, then the reverse, then neither) both ranks make the same backend calls with the
+continuations, the other for none, then the reverse, then neither; then a fork on one rank) both ranks make the same backend calls with the
 same padded sizes and the same ``max_new_tokens``, and the same padded forwards; nothing hangs."""
 
 from __future__ import annotations
@@ -29,3 +29,9 @@ def test_uneven_requests_make_equal_calls_on_both_ranks(tmp_path):
     assert [len(x) for x in r0["lengths"]] == [3, 0, 0] and [len(x) for x in r1["lengths"]] == [0, 1, 0]
     assert all(1 <= n <= m for n, m in zip(r0["lengths"][0], [2, 6, 3]))
     assert r0["total"] == r1["total"] == 4 and (r0["used"], r1["used"]) == (3, 1)
+    # the fork: the same probe forward and continuation calls on both ranks (rank 1 padded), two distinct first tokens
+    f0, f1 = r0["fork"], r1["fork"]
+    assert f0["generate"] == f1["generate"] and f0["forward"] == f1["forward"] and len(f0["forward"]) >= 1
+    assert all(rows <= 2 and new == 3 for rows, new in f0["generate"])  # max_new_tokens 4 - the forced token
+    assert len(f0["first"]) == 2 and len(set(f0["first"])) == 2 and 6 not in f0["first"] and f1["first"] == []
+    assert all(1 <= n <= 4 for n in f0["lengths"])

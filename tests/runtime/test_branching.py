@@ -109,3 +109,32 @@ def test_refused_under_vllm_with_the_reason(trainer, monkeypatch):
     monkeypatch.setattr(trainer, "use_vllm", True)
     with pytest.raises(PluginError, match="use_vllm=False"):
         trainer.generation_service.continue_prefixes([[1]], [[]], 2)
+
+
+def test_fork_prefixes_forces_distinct_top_tokens_at_the_fork(trainer):
+    svc = trainer.generation_service
+    prompt = svc.tokenize(["Compute 1+2 step by step"])[0]
+    prefix = [7, 8]
+    table = _manual_logps(trainer, prompt, prefix + [1])[len(prefix)]  # (V,) the distribution at the fork
+    top = torch.topk(table, 4).indices.tolist()
+    before = svc.used_this_batch
+    out = svc.fork_prefixes([prompt] * 3, [prefix] * 3, [0, 1, 2], 4, exclude=[top[0], top[0], None])
+    assert [r.new_ids[0] for r in out] == [top[1], top[2], top[2]]  # rank r of the top list once top[0] is left out
+    assert svc.used_this_batch <= before + 3  # a forced EOS ends its fork without a generation
+    for r in out:
+        assert r.completion_ids[:2] == prefix and r.completion_ids[2:] == r.new_ids and len(r.new_ids) <= 4
+        assert r.logprobs[0] == pytest.approx(float(table[r.new_ids[0]]), abs=1e-4)
+        assert r.probes[0].position == 2 and r.probes[0].entropy == pytest.approx(
+            float(-(table.exp() * table).sum()), abs=1e-4)
+    assert svc.fork_prefixes([], [], [], 3) == []  # a process with nothing to ask still takes part
+    with pytest.raises(PluginError, match="rank -1 for request 0"):
+        svc.fork_prefixes([prompt], [prefix], [-1], 3)
+    with pytest.raises(PluginError, match="2 ranks for 1 requests"):
+        svc.fork_prefixes([prompt], [prefix], [0, 1], 3)
+
+
+def test_forced_token_skips_the_excluded_one():
+    from trl_plugins.runtime.branching import forced_token
+
+    assert forced_token([5, 6, 7], 0, 5) == 6 and forced_token([5, 6, 7], 1, None) == 6
+    assert forced_token([5, 6], 4, 6) == 5  # shorter than the rank: the least likely listed

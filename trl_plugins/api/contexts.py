@@ -353,6 +353,32 @@ class RolloutContext(_StageContext):
             prompt_ids, prefix_ids, max_new_tokens, stop=stop, probe_positions=probe_positions, top_k=top_k
         )
 
+    def fork_prefixes(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        prefix_ids: Sequence[Sequence[int]],
+        ranks: Sequence[int],
+        max_new_tokens: int | Sequence[int],
+        *,
+        exclude: Sequence[int | None] | None = None,
+        stop: Sequence[str] | Sequence[Sequence[str]] | None = None,
+    ) -> list[Continuation]:
+        """Fork ``prompt_ids[j] + prefix_ids[j]``: its first new token is forced to the ``ranks[j]``-th most likely
+        next token of the policy there (``exclude[j]`` left out), then it continues like :meth:`continue_prefixes`.
+        Requests sharing a prefix with ranks ``0 .. k-1`` give ``k`` continuations with distinct next tokens; each
+        result's ``probes`` holds the distribution at the fork (top ids, log-probs, entropy). See
+        :meth:`~trl_plugins.runtime.generation.GenerationService.fork_prefixes`.
+
+        Collective (call it on every process the same number of times, with zero requests where a process has none);
+        counted in the rollout budget; TRL's HF-generate backend only (refused under vLLM).
+        """
+        if self.service is None:
+            raise PluginError("RolloutContext.fork_prefixes: this context has no generation service.")
+        return self.service.fork_prefixes(
+            [list(p) for p in prompt_ids], [list(p) for p in prefix_ids], list(ranks), max_new_tokens,
+            exclude=None if exclude is None else list(exclude), stop=stop,
+        )
+
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
         return self._service("decode")(completion_ids, self.prompts[row])

@@ -6,6 +6,10 @@ generates every request of a call with one ``max_new_tokens`` (the largest over 
 cut to its own limit and just after the first occurrence of one of its stop strings (the stop string is kept, as
 ``transformers``' ``stop_strings`` keeps it). Sampling is autoregressive, so a continuation cut where its stop string
 completes has the distribution of one stopped there.
+
+A fork request (:meth:`~trl_plugins.runtime.generation.GenerationService.fork_prefixes`) adds a rank: its first new
+token is forced to the rank-th most likely next token after the prefix (:func:`forced_token`), so requests sharing a
+prefix with ranks ``0 .. k-1`` continue it with ``k`` distinct next tokens.
 """
 
 from __future__ import annotations
@@ -103,3 +107,28 @@ def cut_continuation(new_ids: list[int], max_new: int, stop: Sequence[str], eos_
                 return ids[:n], True, min(hits, key=text.index)
     finished = bool(ids) and ids[-1] in set(eos_ids)
     return ids, finished, None
+
+
+def check_fork_ranks(ranks: Sequence[int], exclude: Sequence[int | None] | None, n: int) -> list[int | None]:
+    """Check :meth:`~trl_plugins.runtime.generation.GenerationService.fork_prefixes`' ``ranks`` (one integer >= 0 per
+    request) and ``exclude`` (None, or one token id or None per request); returns the per-request excluded ids."""
+    where = "GenerationService.fork_prefixes"
+    if len(ranks) != n:
+        raise PluginError(f"{where}: {len(ranks)} ranks for {n} requests; allowed: one rank per request.")
+    for j, r in enumerate(ranks):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise PluginError(f"{where}: rank {r!r} for request {j}; allowed: an integer >= 0 (0: the most likely "
+                              "next token).")
+    if exclude is None:
+        return [None] * n
+    if len(exclude) != n:
+        raise PluginError(f"{where}: {len(exclude)} excluded tokens for {n} requests; allowed: None, or one token id "
+                          "(or None) per request.")
+    return [None if e is None else int(e) for e in exclude]
+
+
+def forced_token(top_ids: Sequence[int], rank: int, exclude: int | None) -> int:
+    """The ``rank``-th most likely next token of ``top_ids`` (most likely first) once ``exclude`` is left out; the
+    least likely listed one when the list is shorter (a vocabulary smaller than the rank)."""
+    ids = [int(t) for t in top_ids if exclude is None or int(t) != exclude] or [int(t) for t in top_ids]
+    return ids[min(rank, len(ids) - 1)]

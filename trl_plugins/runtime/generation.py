@@ -218,6 +218,72 @@ class GenerationService:
             ))
         return results
 
+    def fork_prefixes(
+        self,
+        prompt_ids: list[list[int]],
+        prefix_ids: list[list[int]],
+        ranks: list[int],
+        max_new_tokens: int | list[int],
+        *,
+        exclude: list[int | None] | None = None,
+        stop: list[str] | list[list[str]] | None = None,
+    ) -> list[Continuation]:
+        """The branching seam's fork: continue ``prompt_ids[j] + prefix_ids[j]`` with its first new token forced to the
+        ``ranks[j]``-th most likely next token of the policy there (0: the most likely), ``exclude[j]`` left out.
+
+        Requests sharing a prefix with ranks ``0 .. k-1`` fork it into ``k`` continuations with distinct next tokens
+        (the top-``k`` of the policy's distribution at the fork, leaving out e.g. the token the original rollout
+        took). Each result's ``probes`` holds one :class:`~trl_plugins.api.contexts.TokenProbe` at the fork (position
+        ``len(prefix)``: the top ids and log-probs it chose from, and the entropy there); its ``logprobs`` start with
+        the forced token's policy log-prob (a forced token is chosen, not sampled). A forced EOS, or a forced token
+        that fills ``max_completion_length``, ends the continuation there.
+
+        Collective like :meth:`continue_prefixes`: a padded no-grad forward for the distributions at the forks, then
+        one :meth:`continue_prefixes` call; every process calls it the same number of times (zero requests where it
+        has none). Counted in the budget like :meth:`continue_prefixes`; HF-generate backend only.
+        """
+        from trl_plugins.runtime.branching import check_fork_ranks, check_requests, forced_token
+
+        tr = self.trainer
+        if getattr(tr, "use_vllm", False) or getattr(tr, "use_transformers_continuous_batching", False):
+            raise PluginError(f"GenerationService.fork_prefixes: {VLLM_BRANCHING}")
+        check_text_only(tr, "The branching seam (ctx.fork_prefixes)")
+        excluded = check_fork_ranks(ranks, exclude, len(prompt_ids))
+        requests = check_requests(prompt_ids, prefix_ids, max_new_tokens, stop, None, 0, tr.max_completion_length)
+        eos = tr.eos_token_ids[0]
+        top_k = max([r + 2 for r in ranks], default=1)  # one spare for the excluded token
+        # the distribution at position len(prefix): probe a placeholder token there (causal, so it does not matter)
+        _, probes = tr.policy_probe.continuation_stats(
+            [r.prompt for r in requests], [r.prefix + [eos] for r in requests], [[len(r.prefix)] for r in requests],
+            top_k,
+        )
+        forced, conts_in, rows = [], [], []
+        for j, r in enumerate(requests):
+            top, lps, ent = probes[j][0]
+            tok = forced_token(top, ranks[j], excluded[j])
+            forced.append((tok, lps[top.index(tok)], TokenProbe(len(r.prefix), top, lps, ent)))
+            if tok not in tr.eos_token_ids and len(r.prefix) + 1 < tr.max_completion_length and r.max_new > 1:
+                rows.append(j)
+                conts_in.append(r)
+        conts = self.continue_prefixes(
+            [r.prompt for r in conts_in], [r.prefix + [forced[j][0]] for j, r in zip(rows, conts_in)],
+            [r.max_new - 1 for r in conts_in], stop=[r.stop for r in conts_in],
+        )
+        by_row = dict(zip(rows, conts))
+        results = []
+        for j, r in enumerate(requests):
+            tok, lp, probe = forced[j]
+            c = by_row.get(j)
+            if c is None:  # the forced token ends it (EOS) or fills the length limit
+                results.append(Continuation(completion_ids=r.prefix + [tok], new_ids=[tok], logprobs=[lp],
+                                            finished=tok in tr.eos_token_ids, probes=[probe]))
+                continue
+            results.append(Continuation(
+                completion_ids=c.completion_ids, new_ids=[tok] + c.new_ids, logprobs=[lp] + c.logprobs,
+                finished=c.finished, stop=c.stop, probes=[probe],
+            ))
+        return results
+
     def _check_budget(self, gathered: torch.Tensor) -> int:
         """Raise on every process together when a process's requests pass the budget; else the largest count."""
         counts, used = gathered[:, 0], gathered[:, 1]
