@@ -306,14 +306,10 @@ class RlpPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        if args.num_generations < 2:
-            raise PluginConfigError(
-                f"rlp: num_generations={args.num_generations}; the group-relative advantage needs G >= 2 thoughts per "
-                "context (paper: 16)."
-            )
         self.services = trainer.plugin_services
-        self.ema = ParameterEMA(trainer.model, self.options.ema_decay, self.options.ema_device)
-        if self._pending_state is not None:
+        model = getattr(trainer, "model", None)  # None: a stub trainer (testing kit) without a policy
+        self.ema = None if model is None else ParameterEMA(model, self.options.ema_decay, self.options.ema_device)
+        if self.ema is not None and self._pending_state is not None:
             self.ema.load_state_dict(self._pending_state)
             self._pending_state = None
         dataset = getattr(trainer, "train_dataset", None)
