@@ -24,11 +24,12 @@ repository NVlabs/RLP @36b0ac0 ships only its README and the paper's PDF, no cod
    (§9-10): G = 16 thoughts, temperature 0.7, thoughts up to 2048 tokens, KL coefficient 0 -- GRPOConfig fields
    (``num_generations``, ``temperature``, ``max_completion_length``, ``beta``), not plugin options.
 
-Data (:func:`split_documents`, the ``trl_plugins_train_dataset`` seam): a dataset of plain-text documents (column
+Data (:func:`split_documents`, the ``trl_plugins_train_dataset`` seam): each plain-text document (column
 ``text_column``) becomes rows of a context prompt (the document up to a word boundary, followed by ``thought_open``)
-and the true continuation (the next ``continuation_words`` words, column ``continuation_column``); the reward scores
-the first ``continuation_tokens`` tokens of it (official: the next token). A dataset that already has ``prompt``
-and ``continuation_column`` is used as it is. The reasoned predictor reads ``prompt + thought + thought_close +
+and the true continuation (the next ``continuation_words`` words, column ``continuation_column``), its other columns
+copied (the document column dropped); the reward scores the first ``continuation_tokens`` tokens of the continuation (official: the next token). A
+dataset without ``text_column`` must already have plain-text ``prompt`` and ``continuation_column``; rows without
+the continuation column (an evaluation set of another task) get no rlp reward (None). The reasoned predictor reads ``prompt + thought + thought_close +
 continuation``; the baseline reads ``prompt`` without its ``thought_open`` suffix, followed by the continuation.
 
 Reconstructed (no official code): the thought delimiters (``<think>`` / ``</think>`` as in the paper's Figure 1), the
@@ -94,8 +95,9 @@ class RlpOptions(PluginOptions):
     thought_close: str = option("</think>", help="Closes the thought before the continuation is scored; a thought "
                                 "is cut at its first occurrence.", reconstructed=True)
     split: bool = option(
-        True, help="Turn a dataset of plain-text documents (text_column, no 'prompt') into context/continuation "
-        "rows; a dataset with 'prompt' and continuation_column is used as it is.",
+        True, help="Cut the documents of text_column into context/continuation rows (the prompt is replaced, the "
+        "document dropped, other columns copied); a dataset without text_column (or split=false) must have plain-text prompts and "
+        "continuation_column.",
     )
     text_column: str = option("text", help="Dataset column with the plain-text documents.")
     continuation_column: str = option("continuation", help="Dataset column with the true continuation text.")
@@ -143,26 +145,38 @@ def cut_document(text: str, k: int, continuation_words: int, max_context_words: 
 
 
 def split_documents(dataset: Any, o: RlpOptions, seed: int) -> Any:
-    """A ``datasets.Dataset`` of ``{"prompt": context + thought_open, continuation_column: continuation}`` rows from
-    the documents in ``o.text_column`` (``contexts_per_document`` cuts each, drawn from ``seed`` and the document's
-    index; documents too short for one cut are skipped)."""
-    from datasets import Dataset
+    """The rows of ``dataset`` cut into context/continuation rows: ``contexts_per_document`` cuts of each document in
+    ``o.text_column`` (drawn from ``seed`` and the document's index; documents too short for one cut are dropped),
+    each a copy of its row without ``text_column``, with ``prompt = context + thought_open`` and
+    ``continuation_column = continuation``.
+    ``(N docs) -> (M rows)``, a ``datasets.Dataset`` (batched ``map``: the columns stay in Arrow)."""
+    names = list(dataset.column_names)
+    kept = [n for n in names if n not in (o.text_column, "prompt", o.continuation_column)]
+    out_names = kept + ["prompt", o.continuation_column]
 
-    prompts, continuations = [], []
-    for i, text in enumerate(dataset[o.text_column]):
-        text = "" if text is None else str(text)
-        rng = random.Random(f"{seed}:{i}")
-        for k in document_cuts(text, o.contexts_per_document, o.min_context_words, o.continuation_words, rng):
-            context, continuation = cut_document(text, k, o.continuation_words, o.max_context_words)
-            prompts.append(context + o.thought_open)
-            continuations.append(continuation)
-    if not prompts:
+    def cut(batch: dict, indices: list[int]) -> dict:
+        out: dict[str, list] = {n: [] for n in out_names}
+        for j, i in enumerate(indices):
+            text = batch[o.text_column][j]
+            text = "" if text is None else str(text)
+            rng = random.Random(f"{seed}:{i}")
+            for k in document_cuts(text, o.contexts_per_document, o.min_context_words, o.continuation_words, rng):
+                context, continuation = cut_document(text, k, o.continuation_words, o.max_context_words)
+                for n in kept:
+                    out[n].append(batch[n][j])
+                out["prompt"].append(context + o.thought_open)
+                out[o.continuation_column].append(continuation)
+        return out
+
+    rows = dataset.map(cut, batched=True, with_indices=True, remove_columns=names, load_from_cache_file=False,
+                       desc="rlp: documents to context/continuation rows")
+    if len(rows) == 0:
         raise PluginConfigError(
             f"rlp: no document of column {o.text_column!r} has the {o.min_context_words} + {o.continuation_words} "
             f"words one context/continuation row needs ({len(dataset)} documents); lower min_context_words or give "
             "longer documents."
         )
-    return Dataset.from_dict({"prompt": prompts, o.continuation_column: continuations})
+    return rows
 
 
 # --------------------------------------------------------------------------------------------- formulas
@@ -295,14 +309,14 @@ class RlpPlugin(Plugin):
     def trl_plugins_train_dataset(self, dataset, args):
         o = self.options
         columns = getattr(dataset, "column_names", None) or []
-        if not o.split or "prompt" in columns:
-            return None
-        if o.text_column not in columns:
+        if o.split and o.text_column in columns:
+            return split_documents(dataset, o, int(args.seed))
+        if "prompt" not in columns:
             raise PluginConfigError(
                 f"rlp: the training dataset has neither a 'prompt' column nor the document column "
                 f"{o.text_column!r} (columns: {columns}); set text_column to the column holding the documents."
             )
-        return split_documents(dataset, o, int(args.seed))
+        return None
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):

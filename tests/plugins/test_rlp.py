@@ -36,7 +36,7 @@ DOCS = [
 
 
 def _documents():
-    return Dataset.from_dict({"text": DOCS})
+    return Dataset.from_dict({"text": DOCS, "source": ["a", "b", "c", "d"]})
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -52,8 +52,10 @@ def test_document_split():
     for row in rows:
         assert row["prompt"].endswith(" <think>")
         context = row["prompt"][: -len(" <think>")]
-        assert any(d.startswith(context + row["continuation"]) for d in DOCS)
+        doc = next(i for i, d in enumerate(DOCS) if d.startswith(context + row["continuation"]))
         assert len(context.split()) >= 8 and len(row["continuation"].split()) == 1
+        assert row["source"] == "abc"[doc]  # the document's other columns are copied, the document dropped
+    assert rows.column_names == ["source", "prompt", "continuation"]
     assert split_documents(_documents(), RlpOptions(contexts_per_document=2), seed=3)["prompt"] == rows["prompt"]
     with pytest.raises(PluginConfigError, match="no document of column 'text' has the 30 \\+ 1 words"):
         split_documents(_documents(), RlpOptions(min_context_words=30), seed=0)
@@ -181,9 +183,9 @@ def test_ema_follows_the_optimizer_steps_and_checkpoints(tmp_path):
 def test_lora_averages_the_adapter_only(tmp_path):
     from peft import LoraConfig
 
-    rows = split_documents(_documents(), RlpOptions(), seed=0)
-    trainer = make_tiny_trainer(plugins=["rlp"], dataset=rows, reward_funcs=[], output_dir=str(tmp_path),
+    trainer = make_tiny_trainer(plugins=["rlp"], dataset=_documents(), reward_funcs=[], output_dir=str(tmp_path),
                                 log_level="error", peft_config=LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert trainer.train_dataset["prompt"] == split_documents(_documents(), RlpOptions(), seed=0)["prompt"]
     plugin = trainer.plugin_stack.plugins[0]
     plugin.ema.init_from_model()
     assert plugin.ema.names and all("lora_" in n for n in plugin.ema.names)
