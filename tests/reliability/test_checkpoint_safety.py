@@ -208,6 +208,7 @@ STATEFUL = {
     "adaptive_sampler": {}, "clip_cov": {}, "clpo": {}, "dcpo": {}, "decs": {}, "epo": {}, "fleming_r1": {"min_failures": 1},
     "hapo": {"temperature_tau": 0.05},
     "hint_scaffold": {}, "laser": {}, "oreal": {"token_rm": True}, "r2vpo": {}, "replay": {}, "rlpr": {},
+    "rlp": {"text_column": "solution", "min_context_words": 1},  # the EMA baseline (the arithmetic solutions as text)
     "rapo_retention": {"teacher_model": "unused", "retention_lambda": 0.0},  # CTAN's statistics (no previous policy)
     "seele": {}, "siren": {}, "verl_erank": {},  # verl_erank: the running baselines of its three bonus terms
 }
