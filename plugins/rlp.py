@@ -32,6 +32,12 @@ dataset without ``text_column`` must already have plain-text ``prompt`` and ``co
 the continuation column (an evaluation set of another task) get no rlp reward (None). The reasoned predictor reads ``prompt + thought + thought_close +
 continuation``; the baseline reads ``prompt`` without its ``thought_open`` suffix, followed by the continuation.
 
+The thought enters the reasoned forward re-tokenised from its text (cut at its first ``thought_close``), as rlpr
+does with its reasoning. Neutral setting: ``reward_weight=0`` with ``advantage='trl'`` trains as vanilla TRL (the rlp
+column is computed and logged, with weight 0). Cost: two no-grad forwards of B rows per reward call, and one float32
+copy of the trainable parameters (on full fine-tuning the size of the model, also in every checkpoint; with LoRA the
+adapter's size).
+
 Reconstructed (no official code): the thought delimiters (``<think>`` / ``</think>`` as in the paper's Figure 1), the
 word-boundary split of documents and the number of contexts per document, the sum over several continuation
 tokens, and the sampling temperature applied to both log-likelihoods (the ``policy_logprobs`` service divides the
