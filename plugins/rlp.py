@@ -27,10 +27,11 @@ repository NVlabs/RLP @36b0ac0 ships only its README and the paper's PDF, no cod
 Data (:func:`split_documents`, the ``trl_plugins_train_dataset`` seam): each plain-text document (column
 ``text_column``) becomes rows of a context prompt (the document up to a word boundary, followed by ``thought_open``)
 and the true continuation (the next ``continuation_words`` words, column ``continuation_column``), its other columns
-copied (the document column dropped); the reward scores the first ``continuation_tokens`` tokens of the continuation (official: the next token). A
-dataset without ``text_column`` must already have plain-text ``prompt`` and ``continuation_column``; rows without
-the continuation column (an evaluation set of another task) get no rlp reward (None). The reasoned predictor reads ``prompt + thought + thought_close +
-continuation``; the baseline reads ``prompt`` without its ``thought_open`` suffix, followed by the continuation.
+copied (the document column dropped); the reward scores the first ``continuation_tokens`` tokens of the continuation
+(official: the next token). A dataset without ``text_column`` must already have plain-text ``prompt`` and
+``continuation_column``; rows without the continuation column (an evaluation set of another task) get no rlp reward
+(None). The reasoned predictor reads ``prompt + thought + thought_close + continuation``; the baseline reads
+``prompt`` without its ``thought_open`` suffix, followed by the continuation.
 
 The thought enters the reasoned forward re-tokenised from its text (cut at its first ``thought_close``), as rlpr
 does with its reasoning. Neutral setting: ``reward_weight=0`` with ``advantage='trl'`` trains as vanilla TRL (the rlp
@@ -102,8 +103,8 @@ class RlpOptions(PluginOptions):
                                 "is cut at its first occurrence.", reconstructed=True)
     split: bool = option(
         True, help="Cut the documents of text_column into context/continuation rows (the prompt is replaced, the "
-        "document dropped, other columns copied); a dataset without text_column (or split=false) must have plain-text prompts and "
-        "continuation_column.",
+        "document dropped, other columns copied); a dataset without text_column (or split=false) must have "
+        "plain-text prompts and continuation_column.",
     )
     text_column: str = option("text", help="Dataset column with the plain-text documents.")
     continuation_column: str = option("continuation", help="Dataset column with the true continuation text.")
