@@ -145,6 +145,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),
     "rlpr": ({}, {}),
+    # plain text: the reference solutions are the documents (cut into a context prompt and the next word; the other
+    # columns are copied, so the task's verifier still scores the rows)
+    "rlp": ({"text_column": "solution", "min_context_words": 1}, {"loss_type": "grpo"}),
     # the arithmetic completions end with "Answer: N" (no \\boxed); c scaled from the paper's 1000 (reasoning of
     # thousands of characters) to the 40-token completions
     "rlsp": ({"answer_pattern": "Answer:", "length_penalty": 2.0}, {}),

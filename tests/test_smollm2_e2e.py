@@ -409,6 +409,10 @@ def _stacks(urls):
         # policy starts equal to it, so the first drift is ~0); CTAN starts fresh (no statistics from a first task)
         "rapo_retention": (["rapo_retention"], {"rapo_retention": {"teacher_model": SMOLLM2_DIR}}, {"loss_type": "grpo"},
                            []),
+        # RLP on plain text: the rows' reference solutions are the documents (cut into a context prompt and the next
+        # word, the other columns copied), SmolLM2's thoughts rewarded by the log-likelihood they add to the next token
+        # over the EMA baseline (the LoRA adapter's average swapped in), eq. 7 advantages
+        "rlp": (["rlp"], {"rlp": {"text_column": "solution", "min_context_words": 1}}, {"loss_type": "grpo"}, []),
         # ReasonFlux-PRM's dense mode on the loopback PRM endpoint: step scores mapped to the real BPE tokens and added
         # to TRL's advantages per token (the official trajectory column runs in the CPU tests)
         "reasonflux_prm": (

@@ -209,6 +209,7 @@ STATEFUL = {
     "ares": {"dynamic_kl": False},  # its HWE threshold and bucket weights (TRL's beta is 0 here: no KL half)
     "hapo": {"temperature_tau": 0.05},
     "hint_scaffold": {}, "laser": {}, "oreal": {"token_rm": True}, "r2vpo": {"replay_groups": 1}, "replay": {}, "rlpr": {},
+    "rlp": {"text_column": "solution", "min_context_words": 1},  # the EMA baseline (the arithmetic solutions as text)
     "rapo_retention": {"teacher_model": "unused", "retention_lambda": 0.0},  # CTAN's statistics (no previous policy)
     "seele": {}, "siren": {}, "verl_erank": {},  # verl_erank: the running baselines of its three bonus terms
 }

@@ -309,7 +309,7 @@ def test_neutral_loss_contributions_are_no_ops(case, loss_type):
 
 # Built-in advantage transforms that run on a hand-made context without a trainer (the others need their reward
 # stage or trainer attributes; their own tests in tests/plugins cover them).
-ADVANTAGE_PLUGINS = ("canon", "clip_cov", "empo", "gtpo", "kl_cov", "r3l", "riskpo", "rlpr")
+ADVANTAGE_PLUGINS = ("canon", "clip_cov", "empo", "gtpo", "kl_cov", "r3l", "riskpo", "rlp", "rlpr")
 
 
 @st.composite
