@@ -81,8 +81,9 @@ MAX_EXHAUSTIVE_SETS = 10_000
 class PolychromicOptions(PluginOptions):
     set_size: int = option(4, min=1, help="Rollouts per set, n (paper Table 3: 4); at most num_generations.")
     num_sets: int | None = option(
-        4, min=1,
-        help="Sets drawn per group, M (paper Table 3: 4); None: every C(G, n) subset (the exact expectation, ours).",
+        4, min=2,
+        help="Sets drawn per group, M (paper Table 3: 4; at least 2: one set is its own baseline, every advantage "
+        "would be 0); None: every C(G, n) subset (the exact expectation, ours).",
     )
     diversity: Literal["answers", "texts", "off"] = option(
         "answers",
@@ -224,8 +225,8 @@ def polychromic_advantages(
     sets_t = torch.stack(sets).to(R.device)
     adv, scores, diversity = set_advantages(R, K, sets_t)
     std = score_std(scores, scale_rewards)
-    if std is not None:
-        adv = adv / (std + 1e-4)
+    if std is not None:  # a single set score (set_size = G with num_sets=None) has no spread: its advantages are 0
+        adv = adv / (torch.nan_to_num(std, nan=0.0) + 1e-4)
     adv = adv.reshape(-1)
     adv = torch.where(nan, torch.zeros_like(adv), adv)
     covered = torch.zeros_like(R).scatter_(1, sets_t.reshape(num_groups, -1), 1.0)

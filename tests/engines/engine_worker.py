@@ -124,6 +124,19 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "pairs": (["fleming_r1", "p3o"], {}, ZERO3_FSDP2),
     "regression": (["reg_grpo"], {}, ZERO3_FSDP2),
     "dno": (["dno"], {}, ZERO3_FSDP2),
+    # fork_prefixes (forced distinct next tokens at a fork, a padded probe forward then a collective generate): ettrl's
+    # entropy-forked trees of one root and one branch
+    "forks": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}}, ZERO3_FSDP2),
+    # the policy judging its own groups through the generation service (the tiny policy's verdicts are unparsable:
+    # allowed here, every open row then gets its group's mean)
+    "self_judge": (["urpo"], {"urpo": {"default_kind": "open", "judge_weight": 0.0, "max_unparsable": 1.0}},
+                   ZERO3_FSDP2),
+    # ares's entropy reward and per-difficulty KL (beta > 0: TRL's reference model from the policy on disk) with
+    # polychromic's set advantage and its vines (continuations through the branching seam)
+    "stack9": (["ares", "polychromic"], {"ares": {"kl_update_interval": 1},
+                                         "polychromic": {"set_size": 1, "num_sets": 2, "rollout_states": 1,
+                                                         "vines": 2}},
+               {**ZERO3_FSDP2, "args": {"beta": 0.04}, "policy_on_disk": True}),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 

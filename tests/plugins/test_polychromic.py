@@ -154,6 +154,7 @@ def test_advantage_stage_without_reward_stage_is_refused():
     [
         ({"set_size": 0}, "set_size"),
         ({"num_sets": 0}, "num_sets"),
+        ({"num_sets": 1}, "num_sets"),  # one set is its own baseline: every advantage 0 (NaN-scaled before the fix)
         ({"extractor": "nope"}, "extractor"),
         ({"diversity": "rooms"}, "diversity"),
     ],
@@ -270,3 +271,15 @@ def test_short_run_trains_with_vine_sampling(tmp_path):
     assert logs and logs[0]["plugins/polychromic/extra_rollouts"] > 0
     assert logs[0]["plugins/polychromic/vine_states"] > 0
     assert run.advantages[0].dim() == 2  # per-token: the windows after the vine states
+
+
+def test_a_single_set_per_group_gives_finite_zero_advantages():
+    """set_size = G with every subset: one set per group, whose score std is NaN (one value); the advantages are 0,
+    never NaN (a NaN advantage made every gradient NaN in a two-process run)."""
+    from trl_plugins_builtin.polychromic import polychromic_advantages
+
+    rewards = torch.tensor([0.0, 1.0, 0.5, 0.5])
+    keys = torch.tensor([0, 1, 0, 0])
+    for scale in ("group", "batch", "none"):
+        adv, _ = polychromic_advantages(rewards, keys, group_size=2, set_size=2, num_sets=None, scale_rewards=scale)
+        assert torch.equal(adv, torch.zeros(4)), (scale, adv)
