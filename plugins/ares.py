@@ -266,7 +266,7 @@ class AresPlugin(Plugin):
 
     name = "ares"
     image_inputs = IMAGES_POLICY_PROBE
-    multi_turn = "its HWE count reads windows of token entropies over the whole completion, tool results included"
+    multi_turn = "its HWE count reads windows of token entropies over the whole completion, tool results included."
     version = "0.1.0"
     paper = ("ARES: Multimodal Adaptive Reasoning via Difficulty-Aware Token-Level Entropy Shaping (AEPO), "
              "arXiv:2510.08457")

@@ -279,7 +279,7 @@ class RlpPlugin(Plugin):
 
     name = "rlp"
     image_inputs = IMAGES_POLICY_PROBE
-    multi_turn = "the thought is one generated span before a teacher-forced continuation of plain text"
+    multi_turn = "the thought is one generated span before a teacher-forced continuation of plain text."
     version = "0.1.0"
     paper = "RLP: Reinforcement as a Pretraining Objective, arXiv:2510.01265"
     summary = "Rewards a thought sampled before the next token of plain text by the log-likelihood it adds over an " \

@@ -554,9 +554,9 @@ def markdown(result: dict) -> str:
 
 def _verdict(row: dict, grpo: dict, n: int) -> str:
     """``better`` / ``worse`` when the final accuracies' difference exceeds two standard errors of it (``n`` seeds per
-    method, seed standard deviations), else ``≈``."""
+    method, seed standard deviations), else ``≈``; ``-`` with fewer than 2 seeds."""
     (m, sd), (g, gsd) = row["final_acc"], grpo["final_acc"]
-    if m != m or g != g:
+    if m != m or g != g or n < 2:
         return "-"
     se = math.sqrt((sd * sd + gsd * gsd) / max(1, n))
     return "better" if m - g > 2 * se else "worse" if g - m > 2 * se else "≈"
@@ -569,11 +569,13 @@ def summary_markdown(full: dict, agentic: dict | None) -> str:
 
     runs = [("arithmetic", full)] + ([("tools", agentic)] if agentic else [])
     out = [
-        "Every built-in plugin and the recommended stacks, one row each. Arithmetic rows: section 3's full-mode run "
-        f"(shipped tiny model, weights sha256 {full.get('warm_start_sha256')}, {full['budget']} rollouts per run, "
-        f"seeds {full['seeds']}); tool rows: section 4's agentic run"
+        "Every built-in plugin and the recommended stacks, one row each. Arithmetic rows: the full-mode run "
+        f"(`{full['command']}`; shipped tiny model, weights sha256 {full.get('warm_start_sha256')}, "
+        f"{full['budget']} rollouts per run, seeds {full['seeds']}, {len(full['runs'])} runs); tool rows: the "
+        "agentic run"
         + (f" (shipped tool model, weights sha256 {agentic.get('tool_warm_start_sha256')}, {agentic['budget']} "
-           f"rollouts per run, seeds {agentic['seeds']})" if agentic else " (not measured)")
+           f"rollouts per run, seeds {agentic['seeds']}, `{agentic['command']}`)" if agentic
+           else " (not measured on the shipped model yet)")
         + ". Δ is the final held-out accuracy minus vanilla GRPO's in the same run (tool rows: seen-pair accuracy); "
         "*vs GRPO* says `better` / `worse` where the difference exceeds two standard errors over the seeds, else `≈`. "
         "Compare rows within one task; the per-family tables below give every measured quantity.",
@@ -594,13 +596,14 @@ def summary_markdown(full: dict, agentic: dict | None) -> str:
             for action, value, acted in r.get("actions", []):
                 claim = ("" if claim == "-" else claim + "; ") + f"{action}: {_fmt(value, 3)}"
             delta = r["final_acc"][0] - grpo["final_acc"][0] if grpo else float("nan")
-            verdict = "-" if r is grpo or grpo is None else _verdict(r, grpo, len(result["seeds"]))
+            seeds = min(len(r.get("seeds", result["seeds"])), len(grpo.get("seeds", result["seeds"]))) if grpo else 0
+            verdict = "-" if r is grpo or grpo is None else _verdict(r, grpo, seeds)
             out.append(f"| {label} | {family(r['method'])} | {task} | {_fmt(r['final_acc'])} | "
                        f"{'-' if r is grpo else f'{delta:+.3f}'} | {verdict} | {r['reached_target']} | "
                        f"{_fmt(r['rollouts_to_target'], 0)} | {claim} |")
     for name in sorted(set(available_plugins()) - seen):
         if name in bc.PLUGIN_SETTINGS or name in bc.TOOL_ONLY_PLUGINS:
-            why = "not in a learning run yet (added after the measurement)"
+            why = "not measured on the shipped model yet"
         else:
             why = "no benchmark setting (an alias or a plugin that needs something the offline tasks lack)"
         out.append(f"| {name} | {family(name) if name in bc.PLUGIN_SETTINGS else '-'} | - | - | - | - | - | - | "
@@ -608,12 +611,12 @@ def summary_markdown(full: dict, agentic: dict | None) -> str:
     return "\n".join(out)
 
 
-def write_summary(out_dir: Path, command: str) -> Path:
-    """Write the ``learning_summary`` block of docs/benchmarks.md from ``out_dir``'s ``learning_full.json`` and (when
-    present) ``learning_agentic.json``."""
+def write_summary(out_dir: Path, command: str, full_name: str = "learning_full") -> Path:
+    """Write the ``learning_summary`` block of docs/benchmarks.md from ``out_dir``'s ``<full_name>.json`` (the
+    full-mode result) and, when present, ``learning_agentic.json``."""
     from bench_overhead import write_docs_section
 
-    full = json.loads((out_dir / "learning_full.json").read_text())
+    full = json.loads((out_dir / f"{full_name}.json").read_text())
     agentic_path = out_dir / "learning_agentic.json"
     agentic = json.loads(agentic_path.read_text()) if agentic_path.exists() else None
     return write_docs_section("learning_summary", summary_markdown(full, agentic), command)
@@ -756,7 +759,7 @@ def parse_args(argv=None):
     p.add_argument("--write-docs", action="store_true", help="rewrite the learning section of docs/benchmarks.md")
     p.add_argument("--write-summary", action="store_true",
                    help="run nothing: rewrite the summary table of docs/benchmarks.md from the full-mode and agentic "
-                   "results in --out-dir (learning_full.json, learning_agentic.json)")
+                   "results in --out-dir (learning_full.json or --section's JSON, and learning_agentic.json)")
     p.add_argument("--section", default=None,
                    help="name of the output files and of the docs/benchmarks.md section (default: by mode, e.g. "
                    "learning for --quick), so that a run of a few methods does not replace the mode's table")
@@ -822,7 +825,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = "python scripts/bench_learning.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     if args.write_summary:
-        print(f"wrote {write_summary(Path(args.out_dir), command.strip())}")
+        print(f"wrote {write_summary(Path(args.out_dir), command.strip(), args.section or 'learning_full')}")
         return 0
     if args.task == "chat":
         import bench_chat

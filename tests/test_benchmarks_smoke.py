@@ -178,14 +178,14 @@ def test_bench_learning_families_and_the_summary_table_cover_every_builtin_plugi
         return {"method": method, "final_acc": (mean, sd), "reached_target": "3/3",
                 "rollouts_to_target": (640.0, 0.0)}
 
-    full = {"warm_start_sha256": "abc", "budget": 2560, "seeds": [0, 1, 2],
+    full = {"warm_start_sha256": "abc", "budget": 2560, "seeds": [0, 1, 2], "command": "python x.py", "runs": [],
             "summary": [row("grpo", 0.30, 0.01), row("scope", 0.40, 0.01), row("lp_reg", 0.31, 0.05)]}
     lines = bl.summary_markdown(full, None).splitlines()
     by_name = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
     assert "| better |" in by_name["scope"] and "| ≈ |" in by_name["lp_reg"]
     assert "+0.100" in by_name["scope"]
     assert set(available_plugins()) <= set(by_name)
-    assert "not in a learning run" in by_name["dynamic_sampling"]
+    assert "not measured on the shipped model yet" in by_name["dynamic_sampling"]
 
 
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
