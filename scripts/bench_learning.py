@@ -619,6 +619,9 @@ def write_summary(out_dir: Path, command: str, full_name: str = "learning_full")
     full = json.loads((out_dir / f"{full_name}.json").read_text())
     agentic_path = out_dir / "learning_agentic.json"
     agentic = json.loads(agentic_path.read_text()) if agentic_path.exists() else None
+    ba.load_model()  # the shipped tool-use model, copied into the benchmark cache on first use
+    if agentic and agentic.get("tool_warm_start_sha256") != _weights_sha256(ba.model_dir()):
+        agentic = None  # measured on another tool-use model: not a row of this table
     return write_docs_section("learning_summary", summary_markdown(full, agentic), command)
 
 
