@@ -40,6 +40,7 @@ Outputs: ``docs/benchmarks/learning.json`` and ``learning_*.png`` (``learning_fu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -94,8 +95,9 @@ FAMILY_TITLES = {"baseline": "Baselines", "sampling": "Sampling and data", "rewa
 _CATALOGUE_FAMILIES = {"SMP": "sampling", "RWD": "reward", "ADV": "advantage", "LOS": "loss", "AGT": "agentic"}
 
 
+@functools.lru_cache(maxsize=1)
 def _catalogue_families() -> dict[str, str]:
-    """Plugin name -> family of the first catalogue row of docs/coverage.md that links it."""
+    """Plugin name -> family of the first catalogue row of docs/coverage.md that links it (read once per process)."""
     import re
 
     families: dict[str, str] = {}
