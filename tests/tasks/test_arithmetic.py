@@ -21,6 +21,7 @@ from trl_plugins.tasks.arithmetic import (
     make_dataset,
     make_problem,
     make_rubrics,
+    prm_step_scores,
     rubric_score,
     rubric_verdict,
     split_steps,
@@ -213,6 +214,17 @@ def test_split_steps_drops_blank_lines_and_strips():
 def test_step_scores_and_first_error(text, scores, first):
     assert step_scores(EXAMPLE, text) == [float(s) for s in scores]
     assert first_error_step(EXAMPLE, text) == first
+
+
+def test_prm_step_scores_gives_one_score_per_given_step():
+    """The programmatic PRM's verifier contract: one score per given step, a multi-line step scoring the minimum
+    over its lines (a whole response as one step, as reasonflux_prm passes it, is 1.0 iff every line is right)."""
+    right = "3+4=7\n7*2=14\n14-5=9\nAnswer: 9"
+    assert prm_step_scores(EXAMPLE, right.split("\n")) == [1.0, 1.0, 1.0, 1.0]
+    assert prm_step_scores(EXAMPLE, [right]) == [1.0]
+    assert prm_step_scores(EXAMPLE, ["3+4=7\n7*2=15\n15-5=10\nAnswer: 10"]) == [0.0]
+    assert prm_step_scores(EXAMPLE, ["3+4=7\n7*2=14", "14-5=9\nAnswer: 8"]) == [1.0, 0.0]
+    assert prm_step_scores(EXAMPLE, ["3+4=7", "  \n"]) == [1.0, 0.0]
 
 
 @settings(max_examples=50)

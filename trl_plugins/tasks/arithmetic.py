@@ -630,8 +630,18 @@ def _as_problem(problem: Problem | str) -> Problem:
 
 
 def prm_step_scores(problem: Problem | str, steps: Sequence[str]) -> list[float]:
-    """Step verifier of the programmatic PRM: :func:`step_scores` of the steps (one per line)."""
-    return step_scores(_as_problem(problem), "\n".join(steps))
+    """Step verifier of the programmatic PRM: one score per given step (the verifier contract of
+    ``components.prm.STEP_VERIFIERS``). The steps are joined one per line and scored line by line with
+    :func:`step_scores`; a given step that spans several lines (e.g. a whole response scored as one step, as
+    ``reasonflux_prm`` does) scores the minimum over its lines -- 1.0 iff every line of it is right -- and a step
+    with no non-empty line scores 0.0."""
+    line_scores = step_scores(_as_problem(problem), "\n".join(steps))
+    out, start = [], 0
+    for step in steps:
+        n = len(split_steps(step))
+        out.append(min(line_scores[start : start + n]) if n else 0.0)
+        start += n
+    return out
 
 
 def rubric_oracle(item: dict[str, Any], problem: Problem | str, text: str) -> bool:
