@@ -23,6 +23,16 @@ The incoming advantages are the chain's so far (TRL's by default): (N,) per traj
 earlier plugin (then a step's value is its tokens' mean). Trajectories are grouped by prompt draw
 (``AdvantageContext.pool_ids``). Rows without tool calls are one step each; a single-turn run would merge only
 identical completions, whose advantages are equal already, so SALT leaves single-turn batches unchanged.
+
+When it changes training: under ``step_identity="history"`` the trajectories through a node took the same actions
+up to it; where their step tokens are also the same (the usual case: the same call written the same way), the
+context is the same too, so are the log-probabilities and gradients, and replacing their advantages by their mean
+leaves the summed policy gradient unchanged under token-level normalisation (TRL's default
+``loss_type="dapo"``, also ``bnpo`` / ``dr_grpo``) with one update per batch. It then changes training only through
+per-sequence normalisation (``loss_type="grpo"``), clipping over several updates per batch (``num_iterations > 1``),
+a looser ``step_identity`` (``turn_action``, ``action``), whose merged steps differ in context, or steps that make
+the same calls in different words. The agentic
+benchmark (docs/benchmarks.md, section 3) measured exactly GRPO's numbers with the defaults.
 """
 
 from __future__ import annotations

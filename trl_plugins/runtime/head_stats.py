@@ -292,7 +292,7 @@ class HeadStats:
         weight: ``(V, d)`` LM-head weight. bias: ``(V,)`` or ``None``.
         logit_scale, softcap, temperature: TRL's logit transform (see module docstring).
         chunk_size: valid tokens projected at once. Peak extra memory of the no-grad path is a small constant
-            number (1.25 for the min-p proxy, about 2 for the top-p entropy; docs/benchmarks.md section 2) of
+            number (1.25 for the min-p proxy, about 2 for the top-p entropy; docs/benchmarks.md section 7) of
             ``(chunk_size, V)`` float32 blocks, including the top-k workspace of the top-p methods; it never grows
             with the number of tokens.
         vocab_tile: when ``weight`` is not float32, it is cast to float32 ``vocab_tile`` rows at a time, so no full
