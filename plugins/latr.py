@@ -40,8 +40,10 @@ everywhere, and each process generates for its own rows):
    fork points are probed in the next round.
 
 Rows still free after the last round are filled as in the official code (``fill="duplicate"``, copies of the root)
-or by independent samples (``fill="sample"``, ours). Every generated token is counted in the rollout budget; the
-shared prefixes are what keeps the generated tokens below the trained ones (metric ``generated_token_fraction``).
+or by independent samples (``fill="sample"``, ours). Each seam request counts as one completion in the rollout
+budget (``plugin_generation_budget``), the probes included; since trees share prefixes, tokens are the fairer count:
+the hook logs the generated tokens (root, probes, lookaheads, completions) against the tokens of the trained tree
+rows (``generated_tokens``, ``trained_tree_tokens``, ``generated_token_fraction``).
 
 Deviations and reconstructed details:
 
