@@ -96,6 +96,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "rapo_retention": ({"teacher_model": "(set below: demo_model_dir())"}, {}),
     "kl_cov": ({"ratio": 0.02}, {}),
     "laser": ({}, {}),
+    # the official lookahead windows (20, 30, 50 tokens of 1-8k-token completions) scaled to the 40-token completions
+    "latr": ({"pruning_steps": [10, 20]}, {}),
     "llds": ({}, {}),
     # the arithmetic rows have no constraints column: one constraint for every row, and no thinking block
     "light_if": ({"constraints_column": None, "constraints": [{"type": "word_count", "max": 20}], "think_end": None},

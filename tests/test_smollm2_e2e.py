@@ -307,6 +307,10 @@ def _stacks(urls):
         # branch forked at the root's highest-entropy token onto a distinct top token: the seam's fork_prefixes)
         "ettrl": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}},
                   {"loss_type": "dapo"}, []),
+        # LATR: one group grown as a tree on the real model's probabilities (the official branching filter), the
+        # lookahead windows scaled to the 16-token completions, one round
+        "latr": (["latr"], {"latr": {"pruning_steps": [4, 8], "rounds": 1}},
+                 {"loss_type": "dapo", "num_generations": 4}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy

@@ -195,6 +195,8 @@ def test_refused_plugin_names_itself_and_its_reason(name):
         ("dno", {"genrm": "scripted"}, True),  # a generative judge reads the prompt as text
         ("ettrl", {"fork_points": 0}, False),  # the vote and EAR
         ("ettrl", {}, True),  # ETMR's branches continue through the branching seam, from token ids alone
+        ("latr", {"mix_ratios": [0.0]}, False),  # no tree rows: TRL's own sampling
+        ("latr", {}, True),  # the tree's forks and lookaheads go through the branching seam, from token ids alone
     ],
 )
 def test_refusal_decided_by_options(name, options, refused):
