@@ -254,6 +254,8 @@ class RexRagPlugin(Plugin):
     )
     claim_metric = ("probe_success_rate", "probe rollouts that pass the verifier (official Acc/revision)")
     replaces_surrogate = True
+    loss_types = CLIPPED_LOSS_TYPES
+    loss_types_reason = "the policy correction puts the mixture ratio into PPO's clipped surrogate."
     replaces = (
         "the last probe_slots completions of each group (probe rollouts, probe tokens off-policy)",
         "the base surrogate on every completion token (the ratio over the mixture behaviour policy)",
@@ -299,11 +301,6 @@ class RexRagPlugin(Plugin):
             raise PluginConfigError(
                 f"Option 'probe_slots' of plugin 'rex_rag' got {o.probe_slots}; allowed: 0 to {G - 1} "
                 f"(num_generations={G}: a probe continues a failed rollout of its own group).")
-        loss_type = getattr(args, "loss_type", "dapo")
-        if loss_type not in CLIPPED_LOSS_TYPES:
-            raise PluginConfigError(
-                f"rex_rag: loss_type={loss_type!r}; allowed: {', '.join(CLIPPED_LOSS_TYPES)} (the policy correction "
-                "puts the mixture ratio into PPO's clipped surrogate).")
         if getattr(args, "importance_sampling_level", "token") != "token":
             raise PluginConfigError(
                 f"rex_rag: importance_sampling_level={args.importance_sampling_level!r}; allowed: 'token' (the "

@@ -307,6 +307,12 @@ def _stacks(urls):
         # branch forked at the root's highest-entropy token onto a distinct top token: the seam's fork_prefixes)
         "ettrl": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}},
                   {"loss_type": "dapo"}, []),
+        # REX-RAG: a failed rollout of each group of 2 is cut before its first digit (the arithmetic answers carry no
+        # <answer> tags), a short probe phrase appended and continued through the branching seam; the loss puts the
+        # mixture behaviour policy into the clipped ratio (alpha up to 0.5 here: the clipping warning is expected)
+        "rex_rag": (["rex_rag"], {"rex_rag": {"probe_prob": 1.0, "answer_pattern": "[0-9]", "probe_prefix": "",
+                                              "probes": ["Wait,", "Hmm, let me check."]}},
+                    {"loss_type": "dapo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
+from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
 from trl_plugins.testing import assert_reduces_to_vanilla, digit_fraction_reward, make_advantage_context, \
     make_loss_context, make_tiny_trainer, record_run
 from trl_plugins_builtin.rex_rag import PROBE_KEY, PROBE_Q_KEY, SCALE_EXTRA, SHIFT_EXTRA, RexRagPlugin, answer_cut, \
@@ -122,8 +123,8 @@ def test_bad_options_and_settings_are_refused():
         plugin.trl_plugins_configure(None, SimpleNamespace(**{**args, "num_generations": 1}))
     with pytest.raises(IncompatiblePluginsError, match="use_vllm=True"):
         plugin.trl_plugins_configure(None, SimpleNamespace(**args, use_vllm=True))
-    for change, match in (({"loss_type": "cispo"}, "loss_type='cispo'"),
-                          ({"importance_sampling_level": "sequence"}, "allowed: 'token'"),
+    assert RexRagPlugin.supported_loss_types() == CLIPPED_LOSS_TYPES  # cispo, sapo, vespo: refused by the trainer
+    for change, match in (({"importance_sampling_level": "sequence"}, "allowed: 'token'"),
                           ({"delta": 2.0}, "delta=2.0")):
         with pytest.raises(PluginConfigError, match=match):
             plugin.trl_plugins_configure(None, SimpleNamespace(**{**args, **change}))
