@@ -337,7 +337,7 @@ class RexRagPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
-        """Pick the probe candidates, score them, fill each probe slot (collective: one forward, five gathers and
+        """Pick the probe candidates, score them, fill each probe slot (collective: one forward, four gathers and
         one branching call on every process)."""
         if not self._pending:
             return
