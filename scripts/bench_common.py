@@ -143,6 +143,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # two arithmetic problems chained into one prompt; the chained verifier wants boxed answers
     "r_horizon": ({}, {}),
     "remax": ({}, {}),
+    # the arithmetic answers are "Answer: N" lines, not <answer> tags: a failed rollout is cut before that line; a
+    # probe phrase without the '<think> ' tag (the task's prompts do not use it)
+    "rex_rag": ({"answer_pattern": "(?i)answer:", "probe_prefix": ""}, {}),
     "riskpo": ({"bundle_size": 2}, {}),
     # the reference solution is the demonstration (official: a teacher trace)
     "rl_plus": ({}, {"scale_rewards": "none", "loss_type": "dr_grpo"}),

@@ -311,6 +311,12 @@ def _stacks(urls):
         # lookahead windows scaled to the 16-token completions, one round
         "latr": (["latr"], {"latr": {"pruning_steps": [4, 8], "rounds": 1}},
                  {"loss_type": "dapo", "num_generations": 4}, []),
+        # REX-RAG: a failed rollout of each group of 2 is cut before its first digit (the arithmetic answers carry no
+        # <answer> tags), a short probe phrase appended and continued through the branching seam; the loss puts the
+        # mixture behaviour policy into the clipped ratio (alpha up to 0.5 here: the clipping warning is expected)
+        "rex_rag": (["rex_rag"], {"rex_rag": {"probe_prob": 1.0, "answer_pattern": "[0-9]", "probe_prefix": "",
+                                              "probes": ["Wait,", "Hmm, let me check."]}},
+                    {"loss_type": "dapo"}, []),
         # PRL's reference is the model with the LoRA adapter off; HAPO acts on the loss only (PRL gives advantages)
         # and samples with its per-token temperature (transformers generate of the PEFT model); RepExp's bonus comes
         # from one backbone forward of the LoRA policy
