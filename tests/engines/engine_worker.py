@@ -137,6 +137,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                                          "polychromic": {"set_size": 1, "num_sets": 2, "rollout_states": 1,
                                                          "vines": 2}},
                {**ZERO3_FSDP2, "args": {"beta": 0.04}, "policy_on_disk": True}),
+    # latr's trees: probes, forks with lookahead, pruning and completions through the seam, the tree state gathered
+    "latr": (["latr"], {"latr": {"prob_abs_threshold": None, "prob_rel_threshold": None, "pruning_steps": [2, 3]}},
+             ZERO3_FSDP2),
     "rex_rag": (["rex_rag"], {"rex_rag": {"probe_prob": 1.0, "answer_pattern": "[0-9]", "probe_prefix": "",
                                           "probes": ["ab", "b"]}}, ZERO3_FSDP2),
 }
