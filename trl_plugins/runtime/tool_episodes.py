@@ -155,7 +155,7 @@ def replay_kept_calls(environment: Any, env_tools: dict, request: EpisodeRequest
 def cut_to_rounds(ids: list[int], mask: list[int], messages: list, start: int, rounds: int) -> tuple:
     """Cut a continuation after its ``rounds + 1``-th new assistant turn (its ``rounds`` tool rounds used up): the
     ids, tool mask and messages kept; unchanged when it has no more turns."""
-    spans = [s for s in _runs_of_ones(mask) if s[0] >= start]
+    spans = [(a + start, b + start) for a, b in _runs_of_ones(mask[start:])]
     if len(spans) <= rounds + 1:
         return ids, mask, messages
     end = spans[rounds][1]
