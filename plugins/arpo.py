@@ -152,7 +152,8 @@ class ArpoPlugin(Plugin):
         note="Branches are not sources of further branches; full-vocabulary entropy (official: vLLM's top-10 "
         "entries); TRL samples whole groups first, so the slots a branch fills were sampled and dropped; HF generate "
         "only (the tool-episode seam).",
-        variants=("initial_rollouts",),
+        non_official_defaults={"initial_rollouts": "official scripts: 8 with rollout.n=16; None here is "
+                               "num_generations // 2, the same ratio for any group size"},
     )
     claim_metric = ("branches", "branches per group (slots filled by step-level branches)")
     reconstructed = (

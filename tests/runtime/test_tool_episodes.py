@@ -183,3 +183,36 @@ def test_refused_under_vllm_and_without_tools_with_the_reason(continued, monkeyp
     monkeypatch.setattr(tr, "tools", [], raising=False)
     with pytest.raises(PluginError, match="the run has no tools"):
         tr.generation_service.continue_tool_episodes([])
+
+
+class ContinueWithTheModel(Plugin):
+    """Switches the scripted backend off before continuing: the seam then samples with TRL's HF generate."""
+
+    name = "test_continue_with_the_model"
+    multi_turn = True
+    trainer = None
+    seen: dict = {}
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx):
+        vars(ContinueWithTheModel.trainer).pop("_generate_single_turn", None)  # back to TRL's own backend
+        rows = [i for i, t in enumerate(ctx.turns) if t.num_turns == 2][:2]
+        ContinueWithTheModel.seen.update(rows=rows, original=[list(ctx.completion_ids[i]) for i in rows],
+                                         episodes=ctx.continue_tool_episodes(rows, [1] * len(rows)))
+
+
+@pytest.mark.slow
+def test_the_seam_samples_with_trls_hf_generate(tmp_path):
+    with temporary_plugin(ContinueWithTheModel):
+        ContinueWithTheModel.seen = {}
+        tr = make_tool_trainer(plugins=["test_continue_with_the_model"], max_steps=1, script=_script,
+                               max_completion_length=200, output_dir=str(tmp_path))
+        ContinueWithTheModel.trainer = tr
+        tr.train()
+    seen = ContinueWithTheModel.seen
+    assert seen["rows"] and len(seen["episodes"]) == len(seen["rows"])
+    for e, ids in zip(seen["episodes"], seen["original"]):
+        assert e.completion_ids[: e.start] == ids[: e.start] and 1 <= len(e.new_ids)
+        assert len(e.completion_ids) <= 200
+        new = [e.logprobs[t] for t in range(e.start, len(e.completion_ids)) if e.tool_mask[t] == 1]
+        assert new and all(math.isfinite(x) and x <= 0 for x in new)
