@@ -247,8 +247,10 @@ def _stacks(urls):
         # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
         MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),
         # branches continued through TRL's tool loop fill the slots of each group (branch_probability 1: every
-        # tool boundary of a root branches while slots remain)
-        ARPO_STACK: (["arpo"], {"arpo": {"branch_probability": 1.0}}, {"loss_type": "grpo"}, []),
+        # tool boundary of a root branches while slots remain); G=4 with 2 roots, so that a group holds the gold
+        # trace's branch beside a shortcut rollout and its advantages are not all 0 (with G=2 the one slot is the
+        # root's own branch, same reward)
+        ARPO_STACK: (["arpo"], {"arpo": {"branch_probability": 1.0}}, {"loss_type": "grpo", "num_generations": 4}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
