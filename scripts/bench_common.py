@@ -49,6 +49,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # funrl, e_grpo and matchtir are not listed: they read dataset columns the arithmetic task lacks (gold_calls,
     # entities). ikea acts without tools too: no retrievals, so a correct answer earns its full 0.6.
     "aspo": ({}, {}),
+    # arpo branches from tool boundaries only (the tool-episode seam): without tools it leaves the batch as it is
+    "arpo": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -289,7 +291,7 @@ def demo_settings():
 #: The plugins of PLUGIN_SETTINGS that act on multi-turn tool rollouts only (see the comment there): on the
 #: arithmetic task they equal vanilla GRPO, so the learning benchmark's arithmetic modes leave them out (they are in
 #: its ``--task tools`` mode and in the overhead benchmark).
-TOOL_ONLY_PLUGINS = ("aspo", "igpo", "otc_po", "salt")
+TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt")
 
 
 def demo_model_dir(cache_dir: str | Path | None = None) -> Path:

@@ -159,8 +159,10 @@ AGENT_STACK = "igpo+otc_po+aspo+e_grpo+funrl"
 SALT_EPO_STACK = "salt+epo"
 #: gold-trace matching (matchtir) with the knowledge-boundary retrieval reward (ikea)
 MATCH_STACK = "matchtir+ikea"
+#: ARPO's entropy-triggered branches from tool boundaries (the tool-episode seam), every boundary branching
+ARPO_STACK = "arpo"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK]
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK]
 
 
 def _stacks(urls):
@@ -244,6 +246,11 @@ def _stacks(urls):
         SALT_EPO_STACK: (["salt", "epo"], {"epo": {"entropy_coef": 0.01}}, {"loss_type": "grpo"}, []),
         # gold-trace matching (matchtir's turn-level advantages) with the knowledge-boundary retrieval reward
         MATCH_STACK: (["ikea", "matchtir"], {}, {"loss_type": "grpo"}, []),
+        # branches continued through TRL's tool loop fill the slots of each group (branch_probability 1: every
+        # tool boundary of a root branches while slots remain); G=4 with 2 roots, so that a group holds the gold
+        # trace's branch beside a shortcut rollout and its advantages are not all 0 (with G=2 the one slot is the
+        # root's own branch, same reward)
+        ARPO_STACK: (["arpo"], {"arpo": {"branch_probability": 1.0}}, {"loss_type": "grpo", "num_generations": 4}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -505,6 +512,8 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
         assert logs["plugins/otc_po/tool_calls_mean"] > 0
     if "salt" in plugins:
         assert logs["plugins/salt/steps_mean"] > 1  # multi-turn episodes reached the step graph
+    if "arpo" in plugins:
+        assert logs["plugins/arpo/branches"] > 0  # the slots were filled by continued tool episodes
     if "matchtir" in plugins:
         assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 

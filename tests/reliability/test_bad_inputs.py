@@ -245,6 +245,11 @@ CASES = [
          "Option 'probe_slots' of plugin 'rex_rag' got 4; allowed: 0 to 3 (num_generations=4"),
     Case("rex-rag-answer-pattern-not-regex", "stack", ("rex_rag", {"answer_pattern": "(<answer>"}),
          "Option 'answer_pattern' of plugin 'rex_rag' got '(<answer>', not a regular expression"),
+    Case("arpo-roots-beyond-group", "stack", ("arpo", {"initial_rollouts": 5}),
+         "Option 'initial_rollouts' of plugin 'arpo' got 5 with num_generations=4; allowed: 1 <= initial_rollouts <= "
+         "num_generations"),
+    Case("arpo-beam-size-zero", "stack", ("arpo", {"beam_size": 0}),
+         "Option 'beam_size' of plugin 'arpo' got 0; allowed: a value >= 1"),
     Case("verl-erank-ema-alpha-zero", "stack", ("verl_erank", {"ema_alpha": 0}),
          "Option 'ema_alpha' of plugin 'verl_erank' got 0.0; allowed: a value > 0.0 and <= 1.0"),
     Case("thr-p-beyond-one", "stack", ("thr", {"p": 2.0}),

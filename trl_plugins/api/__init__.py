@@ -30,6 +30,7 @@ from trl_plugins.api.contexts import (
     RewardContext,
     RolloutContext,
     TokenProbe,
+    ToolEpisode,
 )
 from trl_plugins.api.errors import (
     GenerationBudgetExceeded,
@@ -67,6 +68,7 @@ __all__ = [
     "RewardContext",
     "RolloutContext",
     "TokenProbe",
+    "ToolEpisode",
     "RunInfo",
     "StageServices",
     "TurnStructure",

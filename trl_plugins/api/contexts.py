@@ -236,6 +236,43 @@ class Continuation:
 
 
 @dataclass
+class ToolEpisode:
+    """One tool episode continued from a turn boundary (``ctx.continue_tool_episodes``); put it into its row with
+    :meth:`RolloutContext.replace_episode`.
+
+    Attributes:
+        row: the local row it continues.
+        turn: the boundary: assistant turns ``0 .. turn-1`` and their tool results are the row's, kept token-exact.
+        start: completion index of the first new token (the kept prefix's length).
+        completion_ids: (L,) the kept prefix followed by the new assistant turns and tool results (TRL's layout).
+        tool_mask: (L,) TRL's tool mask (1 model token, 0 tool-result token), the kept prefix's included.
+        messages: TRL's completion messages (assistant and tool messages), the kept ones first.
+        logprobs: (L,) per-token sampling log-probs of the new model tokens under the policy that sampled them
+            (temperature applied, teacher-forced no-grad forward of the same weights); NaN on the kept prefix and on
+            tool-result tokens.
+        turns: the :class:`~trl_plugins.api.turns.TurnStructure` of the whole completion (per-call rewards of its
+            environment included).
+        environment: the continuation's own environment instance (a fresh one, reset with the row and with the kept
+            turns' calls replayed), or None without ``environment_factory``.
+    """
+
+    row: int
+    turn: int
+    start: int
+    completion_ids: list[int]
+    tool_mask: list[int]
+    messages: list
+    logprobs: list[float]
+    turns: Any
+    environment: Any = field(default=None, repr=False)
+
+    @property
+    def new_ids(self) -> list[int]:
+        """The tokens after the boundary (new assistant turns and their tool results)."""
+        return self.completion_ids[self.start:]
+
+
+@dataclass
 class RolloutContext(_StageContext):
     """Sampling stage, after generation: the generated local batch, editable row by row.
 
@@ -260,7 +297,9 @@ class RolloutContext(_StageContext):
         services: the :class:`~trl_plugins.api.services.StageServices` behind the methods (a constructor argument).
         turns: (B,) :class:`~trl_plugins.api.turns.TurnStructure` of each completion (assistant-turn, tool-call and
             tool-result spans, TRL's tool mask, the environment's per-turn rewards) when the run has ``tools`` or an
-            ``environment_factory``; empty list otherwise. A row changed by :meth:`replace_row` becomes one turn.
+            ``environment_factory``; empty list otherwise. A row changed by :meth:`replace_row` becomes one turn; a row
+            changed by :meth:`replace_episode` keeps the continued episode's turns.
+        episodes: local row -> the :class:`ToolEpisode` that replaced it (:meth:`replace_episode`).
     """
 
     rows: list[dict]
@@ -284,6 +323,7 @@ class RolloutContext(_StageContext):
     mode: str = "train"
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
     turns: list = field(default_factory=list)
+    episodes: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -379,6 +419,41 @@ class RolloutContext(_StageContext):
             exclude=None if exclude is None else list(exclude), stop=stop,
         )
 
+    def continue_tool_episodes(self, rows: Sequence[int], turns: Sequence[int]) -> list[ToolEpisode]:
+        """Continue the tool rollouts of local rows ``rows`` from a turn boundary through TRL's own tool loop: row
+        ``rows[j]`` keeps its assistant turns ``0 .. turns[j]-1`` with their tool results (token-exact) and samples turn
+        ``turns[j]`` and the rest again (HF generate, TRL's tool execution and length rules), with a fresh instance of
+        the row's environment brought to the boundary. One :class:`ToolEpisode` per request, in order; a row may be
+        asked several times (several branches from one boundary). Put one into its row with :meth:`replace_episode`.
+
+        ``turns[j]`` is in ``[0, turns[rows[j]].num_turns)``; 0 samples the whole episode again. Rows replaced by
+        :meth:`replace_row` in this stage and prompt-swapped rows are refused (their turns are no longer TRL's).
+
+        Collective: call it on every process the same number of times, with zero rows where a process has none. Each
+        request counts as one completion in the rollout budget; every generation call inside (the first new turn, each
+        tool round) is padded across processes with dummy requests. Runs with tools only, on TRL's HF-generate backend
+        (refused under vLLM: :data:`~trl_plugins.api.reasons.VLLM_TOOL_EPISODES`). See
+        :mod:`trl_plugins.runtime.tool_episodes`.
+        """
+        if self.service is None:
+            raise PluginError("RolloutContext.continue_tool_episodes: this context has no generation service.")
+        return self.service.continue_tool_episodes(self.service.episode_requests(self, list(rows), list(turns)))
+
+    def replace_episode(self, i: int, episode: ToolEpisode) -> None:
+        """Replace local row ``i`` by a continued tool episode (from :meth:`continue_tool_episodes`), keeping its turn
+        structure: its ids, sampling log-probs, TRL's messages, tool mask and turns, and, for TRL's reward pass, its
+        environment. Usually ``i == episode.row``; another row of the same group and prompt is allowed (the same
+        prompt ids are required)."""
+        if not self.turns:
+            raise PluginError("replace_episode: the run has no tools; use replace_row.")
+        if episode.row != i and list(self.prompt_ids[episode.row]) != list(self.prompt_ids[i]):
+            raise PluginError(f"replace_episode({i}): the episode continues row {episode.row}, whose prompt differs from "
+                              f"row {i}'s; allowed: row {episode.row} or a row with the same prompt ids.")
+        self.replace_row(i, list(episode.completion_ids), logprobs=episode.logprobs)
+        self.completions[i] = list(episode.messages)
+        self.turns[i] = episode.turns
+        self.episodes[i] = episode
+
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
         return self._service("decode")(completion_ids, self.prompts[row])
@@ -434,6 +509,7 @@ class RolloutContext(_StageContext):
             self.sampling_logprobs[i] = lps
         self.completions[i] = self.decode(self.completion_ids[i], i)
         self.changed.add(i)
+        self.episodes.pop(i, None)  # a plain replacement is one turn again (replace_episode sets it after)
 
     def splice(self, i: int, start: int, new_ids: Sequence[int], *, offpolicy: bool = True) -> None:
         """Keep row ``i``'s first ``start`` completion tokens (token-exact) and append ``new_ids``.

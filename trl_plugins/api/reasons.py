@@ -25,6 +25,7 @@ __all__ = [
     "LIKELIHOOD_PICK_ONE",
     "REFILLS_GROUPS",
     "VLLM_BRANCHING",
+    "VLLM_TOOL_EPISODES",
     "edits_completions",
     "without_images",
 ]
@@ -56,6 +57,15 @@ VLLM_BRANCHING = (
     "backend only: set use_vllm=False (and use_transformers_continuous_batching=False)."
 )
 
+
+#: Why the tool-episode seam (``ctx.continue_tool_episodes``) runs on TRL's HF-generate backend only.
+VLLM_TOOL_EPISODES = (
+    "the tool-episode seam (ctx.continue_tool_episodes) pads every tool round of TRL's tool loop with dummy requests "
+    "so that the processes generate in lockstep, and scores the new tokens with a teacher-forced forward of the "
+    "training weights; it is built and tested on TRL's HF-generate backend only (TRL's vLLM server client also gathers "
+    "and slices every call across processes on its own, and its colocate engine holds weights synced once per step), "
+    "so it runs there only: set use_vllm=False (and use_transformers_continuous_batching=False)."
+)
 
 def without_images(what: str) -> str:
     """The image-prompt refusal of a plugin that runs ``what`` without the prompt's image (TRL passes the image's pixel

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from trl_plugins.api.collectives import HeldRewardErrors
-from trl_plugins.api.contexts import Completion, Continuation, TokenProbe
+from trl_plugins.api.contexts import Completion, Continuation, TokenProbe, ToolEpisode
 from trl_plugins.api.errors import GenerationBudgetExceeded, PluginError
-from trl_plugins.api.reasons import VLLM_BRANCHING
+from trl_plugins.api.reasons import VLLM_BRANCHING, VLLM_TOOL_EPISODES
 
 
 #: How a process that waited names the failure of another process's reward scoring in the sampling stage.
@@ -281,6 +281,136 @@ class GenerationService:
             results.append(Continuation(
                 completion_ids=c.completion_ids, new_ids=[tok] + c.new_ids, logprobs=[lp] + c.logprobs,
                 finished=c.finished, stop=c.stop, probes=[probe],
+            ))
+        return results
+
+    def episode_requests(self, ctx: Any, rows: list[int], turns: list[int]) -> list:
+        """The checked :class:`~trl_plugins.runtime.tool_episodes.EpisodeRequest` of each ``(rows[j], turns[j])`` of a
+        :class:`~trl_plugins.api.contexts.RolloutContext` (a bad row or turn raises a ``PluginError`` naming it)."""
+        from trl_plugins.runtime.tool_episodes import WHERE, EpisodeRequest, check_turns
+
+        if not ctx.turns:
+            raise PluginError(f"RolloutContext.{WHERE}: the run has no tools (tools= or environment_factory=); continue "
+                              "single-turn completions with ctx.continue_prefixes.")
+        for i in rows:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(ctx.rows):
+                raise PluginError(f"RolloutContext.{WHERE}: row {i!r}; allowed: a local row index in [0, {len(ctx.rows)}).")
+            if i in ctx.changed and i not in ctx.episodes:
+                raise PluginError(f"RolloutContext.{WHERE}: local row {i} was replaced by replace_row in this stage, "
+                                  "so its turns are no longer TRL's; allowed: rows TRL generated or replace_episode set.")
+            if ctx.prompt_swapped[i]:
+                raise PluginError(f"RolloutContext.{WHERE}: local row {i} is prompt-swapped (trained under another "
+                                  "prompt than it was generated with); allowed: rows generated under their training "
+                                  "prompt.")
+        checked = check_turns(turns, [ctx.turns[i].num_turns for i in rows], rows)
+        names = self.trainer.batch_environment_names or []
+        return [
+            EpisodeRequest(
+                row=i, global_row=ctx.global_index[i], turn=u, prompt=ctx.prompts[i], prompt_ids=list(ctx.prompt_ids[i]),
+                completion_ids=list(ctx.completion_ids[i]), tool_mask=list(ctx.turns[i].tool_mask),
+                messages=list(ctx.completions[i]), data=dict(ctx.rows[i]),
+                environment_name=names[i] if i < len(names) else None,
+            )
+            for i, u in zip(rows, checked)
+        ]
+
+    def continue_tool_episodes(self, requests: list) -> list[ToolEpisode]:
+        """The tool-episode branching seam: continue each request's tool rollout from its boundary turn through TRL's
+        own tool loop (:mod:`trl_plugins.runtime.tool_episodes`; requests are
+        :class:`~trl_plugins.runtime.tool_episodes.EpisodeRequest`, built by
+        :meth:`~trl_plugins.api.contexts.RolloutContext.continue_tool_episodes`).
+
+        Returns one :class:`~trl_plugins.api.contexts.ToolEpisode` per request, in order: the kept prefix followed by
+        the new turns and tool results, TRL's tool mask and messages, the turn structure, the per-token sampling
+        log-probs of the new model tokens (NaN on the kept prefix and on tool results) and the continuation's own
+        environment instance.
+
+        Collective: every process calls it the same number of times (zero requests where it has none). Each request
+        counts as one completion in the budget (``plugin_generation_budget``) and as one policy rollout; every backend
+        call of the continuation (its first turn, each of TRL's tool rounds) is a lockstep round padded with dummy
+        requests, then one padded teacher-forced forward gives the log-probs. HF-generate backend only
+        (:data:`~trl_plugins.api.reasons.VLLM_TOOL_EPISODES`).
+        """
+        from trl_plugins.runtime.tool_episodes import (
+            WHERE, Lockstep, cut_to_rounds, fresh_environment, initial_prompts, nan_outside_new_turns,
+            replay_kept_calls,
+        )
+
+        tr = self.trainer
+        if getattr(tr, "use_vllm", False) or getattr(tr, "use_transformers_continuous_batching", False):
+            raise PluginError(f"GenerationService.{WHERE}: {VLLM_TOOL_EPISODES}")
+        check_text_only(tr, "The tool-episode seam (ctx.continue_tool_episodes)")
+        if not getattr(tr, "tools", None):
+            raise PluginError(f"GenerationService.{WHERE}: the run has no tools (tools= or environment_factory=); "
+                              "continue single-turn completions with ctx.continue_prefixes.")
+        limit = tr.max_completion_length
+        for r in requests:
+            if r.start >= limit:
+                raise PluginError(f"GenerationService.{WHERE}: local row {r.row}'s kept prefix (turns before "
+                                  f"{r.turn}) has {r.start} tokens; allowed: fewer than max_completion_length={limit}, "
+                                  "so that one new token fits.")
+        n_local = len(requests)
+        gathered = self._gather_counts(n_local)
+        max_n = self._check_budget(gathered)
+        if max_n == 0:
+            return []
+        environments, sync_dicts, async_dicts = [], [], []
+        standalone = set(tr.tool_dicts_for(None)[0])
+        for r in requests:
+            env = fresh_environment(tr, r)
+            sync, asynchronous = tr.tool_dicts_for(env)
+            replay_kept_calls(env, {k: v for k, v in sync.items() if k not in standalone}, r)
+            environments.append(env)
+            sync_dicts.append(sync)
+            async_dicts.append(asynchronous)
+        tr.raise_reset_errors_together(environments)
+        firsts = [r.prompt_ids + r.completion_ids[: r.start] for r in requests]
+        dummy = firsts[0] if firsts else (self._dummy_ids or [tr.text_tokenizer.eos_token_id])
+        lock: list[Lockstep] = []
+
+        def wrap(backend):
+            lock.append(Lockstep(backend, tr.accelerator.gather, tr.accelerator.device, dummy))
+            return lock[0]
+
+        rounds_left = [max(tr.max_tool_calling_iterations - r.turn, 0) for r in requests]
+        saved_rounds = tr.max_tool_calling_iterations
+        with tr.wrapped_generation_backend(wrap):
+            new_ids, _ = tr.sample_completions(firsts, num_generations=1)
+            self.count_rollouts(lock[0].rounds[-1][1])
+            completion_ids, messages = [], []
+            for r, ids in zip(requests, new_ids):
+                ids = list(ids)[: limit - r.start] or [tr.eos_token_ids[0]]
+                completion_ids.append(r.completion_ids[: r.start] + ids)
+                messages.append([tr.parse_tool_turn(ids, r.prompt_ids + r.completion_ids[: r.start],
+                                                    r.environment_name)])
+            tr.max_tool_calling_iterations = max(rounds_left, default=0)
+            try:
+                with tr.tool_rows(sync_dicts, async_dicts, [r.environment_name for r in requests]):
+                    tr.tool_loop_lockstep = lock[0]
+                    loop = tr.tool_call_loop(initial_prompts(requests), [r.prompt_ids for r in requests],
+                                             completion_ids, messages, None, None, {})
+            finally:
+                tr.tool_loop_lockstep = None
+                tr.max_tool_calling_iterations = saved_rounds
+        loop_mask, loop_messages, loop_ids = loop[0], loop[1], loop[2]
+        episodes = []
+        for j, r in enumerate(requests):
+            mask = list(r.tool_mask[: r.start]) + list(loop_mask[j][r.start:])
+            ids, mask, new_messages = cut_to_rounds(list(loop_ids[j]), mask, list(loop_messages[j]), r.start,
+                                                    rounds_left[j])
+            episodes.append((ids, mask, r.kept_messages + new_messages))
+        logps, _ = tr.policy_probe.continuation_stats(
+            [r.prompt_ids for r in requests], [e[0] for e in episodes], [[] for _ in requests], 0
+        )
+        self.used_this_batch += n_local
+        self.total += int(gathered[:, 0].sum().item())
+        results = []
+        for j, (r, (ids, mask, msgs)) in enumerate(zip(requests, episodes)):
+            results.append(ToolEpisode(
+                row=r.row, turn=r.turn, start=r.start, completion_ids=ids, tool_mask=mask, messages=msgs,
+                logprobs=nan_outside_new_turns(logps[j], mask, r.start),
+                turns=tr.turn_structure(ids, mask, msgs, environments[j], r.global_row),
+                environment=environments[j],
             ))
         return results
 

@@ -511,21 +511,27 @@ class PluginGRPOTrainer(TrlSeamTrainer):
     def _turn_structures(self, completion_ids: list, tool_mask: list | None, completions: list) -> list[TurnStructure]:
         """The :class:`~trl_plugins.api.turns.TurnStructure` of each local completion (tool rollouts), with the per-call
         rewards of the row's environment when it keeps a ``turn_rewards`` list."""
+        environments = self.environments or []
+        return [
+            self.turn_structure(ids, None if tool_mask is None else tool_mask[i], completions[i],
+                                environments[i] if i < len(environments) else None,
+                                self.accelerator.process_index * len(completion_ids) + i)
+            for i, ids in enumerate(completion_ids)
+        ]
+
+    def turn_structure(self, completion_ids: list[int], tool_mask: list[int] | None, messages: Any, environment: Any,
+                       row: int) -> TurnStructure:
+        """The :class:`~trl_plugins.api.turns.TurnStructure` of one completion of global row ``row``, with the per-call
+        rewards ``environment`` keeps (a bad entry is held and raised on every process together, before the gather of
+        turns)."""
         tokenizer = self.text_tokenizer
         fields = (getattr(tokenizer, "response_template", None) or {}).get("fields", {})
         marker = fields.get("tool_calls", {}).get("open") or "<tool_call>"
-        environments = self.environments or []
-        turns = []
-        for i, ids in enumerate(completion_ids):
-            env = environments[i] if i < len(environments) else None
-            rewards, problem = environment_call_rewards(env, self.accelerator.process_index * len(completion_ids) + i)
-            if problem is not None and getattr(self, "_turn_rewards_problem", None) is None:
-                self._turn_rewards_problem = problem  # raised on every process together, before the gather of turns
-            turns.append(build_turn_structure(
-                list(ids), None if tool_mask is None else tool_mask[i], completions[i], rewards,
-                lambda t: tokenizer.decode([t]), marker,
-            ))
-        return turns
+        rewards, problem = environment_call_rewards(environment, row)
+        if problem is not None and getattr(self, "_turn_rewards_problem", None) is None:
+            self._turn_rewards_problem = problem
+        return build_turn_structure(list(completion_ids), tool_mask, messages, rewards,
+                                    lambda t: tokenizer.decode([t]), marker)
 
     def tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         """TRL's tool loop with every tool call guarded (:mod:`trl_plugins.guards.tool_guard`): the model's bad calls go
@@ -540,12 +546,28 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             result = super().tool_call_loop(
                 prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
             )
+        if self.tool_loop_lockstep is not None:  # the tool-episode seam: wait for the other processes' tool rounds
+            self.tool_loop_lockstep.drain()
         error = guard.take() if guard.policy.failure == "raise" else None
         if self.accelerator.num_processes > 1:  # one gathered flag: every process raises together
             raise_together(self.accelerator.gather, self.accelerator.device, "tool calls", error)
         elif error is not None:
             raise error
         return result
+
+    #: The lockstep of a running tool-episode continuation (:mod:`trl_plugins.runtime.tool_episodes`), None otherwise:
+    #: :meth:`tool_call_loop` drains it before its own collective.
+    tool_loop_lockstep: Any = None
+
+    def raise_reset_errors_together(self, environments: list) -> None:
+        """An environment ``reset`` that raised (held by the reset guard) for one of ``environments`` (instances made
+        outside TRL's batch, e.g. by the tool-episode seam): raised on every process together."""
+        acc = self.accelerator
+        error = self._reset_guard.take(environments, 0, acc.process_index) if hasattr(self, "_reset_guard") else None
+        if acc.num_processes > 1:
+            raise_together(acc.gather, acc.device, "environment reset", error)
+        elif error is not None:
+            raise error
 
     def _run_after_generation_hooks(self, rctx: RolloutContext) -> float:
         """The ``after_generation`` hooks; returns the extra rollouts of the batch, summed over processes.
@@ -572,13 +594,17 @@ class PluginGRPOTrainer(TrlSeamTrainer):
     def _finish_sampling(self, state: _BatchState, rctx: RolloutContext, generated: tuple, extra_rollouts: float):
         """Record provenance for the later stages, apply the NaN sampling-log-prob rule, return TRL's 8-tuple."""
         tool_mask, extra_fields, images, tool_images = generated[2], generated[5], generated[6], generated[7]
+        episodes = rctx.episodes  # rows replaced by a tool-episode continuation keep its turns and environment
         if tool_mask is not None:
             for i in rctx.changed:
-                tool_mask[i] = [1] * len(rctx.completion_ids[i])
+                tool_mask[i] = list(episodes[i].tool_mask) if i in episodes else [1] * len(rctx.completion_ids[i])
         if rctx.turns:
-            for i in rctx.changed:  # a replaced row is one assistant turn
-                rctx.turns[i] = single_turn(len(rctx.completion_ids[i]))
+            for i in rctx.changed:  # a replaced row is one assistant turn, unless a tool episode replaced it
+                rctx.turns[i] = episodes[i].turns if i in episodes else single_turn(len(rctx.completion_ids[i]))
             state.turns = rctx.turns
+        for i, episode in episodes.items():
+            if self.environments is not None and episode.environment is not None and i < len(self.environments):
+                self.environments[i] = episode.environment  # TRL's reward pass reads the row's environment
         if rctx.sampling_logprobs is not None:  # NaN => TRL's vLLM IS correction leaves the token alone
             for i, lps in enumerate(rctx.sampling_logprobs):
                 rctx.sampling_logprobs[i] = masked_sampling_logprobs(lps, rctx.offpolicy[i], rctx.prompt_swapped[i])

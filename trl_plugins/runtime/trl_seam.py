@@ -69,6 +69,7 @@ ACCESSORS = (
     "record_metric", "log_completion_extra", "pending_completion_extras", "replace_logged_advantages",
     "text_tokenizer", "tokenize_prompts", "sample_completions", "per_token_logps_and_entropies", "micro_step",
     "entropy_bonus_enabled", "entropy_bonus", "copied_tool_dicts", "checkpoint_folder", "environment_pool",
+    "batch_environment_names", "tool_dicts_for", "parse_tool_turn", "tool_rows", "wrapped_generation_backend",
 )
 
 
@@ -293,6 +294,80 @@ class TrlSeamTrainer(GRPOTrainer):
         """TRL's pool of reusable environment instances ({environment name: [instances]}; None without
         ``environment_factory``)."""
         return getattr(self, "_environment_pool", None)
+
+    @property
+    def batch_environment_names(self) -> list | None:
+        """TRL's environment name of each local row of the current batch (None entries with a single
+        ``environment_factory``); None without ``environment_factory``."""
+        if getattr(self, "environment_factories", None) is None:
+            return None
+        return list(getattr(self, "_batch_environments", []) or [])
+
+    def tool_dicts_for(self, environment: Any) -> tuple[dict, dict]:
+        """``(sync, async)`` ``{name: callable}`` tool dicts of one rollout, built as TRL 1.16 builds them in
+        ``_generate_and_score_completions``: the standalone ``tools`` plus the public methods of ``environment`` other
+        than ``reset`` / ``get_reward`` (None: the standalone tools alone)."""
+        import inspect
+
+        methods = []
+        if environment is not None:
+            methods = [
+                getattr(environment, name) for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction)
+                if name not in ("reset", "get_reward") and not name.startswith("_")
+            ]
+        sync, asynchronous = {}, {}
+        for tool in list(self._standalone_tools or []) + methods:
+            (asynchronous if inspect.iscoroutinefunction(tool) else sync)[tool.__name__] = tool
+        return sync, asynchronous
+
+    def parse_tool_turn(self, completion_ids: list[int], prefix_ids: list[int], environment_name: Any = None) -> dict:
+        """One generated assistant turn as TRL's ``_generate`` parses it: ``parse_response`` with the tools the row's
+        prompt was rendered with (its environment's, or ``tools``) when the tokenizer has a response template, else a
+        plain ``{"role": "assistant", "content": text}``; ``prefix_ids`` are the ids it was generated after."""
+        from transformers import __version__ as transformers_version
+        from packaging.version import Version
+
+        tok = self._tokenizer
+        parses = Version(transformers_version) >= Version("5.0.0") and (
+            getattr(tok, "response_template", None) is not None or getattr(tok, "response_schema", None) is not None
+        )
+        if not parses:
+            text = self.processing_class.batch_decode([completion_ids], skip_special_tokens=True)[0]
+            return {"role": "assistant", "content": text}
+        from trl.trainer.grpo_trainer import parse_response
+
+        tools = self._env_tools[environment_name] if self.environment_factories is not None else self.tools
+        return parse_response(tok, list(completion_ids), prefix=list(prefix_ids), tools=tools)
+
+    @contextlib.contextmanager
+    def tool_rows(self, sync_dicts: list[dict], async_dicts: list[dict], environment_names: list) -> Iterator[None]:
+        """Within the block TRL's tool loop runs on other rows than the batch's: row ``j`` of the loop calls the tools
+        of ``sync_dicts[j]`` / ``async_dicts[j]`` and is parsed with the tools of environment ``environment_names[j]``;
+        TRL's own per-row state is restored after."""
+        saved = (getattr(self, "_sync_tool_dicts", None), getattr(self, "_async_tool_dicts", None),
+                 getattr(self, "_batch_environments", None))
+        self._sync_tool_dicts, self._async_tool_dicts = list(sync_dicts), list(async_dicts)
+        self._batch_environments = list(environment_names)
+        try:
+            yield
+        finally:
+            self._sync_tool_dicts, self._async_tool_dicts, self._batch_environments = saved
+
+    @contextlib.contextmanager
+    def wrapped_generation_backend(self, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+        """Within the block every call of TRL's generation backend (``_generate_single_turn``: TRL's tool loop's, the
+        generation service's) goes through ``wrap(backend)``, ``backend`` being what this instance calls now (the plugin
+        trainer's :meth:`generate_single_turn`, or a testing kit's replacement); restored after."""
+        replaced = "_generate_single_turn" in vars(self)
+        current = self._generate_single_turn
+        self._generate_single_turn = wrap(current)
+        try:
+            yield
+        finally:
+            if replaced:
+                self._generate_single_turn = current
+            else:
+                del self._generate_single_turn
 
     def checkpoint_folder(self, trial: Any = None) -> str:
         """The folder transformers' ``_save_checkpoint`` writes for the current global step
