@@ -105,7 +105,7 @@ class CapoOptions(PluginOptions):
 def topk_policy(z: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k policy of logits ``z`` (n, V): ids (n, k'), ``pi`` (n, k') renormalised over them and ``v = e - pi``
     (``e`` the one-hot of ``labels`` (n,) among the ids; zero when outside), ``k' = min(k, V)``."""
-    vals, ids = torch.topk(z.float(), min(k, z.shape[-1]), dim=-1)
+    vals, ids = torch.topk(z.to(torch.promote_types(z.dtype, torch.float32)), min(k, z.shape[-1]), dim=-1)
     pi = torch.softmax(vals, dim=-1)
     e = (ids == labels[:, None]).to(pi.dtype)
     return ids, pi, e - pi
