@@ -1,8 +1,8 @@
 """CAPO -- Curvature-Aware Policy Optimization (arXiv:2510.00819, "Stabilizing Policy Gradients for Sample-Efficient
 Reinforcement Learning in LLM Reasoning").
 
-CAPO models the next optimizer step on the **last layer only** (the LM head ``psi``, logits ``z = psi h``) and, for every
-token, predicts how much that token's own update would move the policy and the objective; tokens predicted to
+CAPO models the next optimizer step on the **last layer only** (the LM head ``psi``, logits ``z = psi h``) and, for
+every token, predicts how much that token's own update would move the policy and the objective; tokens predicted to
 destabilise the step are dropped from the loss mask (the paper reports under 8% of tokens rejected).
 
 Facts from the official code (``luckeciano/stable-pg-llm`` @ 933fe01, ``src/open_r1/grpo_entropy_trainer.py``; the
@@ -11,7 +11,8 @@ main recipe ``recipes/Qwen2.5-Math-7B/grpo/config_drgrpo_efficient_adam_fisher_m
 
 1. Policy on the top-k vocabulary (``_compute_entropy``, l.2624): ``pi = softmax`` of the ``k`` largest logits
    (renormalised over them), ``e`` the one-hot of the sampled token among them (all zero when it is outside),
-   ``v = e - pi`` (k,). ``k`` is the generation ``top_k`` (l.152).
+   ``v = e - pi`` (k,). ``k`` is the generation ``top_k`` (l.152): transformers' ``GenerationConfig`` default 50,
+   since the official trainer builds its config without one (``modifiable_grpo_trainer.py`` l.509-514).
 2. Per-token last-layer gradient of ``A * ratio`` at ratio 1 (``_compute_token_level_gradients``, l.437):
    ``g = A v (x) h`` (k, d), ``h`` the final hidden state that predicts the token.
 3. Step direction ``Delta`` (``SparseAdamModel.batch_compute_effective_token_gradients``,
@@ -41,9 +42,9 @@ count, the dropped tokens still count in the denominator (documented deviation).
 
 Reconstructed / deviating details: the curvature uses TRL's temperature-scaled logits (the official forward used
 unscaled logits) and treats the transformed logits as linear in the head (exact without softcapping); it runs in
-float32 (official: the model dtype); ``top_k = 50`` is the TRL ``top_k`` default of the official pin (TRL 1.16 samples
-without top-k); moments are not updated in eval mode; the sentence/global-level variants and the sequential masking of
-the official code are not implemented. ``learning_rate`` overrides the scheduler's value.
+float32 (official: the model dtype); ``top_k`` only sets the curvature model's vocabulary (TRL 1.16 samples without
+top-k unless its config sets one); moments are not updated in eval mode; the sentence/global-level variants and the
+sequential masking of the official code are not implemented. ``learning_rate`` overrides the scheduler's value.
 
 Cost: no (B, T, V) logits: the head runs ``head_stats_chunk_size`` positions at a time (one extra no-grad LM-head
 pass) and the (n, k, d) gradient tensors ``chunk_tokens`` positions at a time. The Adam model keeps two (V, d) float32
@@ -83,9 +84,9 @@ class CapoOptions(PluginOptions):
         "adam", help="Step model: 'adam' simulates Adam on the LM-head rows (recipe); 'sgd' takes Delta = g (no state)."
     )
     top_k: int = option(
-        50, min=1, reconstructed=True,
+        50, min=1,
         help="Vocabulary of the curvature model: the k most likely tokens, renormalised (the official generation "
-        "top_k).",
+        "top_k, transformers' default 50).",
     )
     learning_rate: float | None = option(
         None, min=0.0, min_exclusive=True,
@@ -162,7 +163,8 @@ class HeadAdamModel:
         self.step = 0
 
     def direction(self, g: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """``Delta`` (n, k, d) for gradients ``g`` (n, k, d) on head rows ``ids`` (n, k); ``g`` itself before any update."""
+        """``Delta`` (n, k, d) for gradients ``g`` (n, k, d) on head rows ``ids`` (n, k); ``g`` itself before any
+        update."""
         if self.step == 0 or self.m is None:
             return g
         t = self.step + 1
@@ -201,7 +203,7 @@ class CapoPlugin(Plugin):
         "Stabilizing Policy Gradients for Sample-Efficient Reinforcement Learning in LLM Reasoning (CAPO), "
         "arXiv:2510.00819"
     )
-    summary = "Masks tokens whose predicted LM-head update has too large a Fisher (policy) or Hessian (objective) shift."
+    summary = "Masks tokens whose predicted LM-head step moves the policy (Fisher) or objective (Hessian) too much."
     Options = CapoOptions
     needs_head_stats = True
     image_inputs = True
@@ -210,14 +212,13 @@ class CapoPlugin(Plugin):
         "luckeciano/stable-pg-llm", "933fe01", verdict="faithful",
         files=("src/open_r1/grpo_entropy_trainer.py", "src/open_r1/sparse_optim_models/sparse_adam_model.py",
                "src/open_r1/configs.py",
-               "recipes/Qwen2.5-Math-7B/grpo/config_drgrpo_efficient_adam_fisher_mask_token_1e-2_hessian_mask_token_5e-4"
-               ".yaml"),
+               "recipes/Qwen2.5-Math-7B/grpo/"
+               "config_drgrpo_efficient_adam_fisher_mask_token_1e-2_hessian_mask_token_5e-4.yaml"),
         note="Token-level CAPO only (no sentence/global levels, no sequential masking); temperature-scaled float32 "
-        "logits; top_k=50 from the official TRL pin; moments frozen in eval; the recipe's loss_type is dr_grpo.",
+        "logits; moments frozen in eval; the recipe's loss_type is dr_grpo.",
     )
     claim_metric = ("rejected_token_fraction", "tokens rejected")
     reconstructed = (
-        "top_k=50: the generation top_k default of the TRL commit the official code pins",
         "curvature of TRL's temperature-scaled logits, taken as linear in the head (official: unscaled logits)",
     )
 
@@ -247,7 +248,9 @@ class CapoPlugin(Plugin):
             return
         lr = o.learning_rate if o.learning_rate is not None else ctx.run.learning_rate
         if lr is None:
-            raise PluginError("capo needs the learning rate (ctx.run.learning_rate is None): set the learning_rate option.")
+            raise PluginError(
+                "capo needs the learning rate (ctx.run.learning_rate is None): set the learning_rate option."
+            )
         stats = ctx.head_stats()
         hidden = stats.hidden_c.detach()
         positions = stats.mask.nonzero()  # (N, 2), the row-major order of HeadStats' valid tokens
