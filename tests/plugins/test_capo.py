@@ -282,3 +282,6 @@ def test_end_to_end_rejects_with_an_aggressive_step(tmp_path):
     assert all(0 < log["plugins/capo/rejected_token_fraction"] < 1 for log in logs)
     assert any(not torch.equal(before[n], p) for n, p in run.params.items())
     assert trainer.plugin_stack.plugins[0].adam.step == 2  # one moment update per loss call
+    # the seam the default (learning_rate=None) reads: the scheduler's current value, the same the optimizer uses
+    assert trainer._run_info().learning_rate == trainer.lr_scheduler.get_last_lr()[0]
+    assert trainer._run_info().learning_rate == trainer.optimizer.param_groups[0]["lr"]
