@@ -112,6 +112,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # the 40-token completions never pass the official 100-token bonus constraint; the ladder by the task's level
     "observe_r1": ({"bonus_constraint": 0, "ladder_column": "level"}, {}),
     "lp_reg": ({"rho": 0.05}, {}),
+    # the official recipe trains Dr.GRPO; thresholds and the Adam step model are the recipe's
+    "capo": ({}, {"loss_type": "dr_grpo"}),
     "otc_po": ({}, {}),
     # one reference solution per group of 8 (the official 7 + 1); demonstrations are teacher rollouts, not policy
     # rollouts: the metric plugins/luffy/teacher_rollouts counts them per generation batch

@@ -226,6 +226,10 @@ def _stacks(urls):
         # partial-credit column: the 135M policy is rarely correct)
         "verl_erank+thr": (["verl_erank", "thr"], {"verl_erank": {"stride": 4}, "thr": {
             "success_column": "digit_fraction_reward", "success_threshold": 0.05}}, {"loss_type": "grpo"}, []),
+        # CAPO's curvature model on the real 49k-token head (its top 50 per token) of the LoRA policy, with the Adam
+        # step model's moment update (the head's step is modelled even though LoRA leaves the head frozen); the
+        # recipe's Dr.GRPO
+        "capo": (["capo"], {}, {"loss_type": "dr_grpo"}, []),
         # refill within the step: DARS asks for extra groups of the hard prompts (and drops the pools its filter
         # rejects); one refill round keeps the CPU run short (kept at the limit). dars refuses dynamic_sampling.
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),

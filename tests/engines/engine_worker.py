@@ -142,6 +142,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
              ZERO3_FSDP2),
     "rex_rag": (["rex_rag"], {"rex_rag": {"probe_prob": 1.0, "answer_pattern": "[0-9]", "probe_prefix": "",
                                           "probes": ["ab", "b"]}}, ZERO3_FSDP2),
+    # CAPO's curvature masks from the (gathered) softcapped head and its Adam model's moment update, whose touched
+    # head rows are all-gathered once per loss call (a small step size: the tiny model's hidden states are large)
+    "capo": (["capo"], {"capo": {"learning_rate": 1e-5}}, {**ZERO3_FSDP2, "softcap": True,
+                                                            "args": {"loss_type": "dr_grpo"}}),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 

@@ -32,6 +32,9 @@ class RunInfo:
         device: the device of the run's collectives (the accelerator's), as a string.
         mode: "train" or "eval" (whether the policy is in training mode now).
         placeholder_columns: per reward column, whether its function is a placeholder (filled by a transform).
+        learning_rate: the optimizer's current learning rate (the scheduler's last value, the one the next optimizer
+            step uses; ``args.learning_rate`` before the scheduler exists); None when unknown (stand-in contexts).
+            The same value on every process.
     """
 
     max_completion_length: int | None = None
@@ -41,6 +44,7 @@ class RunInfo:
     device: str = "cpu"
     mode: str = "train"
     placeholder_columns: tuple[bool, ...] = ()
+    learning_rate: float | None = None
 
 
 @dataclass(frozen=True)

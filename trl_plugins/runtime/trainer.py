@@ -315,7 +315,16 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             device=str(self.accelerator.device),
             mode="train" if self.model.training else "eval",
             placeholder_columns=tuple(is_placeholder(f) for f in self.reward_funcs),
+            learning_rate=self._current_learning_rate(),
         )
+
+    def _current_learning_rate(self) -> float:
+        """The learning rate of the next optimizer step: the scheduler's last value (``args.learning_rate`` before the
+        scheduler exists)."""
+        scheduler = getattr(self, "lr_scheduler", None)
+        if scheduler is not None:
+            return float(scheduler.get_last_lr()[0])
+        return float(self.args.learning_rate)
 
     @property
     def global_step(self) -> int:
