@@ -77,6 +77,7 @@ from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
 from trl_plugins.api.success import placeholder_column
 
 from ._ares_triggers import TRIGGER_WORDS
+from ._difficulty_kl import scale_row_kl, token_kl
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 
 BUCKETS = ("easy", "medium", "hard")
@@ -255,12 +256,6 @@ def entropy_bonus(counts: torch.Tensor, targets: torch.Tensor, buckets: torch.Te
     return torch.where(correct, right, gain)
 
 
-def reference_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """TRL's per-token reference KL ``exp(ref - lp) - (ref - lp) - 1`` (B, T), gradient through ``logps``."""
-    d = ref_logps - logps
-    return torch.exp(d) - d - 1
-
-
 class AresPlugin(Plugin):
     """ARES's difficulty-aware HWE reward (reward stage) and per-bucket dynamic KL coefficient (loss stage)."""
 
@@ -408,12 +403,10 @@ class AresPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
-        if ctx.ref_per_token_logps is None or ctx.beta == 0 or BUCKET_KEY not in ctx.extras:
+        kl = token_kl(ctx, self.bias_correction)
+        if kl is None or BUCKET_KEY not in ctx.extras:
             return
         buckets = ctx.extras[BUCKET_KEY].reshape(-1).long().to(ctx.per_token_logps.device)
-        kl = reference_kl(ctx.per_token_logps, ctx.ref_per_token_logps)
-        if self.bias_correction:
-            kl = kl * ctx.coef_1
         if ctx.mode == "train":
             with torch.no_grad():
                 mask = ctx.mask.float()
@@ -421,8 +414,7 @@ class AresPlugin(Plugin):
                 onehot = torch.nn.functional.one_hot(buckets, 3).to(seq_kl.dtype)
                 stats = ctx.gather(torch.cat([seq_kl @ onehot, onehot.sum(0)]).unsqueeze(0)).view(-1, 6).sum(0)
             self.update_kl_controller(stats[:3].cpu(), stats[3:].cpu())
-        beta_rows = torch.tensor(self.kl_beta, dtype=kl.dtype, device=kl.device)[buckets].unsqueeze(1)
-        ctx.add_token_loss(ctx.beta * (beta_rows - 1.0) * kl)
+        scale_row_kl(ctx, kl, torch.tensor(self.kl_beta, dtype=kl.dtype, device=kl.device)[buckets])
         for b, name in enumerate(BUCKETS):
             ctx.log_metric(f"kl_beta_{name}", self.kl_beta[b])
 

@@ -229,8 +229,8 @@ def _stacks(urls):
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # CLPO, two steps: the first batch queues its hard and medium problems, the second has the real policy rewrite
         # them through the generation service and refills its zero-signal groups with them (the rewrite and refill
-        # metrics are checked on the tiny model: tests/plugins/test_clpo.py)
-        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2}, []),
+        # metrics are checked on the tiny model: tests/plugins/test_clpo.py); beta > 0 for its difficulty-aware KL
+        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2, "beta": 0.001}, []),
         # URPO: every arithmetic group is open-ended here, so the real policy judges its own group through the
         # generation service (its 16-token judgements rarely hold a whole <scores> list: max_unparsable 1 lets their
         # groups take a neutral advantage; no judge rows, so no urpo_judge column; the parsing and the agreement
