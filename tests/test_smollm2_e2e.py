@@ -299,7 +299,9 @@ def _stacks(urls):
         # ARES's entropy reward from the real model's entropies and its official trigger words on the BPE tokens, and the
         # per-bucket KL on TRL's reference KL (beta > 0: the reference is the model with the LoRA adapter off); the
         # controller updates every micro-batch (official: every 100th)
-        "ares": (["ares"], {"ares": {"kl_update_interval": 1}}, {"loss_type": "dapo", "beta": 0.01}, []),
+        # ares with its HWE-triggered branching: row 1 of each G=2 group continues row 0 from its HWE trigger
+        "ares": (["ares"], {"ares": {"kl_update_interval": 1, "branch_rollouts": 1}}, {"loss_type": "dapo", "beta": 0.01},
+                 []),
         # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
         # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
         "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),
