@@ -289,9 +289,10 @@ def _stacks(urls):
         "reg_grpo": (["reg_grpo"], {}, {"loss_type": "grpo"}, []),
         # P3O's jointly clipped pairwise loss on the two rows of each group (reward differences: scale_rewards none)
         "p3o": (["p3o"], {}, {"loss_type": "grpo", "scale_rewards": "none"}, []),
-        # polychromic's set advantages over every pair of a G=4 group, diversity = distinct whole completions (vine
-        # sampling goes through the branching seam, which spo runs on this model; its logic: tests/plugins)
-        "polychromic": (["polychromic"], {"polychromic": {"set_size": 2, "num_sets": None, "diversity": "texts"}},
+        # polychromic's set advantages over every pair of a G=4 group, diversity = distinct whole completions, with
+        # trained vines: two trees of a root and one vine row continued from its middle state (branching seam)
+        "polychromic": (["polychromic"], {"polychromic": {"set_size": 2, "num_sets": None, "diversity": "texts",
+                                                          "rollout_states": 1, "vines": 2}},
                         {"loss_type": "grpo", "num_generations": 4}, []),
         # AEPO's loss half: entropy-aware advantages from the real model's entropies (one on-policy step: r = 1, the
         # clips are checked on small tensors in tests/plugins/test_aepo.py)
