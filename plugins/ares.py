@@ -1,8 +1,8 @@
-"""ARES / AEPO — difficulty-aware token-level entropy shaping (arXiv:2510.08457): the reward and KL halves.
+"""ARES / AEPO — difficulty-aware token-level entropy shaping (arXiv:2510.08457): reward, KL and HWE branching.
 
-ARES trains with Adaptive-Entropy Policy Optimization (AEPO). Its rollout half branches exploration at
-high-window-entropy (HWE) tokens; this plugin is the half that needs no branching: a hierarchical entropy reward that
-shapes how many HWE moments a response spends, per difficulty bucket, and a per-bucket (dynamic) KL coefficient.
+ARES trains with Adaptive-Entropy Policy Optimization (AEPO): a hierarchical entropy reward that shapes how many
+high-window-entropy (HWE) moments a response spends, per difficulty bucket, a per-bucket (dynamic) KL coefficient,
+and HWE tokens as the exploration triggers of the rollout (the paper: high-entropy windows are the branching points).
 Facts from the official code (shawn0728/ARES @146620e; restated, not copied):
 
 1. *Token entropy and HWE count* (``verl/workers/rollout/vllm_rollout_spmd.py:102-157``): with ``H_t`` the entropy of
@@ -45,13 +45,26 @@ runs per rank) and TRL's KL is not clamped at +-10 as verl's ``low_var_kl`` is. 
 are refused: the reward-stage entropy forward conditions on the prompt's text only, and the reward must be final
 before TRL's group normalisation, so the advantage stage's image-aware forward comes too late.
 
-Not here (documented in ``docs/coverage.md``): the HWE-triggered branching of the rollout (it needs the branching
-generation seam), the adaptive cold start (a data-curation SFT stage), the "second chance" KL relaxation (its
+HWE-triggered branching (``branch_rollouts`` = R > 0; reconstructed: the official code at @146620e samples its ``n``
+rollouts independently, ``vllm_rollout_spmd.py:303-420``, and only counts HWE tokens; the branching is the paper's
+and its README's description, "branch only in sustained-uncertainty regions"). The last R rows of each group are
+deferred at the prompt stage (``PromptContext.defer``): TRL samples the ``G - R`` roots. After generation, one no-grad
+forward gives the roots' entropies; a root's *branch points* are its HWE positions (a trigger token whose following
+window has mean entropy ``>= tau``, the same test as the count), highest window mean first; a root without one
+branches at its highest window mean instead (reconstructed). Branch row ``j`` (0..R-1) continues root ``j mod (G-R)``
+from its ``(j div (G-R))``-th branch point (cycled): its prefix is the root's tokens up to and including the trigger,
+and the uncertain window that follows is resampled through the branching seam (``ctx.continue_prefixes``: HF
+generation, one collective call per step, counted in the rollout budget; refused under vLLM). The branch rows are
+trained like every other row (rewarded, bucketed, counted). ``tau`` is the threshold of the batches before (the first
+batch: the median of its roots' percentiles).
+
+Not here (documented in ``docs/coverage.md``): the adaptive cold start (a data-curation SFT stage), the "second chance" KL relaxation (its
 ``reasoning_soft_cost`` never reaches the official actor: ``dp_actor.py:283`` selects only ``difficulty``), and the
 online group filter of ``config.yaml:30-33`` (the ``dynamic_sampling`` plugin). Reconstructed: ``tau`` of the first
 training batch is that batch's own median (the official code takes it from a validation pass before training).
 
-Neutral setting: ``alpha_init=[0, 0, 0], alpha_lr=0`` (an all-zero column, no forward) and ``dynamic_kl=False``.
+Neutral setting: ``alpha_init=[0, 0, 0], alpha_lr=0`` (an all-zero column, no forward), ``dynamic_kl=False`` and
+``branch_rollouts=0`` (the default: the official code does not branch).
 """
 
 from __future__ import annotations
@@ -65,22 +78,29 @@ import torch
 
 from trl_plugins.api import (
     AdvantageContext,
+    IncompatiblePluginsError,
     LossContext,
     OfficialSource,
     Plugin,
     PluginConfigError,
+    PromptContext,
     RewardContext,
+    RolloutContext,
     hookimpl,
     option,
 )
-from trl_plugins.api.reasons import IMAGES_POLICY_PROBE
+from trl_plugins.api.collectives import context_device, gather_id_lists
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE, VLLM_BRANCHING
 from trl_plugins.api.success import placeholder_column
 
 from ._ares_triggers import TRIGGER_WORDS
+from ._difficulty_kl import scale_row_kl, token_kl
 from ._length import CorrectnessOptions, check_reward_columns, correct_rows, local_completion_ids
 
 BUCKETS = ("easy", "medium", "hard")
 BUCKET_KEY = "ares_bucket"
+#: Annotation key of a branch row: ``[root's index in group, prefix length]`` (the prefix it shares with its root).
+BRANCH_KEY = "ares_branch"
 _MARKERS = re.compile("^[\u2581\u0120]+")
 
 
@@ -133,6 +153,12 @@ class AresOptions(CorrectnessOptions):
     kl_clip: float = option(0.2, min=0.0, help="Cap on |error| per update.")
     kl_deadzone: float = option(0.02, min=0.0, help="|KL / target - 1| below this: no update.")
     kl_update_interval: int = option(100, min=1, help="Update beta_d only on every n-th loss micro-batch.")
+    branch_rollouts: int = option(
+        0, min=0, reconstructed=True,
+        help="HWE-triggered branching: rows per group filled by continuing the group's other rollouts from their "
+        "high-window-entropy trigger tokens (0 = off, the official code samples independently; at most "
+        "num_generations - 1).",
+    )
 
     def validate(self) -> None:
         for name in ("alpha_init", "margin_frac", "kappa", "temperature", "cap_scale", "wrong_gain", "kl_target"):
@@ -192,6 +218,32 @@ def hwe_count(entropy: torch.Tensor, is_trigger: torch.Tensor, window: int, tau:
     """
     means = window_means(entropy.float(), window)
     return int(((means >= tau) & is_trigger[: means.numel()]).sum())
+
+
+def branch_points(
+    entropy: torch.Tensor, is_trigger: torch.Tensor, window: int, tau: float, count: int
+) -> tuple[list[int], int]:
+    """A root's ``count`` branch points: its HWE positions (trigger with a full window of mean ``>= tau``), highest
+    window mean first, cycled; without one, the position of the highest window mean (the first token when the root
+    has no full window). Returns (positions, number of HWE positions).
+
+    Args: entropy (L,); is_trigger (L,) bool.
+    """
+    means = window_means(entropy.float(), window)
+    hwe = ((means >= tau) & is_trigger[: means.numel()]).nonzero().flatten()
+    if hwe.numel():
+        order = hwe[means[hwe].argsort(descending=True, stable=True)].tolist()
+    else:
+        order = [int(means.argmax())] if means.numel() else [0]
+    return [order[k % len(order)] for k in range(count)], int(hwe.numel())
+
+
+def branch_slot(index_in_group: int, group_size: int, branches: int) -> tuple[int, int] | None:
+    """``(root, k)`` of a branch row: the index in group of the root it continues and which of that root's branch
+    points; None for a root (the first ``G - R`` rows of a group are roots, the last R branches)."""
+    roots = group_size - branches
+    j = index_in_group - roots
+    return None if j < 0 else (j % roots, j // roots)
 
 
 def difficulty_buckets(correct: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -255,35 +307,34 @@ def entropy_bonus(counts: torch.Tensor, targets: torch.Tensor, buckets: torch.Te
     return torch.where(correct, right, gain)
 
 
-def reference_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """TRL's per-token reference KL ``exp(ref - lp) - (ref - lp) - 1`` (B, T), gradient through ``logps``."""
-    d = ref_logps - logps
-    return torch.exp(d) - d - 1
-
-
 class AresPlugin(Plugin):
     """ARES's difficulty-aware HWE reward (reward stage) and per-bucket dynamic KL coefficient (loss stage)."""
 
     name = "ares"
     image_inputs = IMAGES_POLICY_PROBE
     multi_turn = "its HWE count reads windows of token entropies over the whole completion, tool results included."
-    version = "0.1.0"
+    version = "0.2.0"
     paper = ("ARES: Multimodal Adaptive Reasoning via Difficulty-Aware Token-Level Entropy Shaping (AEPO), "
              "arXiv:2510.08457")
     summary = ("Rewards or penalises high-window-entropy reasoning moments per difficulty bucket and scales the "
-               "reference KL per bucket with a dynamic controller (no branching).")
+               "reference KL per bucket with a dynamic controller; optionally branches rollouts at HWE tokens.")
     Options = AresOptions
     official = OfficialSource(
         "shawn0728/ARES", "146620e", verdict="faithful",
         files=("examples/reward_function/aepo.py", "verl/trainer/ray_trainer.py",
                "verl/workers/rollout/vllm_rollout_spmd.py", "verl/workers/actor/dp_actor.py",
                "experiments/AEPO/config.yaml"),
-        note="Reward and KL halves only: HWE-triggered branching and the cold start are not here. Full-vocabulary "
+        note="Reward and KL as official; the HWE-triggered branching (off by default) is reconstructed from the "
+        "paper (the official rollout samples independently); the cold start is not here. Full-vocabulary "
         "entropy (official: vLLM top-10 plus tail), trigger test on the sampled token (official: the top-1 token), "
         "controller statistics summed over processes, TRL's unclamped k3 KL; tau of the first batch from that batch.",
     )
     claim_metric = ("hwe_count", "high-window-entropy reasoning moments per response")
-    reconstructed = ("tau of the first training batch is that batch's median (official: a validation pass)",)
+    reconstructed = (
+        "tau of the first training batch is that batch's median (official: a validation pass)",
+        "HWE-triggered branching (the official code does not branch): the last branch_rollouts rows of a group "
+        "continue the other rows from their HWE trigger tokens, highest window entropy first",
+    )
 
     def __init__(self, options=None):
         super().__init__(options)
@@ -298,11 +349,20 @@ class AresPlugin(Plugin):
         self.bias_correction = False
         self._words: frozenset[str] | None = None
         self._trigger_cache: dict[int, bool] = {}
+        self._pending = False  # the prompt stage deferred the branch rows of this step
 
     def hook_enabled(self, hook: str) -> bool:
         if hook in ("trl_plugins_transform_advantages", "trl_plugins_loss"):
             return self.options.dynamic_kl
+        if hook in ("trl_plugins_generation_prompts", "trl_plugins_after_generation"):
+            return self.options.branch_rollouts > 0
         return True
+
+    def multi_turn_refusal(self) -> str | None:
+        if self.options.branch_rollouts > 0:
+            return ("its HWE branches continue through the branching seam, which samples single-turn text without "
+                    "running tools; set branch_rollouts=0 for tool rollouts.")
+        return None
 
     @property
     def neutral_reward(self) -> bool:
@@ -314,11 +374,79 @@ class AresPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        R = self.options.branch_rollouts
+        if R and (getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False)):
+            raise IncompatiblePluginsError(
+                f"ares with branch_rollouts={R} (HWE-triggered branching) cannot run with use_vllm=True or continuous "
+                f"batching: {VLLM_BRANCHING} Or set branch_rollouts=0 (independent rollouts).")
+        if R >= args.num_generations:
+            raise PluginConfigError(
+                f"Option 'branch_rollouts' of plugin 'ares' got {R} with num_generations={args.num_generations}; "
+                "allowed: 0 <= branch_rollouts <= num_generations - 1 (a group needs at least one root to branch from).")
         check_reward_columns(self.name, trainer, self.options, own=self.name)
         self.bias_correction = bool(getattr(args, "use_bias_correction_kl", False))
         if self.options.dynamic_kl and float(getattr(args, "beta", 0.0)) == 0.0:
             warnings.warn("ares: dynamic_kl scales TRL's reference KL, which is off (beta=0); ARES uses beta=0.01 "
                           "(kl_coef). Only the entropy reward acts.", stacklevel=2)
+
+    # ------------------------------------------------------------------------------------------ branching
+    @hookimpl
+    def trl_plugins_generation_prompts(self, ctx: PromptContext):
+        """Defer the last ``branch_rollouts`` rows of every group: TRL samples the roots only."""
+        G, R = ctx.num_generations, self.options.branch_rollouts
+        for i in range(len(ctx.rows)):
+            if ctx.index_in_group[i] >= G - R:
+                ctx.defer(i)
+        self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
+
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx: RolloutContext):
+        """Fill the branch rows with continuations of their roots from the roots' HWE trigger tokens (collective:
+        one forward, up to three gathers and one branching call on every process)."""
+        if not self._pending:  # e.g. a refill round: its rows were sampled independently
+            return
+        self._pending = False
+        o, G, B, R = self.options, ctx.num_generations, len(ctx), self.options.branch_rollouts
+        roots = [i for i in range(B) if ctx.index_in_group[i] < G - R]
+        entropies = [h.float().cpu() for h in ctx.policy_entropies(roots)]  # collective
+        device = context_device(ctx)
+        tau = self.threshold
+        if tau is None:  # first batch: the median of the roots' percentiles, over every process
+            local = torch.full((B,), float("nan"), dtype=torch.float64)
+            for i, h in zip(roots, entropies):
+                local[i] = window_percentile(h, o.window_size, o.threshold_percentile)
+            tau = float(torch.nanquantile(ctx.gather(local.to(device)).cpu(), 0.5))
+        local_points = torch.full((B, R + 1), -1, dtype=torch.long)  # R branch points and the HWE count
+        for i, h in zip(roots, entropies):
+            points, found = branch_points(h, self.is_trigger(list(ctx.completion_ids[i]), ctx.tokenizer),
+                                          o.window_size, tau, R)
+            local_points[i] = torch.tensor(points + [found], dtype=torch.long)
+        points = ctx.gather(local_points.to(device)).cpu()
+        is_root = set(roots)
+        root_ids = gather_id_lists(ctx, [ctx.completion_ids[i] if i in is_root else [] for i in range(B)])
+        limit = ctx.run.max_completion_length
+        rows, prompts, prefixes, room, cuts, at_hwe = [], [], [], [], [], []
+        for i in range(B):
+            slot = branch_slot(ctx.index_in_group[i], G, R)
+            if slot is None:
+                continue
+            g = ctx.group_ids[i] * G + slot[0]
+            cut = min(int(points[g, slot[1]]) + 1, max(len(root_ids[g]) - 1, 0), limit - 1)  # keep the trigger token
+            rows.append(i)
+            prompts.append(list(ctx.prompt_ids[i]))
+            prefixes.append(root_ids[g][:cut])
+            room.append(limit - cut)
+            cuts.append(cut)
+            at_hwe.append(int(points[g, R]) > 0)
+        continuations = ctx.continue_prefixes(prompts, prefixes, room)  # collective, even with no request
+        for i, c, cut in zip(rows, continuations, cuts):
+            lps = None if ctx.sampling_logprobs is None else [float("nan")] * cut + list(c.logprobs)
+            ctx.replace_row(i, c.completion_ids, logprobs=lps)
+            ctx.annotations[i][BRANCH_KEY] = [branch_slot(ctx.index_in_group[i], G, R)[0], cut]
+        ctx.log_metric("branch_rollouts", float(len(rows)))
+        if rows:
+            ctx.log_metric("branch_position", sum(cuts) / len(cuts))
+            ctx.log_metric("branch_at_hwe_fraction", sum(at_hwe) / len(at_hwe))
 
     # ------------------------------------------------------------------------------------------ reward stage
     def is_trigger(self, ids: list[int], tokenizer) -> torch.Tensor:
@@ -408,12 +536,10 @@ class AresPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_loss(self, ctx: LossContext):
-        if ctx.ref_per_token_logps is None or ctx.beta == 0 or BUCKET_KEY not in ctx.extras:
+        kl = token_kl(ctx, self.bias_correction)
+        if kl is None or BUCKET_KEY not in ctx.extras:
             return
         buckets = ctx.extras[BUCKET_KEY].reshape(-1).long().to(ctx.per_token_logps.device)
-        kl = reference_kl(ctx.per_token_logps, ctx.ref_per_token_logps)
-        if self.bias_correction:
-            kl = kl * ctx.coef_1
         if ctx.mode == "train":
             with torch.no_grad():
                 mask = ctx.mask.float()
@@ -421,8 +547,7 @@ class AresPlugin(Plugin):
                 onehot = torch.nn.functional.one_hot(buckets, 3).to(seq_kl.dtype)
                 stats = ctx.gather(torch.cat([seq_kl @ onehot, onehot.sum(0)]).unsqueeze(0)).view(-1, 6).sum(0)
             self.update_kl_controller(stats[:3].cpu(), stats[3:].cpu())
-        beta_rows = torch.tensor(self.kl_beta, dtype=kl.dtype, device=kl.device)[buckets].unsqueeze(1)
-        ctx.add_token_loss(ctx.beta * (beta_rows - 1.0) * kl)
+        scale_row_kl(ctx, kl, torch.tensor(self.kl_beta, dtype=kl.dtype, device=kl.device)[buckets])
         for b, name in enumerate(BUCKETS):
             ctx.log_metric(f"kl_beta_{name}", self.kl_beta[b])
 

@@ -26,7 +26,16 @@ Here (one generation batch per step in TRL), the curriculum runs one batch behin
    counted in the rollout budget) and rewards them with the original answers. Rewrites left over stay in the pool
    for the following batches.
 
-With ``rewrite_mode="off"`` or ``max_share=0`` no hook runs (vanilla GRPO).
+Difficulty-aware KL (``kl_hard_scale``, ``kl_nonhard_scale``): the KL coefficient of a row is TRL's ``beta`` times a
+per-problem factor, 0.5 on hard problems and 1 otherwise (the official run script). A problem is hard when it is a
+rewrite of a hard problem, or an original whose group pass rate is ``<= hard_upper``; rewrites of medium problems
+are not hard whatever their pass rate (the official labels). The labels are read at the reward stage (training
+batches) and the loss adds ``beta (m - 1) KL_t`` to each row's tokens (the shared rule of
+:mod:`trl_plugins_builtin._difficulty_kl`, also ``ares``'s), so the total is ``beta m KL_t``. With ``beta = 0``
+(TRL's default; CLPO's official ``kl_loss_coef`` is 0.001) there is no KL to scale.
+
+Neutral setting: ``rewrite_mode="off"`` (or ``max_share=0``) with ``kl_hard_scale=1`` (and ``kl_nonhard_scale=1``): no
+hook runs (vanilla GRPO).
 
 Official code: csuking/CLPO@cb77b56, ``verl/trainer/ppo/ray_trainer.py`` (``RayCLPOTrainer``): the thresholds
 (lines 2147-2148; defaults in ``verl/trainer/config/data/legacy_data.yaml`` lines 114-127 and
@@ -40,8 +49,11 @@ Deviations (documented, ``reconstructed``): the official trainer rewrites and ro
 lets the batch size vary; here the rewrites enter the next batch in the slots of zero-signal groups (a fixed-size
 batch), capped by ``max_share``; rewritten groups with pass rate 0 or 1 are kept (the official drops them: stack
 ``dynamic_sampling`` after ``clpo`` for that). The rewrite is sampled with the run's generation settings (temperature,
-``max_completion_length``), not 0.7 / 400 tokens. Not covered: the paper's difficulty-aware KL (the official
-``kl_loss_coef_hard_scale`` 0.5 on hard problems) and the optional dumps of the rewrites to JSON files.
+``max_completion_length``), not 0.7 / 400 tokens. The difficulty-aware KL follows the official in-loss scaling
+(``ray_trainer.py`` 2642-2701: labels from the rewrite source and the pass rate, ``kl_loss_coef_hard_scale`` /
+``kl_loss_coef_nonhard_scale``; ``dp_actor.py`` 477-485: the per-token KL times the row's factor; defaults
+``scripts/clpo_qwen3_8b.sh`` 42-43) on TRL's KL term (not clamped as verl's ``low_var_kl`` is). Not covered: the
+optional dumps of the rewrites to JSON files.
 """
 
 from __future__ import annotations
@@ -54,6 +66,8 @@ from typing import Any, Literal
 import torch
 
 from trl_plugins.api import (
+    AdvantageContext,
+    LossContext,
     OfficialSource,
     Plugin,
     PluginConfigError,
@@ -69,6 +83,10 @@ from trl_plugins.api.reasons import IMAGES_REFILL, REFILLS_GROUPS
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import check_template, last_user_text, stable_key, with_last_user_text
 
+from ._difficulty_kl import scale_row_kl, token_kl
+
+#: Extras key: (N,) factor on TRL's beta per row (advantage stage -> loss stage).
+KL_KEY = "clpo_kl_scale"
 #: Rewrites outside [MIN_CHARS, MAX_CHARS] characters are dropped (official: 10 < len < 2000).
 MIN_CHARS, MAX_CHARS = 11, 1999
 
@@ -110,6 +128,14 @@ class ClpoOptions(SuccessOptions):
         help="Largest share of a batch's groups that rewrites may replace (only groups with pass rate 0 or 1 are "
         "replaced); 0 = no rewriting (vanilla GRPO).",
     )
+    kl_hard_scale: float = option(
+        0.5, min=0.0,
+        help="Difficulty-aware KL: factor on TRL's beta for the rows of hard problems (official "
+        "kl_loss_coef_hard_scale, 0.5 in the run script); 1 with kl_nonhard_scale=1 = TRL's KL.",
+    )
+    kl_nonhard_scale: float = option(
+        1.0, min=0.0, help="Difficulty-aware KL: factor on TRL's beta for the other rows (kl_loss_coef_nonhard_scale).",
+    )
     answer_column: str | None = option(
         "answer",
         help="Dataset column with the reference answer, named in the rewrite instruction so the rewrite keeps it; "
@@ -124,7 +150,13 @@ class ClpoOptions(SuccessOptions):
 
     @property
     def active(self) -> bool:
+        """The policy rewrites problems."""
         return self.rewrite_mode != "off" and self.max_share > 0
+
+    @property
+    def kl_active(self) -> bool:
+        """The reference KL is scaled by difficulty."""
+        return self.kl_hard_scale != 1.0 or self.kl_nonhard_scale != 1.0
 
     def validate(self) -> None:
         super().validate()
@@ -149,6 +181,22 @@ def difficulty(rates: torch.Tensor, o: ClpoOptions) -> list[str | None]:
         else:
             kinds.append(None)
     return kinds
+
+
+def hard_rows(rates: torch.Tensor, rewrite_kinds: list[str | None], hard_upper: float, group_size: int) -> torch.Tensor:
+    """(N,) bool: the rows of hard problems for the difficulty-aware KL (the official labels): a group placed as a
+    rewrite is hard when it rewrites a hard problem, an original one when its pass rate is ``<= hard_upper``.
+
+    Args: rates (S,) float64 group pass rates; rewrite_kinds (S,) the kind of each placed rewrite, None for an
+    original problem.
+    """
+    hard = [kind == "hard" if kind is not None else a <= hard_upper for a, kind in zip(rates.tolist(), rewrite_kinds)]
+    return torch.tensor(hard, dtype=torch.bool).repeat_interleave(group_size)
+
+
+def kl_multipliers(hard: torch.Tensor, o: ClpoOptions) -> torch.Tensor:
+    """(N,) factor on TRL's beta per row: ``kl_hard_scale`` on hard rows, ``kl_nonhard_scale`` elsewhere."""
+    return torch.where(hard, torch.tensor(o.kl_hard_scale), torch.tensor(o.kl_nonhard_scale)).double()
 
 
 def rewrite_instruction(row: dict, kind: str, o: ClpoOptions) -> Any:
@@ -185,9 +233,10 @@ class ClpoPlugin(Plugin):
     name = "clpo"
     image_inputs = IMAGES_REFILL
     multi_turn = REFILLS_GROUPS
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "CLPO: Curriculum Learning meets Policy Optimization for LLM Reasoning, arXiv:2509.25004"
-    summary = "The policy rewrites its hard and medium problems (by group pass rate); the rewrites fill later batches."
+    summary = ("The policy rewrites its hard and medium problems (by group pass rate) into later batches; hard "
+               "problems get a smaller KL coefficient.")
     Options = ClpoOptions
     official = OfficialSource(
         "csuking/CLPO", "cb77b56", verdict="faithful",
@@ -196,7 +245,7 @@ class ClpoPlugin(Plugin):
         note="Thresholds, rewrite modes, one rewrite per problem with the answer named, parsing and length bounds as "
         "official; the rewrites enter the next batch in the slots of zero-signal groups (official: the same step, a "
         "batch of varying size); sampled with the run's settings (official 0.7 / 400 tokens); the difficulty-aware "
-        "KL is not covered.",
+        "KL scales TRL's reference KL per row as the official in-loss factors do.",
     )
     claim_metric = ("rewritten_fraction", "batch share of rewritten problems")
     reconstructed = (
@@ -210,16 +259,27 @@ class ClpoPlugin(Plugin):
         super().__init__(options)
         self.queue: list[dict] = []  # {"kind", "row"}: problems to rewrite at the next sampling stage
         self.pool: list[dict] = []  # {"kind", "row"}: rewritten rows waiting for a slot
-        self.supplied: list[int] = []  # stable keys of the rewritten prompts placed in the current batch
+        self.supplied: dict[int, str] = {}  # stable key -> kind of the rewritten prompts placed in the current batch
+        self.bias_correction = False
+        self._hard: torch.Tensor | None = None  # (N,) hard rows of the batch (reward stage -> advantage stage)
 
     def hook_enabled(self, hook: str) -> bool:
-        return self.options.active
+        o = self.options
+        if hook in ("trl_plugins_transform_advantages", "trl_plugins_loss"):
+            return o.kl_active
+        if hook in ("trl_plugins_transform_rewards", "trl_plugins_configure", "trl_plugins_state_dict",
+                    "trl_plugins_load_state_dict"):
+            return o.active or o.kl_active
+        return o.active
 
     def required_columns(self) -> list[str]:
         return [self.options.answer_column] if self.options.answer_column else []
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        self.bias_correction = bool(getattr(args, "use_bias_correction_kl", False))
+        if not self.options.active:
+            return
         if getattr(args, "max_refill_rounds", 1) < 1:
             raise PluginConfigError(
                 f"clpo: max_refill_rounds={args.max_refill_rounds}; allowed: >= 1 (the rewritten problems enter the "
@@ -231,11 +291,15 @@ class ClpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_state_dict(self) -> dict:
-        return {"queue": list(self.queue), "pool": list(self.pool), "supplied": list(self.supplied)}
+        return {"queue": list(self.queue), "pool": list(self.pool),
+                "supplied": [[key, kind] for key, kind in self.supplied.items()]}
 
     @hookimpl
     def trl_plugins_load_state_dict(self, state: dict) -> None:
-        self.queue, self.pool, self.supplied = list(state["queue"]), list(state["pool"]), list(state["supplied"])
+        self.queue, self.pool = list(state["queue"]), list(state["pool"])
+        # version 0.1 kept the keys only (their kind unknown: not hard)
+        self.supplied = {int(k[0]): k[1] for k in state["supplied"]} if state["supplied"] and isinstance(
+            state["supplied"][0], (list, tuple)) else {int(k): None for k in state["supplied"]}
 
     # ------------------------------------------------------------------------------------------ rewriting
     @hookimpl
@@ -269,7 +333,7 @@ class ClpoPlugin(Plugin):
         """Round 0: replace zero-signal groups with pooled rewrites (hard ones first)."""
         if ctx.round != 0:
             return
-        self.supplied = []
+        self.supplied = {}
         S = ctx.num_groups
         rates = ctx.group_success(self.options.success_rule).float().mean(dim=1).cpu()
         cap = int(math.floor(self.options.max_share * S + 0.5))
@@ -278,7 +342,7 @@ class ClpoPlugin(Plugin):
         ctx.reject(slots)
         for item in pool[: len(slots)]:
             ctx.supply(item["row"])
-            self.supplied.append(stable_key(item["row"]["prompt"]))
+            self.supplied[stable_key(item["row"]["prompt"])] = item["kind"]
         self.pool = pool[len(slots):]
         ctx.log_metric("rewritten_fraction", len(slots) / max(S, 1))
         ctx.log_metric("pool_size", float(len(self.pool)))
@@ -286,25 +350,34 @@ class ClpoPlugin(Plugin):
     # ------------------------------------------------------------------------------------------ difficulty
     @hookimpl
     def trl_plugins_transform_rewards(self, ctx: RewardContext):
-        """Read (never change) the gathered rewards: queue this batch's hard and medium original problems."""
+        """Read (never change) the gathered rewards: queue this batch's hard and medium original problems, and label
+        its hard rows for the difficulty-aware KL."""
+        self._hard = None
         if ctx.mode != "train":
             return
         G = ctx.num_generations
         rates = ctx.success(self.options.success_rule).double().view(-1, G).mean(dim=1).cpu()  # (S,) float64
         kinds = difficulty(rates, self.options)
-        supplied = set(self.supplied)
+        supplied = self.supplied
         first = ctx.index_in_group[ctx.process_slice].tolist()
         groups = ctx.group_ids[ctx.process_slice].tolist()
 
         def local_rows() -> list:
             return [
-                (stable_key(row["prompt"]) in supplied, row if kinds[g] is not None else None) if i == 0 else None
+                (supplied.get(stable_key(row["prompt"]), False), row if kinds[g] is not None else None) if i == 0
+                else None
                 for row, i, g in zip(ctx.local_rows, first, groups)
             ]
 
         heads = [v for v in gather_objects_together(ctx, self.name, local_rows) if v is not None]  # (S,) in order
-        rewritten = torch.tensor([flag for flag, _ in heads], dtype=torch.bool)
-        queue = [{"kind": kinds[g], "row": row} for g, (flag, row) in enumerate(heads) if row is not None and not flag]
+        rewritten = torch.tensor([flag is not False for flag, _ in heads], dtype=torch.bool)
+        if self.options.kl_active:
+            self._hard = hard_rows(rates, [None if flag is False else flag for flag, _ in heads],
+                                   self.options.hard_upper, G)
+        if not self.options.active:
+            return
+        queue = [{"kind": kinds[g], "row": row} for g, (flag, row) in enumerate(heads)
+                 if row is not None and flag is False]
         self.queue = sorted(queue, key=lambda item: item["kind"] != "hard")
         S = max(len(heads), 1)
         ctx.log_metric("hard_fraction", sum(k == "hard" for k in kinds) / S)
@@ -313,3 +386,20 @@ class ClpoPlugin(Plugin):
             r = rates[rewritten]
             ctx.log_metric("rewritten_pass_rate", float(r.mean()))
             ctx.log_metric("rewritten_informative_fraction", float(((r > 0) & (r < 1)).float().mean()))
+
+    # ------------------------------------------------------------------------------------------ difficulty-aware KL
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        """Send each row's KL factor (hard / not hard, labelled at the reward stage) to the loss stage."""
+        hard, self._hard = self._hard, None
+        if ctx.mode != "train" or hard is None or hard.numel() != ctx.rewards.numel():
+            return
+        ctx.extras[KL_KEY] = kl_multipliers(hard, self.options).to(ctx.rewards.device)
+        ctx.log_metric("kl_hard_fraction", float(hard.float().mean()))
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx: LossContext):
+        kl = token_kl(ctx, self.bias_correction)
+        if kl is None or KL_KEY not in ctx.extras:
+            return
+        scale_row_kl(ctx, kl, ctx.extras[KL_KEY].reshape(-1))

@@ -28,14 +28,25 @@ Neutral setting: ``set_size=1`` with ``num_sets=None`` (each rollout its own set
 (the paper's Table 3, with ``N = 8`` vines, which is GRPO's ``num_generations=8``).
 
 Vine sampling (``rollout_states`` > 0; off by default, the paper uses 2): at ``rollout_states`` evenly spaced
-intermediate states of each rollout (the prefix ``completion[:c]``), ``vines - 1`` continuations are sampled through
-the branching seam (``ctx.continue_prefixes``, HF generation; counted in the rollout budget) and scored by TRL's reward
-functions (``ctx.score``); with the rollout's own continuation they are the state's ``N = vines`` trajectories. Sets
-are drawn among them as above, and the rollout's set advantage at that state (std-scaled within the state) replaces
-its advantage on the ``window`` completion tokens from ``c`` on (the paper's W = 5 actions, read as tokens); the other
-tokens keep the group-level advantage (the paper: GAE elsewhere). Reconstructed: the vines are scored, not trained
-(they are not rows of the batch; the paper trains them), and the states are evenly spaced (the paper picks "a subset
-of visited states"). Vine sampling needs HF generation and text prompts (the branching seam's limits; image
+intermediate states of a rollout (the prefix ``completion[:c]``), ``vines - 1`` continuations are sampled through the
+branching seam (``ctx.continue_prefixes``, HF generation; counted in the rollout budget); with the rollout's own
+continuation they are the state's ``N = vines`` trajectories. Sets are drawn among them as above, and each
+trajectory's set advantage at that state (std-scaled within the state) replaces its advantage on the ``window``
+completion tokens from ``c`` on (the paper's W = 5 actions, read as tokens); the other tokens keep the group-level
+advantage (the paper: GAE elsewhere). Two ways (``vine_rows``):
+
+* ``"trained"`` (default, the paper trains the vines): the group is grown as trees of ``L = 1 + rollout_states
+  (vines - 1)`` rows, a root and its vines (as ``ettrl``'s trees): the vine rows (index in group ``k`` with ``k mod L
+  != 0``) are deferred at the prompt stage (``PromptContext.defer``), TRL samples the roots, and the sampling stage
+  fills each vine row with a continuation of its root's prefix (``replace_row``). Vines are rows of the group: they
+  are rewarded, enter the group-level sets like every rollout, and take their state's set advantage on their window;
+  ``L`` must fit in ``num_generations`` (a partial last tree takes its first rows);
+* ``"scored"`` (the previous behaviour, a cheaper variant: G independent rollouts plus extra generations): every
+  rollout keeps its row, the vines are extra generations scored by TRL's reward functions (``ctx.score``), and only
+  the rollout's own window takes the state's set advantage.
+
+Reconstructed: the states are evenly spaced (the paper picks "a subset of visited states"); a vine row's prefix
+tokens (its root's) are trained with the vine's group-level advantage, as ``ettrl``'s branches. Vine sampling needs HF generation and text prompts (the branching seam's limits; image
 prompts train with it off). The per-state KL penalty to the pre-trained policy is TRL's ``beta``. NaN rewards (no reward
 function applied) count as 0 in the set scores and the row gets advantage 0.
 
@@ -61,17 +72,21 @@ from trl_plugins.api import (
     Plugin,
     PluginConfigError,
     PluginOptions,
+    PromptContext,
     RewardContext,
     RolloutContext,
     hookimpl,
     option,
 )
 from trl_plugins.api.answers import batch_clusters, cluster_answers, get_extractor
+from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.reasons import VLLM_BRANCHING
 from trl_plugins.api.text import completion_text
 
 #: Annotation key: ``[[state, advantage], ...]`` of a rollout's vine states (sampling stage -> advantage stage).
 VINES_KEY = "polychromic_vines"
+#: Annotation key of a vine row (``vine_rows="trained"``): ``[root's index in group, state index, state c]``.
+VINE_ROW_KEY = "polychromic_vine_row"
 
 #: At most this many sets per group with ``num_sets=None`` (every subset).
 MAX_EXHAUSTIVE_SETS = 10_000
@@ -115,6 +130,19 @@ class PolychromicOptions(PluginOptions):
         5, min=1, help="Vine sampling: completion tokens after a rollout state that take its set advantage (paper: 5 "
         "actions).",
     )
+    vine_rows: Literal["trained", "scored"] = option(
+        "trained",
+        help="Vine sampling: 'trained' = the vines are rows of the group (trees of 1 + rollout_states * (vines - 1) "
+        "rows), trained with their set advantage, as the paper; 'scored' = extra generations that only set the "
+        "advantage of the rollout's own window (cheaper variant).",
+    )
+
+    @property
+    def tree_size(self) -> int:
+        """L = 1 + rollout_states (vines - 1) rows per tree with trained vines (1 otherwise)."""
+        if self.rollout_states and self.vine_rows == "trained":
+            return 1 + self.rollout_states * (self.vines - 1)
+        return 1
 
     def validate(self) -> None:
         try:
@@ -258,24 +286,47 @@ def rollout_positions(length: int, count: int) -> list[int]:
     return sorted({length * k // (count + 1) for k in range(1, count + 1)} & set(range(1, length)))
 
 
-def state_advantage(
+def state_advantages(
     rewards: torch.Tensor, keys: torch.Tensor, set_size: int, num_sets: int | None, scale: bool,
     generator: torch.Generator,
-) -> tuple[float, float]:
-    """Set advantage of member 0 (the rollout itself) among the N trajectories of one rollout state.
+) -> tuple[torch.Tensor, float]:
+    """Set advantages of the N trajectories of one rollout state.
 
     Args:
         rewards: (N,) rewards of the rollout's continuation (index 0) and its N - 1 vines; keys: (N,) diversity keys.
         scale: divide by the std of the state's set scores (+ 1e-4).
     Returns:
-        (advantage of member 0, mean set score).
+        ((N,) advantages, NaN as 0; mean set score).
     """
     sets = draw_sets(rewards.numel(), set_size, num_sets, generator)
     adv, scores, _ = set_advantages(rewards.view(1, -1), keys.view(1, -1), sets.unsqueeze(0))
-    value = adv[0, 0]
+    values = adv[0]
     if scale:
-        value = value / (score_std(scores, "group")[0, 0] + 1e-4)
-    return float(torch.nan_to_num(value, nan=0.0)), float(scores.mean())
+        values = values / (score_std(scores, "group")[0, 0] + 1e-4)
+    return torch.nan_to_num(values, nan=0.0), float(scores.mean())
+
+
+def state_advantage(
+    rewards: torch.Tensor, keys: torch.Tensor, set_size: int, num_sets: int | None, scale: bool,
+    generator: torch.Generator,
+) -> tuple[float, float]:
+    """:func:`state_advantages` of member 0 (the rollout itself): (its advantage, mean set score)."""
+    values, mean_score = state_advantages(rewards, keys, set_size, num_sets, scale, generator)
+    return float(values[0]), mean_score
+
+
+def vine_slot(index_in_group: int, tree_size: int, per_state: int) -> tuple[int, int] | None:
+    """``(root, state)`` of a vine row: its tree's root (index in group) and which of the root's states it continues;
+    None for a root. Rows ``m L .. m L + L - 1`` form tree ``m``: the root, then the ``vines - 1`` vines of state 0,
+    then those of state 1, ..."""
+    j = index_in_group % tree_size
+    return None if j == 0 else (index_in_group - j, (j - 1) // per_state)
+
+
+def state_seed(seed: int, step: int, root: int, state: int) -> int:
+    """Seed of one rollout state's set draws (the same on every process): from the run seed, the step, the root's
+    global row index and the state index."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + root) * 31 + state
 
 
 def window_advantages(
@@ -302,7 +353,7 @@ class PolychromicPlugin(Plugin):
     name = "polychromic"
     image_inputs = True
     multi_turn = True
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "Polychromic Objectives for Reinforcement Learning, arXiv:2509.25424"
     summary = "Advantages from sets of rollouts scored by mean reward x diversity: rewards diverse successes."
     Options = PolychromicOptions
@@ -310,7 +361,8 @@ class PolychromicPlugin(Plugin):
         None, verdict="reconstructed",
         note="No public repository was found; the set advantage and vine sampling follow the paper's text "
         "(Algorithm 2, Table 3 defaults read through summaries and public replications). The text diversity function "
-        "(distinct answers) is ours; the vines are scored through the branching seam but not trained.",
+        "(distinct answers) is ours; the vines are sampled through the branching seam and trained as rows of the "
+        "group (vine_rows='trained'; 'scored' is a cheaper variant).",
         non_official_defaults={"rollout_states": "2 (paper Table 3); 0 here: each state costs vines - 1 extra "
                                                  "generations per rollout"},
     )
@@ -322,13 +374,15 @@ class PolychromicPlugin(Plugin):
         "a rollout in several sets takes the mean of their advantages; a rollout in no set gets 0",
         "the set advantage is divided by the std of the set scores as TRL's scale_rewards divides rewards",
         "a completion without an answer is distinct from all others (unanswered='singleton')",
-        "vine sampling: states evenly spaced; the vines are scored, not trained; the window counts tokens",
+        "vine sampling: states evenly spaced; the window counts tokens; a vine row's prefix takes its group-level "
+        "advantage",
     )
 
     def __init__(self, options=None):
         super().__init__(options)
         self._keys: torch.Tensor | None = None
         self._scale_rewards = "group"
+        self._pending = False  # the prompt stage deferred the vine rows of this step
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
@@ -351,6 +405,18 @@ class PolychromicPlugin(Plugin):
                 stacklevel=2,
             )
         self._scale_rewards = args.scale_rewards
+        if o.tree_size > G:
+            raise PluginConfigError(
+                f"Options of plugin 'polychromic': a tree of 1 + rollout_states * (vines - 1) = 1 + {o.rollout_states} "
+                f"* ({o.vines} - 1) = {o.tree_size} rows does not fit in a group of num_generations={G}; allowed: "
+                f"num_generations >= {o.tree_size}, fewer rollout_states / vines, or vine_rows='scored'.")
+        deferring = [p.name for p in getattr(trainer, "plugin_stack", None) or []
+                     if p is not self and getattr(getattr(p, "options", None), "branch_rollouts", 0)]
+        if o.tree_size > 1 and deferring:
+            raise IncompatiblePluginsError(
+                f"polychromic with trained vines (vine_rows='trained') and {deferring} with branch_rollouts > 0 both "
+                "defer rows of every group to fill them with continuations; set vine_rows='scored' or "
+                "branch_rollouts=0.")
         if o.rollout_states and (getattr(args, "use_vllm", False)
                                  or getattr(args, "use_transformers_continuous_batching", False)):
             raise IncompatiblePluginsError(
@@ -359,7 +425,15 @@ class PolychromicPlugin(Plugin):
             )
 
     def hook_enabled(self, hook: str) -> bool:
+        if hook == "trl_plugins_generation_prompts":
+            return self.options.tree_size > 1
         return hook != "trl_plugins_after_generation" or self.options.rollout_states > 0
+
+    def multi_turn_refusal(self) -> str | None:
+        if self.options.rollout_states > 0:
+            return ("its vines continue through the branching seam, which samples single-turn text without running "
+                    "tools; set rollout_states=0 for tool rollouts.")
+        return None
 
     def _text_key(self, text: str) -> str | None:
         """The diversity key of one completion text (an answer, the whole text, or the text itself when off)."""
@@ -369,10 +443,52 @@ class PolychromicPlugin(Plugin):
         return text
 
     @hookimpl
+    def trl_plugins_generation_prompts(self, ctx: PromptContext):
+        """Trained vines: defer every vine row, TRL samples the tree roots only."""
+        L = self.options.tree_size
+        for i in range(len(ctx.rows)):
+            if ctx.index_in_group[i] % L != 0:
+                ctx.defer(i)
+        self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
+
+    def _fill_vine_rows(self, ctx: RolloutContext) -> None:
+        """Fill each vine row with a continuation of its root from the root's state (collective: one gather and one
+        branching call on every process)."""
+        o, G, B, L = self.options, ctx.num_generations, len(ctx), self.options.tree_size
+        roots = {i for i in range(B) if ctx.index_in_group[i] % L == 0}
+        root_ids = gather_id_lists(ctx, [ctx.completion_ids[i] if i in roots else [] for i in range(B)])
+        limit = ctx.run.max_completion_length
+        rows, prompts, prefixes, room, notes = [], [], [], [], []
+        for i in range(B):
+            slot = vine_slot(ctx.index_in_group[i], L, o.vines - 1)
+            if slot is None:
+                continue
+            ids = root_ids[ctx.group_ids[i] * G + slot[0]]
+            states = rollout_positions(len(ids), o.rollout_states) or [0]  # a one-token root: a fresh sample
+            c = min(states[slot[1] % len(states)], limit - 1)
+            rows.append(i)
+            prompts.append(list(ctx.prompt_ids[i]))
+            prefixes.append(ids[:c])
+            room.append(limit - c)
+            notes.append([slot[0], slot[1], c])
+        continuations = ctx.continue_prefixes(prompts, prefixes, room)  # collective, even with no request
+        for i, cont, note in zip(rows, continuations, notes):
+            lps = None if ctx.sampling_logprobs is None else [float("nan")] * note[2] + list(cont.logprobs)
+            ctx.replace_row(i, cont.completion_ids, logprobs=lps)
+            ctx.annotations[i][VINE_ROW_KEY] = note
+        ctx.log_metric("extra_rollouts", 0.0)  # the vines are rows of the group: no generation beyond G per group
+        ctx.log_metric("vine_rows", float(len(rows)))
+
+    @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
-        """Vine sampling: continue every rollout from its rollout states, N - 1 times each, and score the sets of the
+        """Vine sampling: fill the vine rows (``vine_rows="trained"``), or continue every rollout from its rollout states, N - 1 times each, and score the sets of the
         N trajectories of each state (the rollout's own continuation is member 0)."""
         o = self.options
+        if o.vine_rows == "trained":
+            if self._pending:  # not in a refill round: its rows were sampled independently
+                self._pending = False
+                self._fill_vine_rows(ctx)
+            return
         limit = ctx.run.max_completion_length
         plan, prompts, prefixes, room = [], [], [], []
         for i, ids in enumerate(ctx.completion_ids):
@@ -404,8 +520,7 @@ class PolychromicPlugin(Plugin):
                 else:
                     keys = group_keys([cluster_answers(answers)], o.unanswered if o.diversity == "answers"
                                       else "singleton")
-                generator = torch.Generator().manual_seed(
-                    ((o.seed * 1_000_003 + ctx.step) * 1_000_003 + ctx.global_index[i]) * 31 + s_index)
+                generator = torch.Generator().manual_seed(state_seed(o.seed, ctx.step, ctx.global_index[i], s_index))
                 value, mean_score = state_advantage(rewards, keys, o.set_size, o.num_sets, scale, generator)
                 values.append([c, value])
                 set_scores.append(mean_score)
@@ -436,6 +551,8 @@ class PolychromicPlugin(Plugin):
             ctx.rewards, keys, G, o.set_size, o.num_sets, self._scale_rewards, o.seed, ctx.step
         )
         vines = [note.get(VINES_KEY) for note in ctx.annotations]
+        if o.vine_rows == "trained" and o.rollout_states:
+            vines = self._vine_row_states(ctx, keys)
         if o.rollout_states and ctx.mode == "train":
             width = ctx.completion_mask().size(1)  # collective: every process, every training batch
             if any(vines):  # rows of a refill round carry no vine states: they keep the root advantage
@@ -445,3 +562,37 @@ class PolychromicPlugin(Plugin):
         for key, value in stats.items():
             ctx.log_metric(key, value)
         ctx.log_metric("abs_advantage", adv.abs().mean().item())
+
+    def _vine_row_states(self, ctx: AdvantageContext, keys: torch.Tensor) -> list[list[list[float]] | None]:
+        """Trained vines: per row ``[[c, set advantage]]`` at its state, for each root (every state it has vines of)
+        and each vine row; the state's N trajectories are the root and its vine rows of that state (a state with
+        fewer than ``set_size`` of them keeps the group-level advantage). Args: keys (N,) diversity keys."""
+        o = self.options
+        members: dict[tuple[int, int], list[int]] = {}  # (root row, state) -> vine rows
+        cut: dict[tuple[int, int], int] = {}
+        for n, note in enumerate(ctx.annotations):
+            slot = note.get(VINE_ROW_KEY)
+            if slot is not None:
+                key = (n - int(ctx.index_in_group[n]) + int(slot[0]), int(slot[1]))
+                members.setdefault(key, []).append(n)
+                cut[key] = int(slot[2])
+        out: list[list[list[float]] | None] = [None] * len(ctx.annotations)
+        rewards = torch.nan_to_num(ctx.rewards.float().cpu(), nan=0.0)
+        scale = self._scale_rewards != "none"
+        scores = []
+        for (root, state), vine_rows in sorted(members.items()):
+            rows = [root] + vine_rows
+            if len(rows) < o.set_size:
+                continue
+            generator = torch.Generator().manual_seed(state_seed(o.seed, ctx.step, root, state))
+            values, mean_score = state_advantages(rewards[rows], keys[rows].cpu(), o.set_size, o.num_sets, scale,
+                                                  generator)
+            scores.append(mean_score)
+            for n, value in zip(rows, values.tolist()):
+                out[n] = (out[n] or []) + [[cut[(root, state)], value]]
+        for states in out:
+            if states:
+                states.sort(key=lambda item: item[0])  # a later state overrides an overlap
+        if scores:
+            ctx.log_metric("vine_set_score", sum(scores) / len(scores))
+        return out

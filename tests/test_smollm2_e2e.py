@@ -235,8 +235,8 @@ def _stacks(urls):
         "dars": (["dars"], {"dars": {"n_max": 8}}, {"loss_type": "grpo", "max_refill_rounds": 1}, []),
         # CLPO, two steps: the first batch queues its hard and medium problems, the second has the real policy rewrite
         # them through the generation service and refills its zero-signal groups with them (the rewrite and refill
-        # metrics are checked on the tiny model: tests/plugins/test_clpo.py)
-        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2}, []),
+        # metrics are checked on the tiny model: tests/plugins/test_clpo.py); beta > 0 for its difficulty-aware KL
+        "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2, "beta": 0.001}, []),
         # URPO: every arithmetic group is open-ended here, so the real policy judges its own group through the
         # generation service (its 16-token judgements rarely hold a whole <scores> list: max_unparsable 1 lets their
         # groups take a neutral advantage; no judge rows, so no urpo_judge column; the parsing and the agreement
@@ -300,9 +300,10 @@ def _stacks(urls):
         "reg_grpo": (["reg_grpo"], {}, {"loss_type": "grpo"}, []),
         # P3O's jointly clipped pairwise loss on the two rows of each group (reward differences: scale_rewards none)
         "p3o": (["p3o"], {}, {"loss_type": "grpo", "scale_rewards": "none"}, []),
-        # polychromic's set advantages over every pair of a G=4 group, diversity = distinct whole completions (vine
-        # sampling goes through the branching seam, which spo runs on this model; its logic: tests/plugins)
-        "polychromic": (["polychromic"], {"polychromic": {"set_size": 2, "num_sets": None, "diversity": "texts"}},
+        # polychromic's set advantages over every pair of a G=4 group, diversity = distinct whole completions, with
+        # trained vines: two trees of a root and one vine row continued from its middle state (branching seam)
+        "polychromic": (["polychromic"], {"polychromic": {"set_size": 2, "num_sets": None, "diversity": "texts",
+                                                          "rollout_states": 1, "vines": 2}},
                         {"loss_type": "grpo", "num_generations": 4}, []),
         # AEPO's loss half: entropy-aware advantages from the real model's entropies (one on-policy step: r = 1, the
         # clips are checked on small tensors in tests/plugins/test_aepo.py)
@@ -310,7 +311,9 @@ def _stacks(urls):
         # ARES's entropy reward from the real model's entropies and its official trigger words on the BPE tokens, and the
         # per-bucket KL on TRL's reference KL (beta > 0: the reference is the model with the LoRA adapter off); the
         # controller updates every micro-batch (official: every 100th)
-        "ares": (["ares"], {"ares": {"kl_update_interval": 1}}, {"loss_type": "dapo", "beta": 0.01}, []),
+        # ares with its HWE-triggered branching: row 1 of each G=2 group continues row 0 from its HWE trigger
+        "ares": (["ares"], {"ares": {"kl_update_interval": 1, "branch_rollouts": 1}}, {"loss_type": "dapo", "beta": 0.01},
+                 []),
         # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
         # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
         "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),

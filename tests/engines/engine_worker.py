@@ -131,11 +131,12 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # allowed here, every open row then gets its group's mean)
     "self_judge": (["urpo"], {"urpo": {"default_kind": "open", "judge_weight": 0.0, "max_unparsable": 1.0}},
                    ZERO3_FSDP2),
-    # ares's entropy reward and per-difficulty KL (beta > 0: TRL's reference model from the policy on disk) with
-    # polychromic's set advantage and its vines (continuations through the branching seam)
-    "stack9": (["ares", "polychromic"], {"ares": {"kl_update_interval": 1},
+    # ares's entropy reward, per-difficulty KL (beta > 0: TRL's reference model from the policy on disk) and HWE
+    # branching (one deferred row per group) with polychromic's set advantage and its scored vines (continuations
+    # through the branching seam; trained vines also defer rows, refused with ares's branching)
+    "stack9": (["ares", "polychromic"], {"ares": {"kl_update_interval": 1, "branch_rollouts": 1},
                                          "polychromic": {"set_size": 1, "num_sets": 2, "rollout_states": 1,
-                                                         "vines": 2}},
+                                                         "vines": 2, "vine_rows": "scored"}},
                {**ZERO3_FSDP2, "args": {"beta": 0.04}, "policy_on_disk": True}),
     # latr's trees: probes, forks with lookahead, pruning and completions through the seam, the tree state gathered
     "latr": (["latr"], {"latr": {"prob_abs_threshold": None, "prob_rel_threshold": None, "pruning_steps": [2, 3]}},

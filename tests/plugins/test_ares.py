@@ -2,14 +2,18 @@
 threshold percentile fills short tails as the official code does; difficulty buckets at accuracy 1/3 and 2/3; targets,
 alpha updates and every branch of the hierarchical bonus against a scalar restatement of the official formulas; the
 reward hook fills the column from the policy's entropies; the per-bucket KL controller and the loss term; bad options
-refused; the neutral setting reduces to vanilla TRL; a run with the bonus and the dynamic KL trains."""
+refused; the neutral setting reduces to vanilla TRL; a run with the bonus and the dynamic KL trains; the HWE-triggered
+branching: branch points and slots on small tensors, its refusals, and a tiny-model step whose branch rows continue
+their roots."""
 
+import functools
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.tasks.tiny import build_and_save
 from trl_plugins.testing import (
     assert_reduces_to_vanilla,
@@ -23,8 +27,12 @@ from trl_plugins.testing import (
 )
 from trl_plugins_builtin._ares_triggers import TRIGGER_WORDS
 from trl_plugins_builtin.ares import (
+    BRANCH_KEY,
     BUCKET_KEY,
     AresOptions,
+    AresPlugin,
+    branch_points,
+    branch_slot,
     bucket_targets,
     difficulty_buckets,
     entropy_bonus,
@@ -270,6 +278,7 @@ def test_advantage_stage_sends_each_rows_bucket():
     ({"trigger_words": []}, r"'trigger_words' of plugin 'ares' got \[\]; allowed"),
     ({"window_size": 0}, r"'window_size' of plugin 'ares' got 0"),
     ({"threshold_percentile": 120.0}, r"'threshold_percentile' of plugin 'ares' got 120.0"),
+    ({"branch_rollouts": -1}, r"'branch_rollouts' of plugin 'ares' got -1"),
 ])
 def test_bad_options_are_refused(options, message):
     with pytest.raises(PluginConfigError, match=message):
@@ -305,3 +314,53 @@ def test_a_run_with_the_bonus_and_dynamic_kl_trains(tmp_path, tiny_path):
     assert all(math.isfinite(log["loss"]) for log in logs)
     # the KL starts near 0, far below its target: the controller lowers beta_d of the buckets it saw
     assert plugin.kl_updates > 0 and min(plugin.kl_beta) < 1.0
+
+
+# ------------------------------------------------------------------------------------- HWE-triggered branching
+def test_branch_points_take_the_hwe_triggers_highest_window_first_else_the_highest_window():
+    h = torch.tensor([0.0, 1.0, 3.0, 0.0, 2.0, 2.0, 0.0])  # window 2: W_0..W_4 = mean(H_t+1, H_t+2) = 2 1.5 1 2 1
+    trig = torch.tensor([True, True, True, False, True, True, True])
+    # HWE (trigger, full window, W >= 1.5): positions 0 (2.0) and 1 (1.5), highest first, cycled; 3 is no trigger
+    assert branch_points(h, trig, 2, 1.5, 3) == ([0, 1, 0], 2)
+    assert branch_points(h, trig, 2, 2.5, 2) == ([0, 0], 0)  # none above tau: the highest window mean (first)
+    assert branch_points(h, torch.zeros(7, dtype=torch.bool), 2, 0.0, 1) == ([0], 0)  # no trigger at all
+    assert branch_points(torch.tensor([1.0]), torch.tensor([True]), 2, 0.0, 2) == ([0, 0], 0)  # no full window
+    # G = 5, R = 3: rows 0, 1 are roots; rows 2, 3, 4 continue roots 0, 1, 0 from their points 0, 0, 1
+    assert [branch_slot(i, 5, 3) for i in range(5)] == [None, None, (0, 0), (1, 0), (0, 1)]
+
+
+def test_branching_is_off_by_default_and_refused_with_vllm_or_without_a_root():
+    assert not build_plugins(["ares"]).has("trl_plugins_after_generation")
+    plugin = AresPlugin(AresPlugin.Options(branch_rollouts=4))
+    with pytest.raises(PluginConfigError, match="'branch_rollouts' of plugin 'ares' got 4 with num_generations=4"):
+        plugin.trl_plugins_configure(None, SimpleNamespace(num_generations=4))
+    with pytest.raises(IncompatiblePluginsError, match="use_vllm=False"):
+        plugin.trl_plugins_configure(None, SimpleNamespace(use_vllm=True, num_generations=8))
+    assert "branching seam" in plugin.multi_turn_refusal()
+
+
+def test_one_step_on_the_tiny_model_branches_from_the_roots(tmp_path, monkeypatch):
+    seen = []
+    original = AresPlugin.trl_plugins_after_generation
+
+    @functools.wraps(original)  # keeps the hookimpl marker
+    def spy(self, ctx):
+        original(self, ctx)
+        seen.append(([list(c) for c in ctx.completion_ids], [dict(a) for a in ctx.annotations],
+                     list(ctx.index_in_group)))
+
+    monkeypatch.setattr(AresPlugin, "trl_plugins_after_generation", spy)
+    options = {"correct_threshold": 0.2, "trigger_words": list("0123456789"), "branch_rollouts": 2}
+    trainer = make_tiny_trainer(reward_funcs=[digit_fraction_reward], max_steps=1, plugins=["ares"],
+                                plugin_config={"ares": options}, output_dir=str(tmp_path), num_generations=4,
+                                per_device_train_batch_size=8)
+    run = record_run(trainer)
+    ids, notes, index = seen[0]
+    branches = [k for k in range(len(ids)) if index[k] >= 2]
+    assert branches and all(BRANCH_KEY not in notes[k] for k in range(len(ids)) if index[k] < 2)
+    for k in branches:  # rows 2, 3 of a group continue roots 0, 1 (the rows two before them)
+        root, cut = notes[k][BRANCH_KEY]
+        assert root == index[k] - 2 and cut >= 1
+        assert ids[k][:cut] == ids[k - 2][:cut]
+    logs = [log for log in run.logs if "plugins/ares/branch_rollouts" in log]
+    assert logs and logs[0]["plugins/ares/branch_rollouts"] == len(branches)

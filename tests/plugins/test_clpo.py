@@ -17,6 +17,8 @@ from trl_plugins.testing import (
     StubGenerationService,
     assert_reduces_to_vanilla,
     build_stack,
+    make_advantage_context,
+    make_loss_context,
     make_refill_context,
     make_reward_context,
     make_rollout_context,
@@ -26,7 +28,17 @@ from trl_plugins.testing import (
     script_generation,
     stub_rows,
 )
-from trl_plugins_builtin.clpo import ClpoOptions, difficulty, parse_rewrite, replacement_slots, rewritten_row
+from trl_plugins.tasks.tiny import build_and_save
+from trl_plugins_builtin.clpo import (
+    KL_KEY,
+    ClpoOptions,
+    difficulty,
+    hard_rows,
+    kl_multipliers,
+    parse_rewrite,
+    replacement_slots,
+    rewritten_row,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -115,7 +127,7 @@ def test_zero_signal_groups_are_replaced_by_pooled_rewrites_hard_first_up_to_the
     ctx = run_hook(plugin.stack, "trl_plugins_reject_groups", make_refill_context(acc, num_generations=2))
     assert ctx.rejected.tolist() == [True, False, True, False, False]
     assert ctx.replacements == [("row", {"prompt": "H", "answer": "2"}), ("row", {"prompt": "H2", "answer": "3"})]
-    assert plugin.pool == [medium] and plugin.supplied == [stable_key("H"), stable_key("H2")]
+    assert plugin.pool == [medium] and plugin.supplied == {stable_key("H"): "hard", stable_key("H2"): "hard"}
     assert ctx.metrics["plugins/clpo/rewritten_fraction"] == [0.4]
     later = run_hook(plugin.stack, "trl_plugins_reject_groups", make_refill_context(acc, num_generations=2, round=1))
     assert not later.rejected.any() and plugin.pool == [medium]  # round 0 only
@@ -125,7 +137,7 @@ def test_zero_signal_groups_are_replaced_by_pooled_rewrites_hard_first_up_to_the
 def test_reward_stage_queues_the_hard_and_medium_originals_and_leaves_rewards_alone():
     plugin = _plugin()
     rows = stub_rows(4, 2, answer=["1", "2", "3", "4"])
-    plugin.supplied = [stable_key(rows[6]["prompt"])]  # group 3 is a rewrite placed in this batch
+    plugin.supplied = {stable_key(rows[6]["prompt"]): "medium"}  # group 3 is a rewrite placed in this batch
     acc = torch.tensor([1, 0, 0, 0, 1, 1, 0, 0], dtype=torch.float32)  # rates .5, 0, 1, 0
     ctx = make_reward_context(acc, num_generations=2, rows=rows)
     before = ctx.rewards_per_func.clone()
@@ -134,6 +146,8 @@ def test_reward_stage_queues_the_hard_and_medium_originals_and_leaves_rewards_al
     assert [(q["kind"], q["row"]["answer"]) for q in plugin.queue] == [("hard", "2"), ("medium", "1")]
     assert ctx.metrics["plugins/clpo/rewritten_pass_rate"] == [0.0]
     assert ctx.metrics["plugins/clpo/hard_fraction"] == [0.5]
+    # difficulty-aware KL: group 1 (rate 0) is hard; group 3 (rate 0) is a medium rewrite, so not hard
+    assert plugin._hard.tolist() == [False, False, True, True, False, False, False, False]
     run_hook(plugin.stack, "trl_plugins_transform_rewards", make_reward_context(acc, num_generations=2, rows=rows,
                                                                           mode="eval"))
     assert len(plugin.queue) == 2  # evaluation batches are not a curriculum signal
@@ -143,6 +157,7 @@ def test_reward_stage_queues_the_hard_and_medium_originals_and_leaves_rewards_al
     ({"rewrite_mode": "all"}, "rewrite_mode"),
     ({"hard_upper": 1.5}, "hard_upper"),
     ({"max_share": -0.1}, "max_share"),
+    ({"kl_hard_scale": -0.5}, "kl_hard_scale"),
     ({"medium_lower": 0.8, "medium_upper": 0.5}, "medium_lower=0.8 is above medium_upper=0.5"),
     ({"hard_template": "Simplify this."}, "must contain {question}"),
     ({"medium_template": "{question} {answr}"}, "answr"),
@@ -157,9 +172,53 @@ def test_no_refill_round_is_refused():
         make_tiny_trainer(plugins=["clpo"], max_refill_rounds=0)
 
 
-@pytest.mark.parametrize("neutral", [{"rewrite_mode": "off"}, {"max_share": 0.0}])
+@pytest.mark.parametrize("neutral", [{"rewrite_mode": "off", "kl_hard_scale": 1.0},
+                                     {"max_share": 0.0, "kl_hard_scale": 1.0}])
 def test_neutral_setting_reduces_to_vanilla_grpo(neutral):
     assert_reduces_to_vanilla("clpo", neutral, loss_types=("grpo",))
+
+
+def test_neutral_kl_factors_with_a_reference_kl_reduce_to_vanilla(tmp_path):
+    # beta = 0.04: the reference KL is on; factors 1 / 1 leave TRL's KL term as it is (no clpo hook runs)
+    model = str(build_and_save(tmp_path / "tiny"))
+    assert_reduces_to_vanilla("clpo", {"rewrite_mode": "off", "kl_hard_scale": 1.0}, loss_types=("grpo",),
+                              model=model, beta=0.04, steps=1)
+
+
+def test_hard_rows_follow_the_official_labels_and_set_the_kl_factor():
+    rates = torch.tensor([0.0, 0.3, 0.5, 0.0, 1.0], dtype=torch.float64)
+    kinds = [None, None, None, "medium", "hard"]  # groups 3 and 4 are placed rewrites
+    hard = hard_rows(rates, kinds, 0.3, 2)
+    assert hard.tolist() == [True, True, True, True, False, False, False, False, True, True]
+    o = ClpoOptions(kl_hard_scale=0.5, kl_nonhard_scale=2.0)
+    assert kl_multipliers(hard, o).tolist() == [0.5] * 4 + [2.0] * 4 + [0.5] * 2
+
+
+def test_loss_term_scales_the_reference_kl_of_hard_rows():
+    plugin = _plugin(rewrite_mode="off")  # the KL half alone (official defaults: 0.5 hard, 1 otherwise)
+    acc = torch.tensor([0, 0, 1, 0, 1, 1], dtype=torch.float32)  # rates 0 (hard), .5, 1
+    rows = stub_rows(3, 2, answer=["1", "2", "3"])
+    run_hook(plugin.stack, "trl_plugins_transform_rewards", make_reward_context(acc, num_generations=2, rows=rows))
+    assert plugin.queue == []  # rewriting is off
+    adv = make_advantage_context(acc.tolist(), num_generations=2)
+    run_hook(plugin.stack, "trl_plugins_transform_advantages", adv)
+    assert adv.extras[KL_KEY].tolist() == [0.5, 0.5, 1.0, 1.0, 1.0, 1.0]
+    assert adv.metrics["plugins/clpo/kl_hard_fraction"] == [pytest.approx(1 / 3)]
+    lp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5], [-0.3, -0.9]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.0], [-1.0, -0.7], [-0.1, -2.0]])
+    ctx = make_loss_context(lp, beta=0.04, ref_per_token_logps=ref,
+                            extras={KL_KEY: adv.extras[KL_KEY][[0, 2, 4]]})
+    ctx.set_active_plugin("clpo")
+    plugin.trl_plugins_loss(ctx)
+    (term,) = ctx.token_terms
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    assert torch.allclose(term, 0.04 * torch.tensor([[-0.5], [0.0], [0.0]]) * kl)  # total: beta * 0.5 * KL
+    off = make_loss_context(lp, extras={KL_KEY: torch.tensor([0.5, 1.0, 1.0])})  # beta = 0: nothing to scale
+    plugin.trl_plugins_loss(off)
+    assert off.token_terms == []
+    evaluation = make_advantage_context(acc.tolist(), num_generations=2, mode="eval")
+    run_hook(plugin.stack, "trl_plugins_transform_advantages", evaluation)
+    assert KL_KEY not in evaluation.extras
 
 
 def test_rewritten_problems_enter_the_next_batch_and_are_verified_against_the_original_answers():

@@ -9,7 +9,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import IncompatiblePluginsError, PluginConfigError, build_plugins
 from trl_plugins.api import Continuation
 from trl_plugins.api.services import RunInfo
 from trl_plugins.api.text import completion_text
@@ -18,12 +18,15 @@ from trl_plugins.testing import (
     char_encode,
     digit_fraction_reward,
     make_advantage_context,
+    make_prompt_context,
     make_reward_context,
     make_rollout_context,
     make_tiny_trainer,
     record_run,
+    stub_rows,
 )
 from trl_plugins_builtin.polychromic import (
+    VINE_ROW_KEY,
     VINES_KEY,
     draw_sets,
     group_keys,
@@ -31,6 +34,8 @@ from trl_plugins_builtin.polychromic import (
     rollout_positions,
     set_diversity,
     state_advantage,
+    state_advantages,
+    vine_slot,
     window_advantages,
 )
 
@@ -245,7 +250,7 @@ def test_vine_sampling_scores_the_sets_of_each_rollout_state():
     ctx = make_rollout_context([["Answer: 7", "Answer: 0"]], service=service, reward_funcs=[_answer_reward],
                                run=RunInfo(max_completion_length=16))
     stack = build_plugins(["polychromic"], {"polychromic": {
-        "set_size": 2, "num_sets": None, "rollout_states": 1, "vines": 4}})
+        "set_size": 2, "num_sets": None, "rollout_states": 1, "vines": 4, "vine_rows": "scored"}})
     stack.plugins[0]._scale_rewards = "none"
     stack.call("trl_plugins_after_generation", ctx)
     # one state per rollout at c = 9 // 2 = 4 ("Answ"), 3 vines each, up to max_completion_length
@@ -261,10 +266,11 @@ def test_vine_sampling_refuses_sets_larger_than_the_vines():
         build_plugins(["polychromic"], {"polychromic": {"set_size": 4, "rollout_states": 2, "vines": 3}})
 
 
-def test_short_run_trains_with_vine_sampling(tmp_path):
+def test_short_run_trains_with_scored_vines(tmp_path):
     trainer = make_tiny_trainer(plugins=["polychromic"],
                                 plugin_config={"polychromic": {"set_size": 2, "rollout_states": 1, "vines": 2,
-                                                               "window": 3, "diversity": "texts"}},
+                                                               "window": 3, "diversity": "texts",
+                                                               "vine_rows": "scored"}},
                                 output_dir=str(tmp_path), **{**RUN, "max_steps": 1})
     run = record_run(trainer)
     logs = [log for log in run.logs if "loss" in log]
@@ -283,3 +289,82 @@ def test_a_single_set_per_group_gives_finite_zero_advantages():
     for scale in ("group", "batch", "none"):
         adv, _ = polychromic_advantages(rewards, keys, group_size=2, set_size=2, num_sets=None, scale_rewards=scale)
         assert torch.equal(adv, torch.zeros(4)), (scale, adv)
+
+
+# ------------------------------------------------------------------------------------- trained vines (the paper)
+def test_vine_rows_form_trees_of_a_root_and_its_vines_per_state():
+    # rollout_states 2, vines 3: trees of L = 1 + 2 * 2 = 5 rows; a group of 8 ends with a partial tree
+    assert [vine_slot(k, 5, 2) for k in range(8)] == [None, (0, 0), (0, 0), (0, 1), (0, 1), None, (5, 0), (5, 0)]
+    # every member's set advantage at one state (pairs of 4, hand-computed: V = 4/6)
+    values, _ = state_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 1, 1, 2]), 2, None, False,
+                                 torch.Generator())
+    assert values.tolist() == pytest.approx([1 / 6, 0.0, 0.0, -1 / 6], abs=1e-6)
+
+
+def test_sampling_stage_fills_the_vine_rows_from_their_roots_state():
+    service = _VineService(["er: 5", "er: 5", "er: 0"])
+    ctx = make_rollout_context([["Answer: 7", "", "", ""]], service=service, deferred=[1, 2, 3],
+                               run=RunInfo(max_completion_length=16))
+    stack = build_plugins(["polychromic"], {"polychromic": {
+        "set_size": 2, "num_sets": None, "rollout_states": 1, "vines": 4}})
+    stack.call("trl_plugins_generation_prompts", _prompt_context(stack, 4))
+    stack.call("trl_plugins_after_generation", ctx)
+    # the root "Answer: 7" (9 tokens) has one state at c = 4; its three vines continue "Answ", up to 16 tokens
+    assert service.requests == [([char_encode("Answ")] * 3, [12] * 3)]
+    assert [completion_text(ctx.decode(ctx.completion_ids[i], i)) for i in range(4)] == [
+        "Answer: 7", "Answer: 5", "Answer: 5", "Answer: 0"]
+    assert [ctx.annotations[i].get(VINE_ROW_KEY) for i in range(4)] == [None, [0, 0, 4], [0, 0, 4], [0, 0, 4]]
+    assert ctx.metrics["plugins/polychromic/vine_rows"] == [3]
+
+
+def _prompt_context(stack, n):
+    return make_prompt_context(stub_rows(1, n), num_groups=1, num_generations=n)
+
+
+def test_advantage_stage_gives_every_vine_row_its_state_set_advantage_on_its_window():
+    # G = 5: a tree of 4 (root 0 and its 3 vines at c = 1) and a partial tree (root 4, no vines)
+    stack = build_plugins(["polychromic"], {"polychromic": {
+        "set_size": 2, "num_sets": None, "rollout_states": 1, "vines": 4, "window": 2}})
+    plugin = stack.plugins[0]
+    plugin._scale_rewards = "none"
+    plugin._keys = torch.tensor([0, 1, 1, 2, 3])
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0]
+    notes = [{}, {VINE_ROW_KEY: [0, 0, 1]}, {VINE_ROW_KEY: [0, 0, 1]}, {VINE_ROW_KEY: [0, 0, 1]}, {}]
+    ctx = make_advantage_context(rewards, num_generations=5, annotations=notes)
+    ctx.set_active_plugin("polychromic")
+    plugin.trl_plugins_transform_advantages(ctx)
+    base, _ = polychromic_advantages(torch.tensor(rewards), torch.tensor([0, 1, 1, 2, 3]), 5, 2, None, "none")
+    state = [1 / 6, 0.0, 0.0, -1 / 6]  # the tree's four trajectories (hand-computed above)
+    adv = ctx.advantages
+    assert adv.shape == (5, 4)
+    for n in range(4):
+        assert adv[n, 1:3].tolist() == pytest.approx([state[n]] * 2, abs=1e-6)  # the window: tokens 1 and 2
+        assert adv[n, [0, 3]].tolist() == pytest.approx([float(base[n])] * 2, abs=1e-6)  # elsewhere: group-level
+    assert adv[4].tolist() == pytest.approx([float(base[4])] * 4, abs=1e-6)  # a root without vines
+    assert ctx.metrics["plugins/polychromic/vine_set_score"] == [pytest.approx(4 / 6)]
+
+
+def test_trees_larger_than_the_group_are_refused(tmp_path):
+    with pytest.raises(PluginConfigError, match=r"= 1 \+ 2 \* \(3 - 1\) = 5 rows does not fit in a group of "
+                                                 r"num_generations=4"):
+        make_tiny_trainer(plugins=["polychromic"], output_dir=str(tmp_path), num_generations=4,
+                          plugin_config={"polychromic": {"set_size": 2, "rollout_states": 2, "vines": 3}}, **RUN)
+
+
+def test_short_run_trains_the_vines_as_rows(tmp_path):
+    trainer = make_tiny_trainer(plugins=["polychromic"],
+                                plugin_config={"polychromic": {"set_size": 2, "rollout_states": 1, "vines": 2,
+                                                               "window": 3, "diversity": "texts"}},
+                                output_dir=str(tmp_path), **{**RUN, "max_steps": 1})
+    run = record_run(trainer)
+    logs = [log for log in run.logs if "loss" in log]
+    assert logs and logs[0]["plugins/polychromic/vine_rows"] > 0 and logs[0]["plugins/polychromic/extra_rollouts"] == 0
+    assert logs[0]["plugins/polychromic/vine_states"] > 0
+    assert run.advantages[0].dim() == 2
+
+
+def test_trained_vines_are_refused_with_ares_branching(tmp_path):
+    with pytest.raises(IncompatiblePluginsError, match=r"\['ares'\] with branch_rollouts > 0 both defer rows"):
+        make_tiny_trainer(plugins=["ares", "polychromic"], output_dir=str(tmp_path), num_generations=4,
+                          plugin_config={"polychromic": {"set_size": 2, "rollout_states": 1, "vines": 2},
+                                         "ares": {"branch_rollouts": 1, "correct_threshold": 0.2}}, **RUN)
