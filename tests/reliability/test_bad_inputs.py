@@ -241,8 +241,6 @@ CASES = [
          "Option 'k' of plugin 'slate' got 1; allowed: a value >= 2"),
     Case("slate-k-not-dividing-group", "stack", ("slate", {"prm": "programmatic", "k": 3}),
          "k=3 candidates per step does not divide num_generations=4; allowed: num_generations a multiple of k"),
-    Case("slate-stop-string-never-matches", "stack", ("slate", {"prm": "programmatic", "k": 2, "step_stops": ["§"]}),
-         "Stop string '§' of plugin 'slate' can never match"),
     Case("verl-erank-ema-alpha-zero", "stack", ("verl_erank", {"ema_alpha": 0}),
          "Option 'ema_alpha' of plugin 'verl_erank' got 0.0; allowed: a value > 0.0 and <= 1.0"),
     Case("thr-p-beyond-one", "stack", ("thr", {"p": 2.0}),
@@ -271,6 +269,9 @@ CASES = [
           "plugin_config": {"fbos_rl": {"feedback": "judge", "judge_model": "m", "judge_base_url": "http//h:8000/v1"}}},
          "Endpoint URL 'http//h:8000/v1' is malformed"),
     # ---------------------------------------------------------------- data
+    Case("slate-stop-string-never-matches", "trainer",
+         {"plugins": ["slate"], "plugin_config": {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["§"]}}},
+         "Stop string '§' of plugin 'slate' can never match: the tokenizer writes it as ''"),
     Case("empty-dataset", "trainer", {"dataset": "empty"}, "The training dataset is empty (0 rows)"),
     Case("no-prompt-column", "trainer", {"dataset": "no_prompt"}, "has no 'prompt' column (columns: question"),
     Case("prompt-not-text", "trainer", {"dataset": "int_prompt"}, "has a 'prompt' of type int"),
