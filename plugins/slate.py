@@ -33,8 +33,9 @@ rollout budget) that continues every group's current prefix by one step for each
 step rewards are gathered across processes, normalised within each step's ``k`` candidates, and every process draws
 the same winner (a generator seeded by the run seed, the step, the group and the round) which extends the group's
 prefix. A row's completion is ``prefix + its step``; in the advantage stage the step's tokens get ``A_t^j`` and the
-prefix tokens 0 (context only, as in Eq. 7). A trajectory is formed step by step from the winners (not by running
-each candidate to the end), as the official loop does.
+prefix tokens 0 (context only, as in Eq. 7; they still count in TRL's loss normaliser, a documented difference). A
+trajectory is formed step by step from the winners (not by running each candidate to the end), as the official loop
+does.
 
 Step rewards. The judge is the project's process reward model (:mod:`trl_plugins.components.prm`: an HF PRM, an
 endpoint, or a task's programmatic step verifier) scoring the candidate step after the prefix's steps; its score
@@ -130,8 +131,8 @@ class SlateOptions(PRMOptions):
         both = set(self.step_stops) & set(self.answer_stops)
         if both:
             raise PluginConfigError(
-                f"Stop string(s) {sorted(both)} of plugin 'slate' are in both 'step_stops' and 'answer_stops'; allowed: "
-                "each string closes either a step that continues or an answer, not both."
+                f"Stop string(s) {sorted(both)} of plugin 'slate' are in both 'step_stops' and 'answer_stops'; "
+                "allowed: each string closes either a step that continues or an answer, not both."
             )
         if self.step_separator == "":
             raise PluginConfigError("Option 'step_separator' of plugin 'slate' must not be empty.")

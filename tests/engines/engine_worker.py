@@ -137,6 +137,8 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                                          "polychromic": {"set_size": 1, "num_sets": 2, "rollout_states": 1,
                                                          "vines": 2}},
                {**ZERO3_FSDP2, "args": {"beta": 0.04}, "policy_on_disk": True}),
+    "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
+              ZERO3_FSDP2),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
