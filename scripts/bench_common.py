@@ -140,6 +140,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "repexp": ({}, {}),
     # fewer meta-prover answers and episodes than the recipe: (episodes + 1) * prover_samples generations per rollout
     "mrt": ({"prover_samples": 2, "max_episodes": 3}, {}),
+    # SLATE: steps are lines (the programmatic PRM's steps), k = 2 candidates per step, G / 2 steps per group
+    "slate": ({"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}, {}),
     # two Monte-Carlo continuations per cut point and at most three cut points: (cuts * 2) generations per rollout
     "spo": ({"mc_samples": 2, "max_cutpoints": 3}, {}),
     # one on-policy pass is plain GRPO: the second micro-step of each generation batch is off-policy

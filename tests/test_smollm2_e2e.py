@@ -317,6 +317,10 @@ def _stacks(urls):
         # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
         # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
         "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),
+        # SLATE: G = 4 as two steps of k = 2 candidates, one line each (stop '\n'), from a shared prefix through the
+        # branching seam on the real model; the programmatic PRM judges each step, the step-0 winner is the prefix
+        "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
+                  {"loss_type": "dapo", "num_generations": 4}, []),
         # ETTRL: majority vote, EAR from the real model's entropies, and an ETMR tree of 2 per group (root + one
         # branch forked at the root's highest-entropy token onto a distinct top token: the seam's fork_prefixes)
         "ettrl": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}},

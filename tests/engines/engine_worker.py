@@ -147,6 +147,8 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # head rows are all-gathered once per loss call (a small step size: the tiny model's hidden states are large)
     "capo": (["capo"], {"capo": {"learning_rate": 1e-5}}, {**ZERO3_FSDP2, "softcap": True,
                                                             "args": {"loss_type": "dr_grpo"}}),
+    "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
+              ZERO3_FSDP2),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
