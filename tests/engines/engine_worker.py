@@ -147,9 +147,9 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # head rows are all-gathered once per loss call (a small step size: the tiny model's hidden states are large)
     "capo": (["capo"], {"capo": {"learning_rate": 1e-5}}, {**ZERO3_FSDP2, "softcap": True,
                                                             "args": {"loss_type": "dr_grpo"}}),
-    # arpo's branches from tool-call boundaries through the tool-episode seam (TRL's tool loop in lockstep); funrl's
-    # reward varies within a group (the tool answer reward of this tiny setting gives every row 1.0)
-    "tool_episodes": (["arpo", "funrl"], {"arpo": {"branch_probability": 1.0}},
+    # arpo's branches from tool-call boundaries through the tool-episode seam (TRL's tool loop in lockstep); igpo's
+    # turn rewards vary within a group (the scripted backend answers every question right: the outcome is flat)
+    "tool_episodes": (["arpo", "igpo"], {"arpo": {"branch_probability": 1.0}},
                       {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
     "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
               ZERO3_FSDP2),
