@@ -212,6 +212,7 @@ STATEFUL = {
     "rlp": {"text_column": "solution", "min_context_words": 1},  # the EMA baseline (the arithmetic solutions as text)
     "rapo_retention": {"teacher_model": "unused", "retention_lambda": 0.0},  # CTAN's statistics (no previous policy)
     "seele": {}, "siren": {}, "verl_erank": {},  # verl_erank: the running baselines of its three bonus terms
+    "capo": {},  # the Adam step model's moments over the head rows
 }
 
 
