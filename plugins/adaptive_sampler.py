@@ -239,7 +239,8 @@ class AdaptiveRepeatSampler(HistoryRepeatSampler):
 
 # ================================================================================================ plugin
 class AdaptiveSamplerPlugin(Plugin):
-    """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage)."""
+    """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage);
+    RAPO advantage scaling (advantage stage, opt-in)."""
 
     name = "adaptive_sampler"
     image_inputs = True
@@ -251,7 +252,10 @@ class AdaptiveSamplerPlugin(Plugin):
         "(DADS), arXiv:2506.08672; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
         "Synthesis for SLMs (RAPO pruning), arXiv:2509.24107"
     )
-    summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
+    summary = (
+        "Draws prompts by outcome variance and domain need, prunes prompts the policy already solves, and can "
+        "rescale advantages by the share of informative groups (RAPO)."
+    )
     Options = AdaptiveSamplerOptions
     official = OfficialSource(
         None, verdict="reconstructed",
