@@ -24,8 +24,8 @@ outcomes, before anything is generated (so zero-variance groups are avoided rath
   stage, the advantages of the "good" groups (rewards not all equal, so ``sigma_R > 0``) are multiplied by
   ``n_groups / n_good`` — the inverse of their frequency in the batch — so a batch where few groups carry signal
   keeps its gradient magnitude without DAPO-style re-sampling. Other groups are unchanged; a batch with no good
-  group is unchanged. The paper states only "rescaled inversely with their batch frequency" and no training code is
-  public, so the exact factor (count over the gathered batch, no cap) is reconstructed.
+  group is unchanged. The paper describes the rule in words only (inverse of the good groups' share of the batch)
+  and no training code is public, so the exact factor (count over the gathered batch, no cap) is reconstructed.
 
 Sampling probability of prompt ``i`` in the unpruned pool: ``base_i = w_{d(i)} / |pool ∩ d(i)|`` (``1 / |pool|``
 without domains) and ``q_i = (1 - lam) * base_i + lam * base_i * VPS_i / sum_j base_j VPS_j``; each chunk of
