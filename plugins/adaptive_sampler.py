@@ -20,6 +20,12 @@ outcomes, before anything is generated (so zero-variance groups are avoided rath
   rollout of its last ``prune_after`` groups correct) are removed from the pool. When fewer than a batch of
   prompts remain, pruned prompts are drawn again (uniformly). RAPO's per-prompt replay buffers (a stored success
   spliced into a later all-fail group) are the ``replay`` plugin; stack both for RAPO's pruning and replay.
+* **RAPO reward-aware advantage scaling** (same paper; ``advantage_scaling``, off by default): at the advantage
+  stage, the advantages of the "good" groups (rewards not all equal, so ``sigma_R > 0``) are multiplied by
+  ``n_groups / n_good`` — the inverse of their frequency in the batch — so a batch where few groups carry signal
+  keeps its gradient magnitude without DAPO-style re-sampling. Other groups are unchanged; a batch with no good
+  group is unchanged. The paper describes the rule in words only (inverse of the good groups' share of the batch)
+  and no training code is public, so the exact factor (count over the gathered batch, no cap) is reconstructed.
 
 Sampling probability of prompt ``i`` in the unpruned pool: ``base_i = w_{d(i)} / |pool ∩ d(i)|`` (``1 / |pool|``
 without domains) and ``q_i = (1 - lam) * base_i + lam * base_i * VPS_i / sum_j base_j VPS_j``; each chunk of
@@ -37,7 +43,8 @@ history alone, so every process draws the same and a resumed run draws what the 
 
 A rollout is "correct" when its verifier column is above ``success_threshold`` (the first reward function that is
 not a placeholder unless ``success_column`` names another; other reward columns never change the verdict). With ``variance_mix = 0``, no
-``domain_column`` and ``prune_solved = false`` the plugin keeps TRL's own sampler (vanilla GRPO). ``shuffle_dataset
+``domain_column``, ``prune_solved = false`` and ``advantage_scaling = false`` the plugin keeps TRL's own sampler and
+advantages (vanilla GRPO). ``shuffle_dataset
 = False`` is ignored once the sampler is replaced (the draws are random by construction).
 
 No official code was reachable: no official training code of MMR1's variance-aware sampling was found; compared
@@ -52,7 +59,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from trl_plugins.api import OfficialSource, Plugin, PluginError, RewardContext, hookimpl, option
+from trl_plugins.api import (
+    AdvantageContext,
+    OfficialSource,
+    Plugin,
+    PluginError,
+    RewardContext,
+    hookimpl,
+    option,
+)
 from trl_plugins.api.success import SuccessOptions
 from trl_plugins.api.text import completion_text
 from trl_plugins.components.prompt_history import (
@@ -105,6 +120,12 @@ class AdaptiveSamplerOptions(SuccessOptions):
     domain_target: float = option(
         1.0, min=0.0, max=1.0, min_exclusive=True, help="Target reward per domain (official target_reward_base)."
     )
+    advantage_scaling: bool = option(
+        False,
+        help="RAPO: multiply the advantages of groups with non-constant rewards by n_groups / n_good (inverse "
+        "batch frequency of informative groups); false = TRL's advantages.",
+        reconstructed=True,
+    )
     feedback_delay: int | None = option(
         None, min=1,
         help="Outcomes of chunk c are used from chunk c + feedback_delay on; None = smallest delay the dataloader's "
@@ -117,6 +138,29 @@ class AdaptiveSamplerOptions(SuccessOptions):
 
 
 # ================================================================================================ pure functions
+def rapo_advantage_scale(rewards: torch.Tensor, num_generations: int) -> tuple[torch.Tensor, int, int]:
+    """RAPO's reward-aware advantage scale per row.
+
+    Args:
+        rewards: (N,) combined rewards of the gathered batch, N = n_groups * G (NaN = no reward, ignored).
+        num_generations: G.
+
+    Returns:
+        scale: (N,) ``n_groups / n_good`` on rows of good groups (non-NaN rewards not all equal), 1 elsewhere
+            (all ones when no group is good); n_good; n_groups.
+    """
+    grouped = rewards.detach().float().view(-1, num_generations)
+    n_groups = grouped.shape[0]
+    finite = ~torch.isnan(grouped)
+    hi = torch.where(finite, grouped, torch.full_like(grouped, -math.inf)).amax(dim=1)
+    lo = torch.where(finite, grouped, torch.full_like(grouped, math.inf)).amin(dim=1)
+    good = finite.sum(dim=1).ge(2) & (hi > lo)
+    n_good = int(good.sum().item())
+    factor = n_groups / n_good if n_good else 1.0
+    scale = torch.where(good, torch.full_like(hi, factor), torch.ones_like(hi))
+    return scale.repeat_interleave(num_generations), n_good, n_groups
+
+
 def variance_scores(
     accuracy: torch.Tensor, diversity: torch.Tensor, prior: float, ovs_weight: float, diversity_weight: float
 ) -> torch.Tensor:
@@ -195,25 +239,31 @@ class AdaptiveRepeatSampler(HistoryRepeatSampler):
 
 # ================================================================================================ plugin
 class AdaptiveSamplerPlugin(Plugin):
-    """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage)."""
+    """Variance-aware (MMR1), domain-aware (RuleReasoner) and pruning (RAPO) prompt selection (sampling stage);
+    RAPO advantage scaling (advantage stage, opt-in)."""
 
     name = "adaptive_sampler"
     image_inputs = True
     multi_turn = True
-    version = "0.1.0"
+    version = "0.2.0"
     paper = (
         "MMR1: Enhancing Multimodal Reasoning with Variance-Aware Sampling and Open Resources (VAS), "
         "arXiv:2509.21268; RuleReasoner: Reinforced Rule-based Reasoning via Domain-aware Dynamic Sampling "
         "(DADS), arXiv:2506.08672; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
         "Synthesis for SLMs (RAPO pruning), arXiv:2509.24107"
     )
-    summary = "Draws prompts by outcome variance and domain need, and prunes prompts the policy already solves."
+    summary = (
+        "Draws prompts by outcome variance and domain need, prunes prompts the policy already solves, and can "
+        "rescale advantages by the share of informative groups (RAPO)."
+    )
     Options = AdaptiveSamplerOptions
     official = OfficialSource(
         None, verdict="reconstructed",
         note="No official training code of MMR1's variance-aware sampling was found; compared with the paper's "
         "abstract and summaries: the mix of variance and diversity, the priors, the history decay and the pruning are "
-        "reconstructed.",
+        "reconstructed. RAPO (Fathom-DeepResearch): the public repository FractalAIResearchLabs/Fathom-DeepResearch "
+        "@ cdc2010be8b9b7627f82e6492148d1dc9964e0b1 holds inference, evaluation and serving code only (no RAPO "
+        "training code); pruning and advantage scaling follow the paper's description.",
     )
     claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
@@ -222,6 +272,8 @@ class AdaptiveSamplerPlugin(Plugin):
         "TDS proxy: fraction of distinct completions in the prompt's last group (off by default)",
         "unseen prompts get p = prior_accuracy; per-prompt accuracy is an EMA (history_decay)",
         "outcomes apply with a fixed chunk delay (feedback_delay) so every process and a resumed run draw alike",
+        "RAPO advantage scaling: good group = non-constant rewards; factor n_groups / n_good over the gathered "
+        "batch, uncapped (the paper gives the rule in words only; no training code is public)",
     )
 
     def __init__(self, options=None):
@@ -389,6 +441,18 @@ class AdaptiveSamplerPlugin(Plugin):
         if chunk is None:
             return  # not drawn by this plugin's sampler (e.g. a custom loop); nothing to learn from
         self.record_outcome(ctx, k, chunk)
+
+    @hookimpl
+    def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
+        """RAPO advantage scaling: good groups' advantages times n_groups / n_good (training batches only)."""
+        if not self.options.advantage_scaling or ctx.mode != "train":
+            return
+        scale, n_good, n_groups = rapo_advantage_scale(ctx.rewards, ctx.num_generations)
+        adv = ctx.advantages
+        scale = scale.to(device=adv.device, dtype=adv.dtype)
+        ctx.advantages = adv * (scale.unsqueeze(-1) if adv.dim() == 2 else scale)
+        ctx.log_metric("good_group_fraction", n_good / n_groups)
+        ctx.log_metric("advantage_scale", n_groups / n_good if n_good else 1.0)
 
     def record_outcome(self, ctx: RewardContext, k: int, chunk: list[int]) -> None:
         o = self.options

@@ -18,6 +18,7 @@ from trl_plugins import PluginConfigError, PluginError, build_plugins
 from trl_plugins.testing import (
     assert_runs_equal,
     digit_fraction_reward,
+    make_advantage_context,
     make_reward_context,
     make_tiny_trainer,
     record_run,
@@ -28,6 +29,7 @@ from trl_plugins.runtime.trainer import PLUGIN_STATE_FILE
 from trl_plugins_builtin.adaptive_sampler import (
     AdaptiveRepeatSampler,
     domain_weights_from_buffer,
+    rapo_advantage_scale,
     sampling_probabilities,
     variance_scores,
 )
@@ -176,11 +178,49 @@ def test_option_validation():
         build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"variance_mix": 1.5}})
     with pytest.raises(PluginConfigError, match="prune_after"):
         build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"prune_after": 0}})
+    with pytest.raises(PluginConfigError, match="advantage_scaling"):
+        build_plugins(["adaptive_sampler"], {"adaptive_sampler": {"advantage_scaling": "yes"}})
+
+
+def test_rapo_advantage_scale_is_inverse_good_group_frequency():
+    # 4 groups of G=2: [1,0] good, [1,1] solved, [0,0] failed, [0.3, NaN] one reward only -> 1 good of 4 -> x4
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.3, float("nan")])
+    scale, n_good, n_groups = rapo_advantage_scale(rewards, 2)
+    assert (n_good, n_groups) == (1, 4)
+    assert torch.equal(scale, torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    scale, n_good, _ = rapo_advantage_scale(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2)  # no good group: unchanged
+    assert n_good == 0 and torch.equal(scale, torch.ones(4))
+    scale, _, _ = rapo_advantage_scale(torch.tensor([1.0, 0.0, 0.5, 0.2]), 2)  # every group good: factor 1
+    assert torch.equal(scale, torch.ones(4))
+
+
+def _advantages_after(options, rewards, **ctx_kwargs):
+    plugin = build_plugins(["adaptive_sampler"], {"adaptive_sampler": options}).by_name["adaptive_sampler"]
+    ctx = make_advantage_context(rewards, num_generations=2, **ctx_kwargs)
+    plugin.trl_plugins_transform_advantages(ctx)
+    return ctx
+
+
+def test_advantage_scaling_hook_scales_good_groups_and_is_off_by_default():
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]  # groups: good, solved, failed, good -> factor 4/2
+    base = make_advantage_context(rewards, num_generations=2).advantages.clone()
+    assert base.abs().sum() > 0
+    ctx = _advantages_after({"advantage_scaling": True}, rewards)
+    assert torch.allclose(ctx.advantages, base * 2.0)
+    metrics = {k.rsplit("/", 1)[-1]: v for k, v in ctx.metrics.items()}
+    assert metrics["good_group_fraction"] == [0.5]
+    assert metrics["advantage_scale"] == [2.0]
+    per_token = base.unsqueeze(-1).repeat(1, 3)  # (N, T) advantages from an earlier plugin scale per row
+    ctx = _advantages_after({"advantage_scaling": True}, rewards, advantages=per_token)
+    assert torch.allclose(ctx.advantages, per_token * 2.0)
+    assert torch.equal(_advantages_after({}, rewards).advantages, base)  # default: TRL's advantages untouched
+    ctx = _advantages_after({"advantage_scaling": True}, rewards, mode="eval")
+    assert torch.equal(ctx.advantages, base)  # eval batches untouched
 
 
 # ------------------------------------------------------------------------------------------ trainer runs
 def test_neutral_setting_keeps_trls_sampler_and_is_vanilla(tmp_path):
-    neutral = {"variance_mix": 0.0, "prune_solved": False}
+    neutral = {"variance_mix": 0.0, "prune_solved": False, "advantage_scaling": False}
     common = dict(reward_funcs=[digit_fraction_reward], max_steps=1, log_level="error")
     trainer = make_tiny_trainer(plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": neutral},
                                 output_dir=str(tmp_path / "a"), **common)
