@@ -260,7 +260,10 @@ def test_undeclared_generation_is_stopped_by_the_generation_service():
 #: dno's benchmark settings use the scripted judge, which reads text only: the image run uses its default (the
 #: reward as the preference oracle, declared for image prompts).
 _IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "level"}, "dno": {},
-                      "ettrl": {"fork_points": 0}}  # the vote and EAR (ETMR's trees are refused with images)
+                      "ettrl": {"fork_points": 0},  # the vote and EAR (ETMR's trees are refused with images)
+                      # their trees / probe rollouts sample through the generation service and are refused with
+                      # images (test_refusal_decided_by_options above); what is left runs
+                      "latr": {"mix_ratios": [0.0]}, "rex_rag": {"probe_slots": 0}}
 
 
 @pytest.mark.slow
