@@ -90,7 +90,7 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import context_device, gather_id_lists
-from trl_plugins.api.reasons import IMAGES_POLICY_PROBE, VLLM_BRANCHING
+from trl_plugins.api.reasons import IMAGES_POLICY_PROBE, VLLM_BRANCHING, samples_outside_hf_generate
 from trl_plugins.api.success import placeholder_column
 
 from ._ares_triggers import TRIGGER_WORDS
@@ -375,7 +375,7 @@ class AresPlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         R = self.options.branch_rollouts
-        if R and (getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False)):
+        if R and samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"ares with branch_rollouts={R} (HWE-triggered branching) cannot run with use_vllm=True or continuous "
                 f"batching: {VLLM_BRANCHING} Or set branch_rollouts=0 (independent rollouts).")

@@ -61,7 +61,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_TOOL_EPISODES
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_TOOL_EPISODES, samples_outside_hf_generate
 
 #: Annotation key: on a slot row filled by a branch, "<global source row>@<boundary turn>".
 BRANCH_KEY = "arpo_branch"
@@ -185,8 +185,7 @@ class ArpoPlugin(Plugin):
         if self.roots < 1:
             raise PluginConfigError(f"arpo: num_generations={G} leaves no root rollout (num_generations // 2 = 0); "
                                     "set initial_rollouts >= 1 or num_generations >= 2.")
-        if self.roots < G and (getattr(args, "use_vllm", False)
-                               or getattr(args, "use_transformers_continuous_batching", False)):
+        if self.roots < G and samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(f"arpo cannot run with use_vllm=True or continuous batching: "
                                            f"{VLLM_TOOL_EPISODES}")
 

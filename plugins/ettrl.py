@@ -64,7 +64,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.answers import batch_clusters, get_extractor, majority_votes
 from trl_plugins.api.collectives import context_device, gather_id_lists
-from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE, IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
+from trl_plugins.api.reasons import CORRECTNESS_PICK_ONE, IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, samples_outside_hf_generate
 from trl_plugins.api.success import placeholder_column
 
 COLUMN = "ettrl"
@@ -221,7 +221,7 @@ class EttrlPlugin(Plugin):
         o = self.options
         if o.fork_points == 0:
             return
-        if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        if samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"ettrl with fork_points={o.fork_points} (ETMR) cannot run with use_vllm=True or continuous "
                 f"batching: {VLLM_BRANCHING} Or set fork_points=0 (independent rollouts).")

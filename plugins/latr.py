@@ -71,7 +71,7 @@ from typing import Literal
 from trl_plugins.api import IncompatiblePluginsError, OfficialSource, Plugin, PluginConfigError, PluginOptions
 from trl_plugins.api import PromptContext, RolloutContext, hookimpl, option
 from trl_plugins.api.collectives import gather_id_lists
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, samples_outside_hf_generate
 
 #: The official ``math_core_symbols`` (sample_filter.py:18): a fork whose parent token decodes (stripped) to a
 #: substring of it is never pruned when ``keep_math_symbols`` is on.
@@ -339,7 +339,7 @@ class LatrPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        if samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"latr with mix_ratios={self.options.mix_ratios} cannot run with use_vllm=True or continuous "
                 f"batching: {VLLM_BRANCHING} Or set mix_ratios=[0.0] (independent rollouts).")

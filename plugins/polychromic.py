@@ -80,7 +80,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.answers import batch_clusters, cluster_answers, get_extractor
 from trl_plugins.api.collectives import gather_id_lists
-from trl_plugins.api.reasons import VLLM_BRANCHING
+from trl_plugins.api.reasons import VLLM_BRANCHING, samples_outside_hf_generate
 from trl_plugins.api.text import completion_text
 
 #: Annotation key: ``[[state, advantage], ...]`` of a rollout's vine states (sampling stage -> advantage stage).
@@ -417,8 +417,7 @@ class PolychromicPlugin(Plugin):
                 f"polychromic with trained vines (vine_rows='trained') and {deferring} with branch_rollouts > 0 both "
                 "defer rows of every group to fill them with continuations; set vine_rows='scored' or "
                 "branch_rollouts=0.")
-        if o.rollout_states and (getattr(args, "use_vllm", False)
-                                 or getattr(args, "use_transformers_continuous_batching", False)):
+        if o.rollout_states and samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"polychromic's vine sampling (rollout_states={o.rollout_states}) cannot run with use_vllm=True or "
                 f"continuous batching: {VLLM_BRANCHING} Set rollout_states=0 or use HF generation."

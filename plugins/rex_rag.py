@@ -76,7 +76,7 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.collectives import context_device, gather_id_lists
 from trl_plugins.api.loss_types import CLIPPED_LOSS_TYPES
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, samples_outside_hf_generate
 from trl_plugins.api.success import SuccessOptions
 
 #: Annotation of a probe row: ``{"start": j, "length": P, "source": index in group, "phrase": pool index}``.
@@ -292,7 +292,7 @@ class RexRagPlugin(Plugin):
         o = self.options
         if o.probe_slots == 0:
             return
-        if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        if samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"rex_rag with probe_slots={o.probe_slots} cannot run with use_vllm=True or continuous batching: "
                 f"{VLLM_BRANCHING} Or set probe_slots=0.")

@@ -72,7 +72,7 @@ from trl_plugins.api import (
     option,
 )
 from trl_plugins.api.collectives import context_device, gather_id_lists
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, samples_outside_hf_generate
 from trl_plugins.components.prm import PRMOptions, prm_from_options
 
 #: Annotation keys of a trained row: first token of its step, completion length, step advantage, step reward, round.
@@ -256,7 +256,7 @@ class SlatePlugin(Plugin):
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
         o = self.options
-        if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        if samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(
                 f"slate cannot run with use_vllm=True or continuous batching: {VLLM_BRANCHING} Or set weight=0.")
         G = int(args.num_generations)

@@ -56,7 +56,7 @@ from trl_plugins.api import (
     hookimpl,
     option,
 )
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_BRANCHING, samples_outside_hf_generate
 
 #: Annotation keys: the cut points with their values, the low-probability token positions, the completion length.
 CUTS_KEY = "spo_cuts"
@@ -174,7 +174,7 @@ class SpoPlugin(Plugin):
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        if getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False):
+        if samples_outside_hf_generate(args):
             raise IncompatiblePluginsError(f"spo cannot run with use_vllm=True or continuous batching: {VLLM_BRANCHING}")
 
     @hookimpl

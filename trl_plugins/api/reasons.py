@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "samples_outside_hf_generate",
     "ADVANTAGE_PICK_ONE",
     "CORRECTNESS_PICK_ONE",
     "EDITS_COMPLETIONS",
@@ -56,6 +57,12 @@ VLLM_BRANCHING = (
     "sampling parameters for the whole call and returns no distribution at a step, so it runs on TRL's HF-generate "
     "backend only: set use_vllm=False (and use_transformers_continuous_batching=False)."
 )
+
+
+def samples_outside_hf_generate(args) -> bool:
+    """Whether ``args`` (a GRPOConfig) samples outside TRL's HF-generate backend -- vLLM or transformers' continuous
+    batching -- where the branching and tool-episode seams are refused (:data:`VLLM_BRANCHING`)."""
+    return bool(getattr(args, "use_vllm", False) or getattr(args, "use_transformers_continuous_batching", False))
 
 
 #: Why the tool-episode seam (``ctx.continue_tool_episodes``) runs on TRL's HF-generate backend only.
