@@ -110,10 +110,6 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # the branching seam (ctx.continue_prefixes): spo's Monte-Carlo continuations from its cut points, a collective
     # HF generate with padded requests (every token of the random tiny model is below the probability threshold)
     "branching": (["spo"], {"spo": {"cutpoint_interval": 2, "mc_samples": 2, "max_cutpoints": 2}}, ZERO3_FSDP2),
-    # spo's tree form: a 2-2 tree per group grown through the seam on the process holding the group's row 0, its
-    # leaves gathered into the group's rows (one seam call per depth on every process, trees of different sizes)
-    "branching_tree": (["spo"], {"spo": {"mode": "tree", "branch_factors": [2, 2], "segment_tokens": 3}},
-                       ZERO3_FSDP2),
     # the generative reward model's local HF backend (the tiny teacher writes unparsable verdicts: allowed here)
     "genrm": (["deepseek_grm"], {"deepseek_grm": {"genrm": "hf", "genrm_model": "@teacher", "k": 2,
                                                  "genrm_max_tokens": 6, "genrm_max_unparsable": 1.0}}, ZERO3_FSDP2),
