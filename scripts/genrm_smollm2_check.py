@@ -60,15 +60,16 @@ def wrong_reply(answer: int, seed: int) -> int:
 
 
 def rating_template():
-    """Our one-line pointwise rating prompt for small judges (the ``rating`` check): the first number of the answer,
-    1 to 10, is the verdict (one outside the range is unparsable)."""
+    """Our one-line pointwise rating prompt for small judges (the ``rating`` check): an answer whose first line is a
+    number from 1 to 10 (optionally ``/10``) is the verdict; anything else is unparsable (a judge that restates the
+    sum, "3 - 1 = 2", gave no rating)."""
     from trl_plugins.components.genrm import GenRMTemplate
 
     return GenRMTemplate(
         name="genrm_smollm2/rating", system="",
         user="Question: {question}\nAnswer: {response}\nIs the answer correct? Rate it from 1 (wrong) to 10 "
         "(correct). Reply with the number only.",
-        verdict_regex=r"\A\D*(\d+(?:\.\d+)?)", low=1.0, high=10.0,
+        verdict_regex=r"\A\s*(\d+(?:\.\d+)?)(?:\s*/\s*10)?[.!]?[ \t]*(?:\n|\Z)", low=1.0, high=10.0,
     )
 
 

@@ -53,10 +53,10 @@ def test_check_reports_parsing_vote_and_reward_column(monkeypatch, tmp_path):
     assert "12 of 16 judgements" in table and table.count("\n| What is") == 8
 
 
-def test_the_rating_template_reads_the_first_number_in_range():
+def test_the_rating_template_reads_a_first_line_that_is_a_number_in_range():
     template = _script().rating_template()
-    assert [template.parse(t) for t in ("8", "I rate it 7.", "3.5 out of 10", "27", "no idea")] == [
-        8.0, 7.0, 3.5, None, None]
+    answers = ("8", "7.\nThe answer is right.", " 3.5/10", "27", "3 - 1 = 2", "I rate it 7.", "no idea")
+    assert [template.parse(t) for t in answers] == [8.0, 7.0, 3.5, None, None, None, None]
     assert template.protocol == "pointwise" and "{question}" in template.user and "{response}" in template.user
 
 
