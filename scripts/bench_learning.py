@@ -74,6 +74,10 @@ TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "slate", "rex_rag", "ares:branc
 # GRPO's tokens at the rollout budget on the shipped model (2560 rollouts x about 30 tokens: 76,000-76,600 in the
 # full-mode runs of seeds 0-2), and the evaluation interval in tokens.
 TOKEN_BUDGET, TOKEN_EVAL_EVERY = 76800, 19200
+# With --task tools: the agent methods that re-generate tool episodes from a turn (the tool-episode seam), and GRPO's
+# sampled tokens at the agentic rollout budget (384 rollouts: 25,365 tokens for seed 0 on the shipped tool model).
+TOOL_TOKEN_METHODS = ["grpo", "arpo"]
+TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY = 25600, 8533
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
@@ -568,11 +572,11 @@ def markdown(result: dict) -> str:
                 out += ["", f"**{FAMILY_TITLES[fam]}**"]
                 out += _table(baseline + members, grpo, agentic)
     else:
-        out += _table(rows, grpo, agentic, tokens=result["mode"] == "tokens")
+        out += _table(rows, grpo, agentic, tokens=result.get("budget_unit") == "tokens")
     out.append("")
     prefix = result.get("section") or ("learning" if result["mode"] == "quick" else f"learning_{result['mode']}")
     out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` ({'seen-pair' if agentic else 'held-out'} accuracy "
-               f"against {'generated tokens' if result['mode'] == 'tokens' else 'rollouts'}), "
+               f"against {'generated tokens' if result.get('budget_unit') == 'tokens' else 'rollouts'}), "
                f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png`"
                + (f", `docs/benchmarks/{prefix}_tool_calls.png` (tool calls per rollout)" if agentic else "")
                + " (mean over seeds; shaded: ± one std).")
@@ -905,20 +909,21 @@ def main(argv=None) -> int:
         methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 2560, 640, 128, args.seeds
         gain = 0.12
     tokens = args.budget_unit == "tokens"
-    if tokens and (agentic or real or args.tiny or args.quick):
-        print("--budget-unit tokens runs the full arithmetic mode only (the tiny model, no --quick / --tiny / "
-              "--task tools / --model smollm2)", file=sys.stderr)
+    if tokens and (real or args.tiny or args.quick):
+        print("--budget-unit tokens runs the full arithmetic mode or the agentic mode only (the tiny models, no "
+              "--quick / --tiny / --model smollm2)", file=sys.stderr)
         return 2
     if tokens:
-        methods, budget, eval_every = TOKEN_METHODS, TOKEN_BUDGET, TOKEN_EVAL_EVERY
+        methods, budget, eval_every = ((TOOL_TOKEN_METHODS, TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY) if agentic else
+                                       (TOKEN_METHODS, TOKEN_BUDGET, TOKEN_EVAL_EVERY))
     methods = args.methods or methods
     budget = args.budget or budget
     eval_every = args.eval_every or eval_every
     eval_size = args.eval_size or eval_size
     mode = "tiny" if args.tiny else ("smollm2" if real else ("quick" if args.quick else "full"))
-    mode = "tokens" if tokens else mode
     if agentic:
         mode = "agentic_tiny" if args.tiny else "agentic"
+    mode = (mode + "_tokens" if agentic else "tokens") if tokens else mode
     grpo_config = json.loads(args.grpo_config)
     if args.lr is not None:
         grpo_config["learning_rate"] = args.lr
@@ -1030,7 +1035,8 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2",
-              "agentic": "learning_agentic", "agentic_tiny": "learning_agentic_tiny", "tokens": "learning_tokens"}[mode]
+              "agentic": "learning_agentic", "agentic_tiny": "learning_agentic_tiny", "tokens": "learning_tokens",
+              "agentic_tokens": "learning_agentic_tokens"}[mode]
     prefix = result["section"] = args.section or prefix
     md = markdown(result)
     print(md)
