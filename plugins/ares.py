@@ -394,9 +394,7 @@ class AresPlugin(Plugin):
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Defer the last ``branch_rollouts`` rows of every group: TRL samples the roots only."""
         G, R = ctx.num_generations, self.options.branch_rollouts
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] >= G - R:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k >= G - R)
         self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
 
     @hookimpl

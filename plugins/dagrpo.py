@@ -406,10 +406,8 @@ class DaGRPOPlugin(Plugin):
         if not self.reserves(G):
             return
         slot = min(self.options.anchor_index, G - 1)
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] == slot:
-                ctx.defer(i)
-                ctx.annotations[i][RESERVED_ANNOTATION] = True
+        for i in ctx.defer_slots(lambda k: k == slot):
+            ctx.annotations[i][RESERVED_ANNOTATION] = True
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):

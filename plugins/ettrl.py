@@ -238,9 +238,7 @@ class EttrlPlugin(Plugin):
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Defer every branch row: TRL samples the tree roots only."""
         L = self.options.tree_size
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] % L != 0:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k % L != 0)
         self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
 
     @hookimpl

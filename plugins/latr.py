@@ -353,9 +353,8 @@ class LatrPlugin(Plugin):
         if self._tree_rows < 2:
             self._tree_rows = 0
             return
-        for i in range(len(ctx.rows)):
-            if 0 < ctx.index_in_group[i] < self._tree_rows:
-                ctx.defer(i)
+        K = self._tree_rows
+        ctx.defer_slots(lambda k: 0 < k < K)
 
     # ----------------------------------------------------------------------------------------- tree
     @hookimpl

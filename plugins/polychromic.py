@@ -445,9 +445,7 @@ class PolychromicPlugin(Plugin):
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Trained vines: defer every vine row, TRL samples the tree roots only."""
         L = self.options.tree_size
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] % L != 0:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k % L != 0)
         self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
 
     def _fill_vine_rows(self, ctx: RolloutContext) -> None:

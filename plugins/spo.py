@@ -435,9 +435,7 @@ class SpoPlugin(Plugin):
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Tree: defer rows 1 .. G-1 of every group; TRL samples row 0, the tree's first path."""
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] != 0:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k != 0)
         self._pending = True  # on every process, whatever its rows: the next hook's collectives run everywhere
 
     @hookimpl

@@ -295,6 +295,16 @@ def demo_settings():
 #: The plugins of PLUGIN_SETTINGS that act on multi-turn tool rollouts only (see the comment there): on the
 #: arithmetic task they equal vanilla GRPO, so the learning benchmark's arithmetic modes leave them out (they are in
 #: its ``--task tools`` mode and in the overhead benchmark).
+#: Named variants of one plugin on the arithmetic task (``plugin:variant`` in the benchmarks' method / configuration
+#: lists): the plugin with these options on top of its ``PLUGIN_SETTINGS``.
+PLUGIN_VARIANTS: dict[str, dict] = {
+    "laser:laser_de": {"variant": "laser_de"},
+    "dler:difficulty": {"difficulty_aware": True},
+    "ares:branching": {"branch_rollouts": 4},
+    "polychromic:vines": {"rollout_states": 1, "vines": 4},
+    # SPO-tree: a 3-3 tree of 16-token segments per prompt (9 leaves for G = 8; the official 6-6-6 is 258 segments)
+    "spo:tree": {"mode": "tree", "branch_factors": [3, 3], "segment_tokens": 16},
+}
 TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt")
 
 

@@ -67,10 +67,17 @@ STACKS = ["scope+lp_reg", "hint_scaffold+seed_grpo", "fbos_rl+canon", "laser+can
 # within its sub-groups instead of recomputing them too (two plugins that both recompute one quantity are refused).
 STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"advantage": "recentre"}}}
 # Named variants of one plugin (``plugin:variant`` in --methods): the plugin with these options on top of its settings.
-VARIANTS: dict[str, dict] = {
-    "laser:laser_de": {"variant": "laser_de"},
-    "dler:difficulty": {"difficulty_aware": True},
-}
+VARIANTS = bc.PLUGIN_VARIANTS
+# Token mode (--budget-unit tokens): the methods that generate through the branching seam (continuations, forks,
+# trees sharing prefixes), at an equal budget of generated tokens (a shared prefix is paid for once).
+TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "slate", "rex_rag", "ares:branching", "polychromic:vines"]
+# GRPO's tokens at the rollout budget on the shipped model (2560 rollouts x about 30 tokens: 76,000-76,600 in the
+# full-mode runs of seeds 0-2), and the evaluation interval in tokens.
+TOKEN_BUDGET, TOKEN_EVAL_EVERY = 76800, 19200
+# With --task tools: the agent methods that re-generate tool episodes from a turn (the tool-episode seam), and GRPO's
+# sampled tokens at the agentic rollout budget (384 rollouts: 25,365 tokens for seed 0 on the shipped tool model).
+TOOL_TOKEN_METHODS = ["grpo", "arpo"]
+TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY = 25600, 8533
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
@@ -211,6 +218,7 @@ def run_one(job: dict) -> dict:
 
     bc.set_threads(1)
     method, seed, budget = job["method"], job["seed"], job["budget"]
+    unit = job.get("unit", "rollouts")
     s = bc.demo_settings()
     real = job.get("model") == "smollm2"
     agentic = job.get("task") == "tools"
@@ -239,7 +247,9 @@ def run_one(job: dict) -> dict:
     # rollouts, so it takes more steps for the same policy budget (the Budget callback below stops every run there)
     G = overrides.get("num_generations", s.num_generations)
     teacher_slots = options.get("luffy", {}).get("num_demonstrations", 1) if "luffy" in plugins else 0
-    max_steps = math.ceil(budget / (batch * (G - teacher_slots) / G))
+    max_steps = math.ceil(budget / (batch * (G - teacher_slots) / G))  # a bound: the budget stops the run
+    if unit == "tokens":  # at least one sampled token per rollout
+        max_steps = math.ceil(budget / batch)
     out_dir = tempfile.mkdtemp(prefix="bench_learning_")
     trainer = bc.make_trainer(
         "plugin", model, tokenizer, train_set, ba.reward_funcs() if agentic else [accuracy_reward], out_dir,
@@ -265,18 +275,19 @@ def run_one(job: dict) -> dict:
             numbers = {"accuracy": evaluate_accuracy(trainer.model, tokenizer, eval_set,
                                                      max_new_tokens=task["max_completion_length"])}
         torch.set_rng_state(state)
-        evals.append({"step": step, "rollouts": counts["rollouts"], **numbers})
+        evals.append({"step": step, **dict(counts), **numbers})
 
     class Budget(TrainerCallback):
         next_eval = eval_every
 
         def on_step_end(self, args, state, control, **kwargs):
-            per_step.append({"step": state.global_step, "rollouts": counts["rollouts"], **pending})
+            per_step.append({"step": state.global_step, **dict(counts), **pending})
             pending.clear()
-            done = counts["rollouts"] >= budget
-            if counts["rollouts"] >= self.next_eval or done:
+            spent = counts[unit]
+            done = spent >= budget
+            if spent >= self.next_eval or done:
                 evaluate(state.global_step)
-                while self.next_eval <= counts["rollouts"]:
+                while self.next_eval <= spent:
                     self.next_eval += eval_every
             if done:
                 control.should_training_stop = True
@@ -299,6 +310,7 @@ def run_one(job: dict) -> dict:
         "model": job.get("model", "tiny"), "task": job.get("task", "arithmetic"),
         "claim_metrics": {p.name: list(p.claim_metric) for p in trainer.plugin_stack if p.claim_metric},
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
+        "tokens": counts["tokens"], "unit": unit,
         "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
     }
     Path(job["path"]).write_text(json.dumps(record, default=float))
@@ -397,6 +409,7 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
             "seeds": sorted(r["seed"] for r in runs),
             "steps": _mean_std([r["steps"] for r in runs])[0],
             "rollouts": _mean_std([r["rollouts"] for r in runs])[0],
+            "tokens": _mean_std([r.get("tokens", float("nan")) for r in runs]),
             "final_acc": _mean_std(finals),
             "best_acc": _mean_std(best),
             "rollouts_to_target": _mean_std(reached) if reached else (float("nan"), float("nan")),
@@ -472,22 +485,41 @@ def _real_model_header(result: dict) -> str:
     )
 
 
+def _tokens_header(result: dict) -> str:
+    """The header of the token mode's table (``--budget-unit tokens``)."""
+    info = result["machine"]
+    return (
+        f"Token mode: seeds {result['seeds']}, a budget of {result['budget']} generated tokens per run (tokens sampled "
+        "from the policy while training: TRL's rounds and every continuation or fork a plugin asks for; a prefix "
+        "that several rows of a tree share is generated, and paid for, once; `GenerationService.policy_tokens`); "
+        f"vanilla GRPO spends about this in 2560 rollouts. Held-out greedy accuracy on {result['eval_size']} test "
+        f"problems every {result['eval_every']} tokens. Warm-started model before RL{_weights_text(result)}: "
+        f"held-out greedy accuracy {result['base_accuracy']:.3f}, sampled pass rate (T=1) "
+        f"{result['base_pass_rate']:.3f}. Target accuracy: {result['target']:.2f} (rollouts to target in rollouts). "
+        f"Measured {info['time']}, {info['cpu_count']} cores, load average at start {info['loadavg_1_5_15']}. "
+        f"{len(result['runs'])} runs; this invocation took {result['wall_seconds'] / 60:.1f} min with "
+        f"{result['workers']} worker processes (runs found in the run cache are not re-run)."
+    )
+
+
 def _weights_text(result: dict) -> str:
     sha = result.get("warm_start_sha256")
     return f" (weights sha256 {sha})" if sha else ""
 
 
-def _table(rows: list[dict], grpo: dict | None, agentic: bool) -> list[str]:
-    """The markdown lines of one learning table (header, separator, a row per method)."""
+def _table(rows: list[dict], grpo: dict | None, agentic: bool, tokens: bool = False) -> list[str]:
+    """The markdown lines of one learning table (header, separator, a row per method); ``tokens``: a column of the
+    rollouts and generated tokens per run (token mode)."""
     # a column for rows taken from a teacher / demonstrations, when a method of the table has any
     teacher = any(r.get("teacher_rollouts", (0.0, 0.0))[0] > 0 for r in rows)
     out = [
         "",
         "| method | steps | " + ("policy + teacher rollouts / run | " if teacher else "")
+        + ("rollouts / generated tokens per run | " if tokens else "")
         + "final acc (mean ± std) | Δ final vs GRPO | best acc | rollouts to target | reached | "
         "train reward (last 5 steps) | entropy first 5 → last 5 steps | grad norm | distinct / group | "
         "correct rollouts / step | " + (_AGENTIC_COLUMNS if agentic else "") + "paper's quantity |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if teacher else "")
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if teacher else "") + ("---|" if tokens else "")
         + ("---|" * _AGENTIC_COLUMNS.count("|") if agentic else ""),
     ]
     for r in rows:
@@ -501,6 +533,7 @@ def _table(rows: list[dict], grpo: dict | None, agentic: bool) -> list[str]:
         out.append(
             f"| {r['method']} | {r['steps']:.0f} | "
             + (f"{r['rollouts']:.0f} + {r.get('teacher_rollouts', (0.0, 0.0))[0]:.0f} | " if teacher else "")
+            + (f"{r['rollouts']:.0f} / {r['tokens'][0]:.0f} | " if tokens else "")
             + f"{_fmt(r['final_acc'])} | {delta:+.3f} | {_fmt(r['best_acc'])} | "
             f"{_fmt(r['rollouts_to_target'], 0)} | {r['reached_target']} | {_fmt(r['train_reward_last5'])} | "
             f"{r['entropy_first5'][0]:.3f} → {r['entropy_last5'][0]:.3f} | {_fmt(r['grad_norm_mean'], 3)} | "
@@ -518,7 +551,7 @@ def markdown(result: dict) -> str:
     info = result["machine"]
     agentic = result.get("task") == "tools"
     out = [result["header"]] if result.get("header") else [ba.header(result)] if agentic else [
-        _real_model_header(result)] if result.get("model") else [
+        _real_model_header(result)] if result.get("model") else [_tokens_header(result)] if result["mode"] == "tokens" else [
         f"{'Quick mode' if result['quick'] else 'Full mode'}: seeds {result['seeds']}, rollout budget "
         f"{result['budget']} per run ({result['budget'] // result['batch']} vanilla GRPO steps of {result['batch']} "
         "rollouts), held-out greedy "
@@ -539,11 +572,11 @@ def markdown(result: dict) -> str:
                 out += ["", f"**{FAMILY_TITLES[fam]}**"]
                 out += _table(baseline + members, grpo, agentic)
     else:
-        out += _table(rows, grpo, agentic)
+        out += _table(rows, grpo, agentic, tokens=result.get("budget_unit") == "tokens")
     out.append("")
     prefix = result.get("section") or ("learning" if result["mode"] == "quick" else f"learning_{result['mode']}")
     out.append(f"Plots: `docs/benchmarks/{prefix}_accuracy.png` ({'seen-pair' if agentic else 'held-out'} accuracy "
-               "against rollouts), "
+               f"against {'generated tokens' if result.get('budget_unit') == 'tokens' else 'rollouts'}), "
                f"`docs/benchmarks/{prefix}_entropy.png`, `docs/benchmarks/{prefix}_grad_norm.png`"
                + (f", `docs/benchmarks/{prefix}_tool_calls.png` (tool calls per rollout)" if agentic else "")
                + " (mean over seeds; shaded: ± one std).")
@@ -628,7 +661,8 @@ def write_summary(out_dir: Path, command: str, full_name: str = "learning_full")
 
 
 def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float, target: float,
-         prefix: str = "learning") -> list[Path]:
+         prefix: str = "learning", unit: str = "rollouts") -> list[Path]:
+    """Accuracy, entropy and gradient-norm curves against the budget's unit (``rollouts`` or ``tokens``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -654,14 +688,14 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
         for ax, panel in zip(axes.flat, panels):
             for m in panel:
                 runs = by_method[m]
-                grid = np.linspace(0, max(r["rollouts"] for r in runs), 40)
+                grid = np.linspace(0, max(r[unit] for r in runs), 40)
                 ys = []
                 for r in runs:
                     if from_evals:
-                        xs = [0] + [e["rollouts"] for e in r["evals"]]
+                        xs = [0] + [e[unit] for e in r["evals"]]
                         vs = [base_acc] + [e["accuracy"] for e in r["evals"]]
                     else:
-                        pts = [(x["rollouts"], x[key]) for x in r["per_step"] if key in x and x[key] == x[key]]
+                        pts = [(x[unit], x[key]) for x in r["per_step"] if key in x and x[key] == x[key]]
                         if not pts:
                             continue
                         xs, vs = zip(*pts)
@@ -680,7 +714,7 @@ def plot(records: list[dict], methods: list[str], out_dir: Path, base_acc: float
                 ax.fill_between(grid, mean - sd, mean + sd, alpha=0.12, color=line.get_color())
             if from_evals:
                 ax.axhline(target, ls=":", color="grey", lw=1)
-            ax.set_xlabel("policy rollouts")
+            ax.set_xlabel("policy rollouts" if unit == "rollouts" else "generated tokens")
             ax.set_ylabel(ylabel)
             ax.legend(fontsize=7)
         for ax in list(axes.flat)[len(panels):]:
@@ -735,6 +769,10 @@ def parse_args(argv=None):
                    "earlier result JSON of the same mode instead of evaluating them again")
     p.add_argument("--methods", nargs="*", default=None, help="grpo, plugin names or stacks a+b (default: all)")
     p.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
+    p.add_argument("--budget-unit", choices=["rollouts", "tokens"], default="rollouts",
+                   help="what the budget counts: policy rollouts, or generated tokens (token mode: the branching "
+                        f"methods {', '.join(TOKEN_METHODS)}; budget {TOKEN_BUDGET}, evaluations every "
+                        f"{TOKEN_EVAL_EVERY} tokens)")
     p.add_argument("--budget", type=int, default=None,
                    help="policy rollouts per run (default 2560 = 40 vanilla steps of 64; quick 1920; smollm2 1536)")
     p.add_argument("--eval-every", type=int, default=None, help="rollouts between evaluations (default 640)")
@@ -870,6 +908,14 @@ def main(argv=None) -> int:
     else:
         methods, budget, eval_every, eval_size, seeds = ALL_METHODS, 2560, 640, 128, args.seeds
         gain = 0.12
+    tokens = args.budget_unit == "tokens"
+    if tokens and (real or args.tiny or args.quick):
+        print("--budget-unit tokens runs the full arithmetic mode or the agentic mode only (the tiny models, no "
+              "--quick / --tiny / --model smollm2)", file=sys.stderr)
+        return 2
+    if tokens:
+        methods, budget, eval_every = ((TOOL_TOKEN_METHODS, TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY) if agentic else
+                                       (TOKEN_METHODS, TOKEN_BUDGET, TOKEN_EVAL_EVERY))
     methods = args.methods or methods
     budget = args.budget or budget
     eval_every = args.eval_every or eval_every
@@ -877,6 +923,7 @@ def main(argv=None) -> int:
     mode = "tiny" if args.tiny else ("smollm2" if real else ("quick" if args.quick else "full"))
     if agentic:
         mode = "agentic_tiny" if args.tiny else "agentic"
+    mode = (mode + "_tokens" if agentic else "tokens") if tokens else mode
     grpo_config = json.loads(args.grpo_config)
     if args.lr is not None:
         grpo_config["learning_rate"] = args.lr
@@ -893,14 +940,17 @@ def main(argv=None) -> int:
         jobs_, cached = [], []
         for method in methods_:
             for seed in seeds_:
-                path = run_dir / f"{method}__s{seed}__b{budget}__e{eval_every}__n{eval_size}{tag}{model_tag}.json"
+                unit = "__tokens" if tokens else ""
+                path = run_dir / (f"{method}__s{seed}__b{budget}{unit}__e{eval_every}__n{eval_size}{tag}{model_tag}"
+                                  ".json")
                 if path.exists() and not args.fresh:
                     cached.append(json.loads(path.read_text()))
                     continue
                 jobs_.append({"method": method, "seed": seed, "budget": budget, "eval_every": eval_every,
                               "eval_size": eval_size, "cache_dir": args.cache_dir, "path": str(path),
                               "grpo_config": config, "untrained": args.tiny, "model": args.model,
-                              "device": args.device, "instruction": args.instruction, "task": args.task})
+                              "device": args.device, "instruction": args.instruction, "task": args.task,
+                              "unit": args.budget_unit})
         return jobs_, cached
 
     # base model numbers (shared by every run) and the model cache, built once before the workers start
@@ -956,7 +1006,8 @@ def main(argv=None) -> int:
     summary = summarize(records, base_acc, target)
     result = {
         "command": command.strip(), "quick": args.quick or args.tiny, "mode": mode, "machine": info,
-        "seeds": seeds, "budget": budget, "grpo_config": grpo_config, "eval_every": eval_every,
+        "seeds": seeds, "budget": budget, "budget_unit": args.budget_unit, "grpo_config": grpo_config,
+        "eval_every": eval_every,
         "eval_size": eval_size, "target": target,
         "base_accuracy": base_acc, "base_pass_rate": base_pass, "workers": args.workers,
         "batch": s.per_device_train_batch_size, "num_generations": s.num_generations,
@@ -984,13 +1035,14 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prefix = {"quick": "learning", "full": "learning_full", "tiny": "learning_tiny", "smollm2": "learning_smollm2",
-              "agentic": "learning_agentic", "agentic_tiny": "learning_agentic_tiny"}[mode]
+              "agentic": "learning_agentic", "agentic_tiny": "learning_agentic_tiny", "tokens": "learning_tokens",
+              "agentic_tokens": "learning_agentic_tokens"}[mode]
     prefix = result["section"] = args.section or prefix
     md = markdown(result)
     print(md)
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
     if mode not in ("tiny", "agentic_tiny") and records:
-        plot(records, methods, out_dir, base_acc, target, prefix=prefix)
+        plot(records, methods, out_dir, base_acc, target, prefix=prefix, unit=args.budget_unit)
     if args.write_docs:
         from bench_overhead import write_docs_section
 

@@ -75,12 +75,8 @@ TASKS = ("arithmetic", "tools")
 #: Default configurations of ``--task tools``: the multi-turn tool-agent plugins (``igpo_a2tgpo``: IGPO's A2TGPO mode,
 #: a named variant of ``bench_agentic.VARIANTS``).
 AGENT_CONFIGS = ["igpo", "igpo_a2tgpo", "otc_po", "aspo", "salt", "epo", "matchtir", "e_grpo", "ikea", "funrl"]
-#: Named variants of one plugin on the arithmetic task (``plugin:variant`` in ``--configs``): the plugin with these
-#: options on top of its ``bench_common.PLUGIN_SETTINGS``.
-VARIANTS: dict[str, dict] = {
-    "laser:laser_de": {"variant": "laser_de"},
-    "dler:difficulty": {"difficulty_aware": True},
-}
+#: Named variants of one plugin on the arithmetic task (``plugin:variant`` in ``--configs``).
+VARIANTS = bc.PLUGIN_VARIANTS
 
 
 # ------------------------------------------------------------------------------------------------ no-op plugins

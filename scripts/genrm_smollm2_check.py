@@ -14,7 +14,13 @@ prints and records, end to end:
 * whether the judge tells right from wrong: the mean vote of right and of wrong responses, and the share of
   questions whose right response gets the higher vote (ties count one half).
 
-Usage: ``python scripts/genrm_smollm2_check.py [--n 8] [--k 4] [--max-tokens 192] [--json PATH] [--write-docs]``.
+``--templates deepseek_grm rating`` (the default) runs the check twice: with ``deepseek_grm``'s template, and with
+``rating``, a one-line rating prompt of our own (:data:`RATING_TEMPLATE`: "rate the answer from 1 to 10, reply with the
+number only"), the form a small instruction-tuned model can follow; ``deepseek_grm``'s plugin can take it through its
+template option only in code (it is not one of its modes: SPCT's principles and critique are the method).
+
+Usage: ``python scripts/genrm_smollm2_check.py [--n 8] [--k 4] [--max-tokens 192] [--templates ...] [--json PATH]
+[--write-docs]``.
 ``--write-docs`` writes the ``genrm_smollm2`` block of docs/benchmarks.md. On a 2-core CPU the defaults take a few
 minutes (64 judgements of at most 192 tokens).
 """
@@ -38,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=4, help="sampled judgements per request (the paper: 8)")
     p.add_argument("--max-tokens", type=int, default=192, help="new tokens per judgement")
     p.add_argument("--temperature", type=float, default=0.5, help="judge sampling temperature (deepseek_grm's)")
+    p.add_argument("--templates", nargs="+", choices=["deepseek_grm", "rating"], default=["deepseek_grm", "rating"],
+                   help="judge templates to run, one check each (main() only; run() takes one)")
+    p.add_argument("--rating-max-tokens", type=int, default=12, help="new tokens per judgement of the rating template")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks" / "genrm_smollm2.json"))
     p.add_argument("--write-docs", action="store_true", help="write the genrm_smollm2 block of docs/benchmarks.md")
@@ -50,7 +59,22 @@ def wrong_reply(answer: int, seed: int) -> int:
     return answer + delta
 
 
-def run(args) -> dict:
+def rating_template():
+    """Our one-line pointwise rating prompt for small judges (the ``rating`` check): an answer whose first line is a
+    number from 1 to 10 (optionally ``/10``) is the verdict; anything else is unparsable (a judge that restates the
+    sum, "3 - 1 = 2", gave no rating)."""
+    from trl_plugins.components.genrm import GenRMTemplate
+
+    return GenRMTemplate(
+        name="genrm_smollm2/rating", system="",
+        user="Question: {question}\nAnswer: {response}\nIs the answer correct? Rate it from 1 (wrong) to 10 "
+        "(correct). Reply with the number only.",
+        verdict_regex=r"\A\s*(\d+(?:\.\d+)?)(?:\s*/\s*10)?[.!]?[ \t]*(?:\n|\Z)", low=1.0, high=10.0,
+    )
+
+
+def run(args, template: str = "deepseek_grm") -> dict:
+    """One check with ``template`` (``deepseek_grm`` or ``rating``): the judged requests and the summary numbers."""
     import torch
     from transformers import set_seed
 
@@ -58,6 +82,9 @@ def run(args) -> dict:
     from trl_plugins.runtime.models import smollm2_path
     from trl_plugins.tasks.chat_arith import make_chat_dataset
     from trl_plugins_builtin.deepseek_grm import GRM_TEMPLATE
+
+    judge_template = GRM_TEMPLATE if template == "deepseek_grm" else rating_template()
+    max_tokens = args.max_tokens if template == "deepseek_grm" else args.rating_max_tokens
 
     set_seed(args.seed)
     rows = make_chat_dataset(args.n, seed=args.seed, split="test", max_operand=20)
@@ -68,8 +95,8 @@ def run(args) -> dict:
             questions.append(question)
             responses.append(reply)
             labels.append(right)
-    backend = HFGenRMBackend(str(smollm2_path()), temperature=args.temperature, max_tokens=args.max_tokens)
-    judge = GenerativeRewardModel(backend, GRM_TEMPLATE, k=args.k, aggregate="vote", max_unparsable=1.0,
+    backend = HFGenRMBackend(str(smollm2_path()), temperature=args.temperature, max_tokens=max_tokens)
+    judge = GenerativeRewardModel(backend, judge_template, k=args.k, aggregate="vote", max_unparsable=1.0,
                                   name="smollm2")
     start = time.time()
     result = judge.score(questions, responses)
@@ -87,8 +114,8 @@ def run(args) -> dict:
             wins.append(1.0 if a > b else 0.5 if a == b else 0.0)
     return {
         "command": "python scripts/genrm_smollm2_check.py " + " ".join(sys.argv[1:]),
-        "model": "builtin:smollm2 (SmolLM2-135M-Instruct)", "template": GRM_TEMPLATE.name,
-        "n_questions": args.n, "k": args.k, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "model": "builtin:smollm2 (SmolLM2-135M-Instruct)", "template": judge_template.name,
+        "n_questions": args.n, "k": args.k, "max_tokens": max_tokens, "temperature": args.temperature,
         "seconds": round(seconds, 1), "judgements": len(samples), "parsed": len(parsed),
         "rows_without_verdict": int(missing.sum()),
         "mean_vote_right": sum(right) / len(right) if right else float("nan"),
@@ -109,7 +136,7 @@ def markdown(res: dict) -> str:
             else str(x)
 
     out = [
-        f"{res['model']} as `deepseek_grm`'s pointwise judge (template `{res['template']}`), local HF backend, "
+        f"{res['model']} as a pointwise generative judge (template `{res['template']}`), local HF backend, "
         f"{res['n_questions']} held-out chat-arithmetic questions x 2 responses (the right number, a wrong one), "
         f"k = {res['k']} judgements each at temperature {res['temperature']}, at most {res['max_tokens']} tokens; "
         f"{res['seconds']:.0f} s on this machine. Parsed: {res['parsed']} of {res['judgements']} judgements "
@@ -131,14 +158,14 @@ def markdown(res: dict) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    res = run(args)
-    Path(args.json).write_text(json.dumps(res, indent=1))
-    md = markdown(res)
+    results = [run(args, template) for template in args.templates]
+    Path(args.json).write_text(json.dumps({"checks": results}, indent=1))
+    md = "\n\n".join(markdown(res) for res in results)
     print(md)
     if args.write_docs:
         from bench_overhead import write_docs_section
 
-        print(f"wrote {write_docs_section('genrm_smollm2', md, res['command'])}")
+        print(f"wrote {write_docs_section('genrm_smollm2', md, results[0]['command'])}")
 
 
 if __name__ == "__main__":

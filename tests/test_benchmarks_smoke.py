@@ -188,6 +188,23 @@ def test_bench_learning_families_and_the_summary_table_cover_every_builtin_plugi
     assert "not measured on the shipped model yet" in by_name["dynamic_sampling"]
 
 
+@pytest.mark.slow
+def test_bench_learning_token_mode_stops_every_run_at_the_same_generated_tokens(tmp_path):
+    """--budget-unit tokens: each run stops at the first step whose generated tokens reach the budget; latr's tree
+    rows share prefixes, so it trains on more rollouts than it pays tokens for."""
+    _run([str(SCRIPTS / "bench_learning.py"), "--budget-unit", "tokens", "--methods", "grpo", "latr", "--seeds", "0",
+          "--budget", "1500", "--eval-every", "1500", "--eval-size", "4", "--workers", "1", "--fresh",
+          "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / "runs")])
+    result = json.loads((tmp_path / "learning_tokens.json").read_text())
+    assert result["budget_unit"] == "tokens" and {r["method"] for r in result["summary"]} == {"grpo", "latr"}
+    for run in result["runs"]:
+        last, before = run["per_step"][-1], run["per_step"][:-1]
+        assert last["tokens"] == run["tokens"] >= 1500 and all(s["tokens"] < 1500 for s in before)
+        assert run["evals"][-1]["tokens"] == run["tokens"]
+    table = _bench_learning_module().markdown(result)
+    assert table.startswith("Token mode:") and "| rollouts / generated tokens per run |" in table
+
+
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
     bl = _bench_learning_module()
     plugins, options, _ = bl.method_settings("siri")

@@ -18,6 +18,18 @@ def _script():
     return module
 
 
+def _with_scripted_judge(monkeypatch, tmp_path, judge):
+    """The script, its local HF judge replaced by ``judge`` (messages -> answer text)."""
+
+    class Scripted(genrm.ScriptedGenRMBackend):
+        def __init__(self, *args, **kwargs):
+            super().__init__(judge)
+
+    monkeypatch.setattr(genrm, "HFGenRMBackend", Scripted)
+    monkeypatch.setattr("trl_plugins.runtime.models.smollm2_path", lambda: tmp_path)
+    return _script()
+
+
 def test_check_reports_parsing_vote_and_reward_column(monkeypatch, tmp_path):
     def judge(messages):
         user = messages[-1]["content"]
@@ -28,13 +40,7 @@ def test_check_reports_parsing_vote_and_reward_column(monkeypatch, tmp_path):
             return "I cannot tell."
         return "Critique ... \\boxed{9}" if reply == (a + b if op == "+" else a - b) else "\\boxed{2}"
 
-    class Scripted(genrm.ScriptedGenRMBackend):
-        def __init__(self, *args, **kwargs):
-            super().__init__(judge)
-
-    module = _script()
-    monkeypatch.setattr(genrm, "HFGenRMBackend", Scripted)
-    monkeypatch.setattr("trl_plugins.runtime.models.smollm2_path", lambda: tmp_path)
+    module = _with_scripted_judge(monkeypatch, tmp_path, judge)
     res = module.run(module.parse_args(["--n", "4", "--k", "2", "--json", str(tmp_path / "r.json")]))
     assert res["judgements"] == 16 and res["parsed"] == 12 and res["rows_without_verdict"] == 2
     assert res["mean_vote_right"] == 18.0 and res["mean_vote_wrong"] == 4.0  # the vote sums k = 2 scores
@@ -45,3 +51,23 @@ def test_check_reports_parsing_vote_and_reward_column(monkeypatch, tmp_path):
     assert all(r["reward"] == r["vote"] for r in judged)
     table = module.markdown(res)
     assert "12 of 16 judgements" in table and table.count("\n| What is") == 8
+
+
+def test_the_rating_template_reads_a_first_line_that_is_a_number_in_range():
+    template = _script().rating_template()
+    answers = ("8", "7.\nThe answer is right.", " 3.5/10", "27", "3 - 1 = 2", "I rate it 7.", "no idea")
+    assert [template.parse(t) for t in answers] == [8.0, 7.0, 3.5, None, None, None, None]
+    assert template.protocol == "pointwise" and "{question}" in template.user and "{response}" in template.user
+
+
+def test_main_runs_one_check_per_template_and_writes_both(monkeypatch, tmp_path):
+    import json
+
+    def judge(messages):
+        return "\\boxed{6}" if messages[0]["role"] == "system" else "4"
+
+    module = _with_scripted_judge(monkeypatch, tmp_path, judge)
+    module.main(["--n", "2", "--k", "1", "--json", str(tmp_path / "r.json")])
+    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
+    assert [c["template"] for c in checks] == ["deepseek_grm/pointwise", "genrm_smollm2/rating"]
+    assert [c["mean_vote_right"] for c in checks] == [6.0, 4.0] and [c["max_tokens"] for c in checks] == [192, 12]

@@ -271,3 +271,17 @@ def test_gather_padded_pads_to_the_longest_process():
 
     out = gather_padded(gather, torch.tensor([[1, 2]]), dim=1, pad_value=-1)
     assert out.tolist() == [[1, 2, -1], [7, 7, 7]]
+
+
+def test_defer_slots_defers_the_rows_whose_index_in_group_matches_on_this_process():
+    from trl_plugins.api.contexts import PromptContext
+
+    # process 1 of 2, 6 local rows, G = 4: indices in group [2, 3, 0, 1, 2, 3]
+    global_index, group_ids, index_in_group = group_layout(1, 6, 4)
+    ctx = PromptContext(rows=[{}] * 6, prompts=["p"] * 6, generation_prompts=["p"] * 6, training_prompts=["p"] * 6,
+                        global_index=global_index, group_ids=group_ids, index_in_group=index_in_group,
+                        num_generations=4, step=0, annotations=[{} for _ in range(6)])
+    assert ctx.defer_slots(lambda k: k % 2 != 0) == [1, 3, 5]
+    assert ctx.deferred == [False, True, False, True, False, True]
+    assert ctx.defer_slots(lambda k: k == 0) == [2] and ctx.deferred[2]
+    assert ctx.defer_slots(lambda k: k > 9) == [] and sum(ctx.deferred) == 4

@@ -54,6 +54,24 @@ def test_policy_rollouts_are_counted_with_the_extra_ones_and_the_budget_stops_tr
     assert counts["rollouts"] >= 8 and evaluations[-1] == (trainer.state.global_step, counts["rollouts"])
     rows = merge_logs(budget.per_step, trainer.state.log_history)
     assert rows[-1]["rollouts"] == counts["rollouts"] and "reward" in rows[-1]
+    assert rows[-1]["tokens"] == counts["tokens"] > 0
+
+
+def test_a_budget_of_generated_tokens_counts_the_new_tokens_only(tmp_path):
+    """Without plugins the tokens are TRL's completion lengths (its logged mean length x rows); the budget in tokens
+    stops training at the first step that reaches it."""
+    trainer = make_tiny_trainer(max_steps=6, output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                num_generations=4, max_completion_length=6)
+    counts = count_policy_rollouts(trainer)
+    budget = EqualBudget(counts, budget=30, eval_every=10, unit="tokens")
+    trainer.add_callback(budget)
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "completions/mean_length" in log]
+    assert counts["tokens"] == round(sum(4 * log["completions/mean_length"] for log in logged))
+    assert counts["tokens"] >= 30 and trainer.state.global_step < 6  # at most 24 tokens a step
+    assert [row["tokens"] >= 30 for row in budget.per_step] == [False] * (len(budget.per_step) - 1) + [True]
+    with pytest.raises(ValueError, match="unit must be one of"):
+        EqualBudget(counts, budget=30, eval_every=10, unit="steps")
 
 
 def test_the_later_turns_of_a_tool_episode_are_not_counted_as_rollouts(tmp_path):
@@ -64,9 +82,20 @@ def test_the_later_turns_of_a_tool_episode_are_not_counted_as_rollouts(tmp_path)
     trainer = make_tool_trainer(kinds=["scaled"], max_steps=1, per_device_train_batch_size=4, num_generations=4,
                                 output_dir=str(tmp_path))
     counts = count_policy_rollouts(trainer)
+    rounds, trl_round = [], trainer._trl_generation_round
+
+    def recording_round(prompts):
+        rounds.append(trl_round(prompts))
+        return rounds[-1]
+
+    trainer._trl_generation_round = recording_round
     trainer.train()
     assert trainer.state.log_history[0]["tools/call_frequency"] == 1.0  # two turns after tool results, every other row
     assert counts["rollouts"] == 4
+    # generated tokens: the policy's turns (tool mask 1), not the tool responses between them
+    (_, completion_ids, tool_mask, *_), = rounds
+    sampled, total = sum(sum(m) for m in tool_mask), sum(len(c) for c in completion_ids)
+    assert counts["tokens"] == sampled < total
 
 
 def test_held_out_score_is_the_reward_of_greedy_completions():

@@ -70,8 +70,11 @@ def test_continuations_on_the_tiny_model_match_a_teacher_forced_forward(trainer)
     prompt = svc.tokenize(["Compute 1+2 step by step"])[0]
     prefix = [7, 8, 9]
     before = (svc.used_this_batch, svc.total, svc.policy_rollouts)
+    tokens_before = svc.policy_tokens
     out = svc.continue_prefixes([prompt, prompt], [[], prefix], [5, 2], probe_positions=[[0], [1, 3]], top_k=4)
     assert (svc.used_this_batch, svc.total, svc.policy_rollouts) == (before[0] + 2, before[1] + 2, before[2] + 2)
+    # sampled tokens: both requests sample up to the largest length (5) and are cut after; the prefix is not counted
+    assert len(out[0].new_ids) + len(out[1].new_ids) <= svc.policy_tokens - tokens_before <= 2 * 5
     assert 1 <= len(out[0].new_ids) <= 5 and 1 <= len(out[1].new_ids) <= 2
     assert out[1].completion_ids[:3] == prefix and out[1].completion_ids[3:] == out[1].new_ids
     for r, pre in zip(out, [[], prefix]):

@@ -99,9 +99,10 @@ class Continue(Plugin):
     def trl_plugins_after_generation(self, ctx):
         svc = ctx.service
         rows = [i for i, t in enumerate(ctx.turns) if t.num_turns == 2]
-        before = (svc.used_this_batch, svc.policy_rollouts)
+        before = (svc.used_this_batch, svc.policy_rollouts, svc.policy_tokens)
         episodes = ctx.continue_tool_episodes(rows + rows[:1], [1] * len(rows) + [0])
-        Continue.seen.update(before=before, after=(svc.used_this_batch, svc.policy_rollouts), rows=rows,
+        Continue.seen.update(before=before, after=(svc.used_this_batch, svc.policy_rollouts, svc.policy_tokens),
+                             rows=rows,
                              episodes=episodes, original=[(list(ctx.completion_ids[i]), list(ctx.turns[i].tool_mask))
                                                           for i in rows],
                              prompt_ids=[list(ctx.prompt_ids[i]) for i in rows])
@@ -162,6 +163,9 @@ def test_each_request_counts_once_in_the_budget(continued):
     n = len(seen["episodes"])
     assert seen["after"][0] - seen["before"][0] == n
     assert seen["after"][1] - seen["before"][1] == n  # one process: no padding rows
+    # generated tokens: the policy's new turns after each cut (tool mask 1 from the cut on), not the kept prefix
+    new_turn_tokens = sum(sum(e.tool_mask[e.start:]) for e in seen["episodes"])
+    assert seen["after"][2] - seen["before"][2] == new_turn_tokens > 0
 
 
 @pytest.mark.slow

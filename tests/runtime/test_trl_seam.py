@@ -225,12 +225,12 @@ def test_counting_policy_rollouts_replaces_nothing_on_the_trainer():
     counts = count_policy_rollouts(trainer)
     assert dict(vars(trainer)).keys() == before.keys()
     assert all(vars(trainer)[k] is v for k, v in before.items())
-    assert dict(counts) == {"rollouts": 0}
-    trainer.generation_service.count_rollouts(3)  # the service counts what is sampled while training
-    assert counts["rollouts"] == 3
+    assert dict(counts) == {"rollouts": 0, "tokens": 0}
+    trainer.generation_service.count_rollouts(3, 17)  # the service counts what is sampled while training
+    assert dict(counts) == {"rollouts": 3, "tokens": 17}
     trainer.model.eval()
-    trainer.generation_service.count_rollouts(5)  # not in evaluation mode
-    assert counts["rollouts"] == 3
+    trainer.generation_service.count_rollouts(5, 9)  # not in evaluation mode
+    assert dict(counts) == {"rollouts": 3, "tokens": 17}
     with pytest.raises(TypeError, match="PluginGRPOTrainer"):
         count_policy_rollouts(object())
 

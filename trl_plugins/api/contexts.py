@@ -7,7 +7,7 @@ reward functions, ``G`` group size. Global row ``g`` is in group ``g // G`` at i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,15 @@ class PromptContext(_StageContext):
         if not self.deferred:
             self.deferred = [False] * len(self.rows)
         self.deferred[i] = True
+
+    def defer_slots(self, slot: Callable[[int], bool]) -> list[int]:
+        """:meth:`defer` every local row whose index in its group ``k`` (0 .. G-1) satisfies ``slot(k)``, e.g. the
+        branch rows of trees rooted at every ``L``-th slot: ``ctx.defer_slots(lambda k: k % L != 0)``. Returns the
+        deferred local row indices, in order."""
+        rows = [i for i in range(len(self.rows)) if slot(self.index_in_group[i])]
+        for i in rows:
+            self.defer(i)
+        return rows
 
 
 @dataclass

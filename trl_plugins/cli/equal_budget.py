@@ -26,30 +26,34 @@ from transformers import TrainerCallback
 
 
 class RolloutCount(Mapping):
-    """The live, read-only counter ``{"rollouts": n}``: policy rollouts a trainer generated while training since the
-    counter was made (:func:`count_policy_rollouts`)."""
+    """The live, read-only counter ``{"rollouts": n, "tokens": m}``: policy rollouts a trainer generated while
+    training since the counter was made, and the tokens sampled in them (:func:`count_policy_rollouts`)."""
+
+    _ATTRIBUTES = {"rollouts": "policy_rollouts", "tokens": "policy_tokens"}
 
     def __init__(self, service: Any):
-        self._service, self._start = service, service.policy_rollouts
+        self._service = service
+        self._start = {key: getattr(service, attr) for key, attr in self._ATTRIBUTES.items()}
 
     def __getitem__(self, key: str) -> int:
-        if key != "rollouts":
+        if key not in self._ATTRIBUTES:
             raise KeyError(key)
-        return self._service.policy_rollouts - self._start
+        return getattr(self._service, self._ATTRIBUTES[key]) - self._start[key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(("rollouts",))
+        return iter(self._ATTRIBUTES)
 
     def __len__(self) -> int:
-        return 1
+        return len(self._ATTRIBUTES)
 
     def __repr__(self) -> str:
-        return f"RolloutCount(rollouts={self['rollouts']})"
+        return f"RolloutCount(rollouts={self['rollouts']}, tokens={self['tokens']})"
 
 
 def count_policy_rollouts(trainer: Any) -> RolloutCount:
     """The policy rollouts ``trainer`` (a :class:`~trl_plugins.PluginGRPOTrainer`) generates while training from now
-    on, as the live counter ``{"rollouts": n}``.
+    on, as the live counter ``{"rollouts": n, "tokens": m}`` (``tokens``: the new tokens sampled in them,
+    ``GenerationService.policy_tokens``: a shared prefix that is continued or forked is paid for once).
 
     The trainer's generation service counts them where they are sampled: TRL's rounds, the service's extra
     completions and refills; not generations in evaluation mode (``model.training`` False), nor the later turns of a
@@ -64,25 +68,28 @@ def count_policy_rollouts(trainer: Any) -> RolloutCount:
 
 
 class EqualBudget(TrainerCallback):
-    """Stop at the first optimizer step where ``counts["rollouts"] >= budget``; call ``evaluate(step, rollouts)``
-    every ``eval_every`` rollouts and at the end; record one row per optimizer step in ``per_step``
-    (``{"step", "rollouts"}``, filled with the logged metrics by :func:`merge_logs`)."""
+    """Stop at the first optimizer step where ``counts[unit] >= budget`` (``unit``: ``"rollouts"``, or ``"tokens"``
+    for a budget of generated tokens, where trees that share prefixes pay for them once); call
+    ``evaluate(step, spent)`` every ``eval_every`` of the unit and at the end; record one row per optimizer step in
+    ``per_step`` (``{"step", "rollouts", "tokens"}``, filled with the logged metrics by :func:`merge_logs`)."""
 
     def __init__(self, counts: Mapping[str, int], budget: int, eval_every: int,
-                 evaluate: Callable[[int, int], None] | None = None):
+                 evaluate: Callable[[int, int], None] | None = None, unit: str = "rollouts"):
         if budget <= 0 or eval_every <= 0:
             raise ValueError(f"budget and eval_every must be positive; got {budget} and {eval_every}.")
+        if unit not in counts:
+            raise ValueError(f"unit must be one of {sorted(counts)}; got {unit!r}.")
         self.counts, self.budget, self.eval_every, self.evaluate = counts, budget, eval_every, evaluate
-        self.next_eval = eval_every
+        self.unit, self.next_eval = unit, eval_every
         self.per_step: list[dict] = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        rollouts = self.counts["rollouts"]
-        self.per_step.append({"step": state.global_step, "rollouts": rollouts})
-        done = rollouts >= self.budget
-        if self.evaluate is not None and (rollouts >= self.next_eval or done):
-            self.evaluate(state.global_step, rollouts)
-            while self.next_eval <= rollouts:
+        spent = self.counts[self.unit]
+        self.per_step.append({"step": state.global_step, **dict(self.counts)})
+        done = spent >= self.budget
+        if self.evaluate is not None and (spent >= self.next_eval or done):
+            self.evaluate(state.global_step, spent)
+            while self.next_eval <= spent:
                 self.next_eval += self.eval_every
         if done:
             control.should_training_stop = True

@@ -54,6 +54,10 @@ class GenerationService:
       generation rounds, which the trainer reports with :meth:`count_rollouts`. The later turns of a tool episode
       continue a rollout already counted. Equal-budget runs read it
       (:func:`trl_plugins.cli.equal_budget.count_policy_rollouts`).
+    * **Policy tokens.** ``policy_tokens`` counts the tokens those rollouts sampled from the policy: new tokens only
+      (a continued or forked prefix is not counted again, so trees that share prefixes pay for them once; tool
+      responses are not sampled and not counted, the later turns of a tool episode are). Equal-budget runs in
+      generated tokens read it.
     """
 
     def __init__(self, trainer: Any):
@@ -62,6 +66,7 @@ class GenerationService:
         self.used_this_batch = 0
         self.total = 0
         self.policy_rollouts = 0
+        self.policy_tokens = 0
         self._dummy_ids: list[int] | None = None
 
     def begin_batch(self, dummy_prompt_ids: list[int]) -> None:
@@ -74,10 +79,12 @@ class GenerationService:
         """Completions still allowed in this generation batch on this process (inf when unlimited)."""
         return math.inf if self.budget is None else self.budget - self.used_this_batch
 
-    def count_rollouts(self, n: int) -> None:
-        """Count ``n`` completions just sampled from the policy (not counted in evaluation mode)."""
+    def count_rollouts(self, n: int, tokens: int = 0) -> None:
+        """Count ``n`` completions just sampled from the policy, with ``tokens`` new tokens sampled in them (not
+        counted in evaluation mode)."""
         if self.trainer.model.training:
             self.policy_rollouts += int(n)
+            self.policy_tokens += int(tokens)
 
     def tokenize(self, prompts: list) -> list[list[int]]:
         """Prompt token ids exactly as TRL builds them for generation (chat template with generation prompt)."""
@@ -127,7 +134,7 @@ class GenerationService:
         padded = full + [dummy] * (max_n - n_local)
         with greedy_decoding(self.trainer) if greedy else contextlib.nullcontext():
             completion_ids, logprobs = self.trainer.sample_completions(padded, num_generations=1)
-        self.count_rollouts(len(completion_ids))
+        self.count_rollouts(len(completion_ids), sum(len(c) for c in completion_ids))
         self.used_this_batch += n_local
         self.total += int(counts.sum().item())  # all processes: the same on every process, so rank 0 saves it
         limit = self.trainer.max_completion_length
@@ -199,7 +206,7 @@ class GenerationService:
         padded = full + [dummy] * (max_n - n_local)
         with transformers_generation_settings(tr, {"max_new_tokens": int(gathered[:, 2].max().item())}):
             completion_ids, _ = tr.sample_completions(padded, num_generations=1)
-        self.count_rollouts(len(completion_ids))
+        self.count_rollouts(len(completion_ids), sum(len(c) for c in completion_ids))
         self.used_this_batch += n_local
         self.total += int(gathered[:, 0].sum().item())
         decode = lambda ids: tr.text_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -399,6 +406,7 @@ class GenerationService:
             ids, mask, new_messages = cut_to_rounds(list(loop_ids[j]), mask, list(loop_messages[j]), r.start,
                                                     rounds_left[j])
             episodes.append((ids, mask, r.kept_messages + new_messages))
+        self.count_rollouts(0, sum(sum(e[1][r.start:]) for r, e in zip(requests, episodes)))  # new sampled tokens
         logps, _ = tr.policy_probe.continuation_stats(
             [r.prompt_ids for r in requests], [e[0] for e in episodes], [[] for _ in requests], 0
         )

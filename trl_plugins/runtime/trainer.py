@@ -389,9 +389,13 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def _trl_generation_round(self, prompts: list) -> tuple:
         """TRL's own generation of ``prompts`` (its tool loop included): TRL's 8-tuple of local rows. Its rows are
-        counted as policy rollouts by the generation service (:meth:`GenerationService.count_rollouts`)."""
+        counted as policy rollouts, and their sampled tokens as policy tokens, by the generation service
+        (:meth:`GenerationService.count_rollouts`)."""
         generated = super().generate_rollouts(prompts)
-        self.generation_service.count_rollouts(len(generated[1]))
+        completion_ids, tool_mask = generated[1], generated[2]
+        sampled = (sum(sum(m) for m in tool_mask) if tool_mask is not None  # tool responses are not sampled
+                   else sum(len(c) for c in completion_ids))
+        self.generation_service.count_rollouts(len(completion_ids), sampled)
         return generated
 
     def generate_rollouts(self, prompts: list):
