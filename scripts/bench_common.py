@@ -302,6 +302,8 @@ PLUGIN_VARIANTS: dict[str, dict] = {
     "dler:difficulty": {"difficulty_aware": True},
     "ares:branching": {"branch_rollouts": 4},
     "polychromic:vines": {"rollout_states": 1, "vines": 4},
+    # SPO-tree: a 3-3 tree of 16-token segments per prompt (9 leaves for G = 8; the official 6-6-6 is 258 segments)
+    "spo:tree": {"mode": "tree", "branch_factors": [3, 3], "segment_tokens": 16},
 }
 TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt")
 

@@ -317,6 +317,10 @@ def _stacks(urls):
         # SPO-chain: cut points at the real model's low-probability tokens, Monte-Carlo continuations of each prefix
         # through the branching seam (HF generate), segment advantages; one sample per cut and at most two cuts
         "spo": (["spo"], {"spo": {"mc_samples": 1, "max_cutpoints": 2}}, {"loss_type": "dapo"}, []),
+        # SPO-tree: a 2-2 tree of 8-token segments per prompt grown through the branching seam on the real model (row
+        # 0 TRL's own sample, the other row a leaf), the edge advantages of the official tree form
+        "spo_tree": (["spo"], {"spo": {"mode": "tree", "branch_factors": [2, 2], "segment_tokens": 8}},
+                     {"loss_type": "dapo"}, []),
         # SLATE: G = 4 as two steps of k = 2 candidates, one line each (stop '\n'), from a shared prefix through the
         # branching seam on the real model; the programmatic PRM judges each step, the step-0 winner is the prefix
         "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
@@ -457,10 +461,16 @@ _ANY_URL = collections.defaultdict(lambda: "http://127.0.0.1:9/v1")
 STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in TOOL_STACKS]
 
 
+#: stacks that run a second form of a plugin another stack covers (stack -> the plugin)
+SECOND_FORMS = {"spo_tree": "spo"}
+
+
 def test_the_stacks_cover_every_builtin_plugin():
     builtins = {n for n, cls in available_plugins().items()
                 if cls.distribution() == "trl-plugins (built-in)" and not cls.deprecated()}  # not the old spellings
-    covered = [p for plugins, *_ in _stacks(_ANY_URL).values() for p in plugins]
+    stacks = _stacks(_ANY_URL)
+    assert all(stacks[name][0] == [plugin] for name, plugin in SECOND_FORMS.items())
+    covered = [p for name, (plugins, *_) in stacks.items() if name not in SECOND_FORMS for p in plugins]
     assert sorted(covered) == sorted(builtins), "each built-in must run on the real model exactly once"
 
 

@@ -237,6 +237,18 @@ CASES = [
          "Option 'branches' of plugin 'ettrl' got 0; allowed: a value >= 1"),
     Case("ettrl-tree-beyond-group", "stack", ("ettrl", {"fork_points": 2, "branches": 2}),
          "= 5 rollouts does not fit in a group of num_generations=4; allowed: num_generations >= 5"),
+    Case("spo-tree-branching-factor-zero", "stack", ("spo", {"mode": "tree", "branch_factors": [6, 0, 6]}),
+         "Option 'branch_factors' of plugin 'spo' got [6, 0, 6]; allowed: a non-empty list (one entry per depth) of "
+         "branching factors >= 1"),
+    Case("spo-tree-depth-zero", "stack", ("spo", {"mode": "tree", "branch_factors": []}),
+         "Option 'branch_factors' of plugin 'spo' got []; allowed: a non-empty list"),
+    Case("spo-tree-node-budget-below-depth", "stack", ("spo", {"mode": "tree", "max_nodes": 2}),
+         "Option 'max_nodes' of plugin 'spo' got 2; allowed: None or at least the tree's depth 3"),
+    Case("spo-tree-node-budget-below-group", "stack", ("spo", {"mode": "tree", "max_nodes": 3, "branch_factors": [2, 2]}),
+         "Option 'max_nodes' of plugin 'spo' got 3, smaller than the group (num_generations=4); allowed: None or at "
+         "least 4"),
+    Case("spo-tree-leaves-below-group", "stack", ("spo", {"mode": "tree", "branch_factors": [3]}),
+         "a tree of at most 3 leaves cannot fill a group of num_generations=4"),
     Case("latr-branching-factor-one", "stack", ("latr", {"max_branch_per_token": 1}),
          "Option 'max_branch_per_token' of plugin 'latr' got 1; allowed: a value >= 2"),
     Case("latr-lookahead-zero", "stack", ("latr", {"pruning_steps": [0, 20]}),
