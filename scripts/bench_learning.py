@@ -70,7 +70,7 @@ STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"adva
 VARIANTS = bc.PLUGIN_VARIANTS
 # Token mode (--budget-unit tokens): the methods that generate through the branching seam (continuations, forks,
 # trees sharing prefixes), at an equal budget of generated tokens (a shared prefix is paid for once).
-TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "slate", "rex_rag", "ares:branching", "polychromic:vines"]
+TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "spo:tree", "slate", "rex_rag", "ares:branching", "polychromic:vines"]
 # GRPO's tokens at the rollout budget on the shipped model (2560 rollouts x about 30 tokens: 76,000-76,600 in the
 # full-mode runs of seeds 0-2), and the evaluation interval in tokens.
 TOKEN_BUDGET, TOKEN_EVAL_EVERY = 76800, 19200
