@@ -216,6 +216,8 @@ class AepoPlugin(BranchingRoots, Plugin):
     )
 
     def image_inputs_refusal(self) -> str | None:
+        """Image prompts: the update half works; with branching=True the branches are sampled through the generation
+        service from the prompts' token ids, which would not see the image."""
         return IMAGES_GENERATION_SERVICE if self.options.branching else None
 
     def hook_enabled(self, hook: str) -> bool:
