@@ -33,7 +33,7 @@ def main(out_dir: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     script = None if rank == 0 else (lambda prompt, row: "Answer: 0")  # None: the gold traces
     tr = make_tool_trainer(n=8, per_device_train_batch_size=4, num_generations=4, max_steps=1, loss_type="dapo",
-                           max_completion_length=160, script=script, plugins=["aepo", "test_aepo_observer"],
+                           script=script, plugins=["aepo", "test_aepo_observer"],
                            plugin_config={"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
                            output_dir=os.path.join(out_dir, "run"))
     tr.train()
