@@ -43,25 +43,22 @@ HF generate only (the seam is refused under vLLM).
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from trl_plugins.api import (
-    IncompatiblePluginsError,
     OfficialSource,
     Plugin,
-    PluginConfigError,
-    PluginError,
     PluginOptions,
     RolloutContext,
     hookimpl,
     option,
 )
-from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE, VLLM_TOOL_EPISODES, samples_outside_hf_generate
+from trl_plugins.api.reasons import IMAGES_GENERATION_SERVICE
+
+from ._tool_branching import BranchingRoots, branch_groups, require_whole_groups, turn_entropies
+from ._tool_branching import plan_branches as plan_tool_branches
+from ._tool_branching import segment_entropy  # noqa: F401  (arpo's public name, kept)
 
 #: Annotation key: on a slot row filled by a branch, "<global source row>@<boundary turn>".
 BRANCH_KEY = "arpo_branch"
@@ -89,20 +86,6 @@ class ArpoOptions(PluginOptions):
     )
 
 
-def segment_entropy(entropies: torch.Tensor, span: tuple[int, int], tokens: int, vocab_size: int) -> float:
-    """Official segment entropy: the sum of the per-token entropies of the first ``tokens`` tokens of ``span``
-    (half-open completion positions of one assistant turn), divided by ``log(vocab_size)``; 0 for an empty span.
-
-    Args:
-        entropies: (T,) per-token entropies of the completion (nats).
-    """
-    start, end = span
-    values = entropies[start: min(end, start + tokens)]
-    if values.numel() == 0:
-        return 0.0
-    return float(values.float().sum().item()) / math.log(vocab_size)
-
-
 def branches(u: float, delta: float, weight: float, threshold: float) -> bool:
     """The official branch test: ``clip(u - weight * delta, 0, 1) <= threshold`` (``u`` uniform in [0, 1))."""
     return min(1.0, max(0.0, u - weight * delta)) <= threshold
@@ -110,30 +93,13 @@ def branches(u: float, delta: float, weight: float, threshold: float) -> bool:
 
 def plan_branches(sources: Sequence[tuple[int, list[float]]], slots: int, beam_size: int, weight: float,
                   threshold: float, draw: Sequence) -> list[tuple[int, int]]:
-    """``(source, boundary turn)`` of each branch of one group, in the official order: boundary by boundary
-    (``k = 1, 2, ...``, the boundary after the results of turn ``k - 1``), sources in row order, at most
-    ``beam_size - 1`` branches per source and boundary, ``slots`` in all.
-
-    Args:
-        sources: per root row, ``(row, H)`` with ``H[u]`` the segment entropy of its assistant turn ``u``; boundary
-            ``k`` exists when the row has more than ``k`` turns, and its entropy change is ``H[k-1] - H[0]``.
-        draw: per source (same order), a callable returning the next ``u ~ U(0, 1)``.
-    """
-    plan: list[tuple[int, int]] = []
-    depth = max([len(h) for _, h in sources], default=0)
-    for k in range(1, depth):
-        for (row, h), rand in zip(sources, draw):
-            if len(plan) >= slots:
-                return plan
-            if len(h) <= k:
-                continue
-            for _ in range(min(beam_size - 1, slots - len(plan))):
-                if branches(rand(), h[k - 1] - h[0], weight, threshold):
-                    plan.append((row, k))
-    return plan
+    """ARPO's branch plan of one group: :func:`~trl_plugins_builtin._tool_branching.plan_branches` with the test
+    :func:`branches` (no dependence on earlier branchings)."""
+    return plan_tool_branches(sources, slots, beam_size, lambda u, delta, _streak: branches(u, delta, weight, threshold),
+                              draw)
 
 
-class ArpoPlugin(Plugin):
+class ArpoPlugin(BranchingRoots, Plugin):
     """Entropy-triggered step-level branches from tool boundaries fill part of each group (ARPO)."""
 
     name = "arpo"
@@ -161,63 +127,23 @@ class ArpoPlugin(Plugin):
         "initial_rollouts=None means num_generations // 2 (the official scripts' 8 of 16)",
     )
 
-    num_generations: int | None = None
-    seed: int = 0
-
-    @property
-    def roots(self) -> int:
-        """N: root rollouts per group (``initial_rollouts``, default G // 2)."""
-        G = self.num_generations or 0
-        return self.options.initial_rollouts if self.options.initial_rollouts is not None else G // 2
-
     def hook_enabled(self, hook: str) -> bool:
         return self.num_generations is None or self.roots < self.num_generations
 
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
-        G = args.num_generations
-        if self.options.initial_rollouts is not None and self.options.initial_rollouts > G:
-            raise PluginConfigError(
-                f"Option 'initial_rollouts' of plugin 'arpo' got {self.options.initial_rollouts!r} with "
-                f"num_generations={G}; allowed: 1 <= initial_rollouts <= num_generations (num_generations: vanilla)."
-            )
-        self.num_generations, self.seed = G, int(getattr(args, "seed", 0))
-        if self.roots < 1:
-            raise PluginConfigError(f"arpo: num_generations={G} leaves no root rollout (num_generations // 2 = 0); "
-                                    "set initial_rollouts >= 1 or num_generations >= 2.")
-        if self.roots < G and samples_outside_hf_generate(args):
-            raise IncompatiblePluginsError(f"arpo cannot run with use_vllm=True or continuous batching: "
-                                           f"{VLLM_TOOL_EPISODES}")
+        self.configure_roots(args, "vanilla", "root", "arpo")
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):
         if not ctx.turns:  # no tools: no tool boundary, nothing branches (the same on every process)
             return
         o, G, N = self.options, ctx.num_generations, self.roots
-        if len(ctx) % G or ctx.global_index[0] % G:
-            raise PluginError(f"arpo: this process holds {len(ctx)} rows starting at global row {ctx.global_index[0]}, "
-                              f"not whole groups of num_generations={G}; allowed: a per-process generation batch that "
-                              "is a multiple of num_generations (branches fill slots of their own group).")
+        require_whole_groups(ctx, "arpo")
         roots = [i for i in range(len(ctx)) if ctx.index_in_group[i] < N]
-        entropies = dict(zip(roots, ctx.policy_entropies(roots)))  # collective: every process, every batch
-        vocab = len(ctx.tokenizer.get_vocab())
-        limit = ctx.run.max_completion_length
-        requests, slots_of = [], []
-        for first in range(0, len(ctx), G):
-            sources = []
-            for i in range(first, first + N):
-                spans = ctx.turns[i].assistant_spans
-                h = [segment_entropy(entropies[i], s, o.entropy_tokens, vocab) for s in spans]
-                usable = [u for u in range(len(spans)) if spans[u][0] < limit]
-                sources.append((i, h[: max(usable, default=0) + 1]))
-            draws = [random.Random((self.seed * 1_000_003 + ctx.step) * 1_000_003 + ctx.global_index[i]).random
-                     for i, _ in sources]
-            plan = plan_branches(sources, G - N, o.beam_size, o.entropy_weight, o.branch_probability, draws)
-            requests += plan
-            slots_of += list(range(first + N, first + N + len(plan)))
-            ctx.log_metric("branches", float(len(plan)))
-        # one call on every process, with no request too: generation and the forward are collectives
-        episodes = ctx.continue_tool_episodes([i for i, _ in requests], [k for _, k in requests])
-        for slot, (source, k), episode in zip(slots_of, requests, episodes):
-            ctx.replace_episode(slot, episode)
-            ctx.annotations[slot][BRANCH_KEY] = f"{ctx.global_index[source]}@{k}"
+        entropies = turn_entropies(ctx, roots, o.entropy_tokens)  # collective: every process, every batch
+        made = branch_groups(ctx, self.seed, [N] * (len(ctx) // G), entropies, o.beam_size,
+                             lambda u, delta, _streak: branches(u, delta, o.entropy_weight, o.branch_probability),
+                             BRANCH_KEY)
+        for count in made:
+            ctx.log_metric("branches", float(count))

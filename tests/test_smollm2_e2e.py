@@ -161,8 +161,10 @@ SALT_EPO_STACK = "salt+epo"
 MATCH_STACK = "matchtir+ikea"
 #: ARPO's entropy-triggered branches from tool boundaries (the tool-episode seam), every boundary branching
 ARPO_STACK = "arpo"
+#: AEPO with its rollout half: entropy pre-monitoring sets each group's global rollouts, penalised branches fill the rest
+AEPO_BRANCH_STACK = "aepo-branching"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK]
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, AEPO_BRANCH_STACK]
 
 
 def _stacks(urls):
@@ -255,6 +257,11 @@ def _stacks(urls):
         # trace's branch beside a shortcut rollout and its advantages are not all 0 (with G=2 the one slot is the
         # root's own branch, same reward)
         ARPO_STACK: (["arpo"], {"arpo": {"branch_probability": 1.0}}, {"loss_type": "grpo", "num_generations": 4}, []),
+        # AEPO's update and rollout halves: the pre-monitoring runs on each group's first row (budget_scale 0: 3 global
+        # rollouts of G=4 whatever the entropies, so that a slot is left), and every boundary branches
+        # (branch_probability 0: any score passes, the penalty included) while slots remain
+        AEPO_BRANCH_STACK: (["aepo"], {"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
+                            {"loss_type": "dapo", "num_generations": 4}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -535,6 +542,8 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
         assert logs["plugins/salt/steps_mean"] > 1  # multi-turn episodes reached the step graph
     if "arpo" in plugins:
         assert logs["plugins/arpo/branches"] > 0  # the slots were filled by continued tool episodes
+    if "aepo" in plugins:  # the pre-monitoring left one slot per group, and branches filled it
+        assert logs["plugins/aepo/global_rollouts"] == 3 and logs["plugins/aepo/branches"] > 0
     if "matchtir" in plugins:
         assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 

@@ -262,6 +262,13 @@ CASES = [
          "num_generations"),
     Case("arpo-beam-size-zero", "stack", ("arpo", {"beam_size": 0}),
          "Option 'beam_size' of plugin 'arpo' got 0; allowed: a value >= 1"),
+    Case("aepo-roots-beyond-group", "stack", ("aepo", {"branching": True, "dynamic_rollouts": False,
+                                                     "initial_rollouts": 5}),
+         "Option 'initial_rollouts' of plugin 'aepo' got 5 with num_generations=4; allowed: 1 <= initial_rollouts <= "
+         "num_generations"),
+    Case("aepo-roots-with-pre-monitoring", "stack", ("aepo", {"branching": True, "initial_rollouts": 2}),
+         "Option 'initial_rollouts' of plugin 'aepo' got 2 with dynamic_rollouts=True; allowed: initial_rollouts=None "
+         "with dynamic_rollouts=True"),
     Case("slate-one-candidate-per-step", "stack", ("slate", {"prm": "programmatic", "k": 1}),
          "Option 'k' of plugin 'slate' got 1; allowed: a value >= 2"),
     Case("slate-k-not-dividing-group", "stack", ("slate", {"prm": "programmatic", "k": 3}),

@@ -1,7 +1,7 @@
 """The tool-episode seam on two processes (gloo, ``accelerate launch``): with uneven work (one rank continues whole
 tool episodes, whose tool rounds differ from row to row, the other nothing; then the reverse from turn 1; then
 neither) both ranks make the same generation calls with the same padded sizes, the budget counts agree, and the
-training step finishes (nothing hangs)."""
+training step finishes (nothing hangs); and ``aepo``'s rollout half with one rank branching, the other not."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ _spec.loader.exec_module(_mp)  # its launch settings: the accelerate config, the
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("tool_episodes_worker.py")
+AEPO_WORKER = Path(__file__).with_name("aepo_branching_worker.py")
 
 
 def test_uneven_tool_episodes_make_equal_calls_on_both_ranks(tmp_path):
@@ -36,3 +37,15 @@ def test_uneven_tool_episodes_make_equal_calls_on_both_ranks(tmp_path):
     assert p0[2]["calls"] == p1[2]["calls"] == []
     assert r0["total"] == r1["total"] == 2 + p1[1]["episodes"]
     assert (r0["used"], r1["used"]) == (2, p1[1]["episodes"])
+
+
+def test_aepo_branching_on_one_rank_finishes_on_both(tmp_path):
+    """Rank 0's groups branch (gold traces: tool boundaries), rank 1's cannot (one-turn answers): both ranks make
+    aepo's collective calls (two entropy forwards, one seam call) and finish the step."""
+    returncode, log = _mp.launch_two_processes(AEPO_WORKER, tmp_path, 420, "aepo branching")
+    assert returncode == 0, log[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"aepo-rank{k}.json").read_text()) for k in (0, 1))
+    assert (r0["rank"], r1["rank"]) == (0, 1) and r0["steps"] == r1["steps"] == 1
+    (rows0,), (rows1,) = r0["filled"], r1["filled"]
+    assert rows0 and rows1 == []  # rank 0 filled slots with branches of its global rollouts (budget_scale 0: 3 of 4)
+    assert all(int(tag.split("@")[0]) % 4 < 3 and int(tag.split("@")[1]) >= 1 for tag in rows0)
