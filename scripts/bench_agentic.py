@@ -34,7 +34,8 @@ import bench_common as bc
 #: The default method list of the agentic mode.
 AGENTIC_METHODS = ["grpo", "igpo", "igpo_a2tgpo", "igpo+otc_po", "igpo+aspo"]
 #: Named variants usable as methods and inside stacks: name -> (plugin, options).
-VARIANTS: dict[str, tuple[str, dict]] = {"igpo_a2tgpo": ("igpo", {"mode": "a2tgpo"})}
+VARIANTS: dict[str, tuple[str, dict]] = {"igpo_a2tgpo": ("igpo", {"mode": "a2tgpo"}),
+                                         "aepo_branching": ("aepo", {"branching": True})}
 #: Plugin options and GRPOConfig overrides that differ on the tool task from ``bench_common.PLUGIN_SETTINGS``.
 AGENTIC_SETTINGS: dict[str, tuple[dict, dict]] = {}
 

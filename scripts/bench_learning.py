@@ -76,7 +76,7 @@ TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "spo:tree", "slate", "rex_rag",
 TOKEN_BUDGET, TOKEN_EVAL_EVERY = 76800, 19200
 # With --task tools: the agent methods that re-generate tool episodes from a turn (the tool-episode seam), and GRPO's
 # sampled tokens at the agentic rollout budget (384 rollouts: 25,365 tokens for seed 0 on the shipped tool model).
-TOOL_TOKEN_METHODS = ["grpo", "arpo"]
+TOOL_TOKEN_METHODS = ["grpo", "arpo", "aepo_branching"]
 TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY = 25600, 8533
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
