@@ -107,7 +107,7 @@ def test_the_policy_judges_each_open_group_once_and_annotates_its_rows():
     rows = stub_rows(3, 2, urpo_kind=["open", "verifiable", "open"])
     service = StubGenerationService(_referee)
     ctx = make_rollout_context([["aaaa", "a"], ["x", "y"], ["bb", "bbbbbbbbbbbb"]], rows=rows, service=service)
-    _stack().call("trl_plugins_after_generation", ctx)
+    _stack(verdict_rows=0).call("trl_plugins_after_generation", ctx)
     (call,) = service.calls
     assert len(call) == 2 and "[Question]\nQ0\n" in call[0][0]["content"] and "Q2" in call[1][0]["content"]
     assert [a.get(SCORE_KEY, "none") for a in ctx.annotations] == [4.0, 1.0, "none", "none", 2.0, 10.0]
@@ -118,7 +118,7 @@ def test_the_policy_judges_each_open_group_once_and_annotates_its_rows():
 def test_without_open_rows_nothing_is_asked():
     service = StubGenerationService(_referee)
     ctx = make_rollout_context([["a", "b"]], rows=stub_rows(1, 2), service=service)
-    _stack().call("trl_plugins_after_generation", ctx)
+    _stack(verdict_rows=0).call("trl_plugins_after_generation", ctx)
     assert service.calls == [] and ctx.annotations == [{}, {}]
     _stack(default_kind="open", self_judge_weight=0.0).call("trl_plugins_after_generation", ctx)
     assert service.calls == []  # self-judging off
@@ -130,12 +130,12 @@ def test_unparsable_judgements_are_counted_and_refused_past_their_share():
 
     rows = stub_rows(2, 2)
     ctx = make_rollout_context([["a", "bb"], ["c", "dd"]], rows=rows, service=StubGenerationService(half))
-    _stack(default_kind="open").call("trl_plugins_after_generation", ctx)  # 1 of 2: at the share, allowed
+    _stack(default_kind="open", verdict_rows=0).call("trl_plugins_after_generation", ctx)  # 1 of 2: at the share, allowed
     assert ctx.metrics["plugins/urpo/unparsable_fraction"] == [0.5]
     assert [a[SCORE_KEY] for a in ctx.annotations] == [None, None, 1.0, 2.0]
     ctx = make_rollout_context([["a", "bb"], ["c", "dd"]], rows=rows, service=StubGenerationService(half))
     with pytest.raises(GenRMParseError, match=r"1 of 2 open groups; first: group 0, text 'no verdict'.*unparsable=0.4"):
-        _stack(default_kind="open", max_unparsable=0.4).call("trl_plugins_after_generation", ctx)
+        _stack(default_kind="open", max_unparsable=0.4, verdict_rows=0).call("trl_plugins_after_generation", ctx)
 
 
 def test_groups_are_judged_once_over_two_processes_and_every_process_sees_every_verdict():
@@ -146,7 +146,7 @@ def test_groups_are_judged_once_over_two_processes_and_every_process_sees_every_
         local = slice(4 * rank, 4 * rank + 4)
         ctx = make_rollout_context(texts[local], num_generations=2, rows=rows[local], process_index=rank,
                                    gather=gather, run=RunInfo(num_processes=2), service=StubGenerationService(_referee))
-        _stack().call("trl_plugins_after_generation", ctx)
+        _stack(verdict_rows=0).call("trl_plugins_after_generation", ctx)
         return [len(c) for c in ctx.service.calls], [a[SCORE_KEY] for a in ctx.annotations]
 
     (calls0, scores0), (calls1, scores1) = run_on_processes(2, work)
