@@ -9,22 +9,34 @@ judges the group of answers it has just written, and those judgements are the gr
 Here a dataset column (``kind_column``, default ``urpo_kind``) marks each row's kind: ``open_kind`` ("open"),
 ``judge_kind`` ("judge") or anything else (verifiable: left to the run's own reward functions). Two reward columns:
 
-* ``urpo_self_judge`` (weight ``self_judge_weight``) -- the reward half. Sampling stage (``after_generation``): every
-  open group's question and G completions (gathered from every process) are put in the judge format
-  (:data:`JUDGE_INSTRUCTION`) and the **current policy answers it through the trainer's generation service**
-  (``ctx.service.generate``, collective: group ``g`` is asked on process ``g % P``, every process calls once, possibly
-  with no request; the replies are gathered and parsed everywhere). The reply's last ``<scores>s_1, ..., s_G</scores>``
-  gives each completion a score ``s_i`` in ``[score_low, score_high]`` (``<think>`` blocks skipped); a reply without
-  exactly G scores in range is **unparsable**. Reward stage::
+* ``urpo_self_judge`` (weight ``self_judge_weight``) -- the reward half, and the referee's turn on open groups.
+  With ``verdict_rows = k`` (default 2; reconstructed) the last ``k`` slots of every open group are the referee's:
+  they are deferred at the prompt stage (``PromptContext.defer``), TRL samples the group's ``G - k`` answers, and the
+  sampling stage (``after_generation``) puts the question and those answers (gathered from every process: a group may
+  straddle processes) in the judge format (:data:`JUDGE_INSTRUCTION`) and fills each verdict slot with a judgement the
+  **current policy samples under that judge prompt through the trainer's generation service** (``ctx.service.generate``,
+  collective: every process calls once, possibly with no request). A verdict row is trained in the step that writes
+  it: its training prompt is the judge prompt (``replace_row(..., training_prompt=...)``), its completion the verdict
+  tokens, its sampling log-probs kept (sampled and trained under the same prompt, so not prompt-swapped). A verdict's
+  last ``<scores>s_1, ..., s_{G-k}</scores>`` (``<think>`` blocks skipped) is **parsable** when it holds exactly
+  ``G - k`` scores in ``[score_low, score_high]``. Reward stage::
 
-      r_i = (s_i - score_low) / (score_high - score_low)      in [0, 1]   (open rows)
-      r_i = the mean of its group's r                          (open rows of an unparsable judgement: neutral advantage)
-      r_i = NaN                                                (other rows: not applicable)
+      r_i = mean over the group's parsable verdicts of (s_i - score_low) / (score_high - score_low)   (answer rows)
+      r_i = the mean of its group's r                  (answer rows of a group without a parsable verdict: neutral)
+      r_v = 1 if verdict v is parsable else 0          (verdict rows: the format reward; the run's other columns NaN)
+      r_i = NaN                                        (other rows: not applicable)
 
-  Unparsable judgements are counted (``unparsable_fraction``), logged with their text, and refused past
-  ``max_unparsable`` of the batch's judgements with :class:`~trl_plugins.components.genrm.GenRMParseError` (the rule
+  Advantage stage: in a group holding verdict rows the answers and the verdicts are normalised each in their own
+  sub-group (``A = r - mean``, divided by the sub-group's std under TRL's ``scale_rewards="group"``, the spread of
+  those rows under ``"batch"``); other groups keep TRL's advantages. ``verdict_rows=0`` is the untrained variant: one
+  judgement of all ``G`` answers per open group, asked through the service outside the batch (group ``g`` of the
+  list on process ``g % P``), parsed everywhere, never trained.
+
+  Groups without a parsable judgement are counted (``unparsable_fraction``), logged with their text, and refused past
+  ``max_unparsable`` of the batch's open groups with :class:`~trl_plugins.components.genrm.GenRMParseError` (the rule
   of :mod:`trl_plugins.components.genrm`: rows without a verdict get the group mean, never a silent zero). Open rows of
-  a refill round or of an evaluation batch are not judged (the sampling stage does not run for them): group mean.
+  a refill round or of an evaluation batch are not judged (the sampling stage does not run for them): group mean, all
+  ``G`` slots answers.
 * ``urpo_judge`` (weight ``judge_weight``) -- training the referee. A judge row's prompt is the same judge format
   filled with a preference example (:func:`preference_judge_rows` turns ``(prompt, chosen, rejected...)`` rows into
   such rows, the responses in a seeded random order, the position of the chosen one in ``best_column``); its
@@ -32,29 +44,35 @@ Here a dataset column (``kind_column``, default ``urpo_kind``) marks each row's 
   first, else ``0`` (an unparsable judgement is a wrong answer here: the policy is being taught the format). Other rows:
   None (NaN).
 
-**What differs from the paper** (the catalogue's "judge outputs are trained"): the judgements the policy writes for
-its open groups are not themselves trained in that step -- they are produced by the generation service at the
-sampling stage and are not rows of the batch (the batch is fixed when they are written, and they carry no label to
-reward them with). The referee is trained through the judge-format rows instead, the route the paper uses for its
-preference data, in the same batches as the player's prompts (mix them in the dataset, e.g. with
-:func:`preference_judge_rows` and ``datasets.concatenate_datasets``). The judge-format wording, the 1-10 score list,
-the strict-argmax agreement reward, the [0, 1] rescaling, one judgement per group (no voting), and sampling it with
-the run's generation settings are **reconstructed** (no official code was found: searched GitHub code, issues and
-docs for the title, arXiv id and authors on 2026-11-28).
+**What the paper says and what is reconstructed.** No official code was found (searched GitHub code, issues,
+docs and web pages for the title, arXiv id, authors and Moore Threads' repositories on 2026-11-28; the AAAI 2026
+page and the paper summaries describe one GRPO loop over the three data kinds, the model first writing candidate
+responses and then rewarding them by ground-truth checks or by its own ranking). The catalogue's "judge outputs are
+trained" is implemented as verdict rows of the same step; what trains them has no label on open-ended prompts, so
+their reward is the format (a parsable score list) -- reconstructed, like ``k`` verdicts per group (their mean is the
+answers' reward: a vote of ``k``), the ``G - k`` answers the group then holds (the group still costs exactly ``G``
+rollouts), the sub-group advantages, the judge-format wording, the 1-10 score list, the strict-argmax agreement
+reward, the [0, 1] rescaling and sampling the verdicts with the run's generation settings. The referee also learns
+from the judge-format rows of preference data (labelled), mixed into the same batches (e.g. with
+:func:`preference_judge_rows` and ``datasets.concatenate_datasets``).
 
 Why the generation service and not :class:`~trl_plugins.components.genrm.HFGenRMBackend`: that backend loads its own
 frozen copy of a model on every process and generates locally -- it would judge with the initial weights, not the
 policy being trained, and it does not see a ZeRO-3 / FSDP-sharded policy. The generation service samples from the
 current policy weights, collectively (the same path as ``clpo``'s rewrites), and counts in the rollout budget
-(``plugin_generation_budget``). A judge request holds the question and all G completions, and its reply is cut at
+(``plugin_generation_budget``). A judge request holds the question and the group's answers, and its reply is cut at
 ``max_completion_length`` like any completion: leave room for the judgement (a cut reply has no ``<scores>`` list and
 is unparsable). A run whose batches hold no judge rows can set ``judge_weight=0`` (otherwise the ``urpo_judge``
 column is None everywhere and the reward guard warns that it scored nothing).
 
+Verdict rows need ``tools`` / ``rollout_func`` off (deferred rows) and ``2 <= verdict_rows <= num_generations - 2``
+(refused when the trainer is built, naming both values).
+
 Neutral setting: ``self_judge_weight=0`` and ``judge_weight=0`` -- no column, no hook (vanilla GRPO, tested).
 Metrics: ``judged_groups``, ``unparsable_fraction``, ``self_score_mean`` (the mean raw score the referee gave),
-``unjudged_fraction`` (open rows without a judgement: refill / eval), ``judge_accuracy`` (judge rows whose verdict
-agrees with the label).
+``verdict_parsable_fraction`` (verdict rows with a parsable score list), ``verdict_fraction`` (verdict rows of the
+batch), ``unjudged_fraction`` (open answers without a judgement: refill / eval), ``judge_accuracy`` (judge rows whose
+verdict agrees with the label).
 """
 
 from __future__ import annotations
@@ -308,28 +326,32 @@ class UrpoPlugin(Plugin):
     """The policy judges its own open-ended groups (rewards) and is trained as a judge on preference data."""
 
     name = "urpo"
-    version = "0.1.0"
+    version = "0.2.0"
     paper = "URPO: A Unified Reward & Policy Optimization Framework for Large Language Models, arXiv:2507.17515"
-    summary = ("One model is player and referee: open-ended groups rewarded by the policy's own judgement of them; "
-               "judge-format preference rows rewarded by agreement with the label.")
+    summary = ("One model is player and referee: open-ended groups rewarded by the policy's own judgements of them, "
+               "trained as verdict rows in the same step; judge-format preference rows rewarded by agreement.")
     Options = UrpoOptions
     official = OfficialSource(
         None, verdict="reconstructed",
         note="No official code was found; the three data kinds in one generative format, the policy judging its own "
         "open-ended group inside the GRPO loop and preference data recast as judge prompts rewarded by agreement "
         "follow the paper; the judge wording, the score list, the rescaling, the agreement rule and one judgement "
-        "per group are reconstructed. The self-judgements are not trained in the step that writes them.",
+        "per group are reconstructed. The self-judgements on open groups are verdict rows trained in the step that "
+        "writes them, rewarded by their format (reconstructed: no label exists for them).",
     )
     claim_metric = ("judge_accuracy", "judge rows whose verdict agrees with the preference label")
     multi_turn = ("its referee reads one question and each completion's text; tool calls and tool results are part of "
                   "that text only as far as completion_text renders them.")
-    image_inputs = without_images("its referee is asked through the generation service with the prompt's text")
+    image_inputs = without_images(
+        "its referee is asked through the generation service with the prompt's text, and its verdict rows are "
+        "deferred rows (PromptContext.defer), sampled from token ids alone")
     reconstructed = (
         "the judge format wording and the `<scores>s_1, ..., s_G</scores>` verdict with scores 1 to 10",
         "self-judge reward = (s - low) / (high - low); rows of an unparsable judgement get their group's mean",
         "judge-row reward = 1 when the labelled best response gets the strictly highest score (else 0)",
-        "one judgement per open group, sampled with the run's generation settings (no voting)",
-        "the self-judgements are not trained in their step; the referee is trained through judge-format rows",
+        "verdict_rows = 2 of each open group's G slots are verdicts (trained under the judge prompt, reward 1 when "
+        "parsable, advantages in their own sub-group); the answers' reward is the mean over the parsable verdicts",
+        "the verdicts are sampled with the run's generation settings",
     )
 
     def __init__(self, options=None):
