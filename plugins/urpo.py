@@ -47,9 +47,9 @@ Here a dataset column (``kind_column``, default ``urpo_kind``) marks each row's 
 **What the paper says and what is reconstructed.** No official code was found (searched GitHub code, issues,
 docs and web pages for the title, arXiv id, authors and Moore Threads' repositories on 2026-11-28; the AAAI 2026
 page and the paper summaries describe one GRPO loop over the three data kinds, the model first writing candidate
-responses and then rewarding them by ground-truth checks or by its own ranking). The catalogue's "judge outputs are
-trained" is implemented as verdict rows of the same step; what trains them has no label on open-ended prompts, so
-their reward is the format (a parsable score list) -- reconstructed, like ``k`` verdicts per group (their mean is the
+responses and then rewarding them by ground-truth checks or by its own ranking, referee and player improving
+together in that one loop). The referee's judgements of open groups are therefore verdict rows of the same step; they
+have no label on open-ended prompts, so their reward is the format (a parsable score list) -- reconstructed, like ``k`` verdicts per group (their mean is the
 answers' reward: a vote of ``k``), the ``G - k`` answers the group then holds (the group still costs exactly ``G``
 rollouts), the sub-group advantages, the judge-format wording, the 1-10 score list, the strict-argmax agreement
 reward, the [0, 1] rescaling and sampling the verdicts with the run's generation settings. The referee also learns
