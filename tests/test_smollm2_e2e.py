@@ -239,12 +239,13 @@ def _stacks(urls):
         # them through the generation service and refills its zero-signal groups with them (the rewrite and refill
         # metrics are checked on the tiny model: tests/plugins/test_clpo.py); beta > 0 for its difficulty-aware KL
         "clpo": (["clpo"], {}, {"loss_type": "grpo", "max_refill_rounds": 1, "max_steps": 2, "beta": 0.001}, []),
-        # URPO: every arithmetic group is open-ended here, so the real policy judges its own group through the
-        # generation service (its 16-token judgements rarely hold a whole <scores> list: max_unparsable 1 lets their
-        # groups take a neutral advantage; no judge rows, so no urpo_judge column; the parsing and the agreement
-        # reward are checked in tests/plugins/test_urpo.py)
+        # URPO: every arithmetic group is open-ended here; G=4, so each group is 2 answers and 2 verdict rows the
+        # real policy writes under the judge prompt through the generation service and trains in the same step (its
+        # 16-token verdicts rarely hold a whole <scores> list: max_unparsable 1 lets their answers take a neutral
+        # advantage, the verdicts reward 0; no judge rows, so no urpo_judge column; the parsing, the rewards and the
+        # sub-group advantages are checked in tests/plugins/test_urpo.py)
         "urpo": (["urpo"], {"urpo": {"default_kind": "open", "max_unparsable": 1.0, "judge_weight": 0.0}},
-                 {"loss_type": "grpo"}, []),
+                 {"loss_type": "grpo", "num_generations": 4}, []),
         # the agent plugins, on the bundled tool environment (test_agent_stack_trains_one_lora_step_with_tools)
         # (igpo in its A2TGPO mode: the adaptive turn-level clipping reaches the loss of the real model)
         AGENT_STACK: (["igpo", "otc_po", "e_grpo", "funrl", "aspo"], {"igpo": {"mode": "a2tgpo"}}, {"loss_type": "grpo"},

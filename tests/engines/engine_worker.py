@@ -127,10 +127,12 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # fork_prefixes (forced distinct next tokens at a fork, a padded probe forward then a collective generate): ettrl's
     # entropy-forked trees of one root and one branch
     "forks": (["ettrl"], {"ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"}}, ZERO3_FSDP2),
-    # the policy judging its own groups through the generation service (the tiny policy's verdicts are unparsable:
-    # allowed here, every open row then gets its group's mean)
+    # the policy judging its own groups: G=4, each group 2 answers and 2 verdict rows (deferred slots filled through
+    # the generation service, trained under the judge prompt in the same step, one group a process). The tiny
+    # policy's verdicts are unparsable: allowed here, the answers then get their group's mean (their dense reward
+    # columns still differ) and the verdicts 0
     "self_judge": (["urpo"], {"urpo": {"default_kind": "open", "judge_weight": 0.0, "max_unparsable": 1.0}},
-                   ZERO3_FSDP2),
+                   {**ZERO3_FSDP2, "args": {"num_generations": 4, "max_completion_length": 16}}),
     # ares's entropy reward, per-difficulty KL (beta > 0: TRL's reference model from the policy on disk) and HWE
     # branching (one deferred row per group) with polychromic's set advantage and its scored vines (continuations
     # through the branching seam; trained vines also defer rows, refused with ares's branching)
@@ -249,14 +251,13 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
                    os.path.join(out_dir, f"{phase}-initial.pt"))
     args = {"loss_type": "dr_grpo", "max_steps": options.get("steps", 2), "max_completion_length": 8,
-            **options.get("args", {})}
+            "num_generations": G, **options.get("args", {})}
     common = dict(
         model=model,
         plugins=plugins,
         plugin_config=plugin_config,
         output_dir=os.path.join(out_dir, phase),
         per_device_train_batch_size=PER_DEVICE,
-        num_generations=G,
         **args,
         # the engines need it off (cpu_engines pins the device to the CPU); the DDP reference is accelerate's CPU path
         use_cpu=engine == "ddp",

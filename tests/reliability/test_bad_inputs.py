@@ -233,6 +233,8 @@ CASES = [
     # ---------------------------------------------------------------- plugins that need the run's settings / components
     Case("replace-index-beyond-group", "stack", ("hint_scaffold", {"replace": "one", "replace_index": 4}),
          "allowed: a slot of the group, 0 to 3 (num_generations=4)"),
+    Case("urpo-verdicts-leave-one-answer", "stack", ("urpo", {"verdict_rows": 3}),
+         "Plugin 'urpo': verdict_rows=3 with num_generations=4; allowed: 0 (untrained self-judgements) or 2 <="),
     Case("ettrl-branching-factor-zero", "stack", ("ettrl", {"branches": 0}),
          "Option 'branches' of plugin 'ettrl' got 0; allowed: a value >= 1"),
     Case("ettrl-tree-beyond-group", "stack", ("ettrl", {"fork_points": 2, "branches": 2}),
@@ -412,6 +414,8 @@ CASES = [
     Case("urpo-judge-format-without-responses", "config",
          _config(plugins={"urpo": {"instruction": "Judge {question}"}}),
          "Option 'instruction' of plugin 'urpo'"),
+    Case("urpo-one-verdict", "config", _config(plugins={"urpo": {"verdict_rows": 1}}),
+         "Plugin 'urpo': verdict_rows=1; allowed: 0 (untrained self-judgements) or 2 and more"),
     Case("acre-option-format-without-option", "config", _config(plugins={"acre": {"option_format": "{letter})"}}),
          "option_format"),
     Case("acre-scale-above-one", "config", _config(plugins={"acre": {"inconsistent_scale": 1.5}}),
