@@ -18,11 +18,11 @@ and marked so (``reconstructed`` options, ``docs/faithfulness.md``):
    ``discriminator_template`` (fields ``{question}``, ``{trajectory}``) answered with ``Verdict: flawed`` or
    ``Verdict: coherent``; Trimmer prompt ``trimmer_template`` (same fields) answered with ``Flawed step: k``.
    An answer that does not parse leaves the trajectory as it is (no intervention, counted in ``unparsed``).
-2. Steps: step ``k`` (1-based) is assistant turn ``k - 1`` with its tool results (:class:`TurnStructure`); cutting at
-   step ``k`` keeps turns ``0 .. k-2`` and regenerates turn ``k - 1`` and the rest through TRL's own tool loop
-   (``ctx.continue_tool_episodes``, a fresh environment brought to the cut), and the row takes the new episode
-   (``ctx.replace_episode``). A step number outside the trajectory (or at a turn past ``max_completion_length``)
-   is no cut.
+2. Steps: step ``k`` (1-based) is assistant turn ``k - 1`` with its tool results
+   (:class:`~trl_plugins.api.turns.TurnStructure`); cutting at step ``k`` keeps turns ``0 .. k-2`` and regenerates
+   turn ``k - 1`` and the rest through TRL's own tool loop (``ctx.continue_tool_episodes``, a fresh environment
+   brought to the cut), and the row takes the new episode (``ctx.replace_episode``). A step number outside the
+   trajectory (or at a turn past ``max_completion_length``) is no cut.
 3. Revisions: ``max_revisions`` rounds (1: the paper reports one revision capturing most of the gain); each round
    judges the current trajectories again.
 4. Hybrid reward (reward stage, on the verifier column): ``r = r_o + process_weight * g * rho`` with ``r_o`` the
@@ -178,7 +178,7 @@ class SearchR2Plugin(Plugin):
     name = "search_r2"
     version = "0.1.0"
     paper = "Search-R2: Enhancing Search-Integrated Reasoning via Actor-Refiner Collaboration, arXiv:2602.03647"
-    summary = "Policy-as-Meta-Refiner cuts flawed tool trajectories at the first bad step and regenerates; hybrid reward."
+    summary = "Meta-Refiner cuts flawed tool trajectories at the first bad step and regenerates; hybrid reward."
     Options = SearchR2Options
     image_inputs = IMAGES_GENERATION_SERVICE
     multi_turn = True
@@ -189,12 +189,12 @@ class SearchR2Plugin(Plugin):
         "refiner is the policy prompted, its prompts, the density (per-call environment rewards), the gate and the "
         "weights are reconstructed; HF generate only (the tool-episode seam).",
     )
+    replaces = ("the turns of a flagged tool trajectory from its first flawed step on (cut and regenerated)",)
     claim_metric = ("refined", "trajectories cut and regenerated per batch (per process)")
     reconstructed = (
         "the Meta-Refiner is the policy prompted (Discriminator then Trimmer), its judgement tokens not trained",
         "information density = fraction of tool calls whose result the environment rewards",
-        "hybrid reward r_o + process_weight * 1[r_o > 0] * rho, process_weight = 1.0",
-        "max_revisions = 1",
+        "the hybrid reward's form r_o + process_weight * g * rho (the paper couples the two rewards)",
     )
 
     def hook_enabled(self, hook: str) -> bool:
@@ -231,7 +231,8 @@ class SearchR2Plugin(Plugin):
         flagged = unparsed = 0
         for _ in range(o.max_revisions):  # the same number of rounds, hence of collective calls, on every process
             # rows another plugin rewrote with replace_row (no longer TRL's turns) or prompt-swapped are left alone
-            rows = [i for i in range(len(ctx)) if not ctx.prompt_swapped[i] and (i not in ctx.changed or i in ctx.episodes)]
+            rows = [i for i in range(len(ctx))
+                    if not ctx.prompt_swapped[i] and (i not in ctx.changed or i in ctx.episodes)]
             verdicts = self._ask(ctx, rows, o.discriminator_template)
             bad = []
             for i, (text, _) in zip(rows, verdicts):

@@ -161,8 +161,11 @@ SALT_EPO_STACK = "salt+epo"
 MATCH_STACK = "matchtir+ikea"
 #: ARPO's entropy-triggered branches from tool boundaries (the tool-episode seam), every boundary branching
 ARPO_STACK = "arpo"
+#: Search-R2's Meta-Refiner (the policy's judgements scripted: every trajectory flawed at step 2) cutting and
+#: regenerating trajectories through the tool-episode seam, with its information-density reward
+SEARCH_R2_STACK = "search_r2"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK]
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, SEARCH_R2_STACK]
 
 
 def _stacks(urls):
@@ -255,6 +258,7 @@ def _stacks(urls):
         # trace's branch beside a shortcut rollout and its advantages are not all 0 (with G=2 the one slot is the
         # root's own branch, same reward)
         ARPO_STACK: (["arpo"], {"arpo": {"branch_probability": 1.0}}, {"loss_type": "grpo", "num_generations": 4}, []),
+        SEARCH_R2_STACK: (["search_r2"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -490,6 +494,18 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert any(h.get("plugins/r2vpo/replayed_groups", 0) > 0 for h in trainer.state.log_history)
 
 
+def _refiner_script(actor):
+    """``actor`` (a scripted tool policy), answering search_r2's Meta-Refiner prompts: flawed, cut at step 2."""
+    def script(prompt_text: str, row: int) -> str:
+        if "'Verdict: coherent' or 'Verdict: flawed'" in prompt_text:
+            return "Verdict: flawed"
+        if "'Flawed step: N'" in prompt_text:
+            return "Flawed step: 2"
+        return actor(prompt_text, row)
+
+    return script
+
+
 @pytest.mark.parametrize("stack", TOOL_STACKS)
 def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
     """The agent plugins (igpo + otc_po + e_grpo + funrl + aspo; salt + epo; matchtir + ikea) on real multi-turn tool
@@ -510,7 +526,10 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
     trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
                                 processing_class=enable_tool_calling(AutoTokenizer.from_pretrained(smollm2)),
                                 peft_config=_lora(), environment_factory=ToolEnvironment)
-    script_generation(trainer, gold_trace_script(dataset))
+    script = gold_trace_script(dataset)
+    if "search_r2" in plugins:  # the Meta-Refiner's prompts answered: every trajectory flawed, cut at step 2
+        script = _refiner_script(script)
+    script_generation(trainer, script)
     before = _adapters(trainer.model)
     trainer.train()
     after = _adapters(trainer.model)
@@ -525,6 +544,8 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
         assert logs["plugins/salt/steps_mean"] > 1  # multi-turn episodes reached the step graph
     if "arpo" in plugins:
         assert logs["plugins/arpo/branches"] > 0  # the slots were filled by continued tool episodes
+    if "search_r2" in plugins:  # trajectories cut at step 2 and regenerated; the gold searches are useful evidence
+        assert logs["plugins/search_r2/refined"] > 0 and logs["plugins/search_r2/density_mean"] > 0
     if "matchtir" in plugins:
         assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 

@@ -250,6 +250,12 @@ CASES = [
          "num_generations"),
     Case("arpo-beam-size-zero", "stack", ("arpo", {"beam_size": 0}),
          "Option 'beam_size' of plugin 'arpo' got 0; allowed: a value >= 1"),
+    Case("search-r2-revisions-negative", "stack", ("search_r2", {"max_revisions": -1}),
+         "Option 'max_revisions' of plugin 'search_r2' got -1; allowed: a value >= 0"),
+    Case("search-r2-template-unknown-field", "stack",
+         ("search_r2", {"trimmer_template": "{question} {trajectory} {answer}"}),
+         "Option 'trimmer_template' of plugin 'search_r2' got '{question} {trajectory} {answer}'; it has the field "
+         "{answer}, which the plugin does not fill"),
     Case("slate-one-candidate-per-step", "stack", ("slate", {"prm": "programmatic", "k": 1}),
          "Option 'k' of plugin 'slate' got 1; allowed: a value >= 2"),
     Case("slate-k-not-dividing-group", "stack", ("slate", {"prm": "programmatic", "k": 3}),
