@@ -51,6 +51,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "aspo": ({}, {}),
     # arpo branches from tool boundaries only (the tool-episode seam): without tools it leaves the batch as it is
     "arpo": ({}, {}),
+    # search_r2 cuts and regenerates tool trajectories (the tool-episode seam) and rewards the retrieved evidence's
+    # density (per-call environment rewards): without tools its refiner has no step to cut and the density is 0
+    "search_r2": ({}, {}),
     "canon": ({}, {"loss_type": "dr_grpo"}),
     # a wide covariance window and a larger ratio so that tokens are picked in every micro-batch
     "clip_cov": ({"lb": -100.0, "ub": 100.0, "ratio": 0.02}, {}),
@@ -306,6 +309,7 @@ PLUGIN_VARIANTS: dict[str, dict] = {
     "spo:tree": {"mode": "tree", "branch_factors": [3, 3], "segment_tokens": 16},
 }
 TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt")
+TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt", "search_r2")
 
 
 def demo_model_dir(cache_dir: str | Path | None = None) -> Path:

@@ -165,6 +165,11 @@ ARPO_STACK = "arpo"
 AEPO_BRANCH_STACK = "aepo-branching"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
 TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, AEPO_BRANCH_STACK]
+#: Search-R2's Meta-Refiner (the policy's judgements scripted: every trajectory flawed at step 2) cutting and
+#: regenerating trajectories through the tool-episode seam, with its information-density reward
+SEARCH_R2_STACK = "search_r2"
+#: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, SEARCH_R2_STACK]
 
 
 def _stacks(urls):
@@ -263,6 +268,7 @@ def _stacks(urls):
         # (branch_probability 0: any score passes, the penalty included) while slots remain
         AEPO_BRANCH_STACK: (["aepo"], {"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
                             {"loss_type": "dapo", "num_generations": 4}, []),
+        SEARCH_R2_STACK: (["search_r2"], {}, {"loss_type": "grpo"}, []),
         "r3l+gtpo+steer+rlpr+clip_cov": (
             ["r3l", "gtpo", "steer", "rlpr", "clip_cov"],
             {"gtpo": {"entropy_threshold": None}, "clip_cov": {"lb": -100.0, "ub": 100.0, "ratio": 0.1}},
@@ -508,6 +514,18 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert any(h.get("plugins/r2vpo/replayed_groups", 0) > 0 for h in trainer.state.log_history)
 
 
+def _refiner_script(actor):
+    """``actor`` (a scripted tool policy), answering search_r2's Meta-Refiner prompts: flawed, cut at step 2."""
+    def script(prompt_text: str, row: int) -> str:
+        if "'Verdict: coherent' or 'Verdict: flawed'" in prompt_text:
+            return "Verdict: flawed"
+        if "'Flawed step: N'" in prompt_text:
+            return "Flawed step: 2"
+        return actor(prompt_text, row)
+
+    return script
+
+
 @pytest.mark.parametrize("stack", TOOL_STACKS)
 def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
     """The agent plugins (igpo + otc_po + e_grpo + funrl + aspo; salt + epo; matchtir + ikea) on real multi-turn tool
@@ -528,7 +546,10 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
     trainer = PluginGRPOTrainer(model=smollm2, reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
                                 processing_class=enable_tool_calling(AutoTokenizer.from_pretrained(smollm2)),
                                 peft_config=_lora(), environment_factory=ToolEnvironment)
-    script_generation(trainer, gold_trace_script(dataset))
+    script = gold_trace_script(dataset)
+    if "search_r2" in plugins:  # the Meta-Refiner's prompts answered: every trajectory flawed, cut at step 2
+        script = _refiner_script(script)
+    script_generation(trainer, script)
     before = _adapters(trainer.model)
     trainer.train()
     after = _adapters(trainer.model)
@@ -545,6 +566,8 @@ def test_tool_stack_trains_one_lora_step_with_tools(stack, smollm2, tmp_path):
         assert logs["plugins/arpo/branches"] > 0  # the slots were filled by continued tool episodes
     if "aepo" in plugins:  # the pre-monitoring left one slot per group, and branches filled it
         assert logs["plugins/aepo/global_rollouts"] == 3 and logs["plugins/aepo/branches"] > 0
+    if "search_r2" in plugins:  # trajectories cut at step 2 and regenerated; the gold searches are useful evidence
+        assert logs["plugins/search_r2/refined"] > 0 and logs["plugins/search_r2/density_mean"] > 0
     if "matchtir" in plugins:
         assert logs["plugins/ikea/retrievals_mean"] > 0 and logs["plugins/matchtir/match_reward_mean"] > 0
 

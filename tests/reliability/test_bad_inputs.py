@@ -271,6 +271,12 @@ CASES = [
     Case("aepo-roots-with-pre-monitoring", "stack", ("aepo", {"branching": True, "initial_rollouts": 2}),
          "Option 'initial_rollouts' of plugin 'aepo' got 2 with dynamic_rollouts=True; allowed: initial_rollouts=None "
          "with dynamic_rollouts=True"),
+    Case("search-r2-revisions-negative", "stack", ("search_r2", {"max_revisions": -1}),
+         "Option 'max_revisions' of plugin 'search_r2' got -1; allowed: a value >= 0"),
+    Case("search-r2-template-unknown-field", "stack",
+         ("search_r2", {"trimmer_template": "{question} {trajectory} {answer}"}),
+         "Option 'trimmer_template' of plugin 'search_r2' got '{question} {trajectory} {answer}'; it has the field "
+         "{answer}, which the plugin does not fill"),
     Case("slate-one-candidate-per-step", "stack", ("slate", {"prm": "programmatic", "k": 1}),
          "Option 'k' of plugin 'slate' got 1; allowed: a value >= 2"),
     Case("slate-k-not-dividing-group", "stack", ("slate", {"prm": "programmatic", "k": 3}),

@@ -48,7 +48,13 @@ def main(out_dir: str) -> None:
     tr = make_tool_trainer(n=8, per_device_train_batch_size=2, num_generations=2, max_steps=1,
                            plugins=["test_uneven_episodes"], output_dir=os.path.join(out_dir, "run"),
                            loss_type="dr_grpo")
-    backend = tr._generate_single_turn  # the scripted backend: count the rows of every call
+    train_counting_calls(tr, calls, record, out_dir)
+
+
+def train_counting_calls(tr, calls: list[int], record: dict, out_dir: str) -> None:
+    """Train ``tr`` with its (scripted) generation backend counting the rows of every call into ``calls``, then write
+    ``record`` (with ``steps``) to ``out_dir/rank<k>.json`` (also used by ``search_r2_worker.py``)."""
+    backend = tr._generate_single_turn
 
     def counted(prompt_ids, *args, **kwargs):
         calls.append(len(prompt_ids))
