@@ -308,7 +308,6 @@ PLUGIN_VARIANTS: dict[str, dict] = {
     # SPO-tree: a 3-3 tree of 16-token segments per prompt (9 leaves for G = 8; the official 6-6-6 is 258 segments)
     "spo:tree": {"mode": "tree", "branch_factors": [3, 3], "segment_tokens": 16},
 }
-TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt")
 TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt", "search_r2")
 
 

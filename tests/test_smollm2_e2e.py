@@ -163,13 +163,11 @@ MATCH_STACK = "matchtir+ikea"
 ARPO_STACK = "arpo"
 #: AEPO with its rollout half: entropy pre-monitoring sets each group's global rollouts, penalised branches fill the rest
 AEPO_BRANCH_STACK = "aepo-branching"
-#: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, AEPO_BRANCH_STACK]
 #: Search-R2's Meta-Refiner (the policy's judgements scripted: every trajectory flawed at step 2) cutting and
 #: regenerating trajectories through the tool-episode seam, with its information-density reward
 SEARCH_R2_STACK = "search_r2"
 #: the stacks that train on the bundled tool environment (test_tool_stack_trains_one_lora_step_with_tools)
-TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, SEARCH_R2_STACK]
+TOOL_STACKS = [AGENT_STACK, SALT_EPO_STACK, MATCH_STACK, ARPO_STACK, AEPO_BRANCH_STACK, SEARCH_R2_STACK]
 
 
 def _stacks(urls):
