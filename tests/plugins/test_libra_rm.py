@@ -2,6 +2,8 @@
 and the reward on hand-built RewardContexts with scripted judges; a loopback endpoint; trainer runs check the column
 end to end, the neutral setting and the refusals."""
 
+import dataclasses
+
 import pytest
 import torch
 import trl
@@ -18,6 +20,7 @@ from trl_plugins.components.genrm import (
 )
 from trl_plugins.tasks.arithmetic import Problem, accuracy_reward, row_from_question
 from trl_plugins.testing import (
+    assert_runs_equal,
     digit_fraction_reward,
     make_reward_context,
     make_tiny_trainer,
@@ -30,11 +33,12 @@ PROBLEM = Problem.from_expression([3, 4, 2], ["+", "*"])  # 3+4=7, 7*2=14
 RIGHT, WRONG = PROBLEM.solution, "3+4=7\n7*2=15\nAnswer: 15"
 
 
-def _ctx(texts, G):
+def _ctx(texts, G, rows=None):
+    """A reward context over ``texts`` (columns accuracy_reward, libra_rm, both zero); ``rows`` default: PROBLEM."""
     N = len(texts)
+    rows = rows if rows is not None else [{"prompt": [{"role": "user", "content": PROBLEM.question}]}] * N
     return make_reward_context(torch.zeros(N, 2), num_generations=G, reward_func_names=["accuracy_reward", COLUMN],
-                               rows=[{"prompt": [{"role": "user", "content": PROBLEM.question}]}] * N,
-                               completions=[[{"role": "assistant", "content": t}] for t in texts])
+                               rows=rows, completions=[[{"role": "assistant", "content": t}] for t in texts])
 
 
 def _run(ctx, grm=None, **options):
@@ -138,17 +142,15 @@ def test_loopback_endpoint_asks_one_judgement_per_completion_with_the_official_s
 
 
 def test_neutral_weight_zero_matches_vanilla_grpo(tmp_path):
+    """reward_weight=0: the same run as trl.GRPOTrainer (rewards, advantages, losses, gradients, parameters) once the
+    libra_rm column -- still filled, weighted 0 -- is set aside."""
     common = dict(max_steps=1, reward_funcs=[accuracy_reward, digit_fraction_reward], output_dir=str(tmp_path),
                   log_level="error")
-    vanilla = record_run(make_tiny_trainer(trainer_cls=trl.GRPOTrainer, **common))
+    vanilla = record_run(make_tiny_trainer(trl.GRPOTrainer, **common))
     neutral = record_run(make_tiny_trainer(
         plugins=["libra_rm"], plugin_config={"libra_rm": {"genrm": "scripted", "reward_weight": 0.0}}, **common))
-    for a, b in zip(vanilla.rewards, neutral.rewards):
-        assert b.shape[1] == a.shape[1] + 1 and torch.equal(a, b[:, :2])
-    for a, b in zip(vanilla.advantages, neutral.advantages):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-    for key in vanilla.params:
-        torch.testing.assert_close(vanilla.params[key], neutral.params[key], atol=0, rtol=0)
+    assert all(r.shape[1] == 3 for r in neutral.rewards)
+    assert_runs_equal(vanilla, dataclasses.replace(neutral, rewards=[r[:, :2] for r in neutral.rewards]))
     clear_shared_genrm_backends()
 
 
@@ -182,11 +184,8 @@ def test_smollm2_itself_as_the_judge_through_the_local_hf_backend(capsys):
 
     clear_shared_genrm_backends()
     rows = list(make_dataset(2, levels=(1,), seed=7, split="test"))
-    texts = [t for r in rows for t in (r["solution"], "I think the answer is 12.\nAnswer: 12")]
-    N = len(texts)
-    ctx = make_reward_context(torch.zeros(N, 2), num_generations=2, reward_func_names=["accuracy_reward", COLUMN],
-                              rows=[r for r in rows for _ in range(2)],
-                              completions=[[{"role": "assistant", "content": t}] for t in texts])
+    ctx = _ctx([t for r in rows for t in (r["solution"], "Answer: 12")], 2, rows=[r for r in rows for _ in range(2)])
+    N = len(ctx.rewards_per_func)
     stack = build_plugins(["libra_rm"], {"libra_rm": {
         "genrm": "hf", "genrm_model": str(smollm2_path()), "k": 2, "genrm_max_tokens": 48,
         "genrm_max_unparsable": 1.0}})
