@@ -656,8 +656,8 @@ GenRMEndpointOptions = endpoint_options("genrm", "generative reward model")
 
 @dataclass
 class GenRMOptions(GenRMEndpointOptions):
-    """The generative-RM options of the plugins that ask one (deepseek_grm, think_rm); their option dataclasses
-    derive from this one, set ``plugin_name``, may redeclare a field with their paper's default, and call
+    """The generative-RM options of the plugins that ask one (deepseek_grm, libra_rm, think_rm, ...); their option
+    dataclasses derive from this one, set ``plugin_name``, may redeclare a field with their paper's default, and call
     ``super().validate()`` from their own checks."""
 
     plugin_name: ClassVar[str] = "?"
