@@ -32,16 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import torch
-
-from trl_plugins.api import OfficialSource, Plugin, PluginConfigError, RewardContext, hookimpl, option
-from trl_plugins.api.engines import trainer_device
-from trl_plugins.api.collectives import gather_objects_together
+from trl_plugins.api import OfficialSource, PluginConfigError, option
 from trl_plugins.api.reasons import without_images
-from trl_plugins.api.success import placeholder_column
-from trl_plugins.api.text import completion_text
-from trl_plugins.components.genrm import GenRMOptions, GenRMTemplate, genrm_from_options, neutral_fill
-from trl_plugins.components.steps import question_text
+from trl_plugins.components.genrm import GenRMOptions, GenRMTemplate, genrm_from_options
+
+from ._pointwise_genrm import PointwiseGenRMPlugin
 
 COLUMN = "deepseek_grm"
 
@@ -105,7 +100,7 @@ class DeepseekGrmOptions(GenRMOptions):
         return self.meta_keep if self.meta_keep is not None else max(1, self.k // 2)
 
 
-class DeepseekGrmPlugin(Plugin):
+class DeepseekGrmPlugin(PointwiseGenRMPlugin):
     """Voted pointwise principle + critique + score judgements of a generative RM as a reward column."""
 
     name = "deepseek_grm"
@@ -113,6 +108,8 @@ class DeepseekGrmPlugin(Plugin):
     paper = "Inference-Time Scaling for Generalist Reward Modeling (DeepSeek-GRM, SPCT), arXiv:2504.02495"
     summary = "Reward = the vote (sum) of k sampled principle+critique+score judgements, filtered by a meta RM."
     Options = DeepseekGrmOptions
+    column = COLUMN
+    score_metric = "score_mean"
     official = OfficialSource(
         None, verdict="reconstructed",
         note="No official code was found; the pointwise format, the voting (sum of k scores) and meta-RM guided "
@@ -132,45 +129,8 @@ class DeepseekGrmPlugin(Plugin):
         "rows whose k judgements hold no score get their group's mean (the paper does not say)",
     )
 
-    def __init__(self, options=None):
-        super().__init__(options)
-        self.grm = None
-        self._device = None
-
-    @hookimpl
-    def trl_plugins_reward_functions(self, args):
-        return [placeholder_column(COLUMN, self.options.reward_weight)]
-
-    @hookimpl
-    def trl_plugins_configure(self, trainer, args):
-        self._device = trainer_device(trainer)
-        if self.grm is None:
-            self.grm = self._build()
-
-    def _build(self):
+    def build_judge(self):
         o = self.options
         meta = o.meta_rm == "genrm"
         return genrm_from_options(o, GRM_TEMPLATE, k=o.k, aggregate="vote", device=self._device,
                                   meta_template=META_TEMPLATE if meta else None, meta_keep=o.kept() if meta else None)
-
-    def _local_scores(self, ctx: RewardContext) -> list[float]:
-        """(B,) voted score of this process's rows (NaN where no judgement parsed)."""
-        questions = [question_text(p) for p in ctx.local_prompts]
-        texts = [completion_text(c) for c in ctx.local_completions]
-        return self.grm.score(questions, texts).values
-
-    @hookimpl
-    def trl_plugins_transform_rewards(self, ctx: RewardContext):
-        names = ctx.reward_func_names
-        if COLUMN not in names:
-            return
-        if self.grm is None:
-            self.grm = self._build()
-        scores = torch.tensor(gather_objects_together(ctx, self.name, self._local_scores, ctx), dtype=torch.float32)
-        values, missing = neutral_fill(scores, ctx.num_generations)
-        ctx.log_metric("unparsable_fraction", missing.float().mean().item())
-        if (~missing).any():
-            ctx.log_metric("score_mean", scores[~missing].mean().item())
-        matrix = ctx.rewards_per_func.clone()
-        matrix[:, names.index(COLUMN)] = values.to(matrix)
-        ctx.rewards_per_func = matrix

@@ -103,6 +103,8 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "laser": ({}, {}),
     # the official lookahead windows (20, 30, 50 tokens of 1-8k-token completions) scaled to the 40-token completions
     "latr": ({"pruning_steps": [10, 20]}, {}),
+    # the scripted verifier-backed judge's binary correctness verdict (no model), beside the task's reward
+    "libra_rm": ({"genrm": "scripted"}, {}),
     "llds": ({}, {}),
     # the arithmetic rows have no constraints column: one constraint for every row, and no thinking block
     "light_if": ({"constraints_column": None, "constraints": [{"type": "word_count", "max": 20}], "think_end": None},

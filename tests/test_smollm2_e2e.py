@@ -419,6 +419,12 @@ def _stacks(urls):
             {"deepseek_grm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1, "k": 2}},
             {"loss_type": "grpo"}, ["genrm"],
         ),
+        # libra_rm's one binary correctness verdict per completion from the loopback judge, beside the partial-credit
+        # column (the 135M policy rarely answers right: the verdicts alone would leave its groups without variance)
+        "libra_rm": (
+            ["libra_rm"], {"libra_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
+            {"loss_type": "grpo"}, ["genrm"],
+        ),
         "think_rm": (
             ["think_rm"], {"think_rm": {"genrm_base_url": urls["genrm"], "genrm_max_retries": 1}},
             {"loss_type": "grpo", "reward_weights": [0.0, 0.0]}, ["genrm"],

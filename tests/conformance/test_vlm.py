@@ -168,7 +168,7 @@ def test_every_builtin_plugin_declares_image_inputs():
 _BUILD_OPTIONS = {"kepo": {"teacher_model": "unused"}, "listener": {"teacher_model": "unused"},
                   "rapo_retention": {"teacher_model": "unused"}, "ruscarl": {"judge": "rule"},
                   "data_prm": {"genrm": "scripted"}, "deepseek_grm": {"genrm": "scripted"},
-                  "think_rm": {"genrm": "scripted"},
+                  "libra_rm": {"genrm": "scripted"}, "think_rm": {"genrm": "scripted"},
                   "scope": {"mode": "reference_suffix", "prm": "programmatic"}}
 
 

@@ -84,6 +84,7 @@ __all__ = [
     "genrm_handler",
     "neutral_fill",
     "meta_judge_filter",
+    "pointwise_column",
     "scripted_genrm",
 ]
 
@@ -278,6 +279,37 @@ def neutral_fill(values: Any, group_size: int) -> tuple[Any, Any]:
     groups = values.view(-1, group_size)
     means = torch.nan_to_num(groups.nanmean(dim=1, keepdim=True), nan=0.0).expand_as(groups).reshape(-1)
     return torch.where(missing, means, values), missing
+
+
+def pointwise_column(ctx: Any, grm: GenerativeRewardModel, plugin: str, column: str) -> Any:
+    """Fill the reward column ``column`` with a pointwise GenRM's verdicts (the reward stage of the plugins that pay
+    one, e.g. deepseek_grm and libra_rm). Collective: every process judges its own rows (question from the prompt,
+    response from the completion text), the (N,) verdicts are gathered -- a judge failing on one process stops every
+    process, naming ``plugin`` -- and rows without a verdict take their group's mean (:func:`neutral_fill`; metric
+    ``unparsable_fraction``, the share of such rows).
+
+    Args:
+        ctx: the :class:`~trl_plugins.api.RewardContext` (its ``rewards_per_func`` (N, F) is replaced).
+    Returns:
+        (N,) float32 tensor of the verdicts before filling (NaN where none parsed).
+    """
+    import torch
+
+    from trl_plugins.api.collectives import gather_objects_together
+    from trl_plugins.api.text import completion_text
+    from trl_plugins.components.steps import question_text
+
+    def local() -> list[float]:
+        questions = [question_text(p) for p in ctx.local_prompts]
+        return grm.score(questions, [completion_text(c) for c in ctx.local_completions]).values
+
+    scores = torch.tensor(gather_objects_together(ctx, plugin, local), dtype=torch.float32)
+    values, missing = neutral_fill(scores, ctx.num_generations)
+    ctx.log_metric("unparsable_fraction", missing.float().mean().item())
+    matrix = ctx.rewards_per_func.clone()
+    matrix[:, ctx.reward_func_names.index(column)] = values.to(matrix)
+    ctx.rewards_per_func = matrix
+    return scores
 
 
 # ============================================================================================= backends
@@ -534,6 +566,8 @@ _SECTION_RE = {
 #: lines of a step request that are framing, not solution text (paragraph tags, the final-step note)
 _FRAMING_RE = re.compile(r"^\s*(\[/?Paragraph_\d+\]|Note: This is the final step\.)\s*$")
 _BOXED_RE = re.compile(r"\\boxed\{\s*([-+]?\d+(?:\.\d+)?)\s*\}")
+#: a pointwise request asking for a binary correctness verdict, ``\boxed{1}`` (correct) or ``\boxed{0}``
+_BINARY_ASK_RE = re.compile(r"\\boxed\{1\}.*\\boxed\{0\}", re.DOTALL)
 
 
 def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0, low: float = 1.0) -> Callable:
@@ -543,6 +577,8 @@ def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0,
     ``\\boxed{score}``; pairwise, ``<answer>A</answer>`` or ``B`` for the better one (correct first, then the later
     first error; a tie names A, a position bias that a swap exposes) -- or, when the prompt asks for the signed
     scale "from -3 to 3", ``<answer>+-2</answer>`` (0 is not on the scale: a tie answers -1, A slightly better);
+    when a pointwise prompt asks for a binary correctness verdict (it names ``\\boxed{1}`` and then ``\\boxed{0}``,
+    libra_rm's format), ``\\boxed{1}`` for a correct response and ``\\boxed{0}`` otherwise;
     a meta-RM request (a ``[Judgement]`` section holding a pointwise judgement of a request) is rated ``high`` when
     the judgement's last ``\\boxed{}`` score equals the verifier's, else ``low``; a step request (``[History]`` and
     ``[Step]``, the :data:`TERNARY_STEP_TEMPLATE` format) is ``<score>1</score>`` when no step up to this one is wrong,
@@ -583,6 +619,9 @@ def scripted_genrm(oracle: str | Callable = "arithmetic", *, high: float = 10.0,
             said = _BOXED_RE.findall(parts["judgement"])
             right = bool(said) and float(said[-1]) == quality(row, parts["response"])
             return f"The judgement {'matches' if right else 'contradicts'} the verifier. \\boxed{{{high if right else low:g}}}"
+        if "response" in parts and _BINARY_ASK_RE.search(text.replace(parts["response"], "")):
+            verdict = grade(row["problem"], parts["response"]).correct
+            return f"Checked against the task's verifier.\nJudgement: \\boxed{{{int(verdict)}}}"
         if "response" in parts:
             score = quality(row, parts["response"])
             return (f"Principles: the final answer must be exact; every step must be right.\n"
@@ -617,8 +656,8 @@ GenRMEndpointOptions = endpoint_options("genrm", "generative reward model")
 
 @dataclass
 class GenRMOptions(GenRMEndpointOptions):
-    """The generative-RM options of the plugins that ask one (deepseek_grm, think_rm); their option dataclasses
-    derive from this one, set ``plugin_name``, may redeclare a field with their paper's default, and call
+    """The generative-RM options of the plugins that ask one (deepseek_grm, libra_rm, think_rm, ...); their option
+    dataclasses derive from this one, set ``plugin_name``, may redeclare a field with their paper's default, and call
     ``super().validate()`` from their own checks."""
 
     plugin_name: ClassVar[str] = "?"
