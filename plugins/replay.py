@@ -100,10 +100,10 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
-from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions, placeholder_column
 from trl_plugins.api.text import stable_key
 
+from ._episode_replay import calls_a_tool, splice_tool_rows, store_tool_rows
 from ._rollout_buffer import RolloutBuffer
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
@@ -139,12 +139,18 @@ class ReplayOptions(SuccessOptions):
     key_column: str | None = option(
         None, help="Dataset column identifying a prompt (e.g. an id); None = the prompt itself."
     )
-    replay_tokens: Literal["offpolicy", "policy"] = option(
-        "offpolicy",
+    replay_tokens: Literal["auto", "offpolicy", "policy", "behaviour"] = option(
+        "auto",
         help="'offpolicy': replayed tokens take the shaped off-policy branch -A p/(p+gamma) (LUFFY); 'policy': they "
         "train like the group's own rows (TRL's clipped ratio, old log-probs recomputed now: RAPO's in-group "
-        "treatment as we read it). Sampling log-probs are NaN either way.",
+        "treatment as we read it); 'behaviour' (tool episodes only): TRL's clipped ratio against the episode's "
+        "stored behaviour log-probs (SPEAR's replay loss). 'auto': 'behaviour' with tools, 'offpolicy' without.",
         reconstructed=True,
+    )
+    require_tool_call: bool = option(
+        True,
+        help="With tools: store only episodes with at least one tool call (SPEAR's buffer keeps only those); false = "
+        "every success.",
     )
     advantage: Literal["group", "spear_baseline", "spear_decay"] = option(
         "group",
@@ -279,7 +285,7 @@ def spear_baseline_advantage(reward: float, means: list[float], stds: list[float
 class ReplayPlugin(Plugin):
     """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
     image_inputs = True
-    multi_turn = edits_completions("stored successes spliced into all-fail groups")
+    multi_turn = True
 
     name = "replay"
     version = "0.3.0"
@@ -319,6 +325,7 @@ class ReplayPlugin(Plugin):
         self._pending: dict[int, dict] = {}  # global row -> entry stored this step (its advantage comes later)
         self._scale = "group"
         self._seed = 0
+        self._tools = False
 
     def required_columns(self) -> list[str]:
         return [self.options.key_column] if self.options.key_column else []
@@ -335,11 +342,19 @@ class ReplayPlugin(Plugin):
         scale = args.scale_rewards
         self._scale = {True: "group", False: "none"}.get(scale, scale)
         self._seed = int(args.seed)
+        self._tools = bool(getattr(trainer, "tools", None))
+        if self.options.replay_tokens == "behaviour" and not self._tools:
+            raise PluginConfigError(
+                "Option 'replay_tokens' of plugin 'replay' got 'behaviour', which needs multi-turn tool episodes (their "
+                "behaviour log-probs are stored with them); allowed without tools: 'auto', 'offpolicy' or 'policy'."
+            )
 
-    def multi_turn_refusal(self) -> str | None:
-        """The replay splices single-turn token ids into groups (their tool turns would be lost); with the replay off
-        (``max_age_steps=0``) the tool-call reward alone runs on multi-turn tool rollouts."""
-        return None if self.options.max_age_steps == 0 else self.multi_turn
+    def _tokens(self) -> str:
+        """How replayed tokens train (``replay_tokens``; 'auto': 'behaviour' with tools, 'offpolicy' without)."""
+        tokens = self.options.replay_tokens
+        if tokens == "auto":
+            return "behaviour" if self._tools else "offpolicy"
+        return tokens
 
     def hook_enabled(self, hook: str) -> bool:
         if hook in ("trl_plugins_reward_functions", "trl_plugins_transform_rewards"):
@@ -386,7 +401,11 @@ class ReplayPlugin(Plugin):
         return stable_key(ctx.rows[i].get(column) if column else ctx.prompts[i])
 
     def _storable(self, ctx: RolloutContext, i: int) -> bool:
-        """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay)."""
+        """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay); with tools, an
+        episode TRL (or the tool-episode seam) sampled, with a tool call when ``require_tool_call`` (SPEAR)."""
+        if self._tools and ((i in ctx.changed and i not in ctx.episodes) or i in ctx.behaviour_logprobs
+                            or (self.options.require_tool_call and not calls_a_tool(ctx, i))):
+            return False
         return (bool(ctx.completion_ids[i]) and not any(ctx.offpolicy[i]) and not ctx.prompt_swapped[i]
                 and not ctx.annotations[i].get(REPLAYED))
 
@@ -443,12 +462,18 @@ class ReplayPlugin(Plugin):
         to_store = self._rows_to_store(storable, keys, G)
         if full and ready:  # SPEAR's reset_buffer after a replay: this step's batch (already added there) goes too
             self.buffers, self._pending, to_store = RolloutBuffer(), {}, []
+        elif self._tools:  # to_store and splices are global: every process calls the seam together, or none does
+            self._pending = store_tool_rows(ctx, self.buffers, to_store, keys, o.buffer_size) if to_store else {}
         else:
             self._store(ctx, to_store, keys)
-        for i in range(B):
-            entry = splices.get(ctx.global_index[i])
-            if entry is not None:
-                self._splice(ctx, i, entry)
+        if self._tools:
+            for i in splice_tool_rows(ctx, splices, self._tokens()) if splices else []:
+                self._annotate(ctx, i, splices[ctx.global_index[i]])
+        else:
+            for i in range(B):
+                entry = splices.get(ctx.global_index[i])
+                if entry is not None:
+                    self._splice(ctx, i, entry)
 
         ctx.log_metric("all_fail_group_fraction", float(all_fail.float().mean()) if n_groups else 0.0)
         ctx.log_metric("replayed_group_fraction", len(splices) / max(n_groups, 1))
@@ -477,11 +502,14 @@ class ReplayPlugin(Plugin):
             self._pending[n] = self.buffers.add(keys[n], entry, self.options.buffer_size)
 
     def _splice(self, ctx: RolloutContext, i: int, entry: dict) -> None:
-        o = self.options
         prompt = ctx.prompts[i] if ctx.training_prompts[i] != ctx.prompts[i] else None
         # logprobs=None: NaN sampling log-probs (not sampled in this step), on 'policy' tokens too
-        ctx.replace_row(i, list(entry["ids"]), offpolicy=o.replay_tokens == "offpolicy", logprobs=None,
+        ctx.replace_row(i, list(entry["ids"]), offpolicy=self._tokens() == "offpolicy", logprobs=None,
                         training_prompt=prompt, prompt_swapped=False)
+        self._annotate(ctx, i, entry)
+
+    @staticmethod
+    def _annotate(ctx: RolloutContext, i: int, entry: dict) -> None:
         ctx.annotations[i].update({REPLAYED: True, REPLAY_STEP: entry["step"], REPLAY_ADVANTAGE: entry["advantage"]})
 
     # ------------------------------------------------------------------------------------------ advantage
