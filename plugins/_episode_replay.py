@@ -21,6 +21,13 @@ from trl_plugins.api import RolloutContext, StoredEpisode
 from ._rollout_buffer import RolloutBuffer
 
 
+def own_episode(ctx: RolloutContext, i: int) -> bool:
+    """Local row ``i`` holds an episode this step's policy sampled under the row's prompt (TRL's, or one the
+    tool-episode seam continued): not replaced by ``replace_row``, prompt-swapped, off-policy or replayed."""
+    return (bool(ctx.completion_ids[i]) and not (i in ctx.changed and i not in ctx.episodes)
+            and i not in ctx.behaviour_logprobs and not ctx.prompt_swapped[i] and not any(ctx.offpolicy[i]))
+
+
 def calls_a_tool(ctx: RolloutContext, i: int) -> bool:
     """Local row ``i``'s episode holds at least one assistant turn with a tool call (SPEAR stores only those)."""
     return bool(ctx.turns) and any(ctx.turns[i].tool_calls)

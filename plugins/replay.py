@@ -103,7 +103,7 @@ from trl_plugins.api.contexts import context_device
 from trl_plugins.api.success import SuccessOptions, placeholder_column
 from trl_plugins.api.text import stable_key
 
-from ._episode_replay import calls_a_tool, splice_tool_rows, store_tool_rows
+from ._episode_replay import calls_a_tool, own_episode, splice_tool_rows, store_tool_rows
 from ._rollout_buffer import RolloutBuffer
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
@@ -403,8 +403,7 @@ class ReplayPlugin(Plugin):
     def _storable(self, ctx: RolloutContext, i: int) -> bool:
         """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay); with tools, an
         episode TRL (or the tool-episode seam) sampled, with a tool call when ``require_tool_call`` (SPEAR)."""
-        if self._tools and ((i in ctx.changed and i not in ctx.episodes) or i in ctx.behaviour_logprobs
-                            or (self.options.require_tool_call and not calls_a_tool(ctx, i))):
+        if self._tools and not (own_episode(ctx, i) and (calls_a_tool(ctx, i) or not self.options.require_tool_call)):
             return False
         return (bool(ctx.completion_ids[i]) and not any(ctx.offpolicy[i]) and not ctx.prompt_swapped[i]
                 and not ctx.annotations[i].get(REPLAYED))
