@@ -18,8 +18,18 @@ outcomes, before anything is generated (so zero-variance groups are avoided rath
   tau 0.3, target 1.0). A domain absent from the buffer gets ``v_d = target`` (our choice).
 * **RAPO curriculum pruning** (Fathom-DeepResearch, arXiv:2509.24107): prompts the policy has saturated (every
   rollout of its last ``prune_after`` groups correct) are removed from the pool. When fewer than a batch of
-  prompts remain, pruned prompts are drawn again (uniformly). RAPO's per-prompt replay buffers (a stored success
-  spliced into a later all-fail group) are the ``replay`` plugin; stack both for RAPO's pruning and replay.
+  prompts remain, pruned prompts are drawn again (uniformly).
+* **RAPO per-prompt replay buffers on tool rollouts** (same paper; ``replay_buffer``, off by default; multi-turn tool
+  runs only): each prompt keeps its latest successful tool episode (whole: completion ids with the tool-result tokens,
+  TRL's tool mask and messages, behaviour log-probs of the model tokens), stored through the tool-episode seam
+  (``ctx.store_tool_episodes``); a later group of that prompt in which every rollout failed gets it in slot 0
+  (``ctx.replay_tool_episodes`` + ``ctx.replace_episode``: its turn structure kept, a fresh environment with its tool
+  calls replayed, TRL's reward pass scores it), which restores the group's reward variance. It is trained as a group
+  member (TRL's group advantage) with TRL's clipped ratio against its stored behaviour log-probs, exact for an
+  off-policy episode. The paper states the rule in one sentence (inject the latest successful rollout into failed
+  groups) and no training code is public: the slot, the failed-group test (no rollout above the success threshold)
+  and the ratio against behaviour log-probs are reconstructed. Single-turn runs: the ``replay`` plugin (RAPO's
+  settings by default).
 * **RAPO reward-aware advantage scaling** (same paper; ``advantage_scaling``, off by default): at the advantage
   stage, the advantages of the "good" groups (rewards not all equal, so ``sigma_R > 0``) are multiplied by
   ``n_groups / n_good`` — the inverse of their frequency in the batch — so a batch where few groups carry signal
@@ -43,9 +53,10 @@ history alone, so every process draws the same and a resumed run draws what the 
 
 A rollout is "correct" when its verifier column is above ``success_threshold`` (the first reward function that is
 not a placeholder unless ``success_column`` names another; other reward columns never change the verdict). With ``variance_mix = 0``, no
-``domain_column``, ``prune_solved = false`` and ``advantage_scaling = false`` the plugin keeps TRL's own sampler and
-advantages (vanilla GRPO). ``shuffle_dataset
-= False`` is ignored once the sampler is replaced (the draws are random by construction).
+``domain_column``, ``prune_solved = false``, ``advantage_scaling = false`` and ``replay_buffer = false`` the plugin
+keeps TRL's own sampler, rollouts and advantages (vanilla GRPO). With ``replay_buffer`` it logs
+``all_fail_group_fraction``, ``replayed_group_fraction`` and ``replay_buffer_prompts``. ``shuffle_dataset = False``
+is ignored once the sampler is replaced (the draws are random by construction).
 
 No official code was reachable: no official training code of MMR1's variance-aware sampling was found; compared
 with the paper's abstract and summaries, the mix of variance and diversity, the priors, the history decay and the
@@ -267,7 +278,7 @@ class AdaptiveSamplerPlugin(Plugin):
         "MMR1: Enhancing Multimodal Reasoning with Variance-Aware Sampling and Open Resources (VAS), "
         "arXiv:2509.21268; RuleReasoner: Reinforced Rule-based Reasoning via Domain-aware Dynamic Sampling "
         "(DADS), arXiv:2506.08672; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
-        "Synthesis for SLMs (RAPO pruning), arXiv:2509.24107"
+        "Synthesis for SLMs (RAPO pruning, advantage scaling, replay buffers), arXiv:2509.24107"
     )
     summary = (
         "Draws prompts by outcome variance and domain need, prunes prompts the policy already solves, and can "
@@ -280,7 +291,7 @@ class AdaptiveSamplerPlugin(Plugin):
         "abstract and summaries: the mix of variance and diversity, the priors, the history decay and the pruning are "
         "reconstructed. RAPO (Fathom-DeepResearch): the public repository FractalAIResearchLabs/Fathom-DeepResearch "
         "@ cdc2010be8b9b7627f82e6492148d1dc9964e0b1 holds inference, evaluation and serving code only (no RAPO "
-        "training code); pruning and advantage scaling follow the paper's description.",
+        "training code); pruning, advantage scaling and the replay buffers follow the paper's description.",
     )
     claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
@@ -291,6 +302,9 @@ class AdaptiveSamplerPlugin(Plugin):
         "outcomes apply with a fixed chunk delay (feedback_delay) so every process and a resumed run draw alike",
         "RAPO advantage scaling: good group = non-constant rewards; factor n_groups / n_good over the gathered "
         "batch, uncapped (the paper gives the rule in words only; no training code is public)",
+        "RAPO replay buffers (replay_buffer): the latest success per prompt injected into slot 0 of an all-fail group "
+        "(no rollout above success_threshold), trained with TRL's clipped ratio against its stored behaviour "
+        "log-probs (the paper states the rule in one sentence; no training code is public)",
     )
 
     def __init__(self, options=None):

@@ -16,10 +16,11 @@ per-prompt splice with SPEAR's staleness limit and advantage treatments as optio
                   this step's successes included; 'always' (the RAPO default): every step, entries kept
     splice        a group with no success whose prompt has a stored entry: slot replace_index gets the entry
                   (pick='latest': the newest one), annotated ``replayed``; the group keeps exactly G rows
-    provenance    replay_tokens='offpolicy': every replayed token is off-policy, trained through the shaped branch
-                  -A p/(p+gamma) (LUFFY; gamma = offpolicy_shaping_gamma); 'policy': trained like the group's own
-                  rows. Either way its sampling log-probs are NaN (not sampled in this step), so TRL's vLLM
-                  importance-sampling correction leaves the row alone
+    provenance    replay_tokens='offpolicy' (the default without tools): every replayed token is off-policy,
+                  trained through the shaped branch -A p/(p+gamma) (LUFFY; gamma = offpolicy_shaping_gamma);
+                  'policy': trained like the group's own rows. Either way its sampling log-probs are NaN (not sampled
+                  in this step), so TRL's vLLM importance-sampling correction leaves the row alone. 'behaviour' (the
+                  default with tools): TRL's clipped ratio against the stored behaviour log-probs (below)
     advantage     'group' (RAPO): TRL's own group advantage, the replayed row counted as a group member.
                   'spear_baseline' (SPEAR's default recalibration): A_replay = max(0, r - p50(mu)) where mu are the
                   mean rewards of the last baseline_groups groups (divided by p50(sigma) + 1e-6 when scale_rewards
@@ -40,8 +41,9 @@ cosine schedule (200 is the yaml default, the recipe scripts pass 300: the defau
 The buffer is replayed only once it holds more than 1.5 x buffer_size trajectories (``is_full_capacity``, buffer_size
 2048 by default), and is emptied after the replay (``reset_buffer``): ``replay_gate: full`` with ``gate_capacity``,
 the default with a SPEAR advantage (``'always'`` keeps the per-step replay of RAPO). SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
-behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
-framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no
+behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement); a single-turn
+replay takes the framework's off-policy branch (no behaviour log-probs stored), a tool episode SPEAR's ratio against
+its stored behaviour log-probs. The Fathom-DeepResearch repository releases no
 training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
 reconstructed.
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
@@ -61,12 +63,25 @@ message holding tool calls, capped at 1.0, added to the score of every rollout, 
 and 100) and ``verl/recipe/spear/run_qwen2-32b_spear.sh:79-80`` ('cosine', 200: the defaults here once it is on).
 SPEAR adds the bonus to the score itself; here it is a column of its own with weight 1 (the same combined reward, the
 verifier column and so the success rule untouched). The step is TRL's ``global_step`` (0 at the first step; verl
-counts from 1). The replay splices single-turn token ids and is refused on tool rollouts, so there the tool-call
-reward runs with the replay off (``max_age_steps=0``); SPEAR's covariance-based token clipping is not in this plugin.
+counts from 1). SPEAR's covariance-based token clipping is not in this plugin (``clip_cov``).
+
+**Tool episodes** (runs with ``tools`` / ``environment_factory``): the buffers hold whole multi-turn episodes through
+the tool-episode seam (``ctx.store_tool_episodes`` / ``ctx.replay_tool_episodes`` / ``ctx.replace_episode``): the
+completion ids with the tool-result tokens, TRL's tool mask and messages, and the behaviour log-probs of the model
+tokens (a teacher-forced forward of the policy in the step that sampled them). A replayed episode keeps its turn
+structure, gets a fresh environment with its executed tool calls replayed (TRL's reward pass scores it), and its
+model tokens train with TRL's clipped ratio ``exp(log pi_theta - log pi_behaviour)`` against the stored log-probs
+(``replay_tokens='behaviour'``, the default with tools), as SPEAR's replay loss does
+(``verl/verl/workers/actor/dp_actor.py:526-553``: the replay micro-batches pass their stored ``old_log_probs`` to the
+policy loss, tool observations out of ``response_mask``). With ``require_tool_call`` (default) only episodes with at
+least one tool call are stored, as SPEAR's buffer does (``verl/verl/trainer/ppo/ray_trainer_hybrid.py:450-469``: it
+keeps rows with a positive advantage whose messages hold a tool call, the whole DataProto with ``old_log_probs``
+deep-copied at 430).
 
 Multi-process: the buffers are **global and identical on every process**. Success flags and prompt keys of all rows
 are gathered (one collective), the token ids of the rows to store too (two collectives, only in steps that store
-something, decided from the gathered flags); every process then applies the same updates. A rollout of prompt p is
+something, decided from the gathered flags; with tools the seam's padded forward and one object gather, and the
+replay's two flags in steps that replay, every process with its own rows, zero included); every process then applies the same updates. A rollout of prompt p is
 therefore replayable in any later group of p whichever process holds it, the checkpoint written by the main process
 holds every buffer, and a run resumed on another number of processes sees the same buffers.
 
@@ -288,7 +303,7 @@ class ReplayPlugin(Plugin):
     multi_turn = True
 
     name = "replay"
-    version = "0.3.0"
+    version = "0.4.0"
     paper = (
         "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
         "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
@@ -298,8 +313,9 @@ class ReplayPlugin(Plugin):
     Options = ReplayOptions
     official = OfficialSource(
         "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
-        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; the tool-call reward: "
-        "verl/recipe/spear/reward.py:120-162); RAPO "
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; tool episodes stored with their old_log_probs "
+        "and tool calls: verl/verl/trainer/ppo/ray_trainer_hybrid.py:421-503, replayed against them: "
+        "verl/verl/workers/actor/dp_actor.py:526-553; the tool-call reward: verl/recipe/spear/reward.py:120-162); RAPO "
         "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
         non_official_defaults={
             "tool_call_reward": "'cosine' in SPEAR's recipe scripts (its yaml default is 'none'); 'none' here keeps "
@@ -312,7 +328,8 @@ class ReplayPlugin(Plugin):
         "the slot that receives the replay (replace_index) and pick='random'",
         "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "
         "training code)",
-        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch",
+        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch (with tools the "
+        "replayed episode keeps SPEAR's ratio against its stored behaviour log-probs)",
         "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
         "the tool-call reward as a reward column of its own (SPEAR adds it to the score: same combined reward)",
     )
