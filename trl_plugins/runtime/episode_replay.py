@@ -51,8 +51,6 @@ def executed_messages(messages: list) -> list:
 
 def store_episodes(trainer: Any, ctx: Any, rows: list) -> list[StoredEpisode]:
     """Every process's :class:`StoredEpisode` of its local rows ``rows``, in global row order (collective)."""
-    from trl_plugins.runtime.generation import check_text_only
-
     _check_rows(ctx, rows, STORE)
     error = None
     for i in rows:
@@ -62,11 +60,6 @@ def store_episodes(trainer: Any, ctx: Any, rows: list) -> list[StoredEpisode]:
         elif ctx.prompt_swapped[i] or i in ctx.behaviour_logprobs:
             error = PluginError(f"{STORE}: local row {i} is prompt-swapped or a replayed episode (not this policy's "
                                 "sample under its prompt); allowed: rows this step's policy sampled.")
-    if error is None:
-        try:
-            check_text_only(trainer, "The tool-episode replay (ctx.store_tool_episodes)")
-        except PluginError as exc:
-            error = exc
     picked = [] if error is not None else rows
     logps = ctx.policy_logprobs([ctx.prompt_ids[i] for i in picked], [ctx.completion_ids[i] for i in picked])
     local = []

@@ -421,6 +421,7 @@ class GenerationService:
         """:meth:`~trl_plugins.api.contexts.RolloutContext.store_tool_episodes` (:mod:`trl_plugins.runtime.episode_replay`)."""
         from trl_plugins.runtime.episode_replay import store_episodes
 
+        check_text_only(self.trainer, "The tool-episode replay (ctx.store_tool_episodes)")  # a run-wide setting
         return store_episodes(self.trainer, ctx, rows)
 
     def replay_tool_episodes(self, ctx: Any, rows: list, episodes: list) -> list[ToolEpisode]:
