@@ -18,8 +18,18 @@ outcomes, before anything is generated (so zero-variance groups are avoided rath
   tau 0.3, target 1.0). A domain absent from the buffer gets ``v_d = target`` (our choice).
 * **RAPO curriculum pruning** (Fathom-DeepResearch, arXiv:2509.24107): prompts the policy has saturated (every
   rollout of its last ``prune_after`` groups correct) are removed from the pool. When fewer than a batch of
-  prompts remain, pruned prompts are drawn again (uniformly). RAPO's per-prompt replay buffers (a stored success
-  spliced into a later all-fail group) are the ``replay`` plugin; stack both for RAPO's pruning and replay.
+  prompts remain, pruned prompts are drawn again (uniformly).
+* **RAPO per-prompt replay buffers on tool rollouts** (same paper; ``replay_buffer``, off by default; multi-turn tool
+  runs only): each prompt keeps its latest successful tool episode (whole: completion ids with the tool-result tokens,
+  TRL's tool mask and messages, behaviour log-probs of the model tokens), stored through the tool-episode seam
+  (``ctx.store_tool_episodes``); a later group of that prompt in which every rollout failed gets it in slot 0
+  (``ctx.replay_tool_episodes`` + ``ctx.replace_episode``: its turn structure kept, a fresh environment with its tool
+  calls replayed, TRL's reward pass scores it), which restores the group's reward variance. It is trained as a group
+  member (TRL's group advantage) with TRL's clipped ratio against its stored behaviour log-probs, exact for an
+  off-policy episode. The paper states the rule in one sentence (inject the latest successful rollout into failed
+  groups) and no training code is public: the slot, the failed-group test (no rollout above the success threshold)
+  and the ratio against behaviour log-probs are reconstructed. Single-turn runs: the ``replay`` plugin (RAPO's
+  settings by default).
 * **RAPO reward-aware advantage scaling** (same paper; ``advantage_scaling``, off by default): at the advantage
   stage, the advantages of the "good" groups (rewards not all equal, so ``sigma_R > 0``) are multiplied by
   ``n_groups / n_good`` — the inverse of their frequency in the batch — so a batch where few groups carry signal
@@ -43,9 +53,10 @@ history alone, so every process draws the same and a resumed run draws what the 
 
 A rollout is "correct" when its verifier column is above ``success_threshold`` (the first reward function that is
 not a placeholder unless ``success_column`` names another; other reward columns never change the verdict). With ``variance_mix = 0``, no
-``domain_column``, ``prune_solved = false`` and ``advantage_scaling = false`` the plugin keeps TRL's own sampler and
-advantages (vanilla GRPO). ``shuffle_dataset
-= False`` is ignored once the sampler is replaced (the draws are random by construction).
+``domain_column``, ``prune_solved = false``, ``advantage_scaling = false`` and ``replay_buffer = false`` the plugin
+keeps TRL's own sampler, rollouts and advantages (vanilla GRPO). With ``replay_buffer`` it logs
+``all_fail_group_fraction``, ``replayed_group_fraction`` and ``replay_buffer_prompts``. ``shuffle_dataset = False``
+is ignored once the sampler is replaced (the draws are random by construction).
 
 No official code was reachable: no official training code of MMR1's variance-aware sampling was found; compared
 with the paper's abstract and summaries, the mix of variance and diversity, the priors, the history decay and the
@@ -63,13 +74,16 @@ from trl_plugins.api import (
     AdvantageContext,
     OfficialSource,
     Plugin,
+    PluginConfigError,
     PluginError,
     RewardContext,
+    RolloutContext,
     hookimpl,
     option,
 )
+from trl_plugins.api.contexts import context_device
 from trl_plugins.api.success import SuccessOptions
-from trl_plugins.api.text import completion_text
+from trl_plugins.api.text import completion_text, stable_key
 from trl_plugins.components.prompt_history import (
     HistoryRepeatSampler,
     chunk_generator,
@@ -78,6 +92,12 @@ from trl_plugins.components.prompt_history import (
     refuse_unrestored_resume,
     warn_lagging_feedback,
 )
+
+from ._episode_replay import own_episode, splice_tool_rows, store_tool_rows
+from ._rollout_buffer import RolloutBuffer
+
+#: Annotation of a row that received a replayed episode (``replay_buffer``).
+RAPO_REPLAYED = "rapo_replayed"
 
 
 @dataclass
@@ -125,6 +145,14 @@ class AdaptiveSamplerOptions(SuccessOptions):
         help="RAPO: multiply the advantages of groups with non-constant rewards by n_groups / n_good (inverse "
         "batch frequency of informative groups); false = TRL's advantages.",
         reconstructed=True,
+    )
+    replay_buffer: bool = option(
+        False,
+        help="RAPO per-prompt replay buffers (multi-turn tool rollouts): the latest successful tool episode of each "
+        "prompt is kept (with its tool results and behaviour log-probs) and injected into slot 0 of a later group of "
+        "that prompt in which every rollout failed, restoring the group's reward variance; it trains with TRL's "
+        "clipped ratio against its stored behaviour log-probs. false = no replay (single-turn runs: the replay "
+        "plugin).",
     )
     feedback_delay: int | None = option(
         None, min=1,
@@ -245,12 +273,12 @@ class AdaptiveSamplerPlugin(Plugin):
     name = "adaptive_sampler"
     image_inputs = True
     multi_turn = True
-    version = "0.2.0"
+    version = "0.3.0"
     paper = (
         "MMR1: Enhancing Multimodal Reasoning with Variance-Aware Sampling and Open Resources (VAS), "
         "arXiv:2509.21268; RuleReasoner: Reinforced Rule-based Reasoning via Domain-aware Dynamic Sampling "
         "(DADS), arXiv:2506.08672; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
-        "Synthesis for SLMs (RAPO pruning), arXiv:2509.24107"
+        "Synthesis for SLMs (RAPO pruning, advantage scaling, replay buffers), arXiv:2509.24107"
     )
     summary = (
         "Draws prompts by outcome variance and domain need, prunes prompts the policy already solves, and can "
@@ -263,7 +291,7 @@ class AdaptiveSamplerPlugin(Plugin):
         "abstract and summaries: the mix of variance and diversity, the priors, the history decay and the pruning are "
         "reconstructed. RAPO (Fathom-DeepResearch): the public repository FractalAIResearchLabs/Fathom-DeepResearch "
         "@ cdc2010be8b9b7627f82e6492148d1dc9964e0b1 holds inference, evaluation and serving code only (no RAPO "
-        "training code); pruning and advantage scaling follow the paper's description.",
+        "training code); pruning, advantage scaling and the replay buffers follow the paper's description.",
     )
     claim_metric = ("pruned_fraction", "prompts pruned")
     replaces = ("the training sampler (which prompts are drawn)",)
@@ -274,6 +302,9 @@ class AdaptiveSamplerPlugin(Plugin):
         "outcomes apply with a fixed chunk delay (feedback_delay) so every process and a resumed run draw alike",
         "RAPO advantage scaling: good group = non-constant rewards; factor n_groups / n_good over the gathered "
         "batch, uncapped (the paper gives the rule in words only; no training code is public)",
+        "RAPO replay buffers (replay_buffer): the latest success per prompt injected into slot 0 of an all-fail group "
+        "(no rollout above success_threshold), trained with TRL's clipped ratio against its stored behaviour "
+        "log-probs (the paper states the rule in one sentence; no training code is public)",
     )
 
     def __init__(self, options=None):
@@ -283,10 +314,16 @@ class AdaptiveSamplerPlugin(Plugin):
         self._dataset = None
         self._lag_warned = False
         self._restored = False  # set by load_state_dict: a resumed run must bring the sampler's state
+        self.replay = RolloutBuffer()  # RAPO replay buffers: prompt key -> [the latest successful tool episode]
         self.reset_state(0, [])
 
     def required_columns(self) -> list[str]:
         return [self.options.domain_column] if self.options.domain_column else []
+
+    def hook_enabled(self, hook: str) -> bool:
+        if hook == "trl_plugins_after_generation":
+            return self.options.replay_buffer
+        return True
 
     # ------------------------------------------------------------------------------------------ state
     def reset_state(self, num_prompts: int, domains: list[str], domain_of: list[int] | None = None) -> None:
@@ -314,7 +351,7 @@ class AdaptiveSamplerPlugin(Plugin):
             "domain_buffer": [dict(u) for u in self.domain_buffer],
             "pending": {int(k): dict(v) for k, v in self.pending.items()},
             "chunks": {int(k): list(v) for k, v in self.chunks.items()},
-            "batches_seen": self.batches_seen, "applied": self.applied,
+            "batches_seen": self.batches_seen, "applied": self.applied, "replay": self.replay.state(),
         }
 
     @hookimpl
@@ -332,11 +369,18 @@ class AdaptiveSamplerPlugin(Plugin):
         self.chunks = {int(k): list(v) for k, v in state["chunks"].items()}
         self.batches_seen = int(state["batches_seen"])
         self.applied = int(state["applied"])
+        self.replay = RolloutBuffer.from_state(state.get("replay", {}))  # absent in 0.2.0 checkpoints
         self._restored = True
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @hookimpl
     def trl_plugins_configure(self, trainer, args):
+        if self.options.replay_buffer and not getattr(trainer, "tools", None):
+            raise PluginConfigError(
+                "Option 'replay_buffer' of plugin 'adaptive_sampler' got true, which replays multi-turn tool episodes; "
+                "allowed without tools (tools= or environment_factory=): false (single-turn replay buffers are the "
+                "replay plugin's, RAPO's settings by default)."
+            )
         if self.options.active:
             refuse_iterable_dataset(trainer, self.name)
         self._seed = int(args.seed)
@@ -453,6 +497,30 @@ class AdaptiveSamplerPlugin(Plugin):
         ctx.advantages = adv * (scale.unsqueeze(-1) if adv.dim() == 2 else scale)
         ctx.log_metric("good_group_fraction", n_good / n_groups)
         ctx.log_metric("advantage_scale", n_groups / n_good if n_good else 1.0)
+
+    # ------------------------------------------------------------------------------------------ RAPO replay
+    @hookimpl
+    def trl_plugins_after_generation(self, ctx: RolloutContext):
+        """RAPO replay buffers (``replay_buffer``, tool episodes): store each prompt's latest success, inject it into a
+        later all-fail group of the prompt. Decisions come from gathered flags (the same on every process)."""
+        G, B = ctx.num_generations, len(ctx)
+        success = ctx.success(range(B), rule=self.options.success_rule).cpu()
+        local = torch.tensor([[int(success[i]), int(own_episode(ctx, i)), stable_key(ctx.prompts[i])]
+                              for i in range(B)], dtype=torch.long).view(B, 3)
+        flags = ctx.gather(local.to(context_device(ctx))).cpu()  # (N, 3): success, own episode, prompt key
+        ok, keys = flags[:, 0].bool(), flags[:, 2].tolist()
+        all_fail = ~ok.view(-1, G).any(dim=1)
+        splices = {g * G: self.replay[keys[g * G]][-1] for g in torch.nonzero(all_fail).flatten().tolist()
+                   if keys[g * G] in self.replay}
+        latest = {keys[n]: n for n in torch.nonzero(ok & flags[:, 1].bool()).flatten().tolist()}
+        if latest:  # every process calls the seam together (the decision is global)
+            store_tool_rows(ctx, self.replay, sorted(latest.values()), keys, 1)
+        replayed = splice_tool_rows(ctx, splices, "behaviour") if splices else []
+        for i in replayed:
+            ctx.annotations[i][RAPO_REPLAYED] = True
+        ctx.log_metric("all_fail_group_fraction", float(all_fail.float().mean()) if all_fail.numel() else 0.0)
+        ctx.log_metric("replayed_group_fraction", len(splices) / max(all_fail.numel(), 1))
+        ctx.log_metric("replay_buffer_prompts", len(self.replay))
 
     def record_outcome(self, ctx: RewardContext, k: int, chunk: list[int]) -> None:
         o = self.options

@@ -16,10 +16,11 @@ per-prompt splice with SPEAR's staleness limit and advantage treatments as optio
                   this step's successes included; 'always' (the RAPO default): every step, entries kept
     splice        a group with no success whose prompt has a stored entry: slot replace_index gets the entry
                   (pick='latest': the newest one), annotated ``replayed``; the group keeps exactly G rows
-    provenance    replay_tokens='offpolicy': every replayed token is off-policy, trained through the shaped branch
-                  -A p/(p+gamma) (LUFFY; gamma = offpolicy_shaping_gamma); 'policy': trained like the group's own
-                  rows. Either way its sampling log-probs are NaN (not sampled in this step), so TRL's vLLM
-                  importance-sampling correction leaves the row alone
+    provenance    replay_tokens='offpolicy' (the default without tools): every replayed token is off-policy,
+                  trained through the shaped branch -A p/(p+gamma) (LUFFY; gamma = offpolicy_shaping_gamma);
+                  'policy': trained like the group's own rows. Either way its sampling log-probs are NaN (not sampled
+                  in this step), so TRL's vLLM importance-sampling correction leaves the row alone. 'behaviour' (the
+                  default with tools): TRL's clipped ratio against the stored behaviour log-probs (below)
     advantage     'group' (RAPO): TRL's own group advantage, the replayed row counted as a group member.
                   'spear_baseline' (SPEAR's default recalibration): A_replay = max(0, r - p50(mu)) where mu are the
                   mean rewards of the last baseline_groups groups (divided by p50(sigma) + 1e-6 when scale_rewards
@@ -40,8 +41,9 @@ cosine schedule (200 is the yaml default, the recipe scripts pass 300: the defau
 The buffer is replayed only once it holds more than 1.5 x buffer_size trajectories (``is_full_capacity``, buffer_size
 2048 by default), and is emptied after the replay (``reset_buffer``): ``replay_gate: full`` with ``gate_capacity``,
 the default with a SPEAR advantage (``'always'`` keeps the per-step replay of RAPO). SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
-behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement) and takes the
-framework's off-policy branch, which needs no behaviour log-probs. The Fathom-DeepResearch repository releases no
+behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement); a single-turn
+replay takes the framework's off-policy branch (no behaviour log-probs stored), a tool episode SPEAR's ratio against
+its stored behaviour log-probs. The Fathom-DeepResearch repository releases no
 training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
 reconstructed.
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
@@ -61,12 +63,25 @@ message holding tool calls, capped at 1.0, added to the score of every rollout, 
 and 100) and ``verl/recipe/spear/run_qwen2-32b_spear.sh:79-80`` ('cosine', 200: the defaults here once it is on).
 SPEAR adds the bonus to the score itself; here it is a column of its own with weight 1 (the same combined reward, the
 verifier column and so the success rule untouched). The step is TRL's ``global_step`` (0 at the first step; verl
-counts from 1). The replay splices single-turn token ids and is refused on tool rollouts, so there the tool-call
-reward runs with the replay off (``max_age_steps=0``); SPEAR's covariance-based token clipping is not in this plugin.
+counts from 1). SPEAR's covariance-based token clipping is not in this plugin (``clip_cov``).
+
+**Tool episodes** (runs with ``tools`` / ``environment_factory``): the buffers hold whole multi-turn episodes through
+the tool-episode seam (``ctx.store_tool_episodes`` / ``ctx.replay_tool_episodes`` / ``ctx.replace_episode``): the
+completion ids with the tool-result tokens, TRL's tool mask and messages, and the behaviour log-probs of the model
+tokens (a teacher-forced forward of the policy in the step that sampled them). A replayed episode keeps its turn
+structure, gets a fresh environment with its executed tool calls replayed (TRL's reward pass scores it), and its
+model tokens train with TRL's clipped ratio ``exp(log pi_theta - log pi_behaviour)`` against the stored log-probs
+(``replay_tokens='behaviour'``, the default with tools), as SPEAR's replay loss does
+(``verl/verl/workers/actor/dp_actor.py:526-553``: the replay micro-batches pass their stored ``old_log_probs`` to the
+policy loss, tool observations out of ``response_mask``). With ``require_tool_call`` (default) only episodes with at
+least one tool call are stored, as SPEAR's buffer does (``verl/verl/trainer/ppo/ray_trainer_hybrid.py:450-469``: it
+keeps rows with a positive advantage whose messages hold a tool call, the whole DataProto with ``old_log_probs``
+deep-copied at 430).
 
 Multi-process: the buffers are **global and identical on every process**. Success flags and prompt keys of all rows
 are gathered (one collective), the token ids of the rows to store too (two collectives, only in steps that store
-something, decided from the gathered flags); every process then applies the same updates. A rollout of prompt p is
+something, decided from the gathered flags; with tools the seam's padded forward and one object gather, and the
+replay's two flags in steps that replay, every process with its own rows, zero included); every process then applies the same updates. A rollout of prompt p is
 therefore replayable in any later group of p whichever process holds it, the checkpoint written by the main process
 holds every buffer, and a run resumed on another number of processes sees the same buffers.
 
@@ -100,10 +115,10 @@ from trl_plugins.api import (
 )
 from trl_plugins.api.collectives import gather_id_lists
 from trl_plugins.api.contexts import context_device
-from trl_plugins.api.reasons import edits_completions
 from trl_plugins.api.success import SuccessOptions, placeholder_column
 from trl_plugins.api.text import stable_key
 
+from ._episode_replay import calls_a_tool, own_episode, splice_tool_rows, store_tool_rows
 from ._rollout_buffer import RolloutBuffer
 
 #: Annotation keys of a replayed row (they reach ``AdvantageContext.annotations`` and TRL's completions table).
@@ -139,12 +154,18 @@ class ReplayOptions(SuccessOptions):
     key_column: str | None = option(
         None, help="Dataset column identifying a prompt (e.g. an id); None = the prompt itself."
     )
-    replay_tokens: Literal["offpolicy", "policy"] = option(
-        "offpolicy",
+    replay_tokens: Literal["auto", "offpolicy", "policy", "behaviour"] = option(
+        "auto",
         help="'offpolicy': replayed tokens take the shaped off-policy branch -A p/(p+gamma) (LUFFY); 'policy': they "
         "train like the group's own rows (TRL's clipped ratio, old log-probs recomputed now: RAPO's in-group "
-        "treatment as we read it). Sampling log-probs are NaN either way.",
+        "treatment as we read it); 'behaviour' (tool episodes only): TRL's clipped ratio against the episode's "
+        "stored behaviour log-probs (SPEAR's replay loss). 'auto': 'behaviour' with tools, 'offpolicy' without.",
         reconstructed=True,
+    )
+    require_tool_call: bool = option(
+        True,
+        help="With tools: store only episodes with at least one tool call (SPEAR's buffer keeps only those); false = "
+        "every success.",
     )
     advantage: Literal["group", "spear_baseline", "spear_decay"] = option(
         "group",
@@ -279,10 +300,10 @@ def spear_baseline_advantage(reward: float, means: list[float], stds: list[float
 class ReplayPlugin(Plugin):
     """Per-prompt buffers of successful rollouts; a stored success is spliced into a later all-fail group."""
     image_inputs = True
-    multi_turn = edits_completions("stored successes spliced into all-fail groups")
+    multi_turn = True
 
     name = "replay"
-    version = "0.3.0"
+    version = "0.4.0"
     paper = (
         "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
         "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
@@ -292,8 +313,9 @@ class ReplayPlugin(Plugin):
     Options = ReplayOptions
     official = OfficialSource(
         "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
-        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; the tool-call reward: "
-        "verl/recipe/spear/reward.py:120-162); RAPO "
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; tool episodes stored with their old_log_probs "
+        "and tool calls: verl/verl/trainer/ppo/ray_trainer_hybrid.py:421-503, replayed against them: "
+        "verl/verl/workers/actor/dp_actor.py:526-553; the tool-call reward: verl/recipe/spear/reward.py:120-162); RAPO "
         "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
         non_official_defaults={
             "tool_call_reward": "'cosine' in SPEAR's recipe scripts (its yaml default is 'none'); 'none' here keeps "
@@ -306,7 +328,8 @@ class ReplayPlugin(Plugin):
         "the slot that receives the replay (replace_index) and pick='random'",
         "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "
         "training code)",
-        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch",
+        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch (with tools the "
+        "replayed episode keeps SPEAR's ratio against its stored behaviour log-probs)",
         "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
         "the tool-call reward as a reward column of its own (SPEAR adds it to the score: same combined reward)",
     )
@@ -319,6 +342,7 @@ class ReplayPlugin(Plugin):
         self._pending: dict[int, dict] = {}  # global row -> entry stored this step (its advantage comes later)
         self._scale = "group"
         self._seed = 0
+        self._tools = False
 
     def required_columns(self) -> list[str]:
         return [self.options.key_column] if self.options.key_column else []
@@ -335,11 +359,19 @@ class ReplayPlugin(Plugin):
         scale = args.scale_rewards
         self._scale = {True: "group", False: "none"}.get(scale, scale)
         self._seed = int(args.seed)
+        self._tools = bool(getattr(trainer, "tools", None))
+        if self.options.replay_tokens == "behaviour" and not self._tools:
+            raise PluginConfigError(
+                "Option 'replay_tokens' of plugin 'replay' got 'behaviour', which needs multi-turn tool episodes (their "
+                "behaviour log-probs are stored with them); allowed without tools: 'auto', 'offpolicy' or 'policy'."
+            )
 
-    def multi_turn_refusal(self) -> str | None:
-        """The replay splices single-turn token ids into groups (their tool turns would be lost); with the replay off
-        (``max_age_steps=0``) the tool-call reward alone runs on multi-turn tool rollouts."""
-        return None if self.options.max_age_steps == 0 else self.multi_turn
+    def _tokens(self) -> str:
+        """How replayed tokens train (``replay_tokens``; 'auto': 'behaviour' with tools, 'offpolicy' without)."""
+        tokens = self.options.replay_tokens
+        if tokens == "auto":
+            return "behaviour" if self._tools else "offpolicy"
+        return tokens
 
     def hook_enabled(self, hook: str) -> bool:
         if hook in ("trl_plugins_reward_functions", "trl_plugins_transform_rewards"):
@@ -386,7 +418,10 @@ class ReplayPlugin(Plugin):
         return stable_key(ctx.rows[i].get(column) if column else ctx.prompts[i])
 
     def _storable(self, ctx: RolloutContext, i: int) -> bool:
-        """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay)."""
+        """The row holds the policy's own rollout under its prompt (not a splice, a swap or a replay); with tools, an
+        episode TRL (or the tool-episode seam) sampled, with a tool call when ``require_tool_call`` (SPEAR)."""
+        if self._tools and not (own_episode(ctx, i) and (calls_a_tool(ctx, i) or not self.options.require_tool_call)):
+            return False
         return (bool(ctx.completion_ids[i]) and not any(ctx.offpolicy[i]) and not ctx.prompt_swapped[i]
                 and not ctx.annotations[i].get(REPLAYED))
 
@@ -443,12 +478,18 @@ class ReplayPlugin(Plugin):
         to_store = self._rows_to_store(storable, keys, G)
         if full and ready:  # SPEAR's reset_buffer after a replay: this step's batch (already added there) goes too
             self.buffers, self._pending, to_store = RolloutBuffer(), {}, []
+        elif self._tools:  # to_store and splices are global: every process calls the seam together, or none does
+            self._pending = store_tool_rows(ctx, self.buffers, to_store, keys, o.buffer_size) if to_store else {}
         else:
             self._store(ctx, to_store, keys)
-        for i in range(B):
-            entry = splices.get(ctx.global_index[i])
-            if entry is not None:
-                self._splice(ctx, i, entry)
+        if self._tools:
+            for i in splice_tool_rows(ctx, splices, self._tokens()) if splices else []:
+                self._annotate(ctx, i, splices[ctx.global_index[i]])
+        else:
+            for i in range(B):
+                entry = splices.get(ctx.global_index[i])
+                if entry is not None:
+                    self._splice(ctx, i, entry)
 
         ctx.log_metric("all_fail_group_fraction", float(all_fail.float().mean()) if n_groups else 0.0)
         ctx.log_metric("replayed_group_fraction", len(splices) / max(n_groups, 1))
@@ -477,11 +518,14 @@ class ReplayPlugin(Plugin):
             self._pending[n] = self.buffers.add(keys[n], entry, self.options.buffer_size)
 
     def _splice(self, ctx: RolloutContext, i: int, entry: dict) -> None:
-        o = self.options
         prompt = ctx.prompts[i] if ctx.training_prompts[i] != ctx.prompts[i] else None
         # logprobs=None: NaN sampling log-probs (not sampled in this step), on 'policy' tokens too
-        ctx.replace_row(i, list(entry["ids"]), offpolicy=o.replay_tokens == "offpolicy", logprobs=None,
+        ctx.replace_row(i, list(entry["ids"]), offpolicy=self._tokens() == "offpolicy", logprobs=None,
                         training_prompt=prompt, prompt_swapped=False)
+        self._annotate(ctx, i, entry)
+
+    @staticmethod
+    def _annotate(ctx: RolloutContext, i: int, entry: dict) -> None:
         ctx.annotations[i].update({REPLAYED: True, REPLAY_STEP: entry["step"], REPLAY_ADVANTAGE: entry["advantage"]})
 
     # ------------------------------------------------------------------------------------------ advantage

@@ -283,3 +283,49 @@ def test_resume_without_the_plugin_state_is_refused_with_the_cause():
     assert restored.trl_plugins_transform_rewards(ctx) is None  # no chunk 0 drawn yet: nothing to record
     ctx = make_reward_context([0.0] * 4, num_generations=4, step=0)  # a fresh run starts at step 0 without state
     assert _plugin(8).trl_plugins_transform_rewards(ctx) is None
+
+
+# ============================================================================================ RAPO replay buffers
+def test_replay_buffers_need_tool_rollouts():
+    from trl_plugins.testing import make_tiny_trainer
+
+    with pytest.raises(PluginConfigError, match=r"replay_buffer.*allowed without tools.*false"):
+        make_tiny_trainer(plugins=["adaptive_sampler"], plugin_config={"adaptive_sampler": {"replay_buffer": True}})
+
+
+def test_replay_buffers_are_off_by_default_so_no_sampling_stage_runs():
+    (plugin,) = list(build_plugins(["adaptive_sampler"]))
+    assert not plugin.hook_enabled("trl_plugins_after_generation")
+    assert plugin.trl_plugins_state_dict()["replay"] == {}
+
+
+@pytest.mark.slow
+def test_rapo_replay_buffer_refills_an_all_fail_tool_group_with_the_latest_success(tmp_path):
+    """One prompt, G=4, two steps on the bundled tool environment: step 0 succeeds everywhere (the latest success,
+    row 3, is stored with its behaviour log-probs), step 1 fails everywhere and gets it in slot 0."""
+    from trl_plugins.api.contexts import BEHAVIOUR_LOGPS_KEY
+    from trl_plugins.tasks.tools import make_tool_dataset
+    from trl_plugins.testing import gold_then_wrong_script, make_tool_trainer, record_run
+
+    script, bind = gold_then_wrong_script(make_tool_dataset(1), from_step=1)
+    tr = make_tool_trainer(n=1, plugins=["adaptive_sampler"], max_steps=2, script=script, loss_type="dr_grpo",
+                           output_dir=str(tmp_path), plugin_config={"adaptive_sampler": {
+                               "replay_buffer": True, "prune_solved": False, "variance_mix": 0.0}})
+    bind(tr)
+    seen = []
+    loss = tr.compute_grpo_loss
+    tr.compute_grpo_loss = lambda model, inputs: (seen.append(inputs.get(BEHAVIOUR_LOGPS_KEY)), loss(model, inputs))[1]
+    run = record_run(tr)
+    (plugin,) = list(tr.plugin_stack)
+    ((entry,),) = plugin.replay.values()
+    stored = entry["episode"]
+    L = len(stored["completion_ids"])
+    assert run.completion_ids[0][3, :L].tolist() == stored["completion_ids"] and entry["step"] == 0
+    assert run.completion_ids[1][0, :L].tolist() == stored["completion_ids"]
+    assert run.rewards[1][:, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert (run.advantages[1][0] > 0) and (run.advantages[1][1:] < 0).all()  # the group's variance is back
+    behaviour = [b for b in seen if b is not None]
+    assert behaviour and torch.isfinite(behaviour[0]).any(dim=1).sum() == 1
+    logged = [h["plugins/adaptive_sampler/replayed_group_fraction"] for h in tr.state.log_history
+              if "plugins/adaptive_sampler/replayed_group_fraction" in h]
+    assert logged == [0.0, 1.0]

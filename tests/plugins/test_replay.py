@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from trl_plugins import PluginConfigError, build_plugins
+from trl_plugins import Plugin, PluginConfigError, build_plugins, hookimpl
+from trl_plugins.api.contexts import BEHAVIOUR_LOGPS_KEY
 from trl_plugins.testing import (
     assert_group_sizes,
     assert_offpolicy_logprobs_nan,
@@ -26,6 +27,7 @@ from trl_plugins.testing import (
     run_hook,
     run_on_processes,
     stub_rows,
+    temporary_plugin,
     tiny_dataset,
 )
 from trl_plugins_builtin.replay import (
@@ -469,13 +471,82 @@ def test_bad_tool_call_options_are_refused_at_construction(options, match):
         build_plugins(["replay"], {"replay": options})
 
 
-def test_the_replay_refuses_tool_rollouts():
-    """(With max_age_steps=0 the tool-call reward alone runs on them: test_tool_call_reward_on_real_tool_rollouts.)"""
-    from trl_plugins import IncompatiblePluginsError
-    from trl_plugins.testing import make_tool_trainer
+# ============================================================================================ tool episodes (SPEAR)
+class _LossProbe(Plugin):
+    """Records, per loss call, the behaviour log-probs riding with the batch and the loss's old log-probs / ratio."""
 
-    with pytest.raises(IncompatiblePluginsError, match="replay"):
-        make_tool_trainer(plugins=["replay"], max_steps=1)
+    name = "test_replay_loss_probe"
+    multi_turn = True
+    seen: list = []
+
+    @hookimpl
+    def trl_plugins_loss(self, ctx):
+        behaviour = ctx.inputs.get(BEHAVIOUR_LOGPS_KEY)
+        _LossProbe.seen.append({k: None if v is None else v.detach().clone() for k, v in (
+            ("behaviour", behaviour), ("old", ctx.old_per_token_logps), ("new", ctx.per_token_logps),
+            ("log_ratio", ctx.log_ratio), ("ids", ctx.inputs["completion_ids"]))})
+
+
+def _replay_of(trainer):
+    return next(p for p in trainer.plugin_stack if p.name == "replay")
+
+
+@pytest.fixture(scope="module")
+def tool_replay(tmp_path_factory):
+    """Two steps on the bundled tool environment, one prompt, G=4: step 0 succeeds everywhere (gold traces with tool
+    calls: the newest success is stored with its behaviour log-probs), step 1 fails everywhere (answers at once), so
+    its group receives the stored episode in slot 0."""
+    from trl_plugins.tasks.tools import make_tool_dataset
+    from trl_plugins.testing import gold_then_wrong_script, make_tool_trainer, record_run
+
+    script, bind = gold_then_wrong_script(make_tool_dataset(1), from_step=1)
+    _LossProbe.seen = []
+    with temporary_plugin(_LossProbe):
+        tr = make_tool_trainer(n=1, plugins=["replay", "test_replay_loss_probe"], max_steps=2, script=script,
+                               loss_type="dr_grpo", output_dir=str(tmp_path_factory.mktemp("tool_replay")))
+        bind(tr)
+        run = record_run(tr)
+    return tr, run, list(_LossProbe.seen)
+
+
+@pytest.mark.slow
+def test_a_stored_tool_episode_replays_token_exact_into_an_all_fail_group(tool_replay):
+    tr, run, _ = tool_replay
+    (entry,) = next(iter(_replay_of(tr).buffers.values()))
+    stored = entry["episode"]
+    first, second = run.completion_ids  # (G, T) each, padded
+    L = len(stored["completion_ids"])
+    assert first[3, :L].tolist() == stored["completion_ids"] and 0 in stored["tool_mask"]  # the newest success
+    assert second[0, :L].tolist() == stored["completion_ids"]
+    assert all(second[j, :L].tolist() != stored["completion_ids"] for j in (1, 2, 3))
+    assert run.rewards[1][:, 0].tolist() == [1.0, 0.0, 0.0, 0.0]  # TRL's reward pass scored the replayed messages
+    logs = [h for h in tr.state.log_history if "plugins/replay/replayed_group_fraction" in h]
+    assert [h["plugins/replay/replayed_group_fraction"] for h in logs] == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_a_replayed_episode_trains_against_its_stored_behaviour_logprobs(tool_replay):
+    tr, _, seen = tool_replay
+    (entry,) = next(iter(_replay_of(tr).buffers.values()))
+    stored = entry["episode"]
+    calls = [c for c in seen if c["behaviour"] is not None]
+    assert calls and all(c["behaviour"] is None for c in seen[: len(seen) - len(calls)])  # step 0 has no replay
+    (row,) = [(c, r) for c in calls for r in range(c["ids"].size(0)) if torch.isfinite(c["behaviour"][r]).any()]
+    c, r = row
+    model = torch.tensor(stored["tool_mask"]) == 1
+    L = len(stored["completion_ids"])
+    assert c["ids"][r, :L].tolist() == stored["completion_ids"]
+    behaviour = torch.tensor(stored["logprobs"], dtype=c["old"].dtype)
+    assert torch.equal(c["old"][r, :L][model], behaviour[model])  # the ratio's denominator is pi_behaviour exactly
+    assert torch.allclose(c["log_ratio"][r, :L][model], c["new"][r, :L][model] - behaviour[model])
+    assert torch.isnan(c["behaviour"][r, :L][~model]).all()  # tool-result tokens keep TRL's (masked anyway)
+    others = [j for j in range(c["ids"].size(0)) if j != r]
+    assert torch.isnan(c["behaviour"][others]).all()
+
+
+def test_behaviour_tokens_need_tool_episodes():
+    with pytest.raises(PluginConfigError, match=r"replay_tokens.*'behaviour'.*allowed without tools"):
+        stack(replay_tokens="behaviour")
 
 
 @pytest.mark.slow

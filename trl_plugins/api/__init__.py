@@ -29,6 +29,7 @@ from trl_plugins.api.contexts import (
     RefillContext,
     RewardContext,
     RolloutContext,
+    StoredEpisode,
     TokenProbe,
     ToolEpisode,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "RewardContext",
     "RolloutContext",
     "TokenProbe",
+    "StoredEpisode",
     "ToolEpisode",
     "RunInfo",
     "StageServices",

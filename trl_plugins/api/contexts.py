@@ -8,6 +8,9 @@ reward functions, ``G`` group size. Global row ``g`` is in group ``g // G`` at i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import copy
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +32,9 @@ from trl_plugins.api.success import (
 EXTRA_PREFIX = "plugin_extra::"
 #: Generation-batch key of the (B, T) off-policy token mask.
 OFFPOLICY_KEY = "offpolicy_mask"
+#: Generation-batch key of the (B, T) behaviour log-probs of replayed tool episodes (``RolloutContext.
+#: behaviour_logprobs``; NaN elsewhere): the loss takes them as the old log-probs where finite.
+BEHAVIOUR_LOGPS_KEY = "plugin_behaviour_logps"
 #: Generation-batch key of the (B, T) assistant-turn index of each completion token (multi-turn tool rollouts; -1 on
 #: tool-result tokens and padding), see :mod:`trl_plugins.api.turns`.
 TURN_IDS_KEY = "plugin_turn_ids"
@@ -274,11 +280,90 @@ class ToolEpisode:
     logprobs: list[float]
     turns: Any
     environment: Any = field(default=None, repr=False)
+    behaviour: bool = False
 
     @property
     def new_ids(self) -> list[int]:
         """The tokens after the boundary (new assistant turns and their tool results)."""
         return self.completion_ids[self.start:]
+
+
+@dataclass
+class StoredEpisode:
+    """A past tool episode kept for replay (``ctx.store_tool_episodes``), spliced back into a row of a later batch by
+    ``ctx.replay_tool_episodes`` + :meth:`RolloutContext.replace_episode`.
+
+    A replayed episode is off-policy: its model tokens train with TRL's clipped ratio against ``logprobs``, the
+    behaviour log-probs of the policy that sampled it, so the importance ratio ``exp(log pi_theta - log pi_behaviour)``
+    stays exact (SPEAR's replay batch keeps its stored ``old_log_probs``).
+
+    Attributes:
+        prompt_ids: the prompt's token ids (the episode replays into rows with the same prompt ids only).
+        completion_ids: (L,) the whole completion, tool-result tokens included (TRL's layout).
+        tool_mask: (L,) TRL's tool mask (1 model token, 0 tool-result token); at least one model token.
+        messages: TRL's completion messages (assistant and tool messages), at least one assistant message.
+        logprobs: (L,) behaviour log-probs: finite and <= 0 on model tokens, NaN on tool-result tokens (forced).
+        step: the optimizer step at which it was stored.
+        global_row: the global row it was stored from (-1: unknown).
+
+    Refused at construction (a ``PluginError`` naming the value and what is allowed): lengths that differ, an empty
+    completion, a mask value other than 0/1 or no model token, a model-token log-prob that is not a finite value <= 0,
+    no assistant message, empty prompt ids. :meth:`state` / :meth:`from_state` give a checkpointable dict.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    tool_mask: list[int]
+    messages: list
+    logprobs: list[float]
+    step: int = 0
+    global_row: int = -1
+
+    def __post_init__(self) -> None:
+        where = "StoredEpisode"
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        self.completion_ids = [int(t) for t in self.completion_ids]
+        self.tool_mask = list(self.tool_mask)
+        self.messages = list(self.messages)
+        L = len(self.completion_ids)
+        if not self.prompt_ids:
+            raise PluginError(f"{where}: prompt_ids is empty; allowed: the prompt's token ids (at least one).")
+        if L == 0:
+            raise PluginError(f"{where}: completion_ids is empty; allowed: at least one token.")
+        if len(self.tool_mask) != L or len(self.logprobs) != L:
+            raise PluginError(f"{where}: {len(self.tool_mask)} tool-mask values and {len(self.logprobs)} log-probs for "
+                              f"{L} completion tokens; allowed: one of each per token.")
+        bad = [m for m in self.tool_mask if isinstance(m, bool) or m not in (0, 1)]
+        if bad or 1 not in self.tool_mask:
+            raise PluginError(f"{where}: tool_mask value {bad[0] if bad else 'all 0'!r}; allowed: 0 (tool-result token) "
+                              "or 1 (model token), with at least one model token.")
+        logps = []
+        for t, (m, v) in enumerate(zip(self.tool_mask, self.logprobs)):
+            value = math.nan if v is None else float(v)
+            if m == 1 and not (math.isfinite(value) and value <= 0.0):
+                raise PluginError(f"{where}: behaviour log-prob {v!r} at model token {t}; allowed: a finite value <= 0 "
+                                  "(the log-prob of the sampled token under the policy that sampled it).")
+            logps.append(value if m == 1 else math.nan)
+        self.logprobs = logps
+        if not any(isinstance(x, dict) and x.get("role") == "assistant" for x in self.messages):
+            raise PluginError(f"{where}: messages hold no assistant message; allowed: TRL's completion messages of the "
+                              "episode (assistant and tool messages).")
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns of the episode (maximal runs of model tokens)."""
+        return sum(1 for t, m in enumerate(self.tool_mask) if m == 1 and (t == 0 or self.tool_mask[t - 1] != 1))
+
+    def state(self) -> dict:
+        """A checkpointable copy (plain lists, dicts, ints and floats)."""
+        return {"prompt_ids": list(self.prompt_ids), "completion_ids": list(self.completion_ids),
+                "tool_mask": list(self.tool_mask), "messages": copy.deepcopy(self.messages),
+                "logprobs": list(self.logprobs), "step": int(self.step), "global_row": int(self.global_row)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> StoredEpisode:
+        """The episode saved by :meth:`state` (validated again)."""
+        return cls(**{k: copy.deepcopy(v) for k, v in state.items()})
 
 
 @dataclass
@@ -309,6 +394,9 @@ class RolloutContext(_StageContext):
             ``environment_factory``; empty list otherwise. A row changed by :meth:`replace_row` becomes one turn; a row
             changed by :meth:`replace_episode` keeps the continued episode's turns.
         episodes: local row -> the :class:`ToolEpisode` that replaced it (:meth:`replace_episode`).
+        behaviour_logprobs: local row -> (L,) behaviour log-probs of a replayed episode (a :class:`ToolEpisode` with
+            ``behaviour=True``, from :meth:`replay_tool_episodes`); the loss takes them as the row's old log-probs, so
+            its importance ratio is ``exp(log pi_theta - log pi_behaviour)`` (NaN tokens keep TRL's old log-probs).
     """
 
     rows: list[dict]
@@ -333,6 +421,7 @@ class RolloutContext(_StageContext):
     services: StageServices = field(default=NO_SERVICES, repr=False, compare=False)
     turns: list = field(default_factory=list)
     episodes: dict = field(default_factory=dict)
+    behaviour_logprobs: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -448,20 +537,56 @@ class RolloutContext(_StageContext):
             raise PluginError("RolloutContext.continue_tool_episodes: this context has no generation service.")
         return self.service.continue_tool_episodes(self.service.episode_requests(self, list(rows), list(turns)))
 
-    def replace_episode(self, i: int, episode: ToolEpisode) -> None:
-        """Replace local row ``i`` by a continued tool episode (from :meth:`continue_tool_episodes`), keeping its turn
-        structure: its ids, sampling log-probs, TRL's messages, tool mask and turns, and, for TRL's reward pass, its
-        environment. Usually ``i == episode.row``; another row of the same group and prompt is allowed (the same
-        prompt ids are required)."""
+    def replace_episode(self, i: int, episode: ToolEpisode, *, offpolicy: bool = False) -> None:
+        """Replace local row ``i`` by a continued tool episode (from :meth:`continue_tool_episodes`) or a replayed one
+        (from :meth:`replay_tool_episodes`), keeping its turn structure: its ids, sampling log-probs, TRL's messages,
+        tool mask and turns, and, for TRL's reward pass, its environment. Usually ``i == episode.row``; another row of
+        the same group and prompt is allowed (the same prompt ids are required).
+
+        A replayed episode (``episode.behaviour``) keeps its behaviour log-probs (:attr:`behaviour_logprobs`): the loss
+        takes them as the row's old log-probs. ``offpolicy=True`` marks the episode's model tokens off-policy instead
+        (the shaped branch ``-A p/(p+gamma)``, no ratio; behaviour log-probs unused)."""
         if not self.turns:
             raise PluginError("replace_episode: the run has no tools; use replace_row.")
         if episode.row != i and list(self.prompt_ids[episode.row]) != list(self.prompt_ids[i]):
             raise PluginError(f"replace_episode({i}): the episode continues row {episode.row}, whose prompt differs from "
                               f"row {i}'s; allowed: row {episode.row} or a row with the same prompt ids.")
-        self.replace_row(i, list(episode.completion_ids), logprobs=episode.logprobs)
+        flags = [bool(offpolicy) and m == 1 for m in episode.tool_mask]
+        self.replace_row(i, list(episode.completion_ids), offpolicy=flags, logprobs=episode.logprobs)
         self.completions[i] = list(episode.messages)
         self.turns[i] = episode.turns
         self.episodes[i] = episode
+        if episode.behaviour and not offpolicy:  # a replayed episode: its stored behaviour log-probs become the row's old log-probs
+            self.behaviour_logprobs[i] = list(episode.logprobs)
+
+    def store_tool_episodes(self, rows: Sequence[int]) -> list[StoredEpisode]:
+        """Keep the tool episodes of local rows ``rows`` for a later replay: each becomes a :class:`StoredEpisode` (its
+        ids with the tool-result tokens, tool mask, messages, and the behaviour log-probs of its model tokens from one
+        teacher-forced no-grad forward of the policy that sampled it: call this in the step that generated the rows).
+
+        Collective: call it on every process the same number of times, with zero rows where a process has none (the
+        forward is padded across processes). Returns every process's stored episodes, in global row order (the same
+        list on every process, so per-prompt buffers built from it stay identical). Rows changed by
+        :meth:`replace_row`, prompt-swapped rows and replayed rows are refused (their tokens are not this policy's
+        sample under the row's prompt). See :mod:`trl_plugins.runtime.episode_replay`.
+        """
+        if self.service is None:
+            raise PluginError("RolloutContext.store_tool_episodes: this context has no generation service.")
+        return self.service.store_tool_episodes(self, [int(i) if not isinstance(i, bool) else i for i in rows])
+
+    def replay_tool_episodes(self, rows: Sequence[int], episodes: Sequence[StoredEpisode]) -> list[ToolEpisode]:
+        """Stored episodes made ready to replace local rows ``rows``: one :class:`ToolEpisode` per request with
+        ``behaviour=True`` (its ``logprobs`` are the stored behaviour log-probs), the stored turn structure, and a fresh
+        instance of the row's environment, reset with the row and with every stored tool call replayed (for TRL's
+        reward pass). Put one into its row with :meth:`replace_episode`. ``episodes[j].prompt_ids`` must equal row
+        ``rows[j]``'s prompt ids.
+
+        Collective (environment reset errors are raised on every process together): call it on every process the same
+        number of times, with zero rows where a process has none. Samples nothing (no rollout budget used).
+        """
+        if self.service is None:
+            raise PluginError("RolloutContext.replay_tool_episodes: this context has no generation service.")
+        return self.service.replay_tool_episodes(self, list(rows), list(episodes))
 
     def decode(self, completion_ids: list[int], row: int) -> Any:
         """Decode ids into TRL's completion format (string, or an assistant message list) for local row ``row``."""
@@ -519,6 +644,7 @@ class RolloutContext(_StageContext):
         self.completions[i] = self.decode(self.completion_ids[i], i)
         self.changed.add(i)
         self.episodes.pop(i, None)  # a plain replacement is one turn again (replace_episode sets it after)
+        self.behaviour_logprobs.pop(i, None)
 
     def splice(self, i: int, start: int, new_ids: Sequence[int], *, offpolicy: bool = True) -> None:
         """Keep row ``i``'s first ``start`` completion tokens (token-exact) and append ``new_ids``.

@@ -309,6 +309,9 @@ class GenerationService:
                 raise PluginError(f"RolloutContext.{WHERE}: local row {i} is prompt-swapped (trained under another "
                                   "prompt than it was generated with); allowed: rows generated under their training "
                                   "prompt.")
+            if i in ctx.behaviour_logprobs:
+                raise PluginError(f"RolloutContext.{WHERE}: local row {i} holds a replayed episode (sampled by an "
+                                  "earlier policy); allowed: rows this step's policy sampled.")
         checked = check_turns(turns, [ctx.turns[i].num_turns for i in rows], rows)
         names = self.trainer.batch_environment_names or []
         return [
@@ -421,6 +424,19 @@ class GenerationService:
                 environment=environments[j],
             ))
         return results
+
+    def store_tool_episodes(self, ctx: Any, rows: list) -> list:
+        """:meth:`~trl_plugins.api.contexts.RolloutContext.store_tool_episodes` (:mod:`trl_plugins.runtime.episode_replay`)."""
+        from trl_plugins.runtime.episode_replay import store_episodes
+
+        check_text_only(self.trainer, "The tool-episode replay (ctx.store_tool_episodes)")  # a run-wide setting
+        return store_episodes(self.trainer, ctx, rows)
+
+    def replay_tool_episodes(self, ctx: Any, rows: list, episodes: list) -> list[ToolEpisode]:
+        """:meth:`~trl_plugins.api.contexts.RolloutContext.replay_tool_episodes` (:mod:`trl_plugins.runtime.episode_replay`)."""
+        from trl_plugins.runtime.episode_replay import replay_episodes
+
+        return replay_episodes(self.trainer, ctx, rows, episodes)
 
     def _check_budget(self, gathered: torch.Tensor) -> int:
         """Raise on every process together when a process's requests pass the budget; else the largest count."""

@@ -13,7 +13,8 @@ with our additions marked +):
 2. TRL's entropy mask (``top_entropy_quantile``);
 3. token advantages (B, T) (+ ``trl_plugins_loss_advantages`` chain; advantages the hooks keep per row go back
    to (B, 1), so the surrogate and the metrics are TRL's; + per-token clip range from ``ctx.scale_clip_range``);
-4. old log-probs, TRL's off-policy sequence mask (+ never applied to off-policy tokens), importance ratio;
+4. old log-probs (+ the stored behaviour log-probs of replayed tool episodes), TRL's off-policy sequence mask
+   (+ never applied to off-policy tokens), importance ratio;
 5. reference KL;
 6. base surrogate by ``loss_type`` (+ off-policy tokens: ``-A * p / (p + gamma)``, LUFFY shaping, no ratio);
 7. (+ ``trl_plugins_loss``: token-subset replacement, multiplicative weights, additive token terms);
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from trl_plugins.runtime import loss_rules as rules
-from trl_plugins.api.contexts import EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
+from trl_plugins.api.contexts import BEHAVIOUR_LOGPS_KEY, EXTRA_PREFIX, OFFPOLICY_KEY, LossContext
 from trl_plugins.api.errors import IncompatiblePluginsError
 from trl_plugins.api.loss_types import SUPPORTED_LOSS_TYPES
 from trl_plugins.runtime.trl_seam import multimodal_forward_kwargs
@@ -90,6 +91,7 @@ def compute_loss_with_plugins(trainer: Any, model: Any, inputs: dict) -> torch.T
     offpolicy_tokens = offpolicy if has_offpolicy else None
     old_per_token_logps = inputs.get("old_per_token_logps")
     old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    old_per_token_logps = rules.with_behaviour_logps(old_per_token_logps, inputs.get(BEHAVIOUR_LOGPS_KEY))
     extras = {k[len(EXTRA_PREFIX):]: v for k, v in inputs.items() if k.startswith(EXTRA_PREFIX)}
 
     ctx = LossContext(

@@ -127,6 +127,23 @@ class Surrogate(NamedTuple):
     vespo_weights: torch.Tensor | None = None
 
 
+def with_behaviour_logps(old_per_token_logps: torch.Tensor, behaviour_logps: torch.Tensor | None) -> torch.Tensor:
+    """The old log-probs with the stored behaviour log-probs of replayed tool episodes where those are finite.
+
+    Args:
+        old_per_token_logps: (B, T) log pi_old (TRL's, or ``per_token_logps.detach()``).
+        behaviour_logps: (B, T) behaviour log-probs of replayed rows, NaN elsewhere (other rows, tool-result tokens,
+            padding); None = no replayed row.
+    Returns:
+        (B, T): ``behaviour_logps`` where finite, ``old_per_token_logps`` elsewhere, so the ratio of a replayed token is
+        ``exp(log pi_theta - log pi_behaviour)``.
+    """
+    if behaviour_logps is None:
+        return old_per_token_logps
+    behaviour = behaviour_logps.to(device=old_per_token_logps.device, dtype=old_per_token_logps.dtype)
+    return torch.where(torch.isfinite(behaviour), behaviour, old_per_token_logps)
+
+
 def importance_weights(
     per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, level: str
 ) -> ImportanceWeights:

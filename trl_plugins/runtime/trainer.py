@@ -55,6 +55,7 @@ from trl_plugins.runtime.checkpoints import (
 from trl_plugins.api.collectives import HeldRewardErrors, raise_together
 from trl_plugins.runtime.config import PluginGRPOConfig
 from trl_plugins.api.contexts import (
+    BEHAVIOUR_LOGPS_KEY,
     EXTRA_PREFIX,
     OFFPOLICY_KEY,
     TURN_IDS_KEY,
@@ -68,6 +69,7 @@ from trl_plugins.api.contexts import (
 from trl_plugins.guards.dataset_guard import check_training_dataset
 from trl_plugins.api.errors import PluginConfigError, PluginError
 from trl_plugins.runtime.generation import SCORING_FAILED, GenerationService
+from trl_plugins.runtime.episode_replay import behaviour_logps_tensor
 from trl_plugins.runtime.loss import check_loss_type, _global_masked_mean, compute_loss_with_plugins
 from trl_plugins.runtime.whole_groups import check_whole_groups
 from trl_plugins.runtime.reference import frozen_reference_copy, needs_reference_copy, reference_logprobs
@@ -108,6 +110,7 @@ class _BatchState:
     policy_stats: dict = field(default_factory=dict)
     refill: Any = None  # the RefillOutcome of this batch (refill plugins only)
     turns: list[TurnStructure] | None = None
+    behaviour: dict = field(default_factory=dict)  # local row -> behaviour log-probs of a replayed tool episode
 
 
 class _StepEndCallback(TrainerCallback):
@@ -622,6 +625,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
             for i, lps in enumerate(rctx.sampling_logprobs):
                 rctx.sampling_logprobs[i] = masked_sampling_logprobs(lps, rctx.offpolicy[i], rctx.prompt_swapped[i])
         state.offpolicy, state.prompt_swapped, state.annotations = rctx.offpolicy, rctx.prompt_swapped, rctx.annotations
+        state.behaviour = {i: rctx.behaviour_logprobs[i] for i in rctx.behaviour_logprobs if not any(rctx.offpolicy[i])}
         self.log_completion_extra("plugin_annotations", [_format_annotation(a) for a in rctx.annotations])
         self.record_metric("train", "plugins/framework/extra_rollouts", extra_rollouts)
         return (
@@ -820,6 +824,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                     offpolicy[i, : len(flags)] = torch.tensor(flags, dtype=torch.bool, device=device)
         if self._uses_plugin_loss:
             output[OFFPOLICY_KEY] = offpolicy
+            if state.behaviour:  # replayed tool episodes: their behaviour log-probs become the old log-probs
+                output[BEHAVIOUR_LOGPS_KEY] = behaviour_logps_tensor(state.behaviour, B, T, device)
         if state.turns is not None:  # multi-turn tool rollouts: each token's assistant turn rides to the loss
             output[TURN_IDS_KEY] = turn_ids_tensor(state.turns, T, device)
         if self.plugin_stack.has("trl_plugins_transform_advantages"):

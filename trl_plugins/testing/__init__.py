@@ -211,6 +211,25 @@ def make_tool_trainer(trainer_cls=None, agent: str = "environment", kinds=("look
     return trainer
 
 
+def gold_then_wrong_script(dataset, from_step: int, fail: Callable[[Any], bool] | None = None):
+    """A scripted tool policy for replay tests: ``(script, bind)``. Before optimizer step ``from_step`` every request
+    follows its question's gold trace (every rollout succeeds, with its tool calls); from it on, a first-turn request
+    answers ``Answer: -1`` at once (every rollout fails), on the processes where ``fail(trainer)`` holds (default:
+    all). Call ``bind(trainer)`` once the trainer is built (``make_tool_trainer(script=script, ...)``)."""
+    from trl_plugins.tasks.tools import gold_trace_script
+
+    gold = gold_trace_script(dataset, shortcut_every=0)
+    holder: dict = {}
+
+    def script(prompt_text: str, row: int) -> str:
+        tr = holder["trainer"]
+        if tr.state.global_step >= from_step and "<tool_response>" not in prompt_text and (fail is None or fail(tr)):
+            return "Answer: -1"
+        return gold(prompt_text, row)
+
+    return script, lambda trainer: holder.update(trainer=trainer)
+
+
 def script_generation(trainer, script: Callable[[str, int], str]) -> None:
     """Replace ``trainer``'s generation backend by ``script(prompt_text, row) -> completion text`` (in place).
 
