@@ -305,7 +305,8 @@ class SearchTree:
             self.nodes[parent].children.append(k)
             self.candidates.append(k)
             new.append(k)
-        self.generated += len(children)
+        if not final:  # a completion of the fill is not a search node (its own count: the fill's rows)
+            self.generated += len(children)
         return new
 
     def unjudged(self) -> list[int]:

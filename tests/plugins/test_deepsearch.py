@@ -41,10 +41,9 @@ def _small_tree():
 
 def test_search_on_a_hand_built_tree():
     o, t, a, b = _small_tree()
-    assert t.pending() is None or True  # the root is full: pending backs up and selects (no terminal)
+    assert t.pending() == (a, 2)  # the root is full: pending backs up and selects (no terminal), then asks
     # both children were visited; the root has no visit, so PUCT is Q = 0 for both and the first wins
     assert t.current == a and t.nodes[a].visits == 1 and t.nodes[b].visits == 1
-    assert t.pending() == (a, 2)
     c, d = t.expand(a, [([4], [-0.5], True), ([5], [-0.2], True)])
     t.judge(c, True)
     t.judge(d, True)
@@ -92,10 +91,10 @@ def test_budget_stop_and_fill_sources():
     t.judge(c, False)
     t.backup_and_select()
     assert t.pending() is None and t.stopped and t.recorded == [c]
-    # rows left: complete the best frontier nodes by the global score (b: parent Q > a's parent... the same root;
-    # a has Q < 0 after the wrong outcome but scores by its parent's Q): depth-first order on ties
+    # rows left: the best frontier nodes by the global score, cycled; a and b share the root (the same parent Q and
+    # depth): depth-first order on ties
+    assert t.fill_sources() == [a, b, a]
     sources = t.fill_sources()
-    assert len(sources) == 3 and set(sources) <= {a, b}
     (leaf,) = t.expand(sources[0], [([9, 9], [-0.1, -0.1], False)], final=True)
     assert t.nodes[leaf].terminal
 
@@ -108,10 +107,11 @@ def test_step_credit_and_sibling_normalisation_by_hand():
     assert step_credit([0.5, 1.0], DeepsearchOptions(adv_temperature=0.0)) == [0.5, 1.0]
     # two rows of one group (finals 1 and -1: mean 0, std 1), one row alone (kept)
     adv = credit_advantages([[2, 1], [1, 2], [3]], [[0.5, 1.0], [0.2, -1.0], [0.7]], [0, 0, 1], 4, False)
-    assert adv.tolist() == pytest.approx([[0.5, 0.5, 1.0, 0.0], [0.2, -1.0, -1.0, 0.0], [0.7, 0.7, 0.7, 0.0]])
+    expected = torch.tensor([[0.5, 0.5, 1.0, 0.0], [0.2, -1.0, -1.0, 0.0], [0.7, 0.7, 0.7, 0.0]])
+    torch.testing.assert_close(adv, expected)
     adv = credit_advantages([[1, 1], [1, 1]], [[0.5, 1.0], [0.0, 0.0]], [0, 0], 3, True)
     # finals 1 and 0: mean 0.5, biased std 0.5
-    assert adv.tolist() == pytest.approx([[0.0, 1.0, 0.0], [-1.0, -1.0, 0.0]], abs=1e-5)
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 1.0, 0.0], [-1.0, -1.0, 0.0]]), atol=1e-5, rtol=0)
 
 
 def test_cut_step_and_prompt_key():
@@ -163,9 +163,19 @@ def test_bad_options_and_vllm_are_refused():
         DeepsearchPlugin(DeepsearchOptions(node_budget=4)).trl_plugins_configure(None, args)
     with pytest.raises(PluginConfigError, match="'max_depth' of plugin 'deepsearch' got 65; allowed: at most"):
         DeepsearchPlugin(DeepsearchOptions(max_depth=65)).trl_plugins_configure(None, args)
-    trainer = SimpleNamespace(text_tokenizer=tiny_tokenizer())
-    with pytest.raises(PluginConfigError, match="step_delimiter.*can contain"):
-        DeepsearchPlugin(DeepsearchOptions(step_delimiter="<|endoftext|>")).trl_plugins_configure(trainer, args)
+
+    class DropsHash:  # a tokenizer that cannot write '#'
+        def encode(self, s, add_special_tokens=False):
+            return [ord(c) for c in s if c != "#"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    trainer = SimpleNamespace(text_tokenizer=DropsHash())
+    with pytest.raises(PluginConfigError, match="'step_delimiter' of plugin 'deepsearch' got '#'; allowed: a string "
+                       "the policy's decoded text can contain"):
+        DeepsearchPlugin(DeepsearchOptions(step_delimiter="#")).trl_plugins_configure(trainer, args)
+    DeepsearchPlugin(DeepsearchOptions(step_delimiter="\n")).trl_plugins_configure(trainer, args)  # can match
 
 
 def test_one_step_on_the_tiny_model_grows_a_tree(tmp_path, monkeypatch):
