@@ -197,6 +197,8 @@ def test_refused_plugin_names_itself_and_its_reason(name):
         ("ettrl", {}, True),  # ETMR's branches continue through the branching seam, from token ids alone
         ("latr", {"mix_ratios": [0.0]}, False),  # no tree rows: TRL's own sampling
         ("latr", {}, True),  # the tree's forks and lookaheads go through the branching seam, from token ids alone
+        ("deepsearch", {"weight": 0.0}, False),  # no tree: TRL's own sampling and advantages
+        ("deepsearch", {}, True),  # the tree's nodes go through the branching seam, from token ids alone
     ],
 )
 def test_refusal_decided_by_options(name, options, refused):
