@@ -16,8 +16,8 @@ sglang_mcts_wrapper.py`` (``WRAP``), ``deepsearch/reward_manager/advantage_fn.py
   ``-mean log p`` of its sampled tokens (the most confident, MCTS:236-239, 294-299) is backed up and recorded as a
   row of the group; the search ends when G rows are recorded (``terminate_num = n``, WRAP:43).
 * **Value backup** (MCTS:42-63, 435-442): a terminal with outcome ``v`` (+1 correct, -1 wrong,
-  ``incomplete_score`` -1 for an unfinished path at the depth limit, MCTS:216-221) updates every ancestor ``d``
-  (root excluded from nothing: up to the root) with weight ``max((d + 1) / (D + 1), backup_threshold)``
+  ``incomplete_score`` -1 for an unfinished path at the depth limit, MCTS:216-221) updates itself and every
+  ancestor up to the root (depth ``d``) with weight ``max((d + 1) / (D + 1), backup_threshold)``
   (``backup_threshold`` 0.1); same signs add, a positive outcome overrides a negative value, a negative one leaves a
   positive value; intermediate new children are only visited.
 * **Local selection** (MCTS:65-74, 376-411): without a new terminal, the search descends to the child of highest
@@ -583,7 +583,8 @@ class DeepsearchPlugin(Plugin):
         for g, i in home.items():
             ids = list(ctx.completion_ids[i])
             n = cut_step(ids, self._step, o.step_delimiter, decode)
-            cuts[g] = (ids[:n], n == len(ids) and self._ends_with_eos(ctx, ids))
+            # TRL stops at EOS or at the length limit: a sample shorter than one step ended (whatever its EOS id)
+            cuts[g] = (ids[:n], n == len(ids) and (len(ids) < self._step or self._ends_with_eos(ctx, ids)))
         order = sorted(home)
         if ctx.sampling_logprobs is None:
             lps = ctx.policy_logprobs([ctx.prompt_ids[home[g]] for g in order], [cuts[g][0] for g in order])
