@@ -265,7 +265,7 @@ _IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "le
                       "ettrl": {"fork_points": 0},  # the vote and EAR (ETMR's trees are refused with images)
                       # their trees / probe rollouts sample through the generation service and are refused with
                       # images (test_refusal_decided_by_options above); what is left runs
-                      "latr": {"mix_ratios": [0.0]}, "rex_rag": {"probe_slots": 0}}
+                      "latr": {"mix_ratios": [0.0]}, "rex_rag": {"probe_slots": 0}, "deepsearch": {"weight": 0.0}}
 
 
 @pytest.mark.slow
