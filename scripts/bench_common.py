@@ -105,6 +105,9 @@ PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     "latr": ({"pruning_steps": [10, 20]}, {}),
     # the scripted verifier-backed judge's binary correctness verdict (no model), beside the task's reward
     "libra_rm": ({"genrm": "scripted"}, {}),
+    # the official width 8 and depth 64 (16k-token completions) scaled to the 40-token completions and G = 8: 4 steps
+    # of 10 tokens, width 2, a node budget of 4 G
+    "deepsearch": ({"expansion_width": 2, "max_depth": 4, "node_budget": 32}, {}),
     "llds": ({}, {}),
     # the arithmetic rows have no constraints column: one constraint for every row, and no thinking block
     "light_if": ({"constraints_column": None, "constraints": [{"type": "word_count", "max": 20}], "think_end": None},

@@ -345,6 +345,10 @@ def _stacks(urls):
         # lookahead windows scaled to the 16-token completions, one round
         "latr": (["latr"], {"latr": {"pruning_steps": [4, 8], "rounds": 1}},
                  {"loss_type": "dapo", "num_generations": 4}, []),
+        # DeepSearch: one group of 4 searched as a tree on the real model (4 steps of 4 tokens, width 2, a budget of 8
+        # nodes), terminal paths judged by the verifier column, step credit from the backed-up values
+        "deepsearch": (["deepsearch"], {"deepsearch": {"expansion_width": 2, "max_depth": 4, "node_budget": 8}},
+                       {"loss_type": "dapo", "num_generations": 4}, []),
         # REX-RAG: a failed rollout of each group of 2 is cut before its first digit (the arithmetic answers carry no
         # <answer> tags), a short probe phrase appended and continued through the branching seam; the loss puts the
         # mixture behaviour policy into the clipped ratio (alpha up to 0.5 here: the clipping warning is expected)

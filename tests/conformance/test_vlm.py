@@ -197,6 +197,8 @@ def test_refused_plugin_names_itself_and_its_reason(name):
         ("ettrl", {}, True),  # ETMR's branches continue through the branching seam, from token ids alone
         ("latr", {"mix_ratios": [0.0]}, False),  # no tree rows: TRL's own sampling
         ("latr", {}, True),  # the tree's forks and lookaheads go through the branching seam, from token ids alone
+        ("deepsearch", {"weight": 0.0}, False),  # no tree: TRL's own sampling and advantages
+        ("deepsearch", {}, True),  # the tree's nodes go through the branching seam, from token ids alone
     ],
 )
 def test_refusal_decided_by_options(name, options, refused):
@@ -263,7 +265,7 @@ _IMAGE_RUN_OPTIONS = {"nemotron_cascade": {"stages": ["1"], "domain_column": "le
                       "ettrl": {"fork_points": 0},  # the vote and EAR (ETMR's trees are refused with images)
                       # their trees / probe rollouts sample through the generation service and are refused with
                       # images (test_refusal_decided_by_options above); what is left runs
-                      "latr": {"mix_ratios": [0.0]}, "rex_rag": {"probe_slots": 0}}
+                      "latr": {"mix_ratios": [0.0]}, "rex_rag": {"probe_slots": 0}, "deepsearch": {"weight": 0.0}}
 
 
 @pytest.mark.slow

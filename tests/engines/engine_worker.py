@@ -143,6 +143,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # latr's trees: probes, forks with lookahead, pruning and completions through the seam, the tree state gathered
     "latr": (["latr"], {"latr": {"prob_abs_threshold": None, "prob_rel_threshold": None, "pruning_steps": [2, 3]}},
              ZERO3_FSDP2),
+    # deepsearch's trees: one seam call per search iteration on every process (zero requests where a process's trees
+    # are done), the fill call, the rows and credit gathered
+    "deepsearch": (["deepsearch"], {"deepsearch": {"expansion_width": 2, "max_depth": 3, "node_budget": 4}},
+                   ZERO3_FSDP2),
     "rex_rag": (["rex_rag"], {"rex_rag": {"probe_prob": 1.0, "answer_pattern": "[0-9]", "probe_prefix": "",
                                           "probes": ["ab", "b"]}}, ZERO3_FSDP2),
     # CAPO's curvature masks from the (gathered) softcapped head and its Adam model's moment update, whose touched
