@@ -7,10 +7,9 @@ reward functions, ``G`` group size. Global row ``g`` is in group ``g // G`` at i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
