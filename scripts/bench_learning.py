@@ -70,13 +70,14 @@ STACK_OPTIONS: dict[str, dict[str, dict]] = {"fbos_rl+canon": {"fbos_rl": {"adva
 VARIANTS = bc.PLUGIN_VARIANTS
 # Token mode (--budget-unit tokens): the methods that generate through the branching seam (continuations, forks,
 # trees sharing prefixes), at an equal budget of generated tokens (a shared prefix is paid for once).
-TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "spo:tree", "slate", "rex_rag", "ares:branching", "polychromic:vines"]
+TOKEN_METHODS = ["grpo", "latr", "ettrl", "spo", "spo:tree", "deepsearch", "slate", "rex_rag", "ares:branching",
+                 "polychromic:vines"]
 # GRPO's tokens at the rollout budget on the shipped model (2560 rollouts x about 30 tokens: 76,000-76,600 in the
 # full-mode runs of seeds 0-2), and the evaluation interval in tokens.
 TOKEN_BUDGET, TOKEN_EVAL_EVERY = 76800, 19200
 # With --task tools: the agent methods that re-generate tool episodes from a turn (the tool-episode seam), and GRPO's
 # sampled tokens at the agentic rollout budget (384 rollouts: 25,365 tokens for seed 0 on the shipped tool model).
-TOOL_TOKEN_METHODS = ["grpo", "arpo", "aepo_branching"]
+TOOL_TOKEN_METHODS = ["grpo", "arpo", "aepo_branching", "search_r2"]
 TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY = 25600, 8533
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
