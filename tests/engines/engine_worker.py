@@ -159,6 +159,16 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                       {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
     "slate": (["slate"], {"slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []}},
               ZERO3_FSDP2),
+    # libra_rm's binary verdicts from a local HF judge (loaded whole on every process, like a teacher)
+    "libra_rm": (["libra_rm"], {"libra_rm": {"genrm": "hf", "genrm_model": "@teacher", "genrm_max_tokens": 6,
+                                             "genrm_max_unparsable": 1.0}}, ZERO3_FSDP2),
+    # aepo's branches after tool calls (one global-rollout slot left per group) and search_r2's refiner calls and
+    # cut-and-regenerate, both through the tool-episode seam; replay's stored tool episodes (a padded no-grad forward
+    # for their behaviour log-probs) replayed into later groups
+    "aepo_branching": (["aepo"], {"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
+                       {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    "search_r2": (["search_r2"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
 }
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
