@@ -166,7 +166,7 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # cut-and-regenerate, both through the tool-episode seam; replay's stored tool episodes (a padded no-grad forward
     # for their behaviour log-probs) replayed into later groups
     "aepo_branching": (["aepo"], {"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
-                       {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+                       {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo", "num_generations": 4}}),
     "search_r2": (["search_r2"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
     "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
 }
