@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from trl_plugins.api import OfficialSource, PluginConfigError, option
-from trl_plugins.api.reasons import without_images
+from trl_plugins.api.reasons import POINTWISE_JUDGE_TEXT_ONLY, without_images
 from trl_plugins.components.genrm import GenRMOptions, GenRMTemplate, genrm_from_options
 
 from ._pointwise_genrm import PointwiseGenRMPlugin
@@ -117,10 +117,7 @@ class DeepseekGrmPlugin(PointwiseGenRMPlugin):
         "are reconstructed.",
     )
     claim_metric = ("score_mean", "mean voted judge score")
-    multi_turn = (
-        "its judge reads one question and one answer text; tool calls and tool results are not part of the "
-        "judged response."
-    )
+    multi_turn = POINTWISE_JUDGE_TEXT_ONLY
     image_inputs = without_images("its generative judge reads the prompt as text")
     reconstructed = (
         "prompt wording (principles, critique, \\boxed{score} from 1 to 10)",

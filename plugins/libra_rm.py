@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from trl_plugins.api import OfficialSource, option
-from trl_plugins.api.reasons import without_images
+from trl_plugins.api.reasons import POINTWISE_JUDGE_TEXT_ONLY, without_images
 from trl_plugins.components.genrm import GenRMOptions, GenRMTemplate, genrm_from_options
 
 from ._pointwise_genrm import PointwiseGenRMPlugin
@@ -97,10 +97,7 @@ class LibraRmPlugin(PointwiseGenRMPlugin):
         variants=("aggregate",),
     )
     claim_metric = ("judged_correct", "share of completions the judge rates correct")
-    multi_turn = (
-        "its judge reads one question and one answer text; tool calls and tool results are not part of the "
-        "judged response."
-    )
+    multi_turn = POINTWISE_JUDGE_TEXT_ONLY
     image_inputs = without_images("its generative judge reads the prompt as text")
     reconstructed = (
         "prompt wording (solve the problem, check the response, no reference answer)",

@@ -23,6 +23,7 @@ __all__ = [
     "IMAGES_TEXT_TEACHER",
     "ENTROPY_PICK_ONE",
     "LENGTH_COUNTS_TOOL_TOKENS",
+    "POINTWISE_JUDGE_TEXT_ONLY",
     "LIKELIHOOD_PICK_ONE",
     "REFILLS_GROUPS",
     "VLLM_BRANCHING",
@@ -106,6 +107,12 @@ IMAGES_POLICY_PROBE = without_images(
 #: The image-prompt refusal of the plugins whose teacher (a language model or endpoint) reads the prompt as text.
 IMAGES_TEXT_TEACHER = without_images("its teacher writes or scores text from the prompt's text alone")
 
+
+#: The multi-turn refusal of the pointwise generative judges (deepseek_grm, libra_rm).
+POINTWISE_JUDGE_TEXT_ONLY = (
+    "its judge reads one question and one answer text; tool calls and tool results are not part of the judged "
+    "response."
+)
 
 #: The multi-turn refusal of the length-efficient reasoning plugins (laser, dler, decs, pear, siri, hbpo).
 LENGTH_COUNTS_TOOL_TOKENS = (
