@@ -484,7 +484,7 @@ STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in TOOL_STACKS]
 
 
 #: stacks that run a second form of a plugin another stack covers (stack -> the plugin)
-SECOND_FORMS = {"spo_tree": "spo"}
+SECOND_FORMS = {"spo_tree": "spo", AEPO_BRANCH_STACK: "aepo"}
 
 
 def test_the_stacks_cover_every_builtin_plugin():
