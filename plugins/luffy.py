@@ -202,10 +202,8 @@ class LuffyPlugin(Plugin):
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         k = self.options.num_demonstrations
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] < k:
-                ctx.defer(i)
-                ctx.annotations[i][DEMONSTRATION] = True
+        for i in ctx.defer_slots(lambda slot: slot < k):
+            ctx.annotations[i][DEMONSTRATION] = True
 
     @hookimpl
     def trl_plugins_after_generation(self, ctx: RolloutContext):

@@ -330,9 +330,7 @@ class RexRagPlugin(Plugin):
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Defer the probe slots (the last probe_slots rows of each group)."""
         first = ctx.num_generations - self.options.probe_slots
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] >= first:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k >= first)
         self._pending = True  # on every process: the next hook's collectives run everywhere
 
     @hookimpl

@@ -281,9 +281,7 @@ class SlatePlugin(Plugin):
     @hookimpl
     def trl_plugins_generation_prompts(self, ctx: PromptContext):
         """Defer every row but the first of each group: TRL samples candidate 0 of step 0."""
-        for i in range(len(ctx.rows)):
-            if ctx.index_in_group[i] != 0:
-                ctx.defer(i)
+        ctx.defer_slots(lambda k: k != 0)
         self._pending = True  # on every process: the next hook's collectives run everywhere
 
     @hookimpl
