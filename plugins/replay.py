@@ -4,8 +4,13 @@ Two papers, one mechanism. **RAPO** (Fathom-DeepResearch, arXiv:2509.24107) keep
 injects the latest successful rollout of a prompt into a later group of that prompt in which every rollout failed,
 which restores the group's reward variance (GRPO's advantages vanish in an all-fail group). **SPEAR** ("Learn the
 Ropes, Then Trust the Wins", arXiv:2509.22601) is self-imitation learning: a buffer of the agent's own good
-trajectories, replayed off-policy, with a staleness limit and a recalibrated advantage. This plugin is RAPO's
-per-prompt splice with SPEAR's staleness limit and advantage treatments as options::
+trajectories, replayed off-policy, with a staleness limit and a recalibrated advantage. Two placements:
+
+* ``placement='batch'`` (SPEAR; the default with a SPEAR advantage): one buffer of the step's rows with a positive
+  advantage (their behaviour log-probs from a no-grad forward of the policy that sampled them), trained as a separate
+  **replay batch** once full, after the step's own optimizer step (below, "SPEAR's replay batch");
+* ``placement='group'`` (RAPO; the default with ``advantage='group'``): per-prompt buffers of successes spliced into
+  later all-fail groups of their prompt, with SPEAR's staleness limit and advantage treatments as options::
 
     success(row)  = verifier column of the row > success_threshold        (trl_plugins.api.success's rule)
     store         after generation: the successful rows the policy sampled itself under the prompt (no off-policy
@@ -40,12 +45,34 @@ are dropped (here: set to 0, the row stays in its group); the decay variant mult
 cosine schedule (200 is the yaml default, the recipe scripts pass 300: the default here with a SPEAR advantage).
 The buffer is replayed only once it holds more than 1.5 x buffer_size trajectories (``is_full_capacity``, buffer_size
 2048 by default), and is emptied after the replay (``reset_buffer``): ``replay_gate: full`` with ``gate_capacity``,
-the default with a SPEAR advantage (``'always'`` keeps the per-step replay of RAPO). SPEAR replays one global buffer as a separate loss batch with PPO ratios against the stored
-behaviour log-probs; here the replay is spliced into the prompt's own all-fail group (RAPO's placement); a single-turn
-replay takes the framework's off-policy branch (no behaviour log-probs stored), a tool episode SPEAR's ratio against
-its stored behaviour log-probs. The Fathom-DeepResearch repository releases no
-training code: the slot that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are
-reconstructed.
+the default with a SPEAR advantage (``'always'`` keeps the per-step replay of RAPO). With ``placement='group'`` a
+single-turn replay takes the framework's off-policy branch (no behaviour log-probs stored), a tool episode SPEAR's
+ratio against its stored behaviour log-probs. The Fathom-DeepResearch repository releases no training code: the slot
+that receives the replay (replace_index), 'pick' and RAPO's in-group treatment ('policy') are reconstructed.
+
+**SPEAR's replay batch** (``placement='batch'``), in the order of its trainer (``ray_trainer_hybrid.py:744-786``:
+``get_buffer`` and ``reset_buffer``, ``update_actor(batch, batch_replay)``, then ``remove_old`` and ``update_batch``)::
+
+    replay      when the buffer is full (replay_gate 'full': more than 1.5 x gate_capacity entries count, with
+                'spear_baseline' those whose reward is above the p50 of the recent group mean rewards, with
+                'spear_decay' every entry; 'always': any entry): every entry's advantage recalibrated
+                ('spear_baseline': (r - p50 mean) / (p50 std + 1e-6), the division only when scale_rewards is not
+                'none', kept where positive; 'spear_decay': stored advantage x advantage_decay), a random subset of the
+                largest power of two <= their number, at most gate_capacity (``get_buffer``: ``nearest_lower_power_of_2``,
+                capped at buffer_size), times replay_coef x ramp(step); scheduled as a replay update
+                (``ctx.schedule_replay_update``: after the step's own optimizer step, extra optimizer steps over the rows,
+                TRL's clipped ratio against the stored behaviour log-probs, no scheduler step; SPEAR's
+                ``dp_actor.py:526-608``); 'full' then empties the buffer
+    store       this step's rows with a positive advantage (``update_batch``: ``advantages.mean(-1) > 0``), the policy's
+                own samples under their prompt (with tools and require_tool_call: episodes that called a tool), with
+                their reward, advantage and the behaviour log-probs of a no-grad forward of the policy
+                (``ctx.policy_stats``; verl's recomputed ``old_log_probs``), tool-result tokens out of the trained mask;
+                the group means and stds (torch's unbiased std, as ``in_group_std``) of every group join the history
+
+Differences from the official code: the replay rows are spread over processes and micro-batches by the trainer (SPEAR
+drops a replay batch smaller than its GPU count; here empty micro-batches run a zero-weight row), one replay optimizer
+step covers ``P x gradient_accumulation_steps x per_device_train_batch_size`` rows (the rows one optimizer step of the
+run covers; SPEAR: ``ppo_mini_batch_size``), staleness counts from the current step (SPEAR: from the newest entry).
 RAPO's other parts live elsewhere: its curriculum pruning of solved prompts is ``adaptive_sampler`` (prune_solved).
 
 SPEAR's curriculum also has an **intrinsic tool-call reward** (skill exploration early, self-imitation later), on
@@ -85,10 +112,15 @@ replay's two flags in steps that replay, every process with its own rows, zero i
 therefore replayable in any later group of p whichever process holds it, the checkpoint written by the main process
 holds every buffer, and a run resumed on another number of processes sees the same buffers.
 
+With ``placement='batch'`` the decisions come from the advantage stage's global data: the buffer is the same on every
+process, the behaviour forward (``ctx.policy_stats``) and one object gather run in steps that store something on any
+process, and the replay update spreads the same rows over the processes.
+
 Neutral setting: ``max_age_steps=0`` (every entry expires before a later step could replay it) leaves every row and
 advantage as vanilla GRPO. Metrics: ``all_fail_group_fraction``, ``replayed_group_fraction``, ``stored_rollouts``,
 ``buffer_prompts``, ``buffer_rollouts``, ``replay_age`` (steps since the replayed rollout was stored),
-``replay_advantage`` (mean advantage of the replayed rows); with the tool-call reward ``tool_call_turns_mean`` (assistant
+``replay_advantage`` (mean advantage of the replayed rows), ``replay_batch_rows`` (placement 'batch': rows scheduled
+for the replay update, whose own metrics are ``plugins/framework/replay_update_*``); with the tool-call reward ``tool_call_turns_mean`` (assistant
 turns that called a tool, per rollout) and ``tool_call_weight`` (the schedule's w(step)).
 
 Official code checked against: ``TencentYoutuResearch/SPEAR@7e84315`` (faithful with documented options; the files and
@@ -108,6 +140,7 @@ from trl_plugins.api import (
     OfficialSource,
     Plugin,
     PluginConfigError,
+    ReplayRow,
     RewardContext,
     RolloutContext,
     hookimpl,
@@ -189,6 +222,13 @@ class ReplayOptions(SuccessOptions):
         "max_replay_loss_steps: 200 is its yaml default, its recipe scripts pass 300); 0 = constant. Default (null): "
         "300 with a SPEAR advantage, 0 with 'group'.",
     )
+    placement: Literal["auto", "group", "batch"] = option(
+        "auto",
+        help="Where a stored rollout trains again. 'batch' (SPEAR): the whole buffer, recalibrated, as a separate "
+        "replay update after the step's own optimizer step (extra optimizer steps, TRL's clipped ratio against the "
+        "stored behaviour log-probs); 'group' (RAPO): spliced into a later all-fail group of its prompt. 'auto': "
+        "'batch' with a SPEAR advantage, 'group' with 'group'.",
+    )
     replay_gate: Literal["auto", "full", "always"] = option(
         "auto",
         help="When the buffers are replayed. 'full': only in a step whose buffers hold more than 1.5 x gate_capacity "
@@ -220,6 +260,17 @@ class ReplayOptions(SuccessOptions):
     )
 
     def validate(self) -> None:
+        if self.placement == "batch" and self.advantage == "group":
+            raise PluginConfigError(
+                "Option 'placement' of plugin 'replay' got 'batch' with advantage 'group'; allowed: 'batch' with a "
+                "SPEAR advantage ('spear_baseline' or 'spear_decay': a replay batch has no group), or 'group'."
+            )
+        batch = self.placement == "batch" or (self.placement == "auto" and self.advantage != "group")
+        if batch and self.replay_tokens in ("offpolicy", "policy"):
+            raise PluginConfigError(
+                f"Option 'replay_tokens' of plugin 'replay' got {self.replay_tokens!r} with placement 'batch'; allowed: "
+                "'auto' or 'behaviour' (a replay batch trains against its stored behaviour log-probs)."
+            )
         if self.key_column is not None and not self.key_column:
             raise PluginConfigError(
                 "Option 'key_column' of plugin 'replay' got ''; allowed: a dataset column name, or None for the prompt."
@@ -303,19 +354,21 @@ class ReplayPlugin(Plugin):
     multi_turn = True
 
     name = "replay"
-    version = "0.4.0"
+    version = "0.5.0"
     paper = (
         "Learn the Ropes, Then Trust the Wins: Self-imitation with Progressive Exploration for Agentic Reinforcement "
         "Learning (SPEAR), arXiv:2509.22601; Fathom-DeepResearch: Unlocking Long Horizon Information Retrieval and "
         "Synthesis for SLMs (RAPO replay buffers), arXiv:2509.24107"
     )
-    summary = "Keeps each prompt's latest successes and splices one into a later group of that prompt that all failed."
+    summary = ("Self-imitation replay: SPEAR's replay batch of past positive-advantage rows, or RAPO's splice of a "
+               "prompt's stored success into a later all-fail group of it.")
     Options = ReplayOptions
     official = OfficialSource(
         "TencentYoutuResearch/SPEAR", "7e84315", verdict="faithful",
-        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; tool episodes stored with their old_log_probs "
-        "and tool calls: verl/verl/trainer/ppo/ray_trainer_hybrid.py:421-503, replayed against them: "
-        "verl/verl/workers/actor/dp_actor.py:526-553; the tool-call reward: verl/recipe/spear/reward.py:120-162); RAPO "
+        note="The SPEAR parts (its ray_trainer_hybrid.py and dp_actor.py; the buffer of positive-advantage rows with "
+        "their old_log_probs and tool calls: verl/verl/trainer/ppo/ray_trainer_hybrid.py:150-503, trained as a separate "
+        "replay batch after the actor's own mini-batches: verl/verl/workers/actor/dp_actor.py:526-608 (placement "
+        "'batch'); the tool-call reward: verl/recipe/spear/reward.py:120-162); RAPO "
         "(FractalAIResearchLabs/Fathom-DeepResearch@cdc2010) has no training code, its parts are reconstructed.",
         non_official_defaults={
             "tool_call_reward": "'cosine' in SPEAR's recipe scripts (its yaml default is 'none'); 'none' here keeps "
@@ -323,13 +376,12 @@ class ReplayPlugin(Plugin):
         },
     )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
-    replaces = ("one completion of each all-fail group whose prompt has a stored success (an off-policy replay)",)
+    replaces = ("placement 'group': one completion of each all-fail group whose prompt has a stored success (an "
+                "off-policy replay)",)
     reconstructed = (
         "the slot that receives the replay (replace_index) and pick='random'",
         "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "
         "training code)",
-        "splicing SPEAR's replay into the prompt's own group instead of a separate replay loss batch (with tools the "
-        "replayed episode keeps SPEAR's ratio against its stored behaviour log-probs)",
         "the cosine ramp's exact form (SPEAR: 'cosine scheduler' over max_replay_loss_steps)",
         "the tool-call reward as a reward column of its own (SPEAR adds it to the score: same combined reward)",
     )
@@ -360,10 +412,11 @@ class ReplayPlugin(Plugin):
         self._scale = {True: "group", False: "none"}.get(scale, scale)
         self._seed = int(args.seed)
         self._tools = bool(getattr(trainer, "tools", None))
-        if self.options.replay_tokens == "behaviour" and not self._tools:
+        if self.options.replay_tokens == "behaviour" and not self._tools and self._placement() == "group":
             raise PluginConfigError(
-                "Option 'replay_tokens' of plugin 'replay' got 'behaviour', which needs multi-turn tool episodes (their "
-                "behaviour log-probs are stored with them); allowed without tools: 'auto', 'offpolicy' or 'policy'."
+                "Option 'replay_tokens' of plugin 'replay' got 'behaviour' with placement 'group', which needs multi-turn "
+                "tool episodes (their behaviour log-probs are stored with them); allowed without tools: 'auto', "
+                "'offpolicy' or 'policy', or placement 'batch'."
             )
 
     def _tokens(self) -> str:
@@ -373,9 +426,19 @@ class ReplayPlugin(Plugin):
             return "behaviour" if self._tools else "offpolicy"
         return tokens
 
+    def _placement(self) -> str:
+        """'group' or 'batch' (``placement``; 'auto' follows the advantage: SPEAR's replay batch with a SPEAR
+        advantage)."""
+        placement = self.options.placement
+        if placement == "auto":
+            return "group" if self.options.advantage == "group" else "batch"
+        return placement
+
     def hook_enabled(self, hook: str) -> bool:
         if hook in ("trl_plugins_reward_functions", "trl_plugins_transform_rewards"):
             return self.options.tool_call_reward != "none"
+        if hook == "trl_plugins_after_generation":  # splices and sampling-time storing: the group placement only
+            return self._placement() == "group"
         return True
 
     # ------------------------------------------------------------------------------------------ tool-call reward
@@ -476,9 +539,9 @@ class ReplayPlugin(Plugin):
             if entries:
                 splices[target] = self._pick(entries, ctx.step, g)
         to_store = self._rows_to_store(storable, keys, G)
-        if full and ready:  # SPEAR's reset_buffer after a replay: this step's batch (already added there) goes too
-            self.buffers, self._pending, to_store = RolloutBuffer(), {}, []
-        elif self._tools:  # to_store and splices are global: every process calls the seam together, or none does
+        if full and ready:  # SPEAR's reset_buffer when it takes its replay batch; this step's batch is added after
+            self.buffers, self._pending = RolloutBuffer(), {}
+        if self._tools:  # to_store and splices are global: every process calls the seam together, or none does
             self._pending = store_tool_rows(ctx, self.buffers, to_store, keys, o.buffer_size) if to_store else {}
         else:
             self._store(ctx, to_store, keys)
@@ -533,6 +596,9 @@ class ReplayPlugin(Plugin):
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
         if ctx.mode != "train":
             return
+        if self._placement() == "batch":
+            self._replay_batch(ctx)
+            return
         o = self.options
         G = ctx.num_generations
         rewards = torch.nan_to_num(ctx.rewards.detach().float().cpu(), nan=0.0)
@@ -575,8 +641,111 @@ class ReplayPlugin(Plugin):
         for g in range(rewards.numel() // G):
             own = torch.tensor([float(rewards[j]) for j in range(g * G, (g + 1) * G) if j not in replayed])
             self.group_means.append(float(own.mean()))
-            self.group_stds.append(float(own.std(unbiased=False)) if own.numel() > 1 else 0.0)
+            self.group_stds.append(float(own.std()) if own.numel() > 1 else 0.0)  # SPEAR: torch's std, unbiased
         excess = len(self.group_means) - self.options.baseline_groups
         if excess > 0:
             del self.group_means[:excess]
             del self.group_stds[:excess]
+
+    # ------------------------------------------------------------------------------------------ SPEAR's replay batch
+    def _replay_batch(self, ctx: AdvantageContext) -> None:
+        """placement 'batch': train the buffer as a replay update (entries of earlier steps), then store this step's
+        rows with a positive advantage, in SPEAR's order (ray_trainer_hybrid.py: get_buffer and reset_buffer, the
+        actor update, then remove_old and update_batch)."""
+        o = self.options
+        G = ctx.num_generations
+        rewards = torch.nan_to_num(ctx.rewards.detach().float().cpu(), nan=0.0)
+        before = ctx.advantages.detach().float().cpu()
+        per_row = before if before.dim() == 1 else before.mean(dim=1)
+        self.evict(ctx.step)
+        replay: list[ReplayRow] = []
+        if self._batch_ready():
+            replay = self._batch_rows(ctx.step)
+            if self._gate() == "full":
+                self.buffers = RolloutBuffer()
+        if replay:  # decided from the buffers, the same on every process
+            ctx.schedule_replay_update(replay)
+        stored = self._store_batch(ctx, per_row, rewards)
+        self._record_groups(rewards, set(), G)
+        ctx.log_metric("replay_batch_rows", len(replay))
+        ctx.log_metric("stored_rollouts", stored)
+        ctx.log_metric("buffer_rollouts", self.buffers.total())
+        if replay:
+            ctx.log_metric("replay_advantage", sum(r.advantage for r in replay) / len(replay))
+            ctx.log_metric("replay_coef", o.replay_coef * cosine_ramp(ctx.step, self._warmup()))
+
+    def _batch_ready(self) -> bool:
+        """SPEAR's is_full_capacity: more than 1.5 x gate_capacity entries count ('spear_baseline': entries whose
+        reward is above the p50 of the recent group mean rewards; 'spear_decay': every entry); 'always': any entry."""
+        entries = [e for v in self.buffers.values() for e in v]
+        if self._gate() == "always":
+            return bool(entries)
+        if self.options.advantage == "spear_baseline" and self.group_means:
+            p50 = float(torch.tensor(self.group_means, dtype=torch.float64).quantile(0.5))
+            count = sum(1 for e in entries if e["reward"] > p50)
+        else:
+            count = len(entries)
+        return count > SPEAR_FULL_FACTOR * self.options.gate_capacity
+
+    def _batch_rows(self, step: int) -> list[ReplayRow]:
+        """SPEAR's get_buffer: every entry's recalibrated advantage ('spear_baseline': r - p50 of the group means,
+        over p50 of the stds + 1e-6 unless scale_rewards is 'none', kept where positive; 'spear_decay': the stored
+        advantage times advantage_decay), then a random subset of the largest power of two <= their number, at most
+        gate_capacity (seeded by the run's seed and the step: the same on every process), times the coefficient."""
+        o = self.options
+        entries = [e for v in self.buffers.values() for e in v]
+        values = []
+        for e in entries:
+            if o.advantage == "spear_baseline":
+                value = spear_baseline_advantage(e["reward"], self.group_means, self.group_stds, self._scale != "none")
+            else:
+                value = e["advantage"] * o.advantage_decay
+            if value > 0:
+                values.append((e, value))
+        n = min(lower_power_of_two(len(values)), o.gate_capacity)
+        if n == 0:
+            return []
+        g = torch.Generator().manual_seed((self._seed * 1_000_003 + step * 7_919) % (2**63 - 1))
+        chosen = sorted(torch.randperm(len(values), generator=g)[:n].tolist())
+        coef = o.replay_coef * cosine_ramp(step, self._warmup())
+        return [ReplayRow(values[k][0]["prompt_ids"], values[k][0]["ids"], values[k][0]["mask"],
+                          values[k][0]["logps"], values[k][1] * coef) for k in chosen]
+
+    def _store_batch(self, ctx: AdvantageContext, per_row: torch.Tensor, rewards: torch.Tensor) -> int:
+        """SPEAR's update_batch: this step's rows with a positive advantage (the policy's own samples under their
+        prompt; with tools and require_tool_call, episodes that called a tool), with the behaviour log-probs of a no-
+        grad forward of the policy that sampled them (ctx.policy_stats). Returns the number stored."""
+        own = (ctx.offpolicy_fraction.detach().cpu() == 0) & ~ctx.prompt_swapped.detach().cpu().bool()
+        own &= torch.tensor([not a.get(REPLAYED) for a in ctx.annotations], dtype=torch.bool)
+        if self._tools and self.options.require_tool_call:
+            calls = [any(bool(c) for c in t.tool_calls) for t in ctx.local_turns]
+            own &= torch.tensor(ctx.gather_object(calls), dtype=torch.bool)
+        rows = torch.nonzero((per_row > 0) & own).flatten().tolist()
+        if not rows:  # decided from global data: every process skips the forward and the gather together
+            return 0
+        stats = ctx.policy_stats()
+        start = ctx.process_slice.start or 0
+        wanted = set(rows)
+        local = []
+        for i in range(stats.per_token_logps.size(0)):
+            tokens = torch.nonzero(ctx.local_completion_mask[i]).flatten()
+            if start + i not in wanted or tokens.numel() == 0:  # (a masked truncated completion trains nothing)
+                local.append(None)
+                continue
+            length = int(tokens.max()) + 1  # up to and including EOS
+            local.append({"prompt_ids": list(ctx.local_prompt_ids[i]),
+                          "ids": ctx.local_completion_ids[i, :length].tolist(),
+                          "mask": [int(m) for m in stats.mask[i, :length].tolist()],
+                          "logps": stats.per_token_logps[i, :length].float().tolist()})
+        for n, item in enumerate(ctx.gather_object(local)):
+            if item is None or not any(item["mask"]):
+                continue
+            item["logps"] = [v if m else math.nan for v, m in zip(item["logps"], item["mask"])]
+            self.buffers.add(0, {**item, "reward": float(rewards[n]), "advantage": float(per_row[n]),
+                                 "step": int(ctx.step)})
+        return len(rows)
+
+
+def lower_power_of_two(n: int) -> int:
+    """SPEAR's nearest_lower_power_of_2: the largest power of two <= n, and 0 for n <= 1."""
+    return 0 if n <= 1 else 1 << (n.bit_length() - 1)

@@ -169,7 +169,18 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
                        {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo", "num_generations": 4}}),
     "search_r2": (["search_r2"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
     "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    # the replay update (extra optimizer steps after the step's own): 5 scheduled rows over 2 ranks x 2 micro-batches
+    # of 2 leave a micro-batch with no row (a zero-weight forward); DeepSpeed steps its engine at the replay boundary
+    "replay_update": (["test_replay_rows"], {}, {"steps": 2, "engines": ["fsdp2", "zero3", "zero2"],
+                                                 "args": {"gradient_accumulation_steps": 2}}),
+    # SPEAR's replay batch (replay's placement 'batch'): stored rows with their behaviour log-probs replayed once two
+    # are held
+    "replay_batch": (["replay"], {"replay": {"advantage": "spear_decay", "gate_capacity": 1,
+                                             "replay_coef_warmup_steps": 0}},
+                     {"steps": 3, "engines": ["fsdp2", "zero3"]}),
 }
+#: rows test_replay_rows schedules at step 0 (5 over 2 ranks x 2 micro-batches of 2: one micro-batch has none)
+REPLAY_ROWS = 5
 UNEVEN_ROWS = 3  # rows rank 0 scores with ctx.policy_logprobs / policy_entropies; rank 1 scores none
 
 
@@ -196,6 +207,23 @@ def _register_test_plugins() -> None:
                                       "finite": all(bool(torch.isfinite(x).all()) for x in logps)})
 
     register_plugin(UnevenProbes)
+
+    class ReplayRows(Plugin):
+        """Schedules REPLAY_ROWS rows (this step's first completions, fixed old log-probs) for a replay update."""
+
+        name = "test_replay_rows"
+
+        @hookimpl
+        def trl_plugins_transform_advantages(self, ctx):
+            from trl_plugins.api import ReplayRow
+
+            if ctx.mode != "train" or ctx.step != 0:
+                return
+            rows = [ReplayRow([5 + k, 6], [7 + k, 8, 9], [1, 1, 1], [-1.0, -2.0, -0.5], 0.5 - 0.25 * k)
+                    for k in range(REPLAY_ROWS)]
+            ctx.schedule_replay_update(rows)
+
+    register_plugin(ReplayRows)
 
 
 def solved_on_rank1(completions, **kwargs) -> list[float]:

@@ -26,6 +26,7 @@ from trl_plugins.testing import (
     prompt_text,
     run_hook,
     run_on_processes,
+    stub_policy_stats,
     stub_rows,
     temporary_plugin,
     tiny_dataset,
@@ -64,8 +65,9 @@ def stack(**options):
 
 
 FAIL = ["no a", "no b", "no c", "no d"]
-#: SPEAR's advantages with the per-step replay and no ramp (its official gate and ramp are pinned separately).
-EVERY_STEP = {"replay_gate": "always", "replay_coef_warmup_steps": 0}
+#: SPEAR's advantages spliced into groups (RAPO's placement) with the per-step replay and no ramp (SPEAR's own
+#: placement, gate and ramp are pinned separately).
+EVERY_STEP = {"placement": "group", "replay_gate": "always", "replay_coef_warmup_steps": 0}
 
 
 # ============================================================================================ splice
@@ -241,7 +243,7 @@ def test_spear_baseline_recalibrates_the_replay_and_leaves_own_rows_as_without_i
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
     actx = make_advantage_context(rewards, num_generations=G, annotations=ctx.annotations, step=1)
     run_hook(s, ADVANTAGES, actx)
-    std = torch.tensor([0.0, 1.0, 0.0, 0.0]).std(unbiased=False).item()
+    std = torch.tensor([0.0, 1.0, 0.0, 0.0]).std().item()  # SPEAR's in_group_std: torch's (unbiased) std
     assert actx.advantages[0].item() == pytest.approx((1.0 - 0.25) / (std + 1e-6))
     assert actx.advantages[1:].tolist() == [0.0, 0.0, 0.0]  # all own rows failed: no signal without the replay
     assert plugin.group_means == [0.25, 0.0]  # this step's own rows (replay excluded)
@@ -250,7 +252,7 @@ def test_spear_baseline_recalibrates_the_replay_and_leaves_own_rows_as_without_i
 def test_spear_replays_only_over_one_and_a_half_full_and_then_empties_its_buffers():
     # SPEAR's is_full_capacity (size > 1.5 buffer_size) and reset_buffer after the replay; gate_capacity 2: replay
     # once more than 3 rollouts are held. buffer_size 4 per prompt so Q0's successes accumulate.
-    s = stack(advantage="spear_baseline", gate_capacity=2, buffer_size=4)
+    s = stack(advantage="spear_baseline", placement="group", gate_capacity=2, buffer_size=4)
     plugin = plugin_of(s)
     run_hook(s, AFTER, rollout([["right a", "right b", "no", "no"]], step=0))  # 2 stored
     ctx = run_hook(s, AFTER, rollout([FAIL], step=1))  # 2 held, not over 3: no replay, entries kept
@@ -261,11 +263,12 @@ def test_spear_replays_only_over_one_and_a_half_full_and_then_empties_its_buffer
     run_hook(s, AFTER, rollout([["no", "right d", "no", "no"]], step=4))  # 4 held > 3
     ctx = run_hook(s, AFTER, rollout([FAIL, ["right e", "no", "no", "no"]], step=5))  # the replay step
     assert ctx.changed == {0} and ctx.completion_ids[0] == char_encode("right d")  # the newest (pick='latest')
-    assert plugin.buffers == {}  # emptied after the replay, this step's success (Q1's "right e") included
-    assert ctx.metrics["plugins/replay/buffer_rollouts"] == [0]
+    # emptied when the replay is taken; this step's success (Q1's "right e") is stored after, as SPEAR adds its batch
+    assert sum(map(len, plugin.buffers.values())) == 1
+    assert ctx.metrics["plugins/replay/buffer_rollouts"] == [1]
     assert run_hook(s, AFTER, rollout([FAIL, FAIL], step=6)).changed == set()
     # the RAPO path ('group') and replay_gate 'always' keep replaying every step
-    for options in ({}, {"advantage": "spear_baseline", "replay_gate": "always"}):
+    for options in ({}, {"advantage": "spear_baseline", "placement": "group", "replay_gate": "always"}):
         every = stack(gate_capacity=2, **options)
         run_hook(every, AFTER, rollout([["right a", "no", "no", "no"]], step=0))
         assert run_hook(every, AFTER, rollout([FAIL], step=1)).changed == {0}
@@ -562,3 +565,118 @@ def test_tool_call_reward_on_real_tool_rollouts():
     assert set(torch.round(rewards[:, 1] * 10).tolist()) <= {0.0, 1.0, 2.0}
     assert (rewards[:, 1] > 0).any()
     assert any("plugins/replay/tool_call_turns_mean" in log for log in run.logs)
+
+
+# ============================================================================================ SPEAR's replay batch
+def _batch_step(s, rewards, step, scheduled, **kwargs):
+    """One advantage stage of the batch placement; rows the plugin schedules go into ``scheduled``."""
+    ctx = make_advantage_context(torch.tensor(rewards), num_generations=G, step=step,
+                                 policy_stats=stub_policy_stats(len(rewards), 4, seed=step),
+                                 replay_update=scheduled.extend, **kwargs)
+    run_hook(s, ADVANTAGES, ctx)
+    return ctx
+
+
+def test_spear_placement_is_a_replay_batch_by_default_with_a_spear_advantage():
+    assert plugin_of(stack(advantage="spear_baseline"))._placement() == "batch"
+    assert plugin_of(stack(advantage="spear_decay"))._placement() == "batch"
+    assert plugin_of(stack())._placement() == "group"  # RAPO
+    assert plugin_of(stack(advantage="spear_baseline", placement="group"))._placement() == "group"
+    assert not plugin_of(stack(advantage="spear_baseline")).hook_enabled(AFTER)  # nothing spliced, nothing sampled
+
+
+def test_spear_batch_stores_positive_advantages_then_trains_the_recalibrated_buffer_when_full():
+    """SPEAR's TrajectoryBufferBatch: rows with a positive advantage are stored with their behaviour log-probs; once
+    more than 1.5 x buffer_size rows lie above the p50 of the group means, the buffer is recalibrated (r - p50) /
+    (p50 std + 1e-6), a random power-of-two subset (at most buffer_size) is scheduled, and the buffer is emptied
+    before this step's rows are stored."""
+    s = stack(advantage="spear_baseline", gate_capacity=2, replay_coef_warmup_steps=0)
+    plugin = plugin_of(s)
+    scheduled: list = []
+    ctx = _batch_step(s, [1.0, 0.0, 0.0, 0.0], 0, scheduled)
+    assert plugin.buffers.total() == 1 and ctx.policy_stats_calls == [False]
+    (entry,) = plugin.buffers[0]
+    stats = stub_policy_stats(4, 4, seed=0)
+    assert entry["ids"] == stats.completion_ids[0].tolist() and entry["logps"] == stats.per_token_logps[0].tolist()
+    assert entry["reward"] == 1.0 and entry["advantage"] > 0
+    _batch_step(s, [1.0, 1.0, 1.0, 0.0], 1, scheduled)  # 4 held; p50 of means [0.25, 0.75] = 0.5; 4 > 3
+    assert scheduled == [] and plugin.buffers.total() == 4
+    ctx = _batch_step(s, [0.0, 1.0, 0.0, 0.0], 2, scheduled)
+    p50_std = torch.tensor([torch.tensor([1.0, 0, 0, 0]).std(), torch.tensor([1.0, 1, 1, 0]).std()]).quantile(0.5)
+    assert len(scheduled) == 2  # the largest power of two <= 4, capped at buffer_size 2
+    assert all(r.advantage == pytest.approx((1.0 - 0.5) / (float(p50_std) + 1e-6)) for r in scheduled)
+    assert ctx.metrics["plugins/replay/replay_batch_rows"] == [2]
+    assert plugin.buffers.total() == 1 and plugin.buffers[0][0]["step"] == 2  # emptied, then step 2's row stored
+    assert ctx.advantages.tolist() == make_advantage_context(
+        torch.tensor([0.0, 1.0, 0.0, 0.0]), num_generations=G).advantages.tolist()  # the batch's own rows untouched
+
+
+def test_spear_batch_decay_scales_the_stored_advantage_and_the_ramp_scales_every_row():
+    s = stack(advantage="spear_decay", advantage_decay=0.5, replay_gate="always", replay_coef=2.0,
+              replay_coef_warmup_steps=4)
+    scheduled: list = []
+    ctx0 = _batch_step(s, [1.0, 1.0, 0.0, 0.0], 0, scheduled)
+    stored = ctx0.advantages[:2].tolist()
+    _batch_step(s, [0.0, 0.0, 0.0, 0.0], 2, scheduled)  # 'always': every step, entries kept
+    ramp = cosine_ramp(2, 4)
+    assert sorted(r.advantage for r in scheduled) == pytest.approx(sorted(a * 0.5 * 2.0 * ramp for a in stored))
+    assert plugin_of(s).buffers.total() == 2
+
+
+def test_spear_batch_skips_replayed_offpolicy_swapped_rows_and_neutral_max_age_zero_never_replays():
+    s = stack(advantage="spear_decay", replay_gate="always")
+    scheduled: list = []
+    _batch_step(s, [1.0, 1.0, 1.0, 0.0], 0, scheduled, offpolicy_fraction=[0.5, 0.0, 0.0, 0.0],
+                prompt_swapped=[False, True, False, False])
+    assert [e["ids"] for e in plugin_of(s).buffers[0]] == [stub_policy_stats(4, 4).completion_ids[2].tolist()]
+    neutral = stack(advantage="spear_decay", replay_gate="always", max_age_steps=0)
+    for step in range(3):
+        _batch_step(neutral, [1.0, 0.0, 1.0, 0.0], step, scheduled)
+    assert scheduled == []  # every entry expires before a later step could replay it
+    nothing = stack(advantage="spear_decay")
+    ctx = _batch_step(nothing, [0.0, 0.0, 0.0, 0.0], 0, scheduled)
+    assert ctx.policy_stats_calls == []  # nothing to store: no forward
+
+
+def test_spear_batch_keeps_tool_results_out_of_the_trained_tokens():
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]] * 4)
+    s = stack(advantage="spear_decay", replay_gate="always", replay_coef_warmup_steps=0)
+    scheduled: list = []
+    ctx = make_advantage_context(torch.tensor([1.0, 1.0, 0.0, 0.0]), num_generations=G, step=0,
+                                 policy_stats=stub_policy_stats(4, 4, mask=mask), replay_update=scheduled.extend)
+    run_hook(s, ADVANTAGES, ctx)
+    _batch_step(s, [0.0, 0.0, 0.0, 0.0], 1, scheduled)
+    assert len(scheduled) == 2  # SPEAR replays a power of two: a single stored row would replay nothing
+    for row in scheduled:
+        assert row.loss_mask == [1, 0, 0, 1] and math.isnan(row.old_logprobs[1]) and row.old_logprobs[0] < 0
+
+
+def test_spear_batch_bad_combinations_are_refused_at_construction():
+    with pytest.raises(PluginConfigError, match="'batch' with advantage 'group'"):
+        stack(placement="batch")
+    with pytest.raises(PluginConfigError, match="replay_tokens' of plugin 'replay' got 'offpolicy' with placement"):
+        stack(advantage="spear_decay", replay_tokens="offpolicy")
+
+
+def test_spear_batch_trains_in_a_real_run_and_round_trips_its_buffer(tmp_path):
+    """The tiny trainer with SPEAR's defaults but a small gate: the replay update runs (its framework metrics are
+    logged) and the buffer, with its behaviour log-probs, survives a checkpoint."""
+    trainer = make_tiny_trainer(
+        plugins=["replay"], reward_funcs=[digit_fraction_reward],
+        plugin_config={"replay": {"advantage": "spear_decay", "gate_capacity": 1, "replay_coef_warmup_steps": 0}},
+        max_steps=4, output_dir=str(tmp_path), log_level="error")
+    trainer.train()
+    logs = trainer.state.log_history
+    replayed = [h for h in logs if h.get("plugins/framework/replay_update_rows")]
+    assert replayed and all(h["plugins/framework/replay_update_steps"] >= 1 for h in replayed)
+    assert any(h.get("plugins/replay/replay_batch_rows", 0) > 0 for h in logs)
+    plugin = trainer.plugin_stack.plugins[0]
+    assert plugin.buffers.total() > 0
+    buf = io.BytesIO()
+    torch.save(plugin.trl_plugins_state_dict(), buf)
+    buf.seek(0)
+    resumed = build_plugins(["replay"], {"replay": {"advantage": "spear_decay"}}).plugins[0]
+    resumed.trl_plugins_load_state_dict(torch.load(buf, weights_only=True))
+    for a, b in zip(plugin.buffers[0], resumed.buffers[0]):
+        assert (a["ids"], a["mask"], a["prompt_ids"], a["step"]) == (b["ids"], b["mask"], b["prompt_ids"], b["step"])
+        torch.testing.assert_close(torch.tensor(a["logps"]), torch.tensor(b["logps"]), equal_nan=True)

@@ -55,9 +55,13 @@ def _self_assignments(klass: type) -> set[str]:
 
 @functools.cache
 def trl_private_names() -> frozenset[str]:
-    """Private members of TRL's trainer: class-level names and instance attributes of GRPOTrainer's MRO."""
+    """Private members of TRL's trainer: class-level names and instance attributes of GRPOTrainer's MRO; plus those of
+    accelerate's ``GradientState``, whose ``_set_sync_gradients`` transformers' own loop calls (as does the seam's
+    replay update)."""
+    from accelerate.state import GradientState
+
     assert Trainer in trl.GRPOTrainer.__mro__
-    names: set[str] = set()
+    names: set[str] = {n for n in ("_set_sync_gradients",) if n in vars(GradientState)}
     for klass in _trl_classes():
         names |= {n for n in vars(klass) if _is_private(n)}
         names |= {n for n in _self_assignments(klass) if _is_private(n)}

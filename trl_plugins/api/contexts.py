@@ -105,6 +105,10 @@ class _StageContext:
         """All-gather a (B, ...) tensor into (N, ...) in global row order (collective: call on every process)."""
         return self._service("gather")(tensor)
 
+    def gather_object(self, values: list) -> list:
+        """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
+        return self._service("gather_object")(values)
+
     def gather_padded(self, tensor: torch.Tensor, dim: int = 1, pad_value: float = 0) -> torch.Tensor:
         """Pad ``tensor`` along ``dim`` to the largest size on any process, then all-gather along dim 0.
 
@@ -362,6 +366,75 @@ class StoredEpisode:
     @classmethod
     def from_state(cls, state: dict) -> StoredEpisode:
         """The episode saved by :meth:`state` (validated again)."""
+        return cls(**{k: copy.deepcopy(v) for k, v in state.items()})
+
+
+@dataclass
+class ReplayRow:
+    """A row kept from an earlier batch and trained again in a **replay update** (SPEAR's replay batch): extra
+    optimizer steps after a generation batch's own update, scheduled by :meth:`AdvantageContext.schedule_replay_update`.
+
+    Its loss is TRL's surrogate of the run's ``loss_type`` with the importance ratio ``exp(log pi_theta - old)``
+    against ``old_logprobs`` (the behaviour log-probs of the policy that sampled it), its ``advantage`` on every token
+    of ``loss_mask``. See :mod:`trl_plugins.runtime.replay_update`.
+
+    Attributes:
+        prompt_ids: the prompt's token ids (at least one).
+        completion_ids: (L,) the completion (with tool-result tokens, TRL's layout, when it is a tool episode).
+        loss_mask: (L,) 1 on tokens the loss trains (model tokens), 0 elsewhere (tool results); at least one 1.
+        old_logprobs: (L,) behaviour log-probs: finite and <= 0 where ``loss_mask`` is 1 (stored as NaN elsewhere).
+        advantage: the row's advantage (finite), the same on every trained token.
+
+    Refused at construction (a ``PluginError`` naming the value and what is allowed): lengths that differ, an empty
+    prompt or completion, a mask value other than 0/1 or no trained token, a trained token's log-prob that is not a
+    finite value <= 0, an advantage that is not finite. :meth:`state` / :meth:`from_state` give a checkpointable dict.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    advantage: float
+
+    def __post_init__(self) -> None:
+        where = "ReplayRow"
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        self.completion_ids = [int(t) for t in self.completion_ids]
+        self.loss_mask = list(self.loss_mask)
+        L = len(self.completion_ids)
+        if not self.prompt_ids:
+            raise PluginError(f"{where}: prompt_ids is empty; allowed: the prompt's token ids (at least one).")
+        if L == 0:
+            raise PluginError(f"{where}: completion_ids is empty; allowed: at least one token.")
+        if len(self.loss_mask) != L or len(self.old_logprobs) != L:
+            raise PluginError(f"{where}: {len(self.loss_mask)} loss-mask values and {len(self.old_logprobs)} log-probs "
+                              f"for {L} completion tokens; allowed: one of each per token.")
+        bad = [m for m in self.loss_mask if isinstance(m, bool) or m not in (0, 1)]
+        if bad or 1 not in self.loss_mask:
+            raise PluginError(f"{where}: loss_mask value {bad[0] if bad else 'all 0'!r}; allowed: 0 (not trained) or "
+                              "1 (trained), with at least one trained token.")
+        logps = []
+        for t, (m, v) in enumerate(zip(self.loss_mask, self.old_logprobs)):
+            value = math.nan if v is None else float(v)
+            if m == 1 and not (math.isfinite(value) and value <= 0.0):
+                raise PluginError(f"{where}: old log-prob {v!r} at trained token {t}; allowed: a finite value <= 0 "
+                                  "(the log-prob of the token under the policy that sampled it).")
+            logps.append(value if m == 1 else math.nan)
+        self.old_logprobs = logps
+        advantage = float(self.advantage)
+        if not math.isfinite(advantage):
+            raise PluginError(f"{where}: advantage {self.advantage!r}; allowed: a finite number.")
+        self.advantage = advantage
+
+    def state(self) -> dict:
+        """A checkpointable copy (plain lists, ints and floats)."""
+        return {"prompt_ids": list(self.prompt_ids), "completion_ids": list(self.completion_ids),
+                "loss_mask": list(self.loss_mask), "old_logprobs": list(self.old_logprobs),
+                "advantage": float(self.advantage)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> ReplayRow:
+        """The row saved by :meth:`state` (validated again)."""
         return cls(**{k: copy.deepcopy(v) for k, v in state.items()})
 
 
@@ -737,10 +810,6 @@ class RewardContext(_VerdictMixin, _StageContext):
     local_turns: list = field(default_factory=list)
     local_annotations: list = field(default_factory=list)
 
-    def gather_object(self, values: list) -> list:
-        """Gather a per-row Python list (B,) from every process into (N,) (collective)."""
-        return self._service("gather_object")(values)
-
     def policy_entropies(self) -> list[torch.Tensor]:
         """Per-token entropies of the current policy's next-token distribution over this process's completions (no
         grad; temperature applied as in the loss), one (len(local_completion_ids[i]),) tensor per local row.
@@ -947,6 +1016,30 @@ class AdvantageContext(_VerdictMixin, _StageContext):
     def set_local_extra(self, name: str, tensor: torch.Tensor) -> None:
         """Attach a (B, ...) tensor for this process's rows only (e.g. per-token proxy log-probs (B, T))."""
         self.local_extras[name] = tensor
+
+    def schedule_replay_update(self, rows: Sequence[ReplayRow]) -> None:
+        """Train ``rows`` (:class:`ReplayRow`, kept from earlier batches) in a **replay update**: after the last
+        optimizer step that trains this generation batch, ``ceil(R / (P * gradient_accumulation_steps *
+        per_device_train_batch_size))`` extra optimizer steps, each over ``gradient_accumulation_steps`` micro-batches
+        per process (the R rows spread over processes and micro-batches as evenly as they go; a micro-batch with no
+        row runs one zero-weight row, so every process makes the same forwards). No learning-rate scheduler step and
+        no ``global_step`` count: SPEAR's replay mini-batches (its ``dp_actor.py``) step the optimizer only.
+
+        Loss: TRL's surrogate of the run's ``loss_type``, clip range and importance-sampling level, ratio against each
+        row's ``old_logprobs``; no KL term (SPEAR's replay loss has it commented out), no entropy bonus, no loss-stage
+        plugin hooks (they act on the batch's own rows). Metrics: ``plugins/framework/replay_update_*``.
+
+        Training only (refused in eval). Collective: call it on every process with the same rows (the advantage
+        stage's data is the same everywhere), or on none; a second call in the same batch adds to the first.
+        """
+        if self.mode != "train":
+            raise PluginError("AdvantageContext.schedule_replay_update: only in training (mode 'train'), "
+                              f"got mode {self.mode!r}.")
+        bad = [r for r in rows if not isinstance(r, ReplayRow)]
+        if bad:
+            raise PluginError(f"AdvantageContext.schedule_replay_update: got {type(bad[0]).__name__}; allowed: "
+                              "ReplayRow objects.")
+        self._service("replay_update")(list(rows))
 
 
 @dataclass

@@ -18,10 +18,10 @@ Shapes used below: ``N`` rows in the global generation batch (all processes), ``
 
 Collective services: under several processes (DDP, FSDP, DeepSpeed) the context services that gather or run the
 policy -- ``gather``/``gather_padded``, ``service.generate``, ``score``, ``policy_logprobs``, ``policy_entropies``,
-``policy_stats``, ``policy_features``/``reference_features``, ``reference_logprobs``, ``head_stats()`` -- are
-collectives: a hook must call each of them the same number of times on every process (pass no rows rather than skip
-a call), deciding from data every process shares. A process that skips one leaves the others waiting (ZeRO-3) or
-aborts them (FSDP). See docs/writing-a-plugin.md, *Collective services*.
+``policy_stats``, ``policy_features``/``reference_features``, ``reference_logprobs``, ``head_stats()``,
+``schedule_replay_update`` -- are collectives: a hook must call each of them the same number of times on every
+process (pass no rows rather than skip a call), deciding from data every process shares. A process that skips one
+leaves the others waiting (ZeRO-3) or aborts them (FSDP). See docs/writing-a-plugin.md, *Collective services*.
 
 Stages and the hooks that belong to them:
 

@@ -81,6 +81,8 @@ class StageServices:
             collective: the same forwards on every process).
         head_stats: ``() -> HeadStats`` of the loss forward (loss stage, plugins declaring ``needs_head_stats``).
         masked_mean: ``(x (B, T), mask (B, T)) -> float``, token-mean across all processes (collective).
+        replay_update: ``(rows: list[ReplayRow]) -> None`` schedules extra optimizer steps on stored rows after this
+            generation batch's own update (advantage stage, training; collective: the same rows on every process).
     """
 
     run: Callable[[], RunInfo] = RunInfo
@@ -101,6 +103,7 @@ class StageServices:
     hidden_states: Callable[[Any, int, bool], Any] | None = None
     head_stats: Callable[[], Any] | None = None
     masked_mean: Callable[[torch.Tensor, torch.Tensor], float] | None = None
+    replay_update: Callable[[list], None] | None = None
 
     def require(self, member: str, context: str) -> Any:
         """The member ``member``, or a ``PluginError`` naming it and the context that asked."""

@@ -77,6 +77,7 @@ from trl_plugins.runtime.manager import PluginStack, build_plugins
 from trl_plugins.runtime.models import resolve_model_name
 from trl_plugins.runtime.hidden_states import HiddenStateService
 from trl_plugins.runtime.policy_probe import PolicyProbe
+from trl_plugins.runtime.replay_update import ReplayUpdate
 from trl_plugins.runtime.refill import REJECT_HOOK, RefillStage, zero_group_advantages
 from trl_plugins.guards.rewards_guard import check_reward_columns, guard_reward_funcs
 from trl_plugins.api.services import RunInfo, StageServices, gather_padded
@@ -118,6 +119,7 @@ class _StepEndCallback(TrainerCallback):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.replay_update.run_if_due()  # rows a plugin scheduled for after this batch's optimizer steps
         self.trainer.plugin_stack.call("trl_plugins_on_step_end", trainer=self.trainer, step=state.global_step)
 
 
@@ -204,6 +206,9 @@ class PluginGRPOTrainer(TrlSeamTrainer):
         self.generation_service = GenerationService(self)
         #: No-grad forwards of the current policy for the stage contexts (:mod:`trl_plugins.runtime.policy_probe`).
         self.policy_probe = PolicyProbe(self)
+        #: Rows plugins scheduled for a replay update after their batch's optimizer steps
+        #: (:mod:`trl_plugins.runtime.replay_update`).
+        self.replay_update = ReplayUpdate(self)
         #: What stage contexts (and plugin code running outside one, e.g. a plugin's reward function reading it in
         #: ``trl_plugins_configure``) may ask of the run: tokenizer, collectives, no-grad policy forwards, metrics.
         self.plugin_services: StageServices = self._build_plugin_services()
@@ -883,6 +888,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
                 reference_logprobs=functools.partial(reference_logprobs, self, output, state.policy_stats),
                 hidden_states=(functools.partial(HiddenStateService(self).run, output)
                                if self.plugin_stack.needs_hidden_states else None),
+                replay_update=self.replay_update.schedule if state.mode == "train" else None,
             ),
             turn_ids=turn_ids,
             turn_rewards=turn_rewards,

@@ -70,6 +70,7 @@ ACCESSORS = (
     "text_tokenizer", "tokenize_prompts", "sample_completions", "per_token_logps_and_entropies", "micro_step",
     "entropy_bonus_enabled", "entropy_bonus", "copied_tool_dicts", "checkpoint_folder", "environment_pool",
     "batch_environment_names", "tool_dicts_for", "parse_tool_turn", "tool_rows", "wrapped_generation_backend",
+    "extra_micro_backward", "extra_optimizer_step",
 )
 
 
@@ -240,6 +241,33 @@ class TrlSeamTrainer(GRPOTrainer):
     def micro_step(self) -> int:
         """TRL's count of training micro-steps (``training_step`` calls) so far; picks the iteration of a batch."""
         return self._step
+
+    def extra_micro_backward(self, model: Any, loss: torch.Tensor, last: bool) -> None:
+        """Backward of one micro-batch of an update outside transformers' loop (the replay update), the way its inner
+        loop runs one: accelerate's ``sync_gradients`` set to ``last`` (DeepSpeed steps its engine at that boundary),
+        gradients not all-reduced before the last micro-batch (``no_sync``, except under DeepSpeed), DeepSpeed's own
+        accumulation scaling off (``loss`` is already divided by the accumulation steps). ``model`` is the wrapped
+        model (``model_wrapped``) whose forward made ``loss``."""
+        from accelerate.utils import DistributedType
+
+        acc = self.accelerator
+        acc.gradient_state._set_sync_gradients(last)
+        deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+        kwargs = {"scale_wrt_gas": False} if deepspeed else {}
+        sync = contextlib.nullcontext() if deepspeed or last else acc.no_sync(model=model)
+        with sync:
+            acc.backward(loss, **kwargs)
+
+    def extra_optimizer_step(self, model: Any) -> float | None:
+        """The optimizer step of an update outside transformers' loop, as its loop takes one after the last
+        micro-batch (gradients clipped to ``max_grad_norm``, ``optimizer.step()``, ``zero_grad``) but with no learning-
+        rate scheduler step, no ``global_step`` count and no callbacks. Returns the gradient norm (before clipping)."""
+        grad_norm = self._clip_grad_norm(model) if self.args.max_grad_norm > 0 else None
+        grad_norm = self._get_grad_norm(model, grad_norm=grad_norm)
+        self.optimizer.step()
+        model.zero_grad()
+        self.accelerator.gradient_state._set_sync_gradients(True)
+        return None if grad_norm is None else float(grad_norm)
 
     @property
     def entropy_bonus_enabled(self) -> bool:
