@@ -286,6 +286,11 @@ def _stacks(urls):
         ),
         # one step stores the step's successes (a replay needs a later step of the same prompt: tests/plugins)
         "replay": (["replay"], {"replay": {"replay_tokens": "offpolicy"}}, {"loss_type": "dr_grpo"}, []),
+        # SPEAR's replay batch, two steps: the first stores its positive-advantage rows with their behaviour log-probs,
+        # the second (the buffer over 1.5 x gate_capacity) trains them as a replay update through the LoRA model
+        "replay_spear": (["replay"], {"replay": {"advantage": "spear_decay", "gate_capacity": 1,
+                                                 "replay_coef_warmup_steps": 0}},
+                         {"loss_type": "grpo", "max_steps": 2}, []),
         # guidance family: ampo guides all-fail groups with the reference solution, rl_plus puts the demonstration in
         # slot 0 (MIS + exploration-based advantage on its tokens); oreal and rec each replace the surrogate, so they
         # run alone (at most one surrogate replacer per stack); the 135M policy never passes the verifier, so oreal
@@ -484,7 +489,7 @@ STACK_NAMES = [name for name in _stacks(_ANY_URL) if name not in TOOL_STACKS]
 
 
 #: stacks that run a second form of a plugin another stack covers (stack -> the plugin)
-SECOND_FORMS = {"spo_tree": "spo", AEPO_BRANCH_STACK: "aepo"}
+SECOND_FORMS = {"spo_tree": "spo", AEPO_BRANCH_STACK: "aepo", "replay_spear": "replay"}
 
 
 def test_the_stacks_cover_every_builtin_plugin():
@@ -507,8 +512,8 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert trainer.processing_class.chat_template and len(trainer.processing_class) == 49152
         before = _adapters(trainer.model)
         trainer.train()
-    assert trainer.state.global_step == args.max_steps  # one step; two for clpo (its rewrites fill the second batch)
-    # and r2vpo (its replay buffer fills the second batch)
+    assert trainer.state.global_step == args.max_steps  # one step; two for clpo (its rewrites fill the second batch),
+    # r2vpo (its replay buffer fills the second batch) and replay_spear (its replay batch trains in the second)
     after = _adapters(trainer.model)
     assert all("lora_" in n for n in before)
     assert any(not torch.equal(before[n], after[n]) for n in before if "lora_B" in n), "adapters did not train"
@@ -520,6 +525,8 @@ def test_every_builtin_plugin_trains_one_lora_step_on_smollm2(stack, smollm2, tm
         assert calls[component], f"the {component} endpoint was never called"
     if stack == "r2vpo":  # the second step trained a replayed stale group
         assert any(h.get("plugins/r2vpo/replayed_groups", 0) > 0 for h in trainer.state.log_history)
+    if stack == "replay_spear":  # the second step ran the replay update on the stored rows
+        assert any(h.get("plugins/framework/replay_update_rows", 0) > 0 for h in trainer.state.log_history)
 
 
 def _refiner_script(actor):
