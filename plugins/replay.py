@@ -395,6 +395,8 @@ class ReplayPlugin(Plugin):
         self._scale = "group"
         self._seed = 0
         self._tools = False
+        if self._placement() == "batch":  # what SPEAR's placement does, in place of the splice's group fraction
+            self.claim_metric = ("replay_batch_rows", "rows trained in SPEAR's replay update per step")
 
     def required_columns(self) -> list[str]:
         return [self.options.key_column] if self.options.key_column else []

@@ -185,9 +185,9 @@ def choose_workers(available_mib: float, peak_mib: float, cores: int, jobs_left:
 def run_chat(job: dict) -> dict:
     """Train one (method, seed) to the rollout budget (or the deadline); write and return its record."""
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
-    from trl_plugins.cli.equal_budget import count_policy_rollouts
+    from trl_plugins.cli.equal_budget import EqualBudget, count_policy_rollouts, merge_logs
     from trl_plugins.tasks.chat_arith import chat_accuracy_reward
 
     device, task, budget = job["device"], job["task"], job["budget"]
@@ -212,7 +212,6 @@ def run_chat(job: dict) -> dict:
                               plugins=plugins, plugin_config=options, seed=job["seed"], max_steps=max_steps,
                               peft_config=bc.real_model_lora(), **overrides)
     counts = count_policy_rollouts(trainer)
-    per_step: list[dict] = []
     pending: dict = {}
     bl.record_rewards(trainer, pending, G, lambda completions, rows: chat_accuracy_reward(
         completions, [r["answer"] for r in rows], [r["problem"] for r in rows]))
@@ -225,26 +224,9 @@ def run_chat(job: dict) -> dict:
                       "accuracy": evaluate(trainer.model, tokenizer, eval_rows, max_new)})
         torch.set_rng_state(state)
 
-    truncated = [False]
-
-    class Budget(TrainerCallback):
-        next_eval = job["eval_every"]
-
-        def on_step_end(self, args, state, control, **kwargs):
-            per_step.append({"step": state.global_step, "rollouts": counts["rollouts"], **pending})
-            pending.clear()
-            done = counts["rollouts"] >= budget
-            late = job.get("deadline") is not None and time.time() >= job["deadline"]
-            if counts["rollouts"] >= self.next_eval or done or late:
-                run_eval(state.global_step)
-                while self.next_eval <= counts["rollouts"]:
-                    self.next_eval += job["eval_every"]
-            if done or late:
-                truncated[0] = late and not done
-                control.should_training_stop = True
-            return control
-
-    trainer.add_callback(Budget())
+    budget_cb = EqualBudget(counts, budget, job["eval_every"], lambda step, spent: run_eval(step), pending=pending,
+                            deadline=job.get("deadline"))
+    trainer.add_callback(budget_cb)
     t0, c0 = time.perf_counter(), time.process_time()
     run_eval(0)  # the untrained (LoRA B = 0) model: every run's first point
     with warnings.catch_warnings():
@@ -256,21 +238,18 @@ def run_chat(job: dict) -> dict:
             extra["base_pass_rate"] = evaluate(trainer.model, tokenizer, eval_rows, max_new,
                                                temperature=overrides["temperature"], num_samples=4)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    logs = {h["step"]: {k: v for k, v in h.items() if isinstance(v, (int, float))}
-            for h in trainer.state.log_history if "step" in h and "loss" in h}
-    for row in per_step:
-        row.update({k: v for k, v in logs.get(row["step"], {}).items() if k not in row})
+    per_step = merge_logs(budget_cb.per_step, trainer.state.log_history)
     record = {
         "method": job["method"], "seed": job["seed"], "budget": budget, "plugins": plugins, "plugin_config": options,
         "model": "smollm2", "task": "chat", "claim_metrics": {p.name: list(p.claim_metric) for p in
                                                               trainer.plugin_stack if p.claim_metric},
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
         "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
-        "truncated": truncated[0], "memory": _memory_record(device, job.get("gpu_used_before_mib")),
+        "truncated": budget_cb.truncated, "memory": _memory_record(device, job.get("gpu_used_before_mib")),
         "config_hash": job["config_hash"], "weights_sha256": job["weights_sha256"], **extra,
     }
     path = Path(job["path"])
-    if truncated[0]:  # never a cached finished run: a resume re-runs it
+    if budget_cb.truncated:  # never a cached finished run: a resume re-runs it
         path = path.with_suffix(".partial.json")
     path.write_text(json.dumps(record, default=float))
     return record

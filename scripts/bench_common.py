@@ -312,6 +312,9 @@ PLUGIN_VARIANTS: dict[str, dict] = {
     "polychromic:vines": {"rollout_states": 1, "vines": 4},
     # SPO-tree: a 3-3 tree of 16-token segments per prompt (9 leaves for G = 8; the official 6-6-6 is 258 segments)
     "spo:tree": {"mode": "tree", "branch_factors": [3, 3], "segment_tokens": 16},
+    # SPEAR's replay batch, scaled to the learning table's 40 steps of 64 rollouts: the gate at one step's rollouts
+    # (official 2048, a buffer the run never fills), the coefficient ramp over half the run (official 300 steps)
+    "replay:spear": {"advantage": "spear_baseline", "gate_capacity": 64, "replay_coef_warmup_steps": 20},
 }
 TOOL_ONLY_PLUGINS = ("arpo", "aspo", "igpo", "otc_po", "salt", "search_r2")
 

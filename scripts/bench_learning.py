@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_agentic as ba  # noqa: E402
 import bench_common as bc  # noqa: E402
 
-from trl_plugins.cli.equal_budget import count_policy_rollouts, rollouts_to_target  # noqa: E402
+from trl_plugins.cli.equal_budget import EqualBudget, count_policy_rollouts, merge_logs, rollouts_to_target  # noqa: E402
 from trl_plugins.cli.equal_budget import mean_std as _mean_std  # noqa: E402
 from trl_plugins.cli.equal_budget import run_mean as _run_mean  # noqa: E402
 from trl_plugins.cli.equal_budget import tail_mean as _tail_mean  # noqa: E402
@@ -82,7 +82,10 @@ TOOL_TOKEN_BUDGET, TOOL_TOKEN_EVAL_EVERY = 25600, 8533
 QUICK_METHODS = ["grpo", "grpo_drgrpo", "fbos_rl", "scope", "lp_reg", "hint_scaffold"]
 # Vanilla GRPO with the loss settings that scope / canon / critique_grpo recommend (a control for those rows).
 CONTROLS = {"grpo_drgrpo": {"loss_type": "dr_grpo", "scale_rewards": "none"}}
-ALL_METHODS = ["grpo", *CONTROLS, *(p for p in bc.PLUGIN_SETTINGS if p not in bc.TOOL_ONLY_PLUGINS), *STACKS]
+# Second forms of a plugin whose default is another paper's (replay: RAPO's splice; replay:spear: SPEAR's replay batch).
+FULL_VARIANTS = ["replay:spear"]
+ALL_METHODS = ["grpo", *CONTROLS, *(p for p in bc.PLUGIN_SETTINGS if p not in bc.TOOL_ONLY_PLUGINS), *FULL_VARIANTS,
+               *STACKS]
 # Real-model mode: the plugins whose method needs a capable policy, and the recommended stacks.
 # The guidance plugins learn from the bundled task's reference solutions; kepo is left out: its teacher must share the
 # policy's tokenizer, and no stronger SmolLM2 is available offline (the policy's own base model teaches nothing).
@@ -212,7 +215,6 @@ def record_rewards(trainer, pending: dict, G: int, correct, text=None) -> None:
 def run_one(job: dict) -> dict:
     """Train one (method, seed) to the rollout budget; return its record (also written to job['path'])."""
     import torch
-    from transformers import TrainerCallback
 
     from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
     from trl_plugins.tasks.tiny import evaluate_accuracy
@@ -259,7 +261,6 @@ def run_one(job: dict) -> dict:
     )
     G = trainer.num_generations
     counts = count_policy_rollouts(trainer)
-    per_step: list[dict] = []
     pending: dict = {}
 
     record_rewards(trainer, pending, G, ba.correct if agentic else
@@ -278,34 +279,14 @@ def run_one(job: dict) -> dict:
         torch.set_rng_state(state)
         evals.append({"step": step, **dict(counts), **numbers})
 
-    class Budget(TrainerCallback):
-        next_eval = eval_every
-
-        def on_step_end(self, args, state, control, **kwargs):
-            per_step.append({"step": state.global_step, **dict(counts), **pending})
-            pending.clear()
-            spent = counts[unit]
-            done = spent >= budget
-            if spent >= self.next_eval or done:
-                evaluate(state.global_step)
-                while self.next_eval <= spent:
-                    self.next_eval += eval_every
-            if done:
-                control.should_training_stop = True
-            return control
-
-    trainer.add_callback(Budget())
+    budget_cb = EqualBudget(counts, budget, eval_every, lambda step, spent: evaluate(step), unit=unit, pending=pending)
+    trainer.add_callback(budget_cb)
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    logs = {}
-    for h in trainer.state.log_history:
-        if "step" in h and "loss" in h:
-            logs[h["step"]] = {k: v for k, v in h.items() if isinstance(v, (int, float))}
-    for row in per_step:
-        row.update({k: v for k, v in logs.get(row["step"], {}).items() if k not in row})
+    per_step = merge_logs(budget_cb.per_step, trainer.state.log_history)
     record = {
         "method": method, "seed": seed, "budget": budget, "plugins": plugins, "plugin_config": options,
         "model": job.get("model", "tiny"), "task": job.get("task", "arithmetic"),
@@ -377,14 +358,15 @@ TEACHER_ROLLOUT_METRICS = ("plugins/luffy/teacher_rollouts", "plugins/rl_plus/de
                            "plugins/ampo/injected_rows")
 
 
-def _claim_metric(method: str, plugins: list[str]) -> tuple[str | None, str | None]:
-    """The table's per-step quantity of a method: CLAIM_METRICS, else the first plugin's ``Plugin.claim_metric``."""
+def _claim_metric(method: str, plugins: list[str], recorded: dict | None = None) -> tuple[str | None, str | None]:
+    """The table's per-step quantity of a method: CLAIM_METRICS, else the first plugin's ``claim_metric`` as its run
+    recorded it (``recorded``: a plugin may claim another quantity under some options), else the class's."""
     if method in CLAIM_METRICS:
         return CLAIM_METRICS[method]
     from trl_plugins.runtime.manager import get_plugin_class
 
     for name in plugins:
-        metric = get_plugin_class(name).claim_metric
+        metric = (recorded or {}).get(name) or get_plugin_class(name).claim_metric
         if metric:
             return f"plugins/{name}/{metric[0]}", metric[1]
     return None, None
@@ -404,7 +386,7 @@ def summarize(records: list[dict], base_acc: float, target: float) -> list[dict]
         best = [max(e["accuracy"] for e in r["evals"]) if r["evals"] else float("nan") for r in runs]
         to_target = [rollouts_to_target(r["evals"], base_acc, target) for r in runs]
         reached = [v for v in to_target if v == v]
-        claim_key, claim_label = _claim_metric(method, runs[0]["plugins"])
+        claim_key, claim_label = _claim_metric(method, runs[0]["plugins"], runs[0].get("claim_metrics"))
         row = {
             "method": method,
             "seeds": sorted(r["seed"] for r in runs),

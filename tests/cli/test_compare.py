@@ -289,3 +289,23 @@ def test_compare_runs_a_tool_config(tmp_path):
     assert run["rollouts"] >= 8 and run["evals"]
     assert "rollouts with the run's tools" in result["held_out"]
     assert any("tools/call_frequency" in row for row in run["per_step"]), run["per_step"]
+
+
+def test_pending_values_join_their_steps_row_and_a_passed_deadline_evaluates_and_truncates():
+    from types import SimpleNamespace
+
+    counts = {"rollouts": 0, "tokens": 0}
+    pending: dict = {}
+    evaluations = []
+    budget = EqualBudget(counts, budget=100, eval_every=50, evaluate=lambda s, r: evaluations.append((s, r)),
+                         pending=pending, deadline=float("inf"))
+    control = SimpleNamespace(should_training_stop=False)
+    counts["rollouts"], pending["train_reward"] = 10, 0.5
+    budget.on_step_end(None, SimpleNamespace(global_step=1), control)
+    assert budget.per_step == [{"step": 1, "rollouts": 10, "tokens": 0, "train_reward": 0.5}] and pending == {}
+    assert not control.should_training_stop and evaluations == []
+    budget.deadline = 0.0  # past: the next step evaluates and stops the run short of its budget
+    counts["rollouts"] = 20
+    budget.on_step_end(None, SimpleNamespace(global_step=2), control)
+    assert control.should_training_stop and budget.truncated and evaluations == [(2, 20)]
+    assert budget.per_step[-1] == {"step": 2, "rollouts": 20, "tokens": 0}

@@ -171,7 +171,7 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
     # the replay update (extra optimizer steps after the step's own): 5 scheduled rows over 2 ranks x 2 micro-batches
     # of 2 leave a micro-batch with no row (a zero-weight forward); DeepSpeed steps its engine at the replay boundary
-    "replay_update": (["test_replay_rows"], {}, {"steps": 2, "engines": ["fsdp2", "zero3", "zero2"],
+    "replay_update": (["test_replay_rows"], {}, {"steps": 2, "engines": ["fsdp1", "fsdp2", "zero3", "zero2"],
                                                  "args": {"gradient_accumulation_steps": 2}}),
     # SPEAR's replay batch (replay's placement 'batch'): stored rows with their behaviour log-probs replayed once two
     # are held

@@ -19,6 +19,7 @@ function (the verifier), averaged. The summary statistics (:func:`mean_std`, :fu
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -71,27 +72,40 @@ class EqualBudget(TrainerCallback):
     """Stop at the first optimizer step where ``counts[unit] >= budget`` (``unit``: ``"rollouts"``, or ``"tokens"``
     for a budget of generated tokens, where trees that share prefixes pay for them once); call
     ``evaluate(step, spent)`` every ``eval_every`` of the unit and at the end; record one row per optimizer step in
-    ``per_step`` (``{"step", "rollouts", "tokens"}``, filled with the logged metrics by :func:`merge_logs`)."""
+    ``per_step`` (``{"step", "rollouts", "tokens"}``, filled with the logged metrics by :func:`merge_logs`).
+
+    ``pending``: a dict the caller fills during a step (e.g. per-step reward statistics); merged into the step's row,
+    then emptied. ``deadline`` (a ``time.time()`` value): a step ending past it evaluates and stops the run, which is
+    then marked ``truncated`` (it spent less than the budget)."""
 
     def __init__(self, counts: Mapping[str, int], budget: int, eval_every: int,
-                 evaluate: Callable[[int, int], None] | None = None, unit: str = "rollouts"):
+                 evaluate: Callable[[int, int], None] | None = None, unit: str = "rollouts",
+                 pending: dict | None = None, deadline: float | None = None):
         if budget <= 0 or eval_every <= 0:
             raise ValueError(f"budget and eval_every must be positive; got {budget} and {eval_every}.")
         if unit not in counts:
             raise ValueError(f"unit must be one of {sorted(counts)}; got {unit!r}.")
         self.counts, self.budget, self.eval_every, self.evaluate = counts, budget, eval_every, evaluate
         self.unit, self.next_eval = unit, eval_every
+        self.pending, self.deadline = pending, deadline
         self.per_step: list[dict] = []
+        self.truncated = False
 
     def on_step_end(self, args, state, control, **kwargs):
         spent = self.counts[self.unit]
-        self.per_step.append({"step": state.global_step, **dict(self.counts)})
+        row = {"step": state.global_step, **dict(self.counts)}
+        if self.pending is not None:
+            row.update(self.pending)
+            self.pending.clear()
+        self.per_step.append(row)
         done = spent >= self.budget
-        if self.evaluate is not None and (spent >= self.next_eval or done):
+        late = self.deadline is not None and time.time() >= self.deadline
+        if self.evaluate is not None and (spent >= self.next_eval or done or late):
             self.evaluate(state.global_step, spent)
             while self.next_eval <= spent:
                 self.next_eval += self.eval_every
-        if done:
+        if done or late:
+            self.truncated = late and not done
             control.should_training_stop = True
         return control
 
