@@ -166,7 +166,8 @@ SPEAR_STD_EPS = 1e-6
 @dataclass
 class ReplayOptions(SuccessOptions):
     buffer_size: int = option(
-        1, min=1, help="Successful rollouts kept per prompt, newest last (RAPO: the latest success, 1)."
+        1, min=1, help="placement 'group': successful rollouts kept per prompt, newest last (RAPO: the latest success, "
+        "1); placement 'batch' keeps every stored row (SPEAR's buffer has no per-prompt limit)."
     )
     max_age_steps: int | None = option(
         None, min=0,
@@ -376,8 +377,9 @@ class ReplayPlugin(Plugin):
         },
     )
     claim_metric = ("replayed_group_fraction", "all-fail groups given a replayed success")
-    replaces = ("placement 'group': one completion of each all-fail group whose prompt has a stored success (an "
-                "off-policy replay)",)
+    replaces = ("with placement 'group', one completion of each all-fail group whose prompt has a stored success (an "
+                "off-policy replay); with placement 'batch' nothing (the replay batch trains in extra optimizer "
+                "steps)",)
     reconstructed = (
         "the slot that receives the replay (replace_index) and pick='random'",
         "replay_tokens='policy' as RAPO's in-group treatment (the Fathom-DeepResearch repository releases no "

@@ -3,7 +3,9 @@
 TRL keeps GRPO's pipeline in private methods and its bookkeeping in private attributes, and the framework needs both:
 the plugin stages run inside ``_generate_and_score_completions``, the plugin loss replaces ``_compute_loss``, the
 generation service calls TRL's generation backend, plugin metrics join TRL's ``_metrics``. Every such contact is made
-here and nowhere else, so a TRL upgrade is a change to this file plus a run of the reduction tests
+here and nowhere else (as is the one private accelerate member the framework touches,
+``GradientState._set_sync_gradients``, which transformers' training loop sets the same way: the replay update's micro-
+batches), so a TRL upgrade is a change to this file plus a run of the reduction tests
 (``tests/runtime/test_reduction.py`` and every plugin's neutral-setting check); ``tests/runtime/test_trl_seam.py`` fails when any
 other module of ``trl_plugins/`` or ``plugins/`` names a private member of ``trl.GRPOTrainer`` or
 ``transformers.Trainer``. (The loss path, :mod:`trl_plugins.runtime.loss`, re-implements TRL's ``_compute_loss`` through
