@@ -177,7 +177,7 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     # are held
     "replay_batch": (["replay"], {"replay": {"advantage": "spear_decay", "gate_capacity": 1,
                                              "replay_coef_warmup_steps": 0}},
-                     {"steps": 3, "engines": ["fsdp2", "zero3"]}),
+                     {"steps": 2, "engines": ["fsdp2", "zero3"]}),
 }
 #: rows test_replay_rows schedules at step 0 (5 over 2 ranks x 2 micro-batches of 2: one micro-batch has none)
 REPLAY_ROWS = 5
