@@ -95,8 +95,9 @@ def _scheduling_plugin(rows):
 
 def _trained(rows, **config):
     with temporary_plugin(_scheduling_plugin(rows)):
-        trainer = make_tiny_trainer(plugins=["test_schedule_replay"], optim="sgd", learning_rate=0.05,
-                                    max_grad_norm=0.0, lr_scheduler_type="constant", max_steps=1, **config)
+        trainer = make_tiny_trainer(plugins=["test_schedule_replay"], **{
+            "optim": "sgd", "learning_rate": 0.05, "max_grad_norm": 0.0, "lr_scheduler_type": "constant",
+            "max_steps": 1, **config})
         trainer.train()
     return trainer
 
@@ -166,3 +167,14 @@ def test_scheduling_in_eval_is_refused():
     ctx = make_advantage_context(torch.tensor([1.0, 0.0]), num_generations=2, mode="eval")
     with pytest.raises(PluginError, match="only in training"):
         ctx.schedule_replay_update([_row()])
+
+
+@pytest.mark.parametrize("config", [dict(steps_per_generation=2), dict(num_iterations=2)])
+def test_the_update_waits_for_the_last_optimizer_step_that_trains_its_batch(config):
+    """A generation batch trained over two optimizer steps (two steps per generation, or two passes over it): the rows
+    scheduled at its advantage stage train after the second step, not the first."""
+    probe = _trained(None)
+    rows = _rows(probe.processing_class, 2)
+    trainer = _trained(rows, max_steps=2, **config)
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h.get("plugins/framework/replay_update_rows", 0) for h in logged] == [0, 2]
