@@ -13,6 +13,9 @@ untrained model already succeeds on part of its samples, so vanilla GRPO has a s
   ``torch.cuda.max_memory_reserved`` plus the process's CUDA context; CPU: peak RSS); then
   ``workers = floor(available * 0.8 / peak)``, capped by the CPU cores and the runs left. Measurement and choice go
   into the result JSON. Every run is its own spawned process (on CUDA all of them share the one GPU).
+* The untrained model's held-out accuracy (every run's first point: LoRA B = 0 is the base model) is measured once,
+  by the probe run (or read from the run cache), and reused by the other runs (``from_run_cache`` in their first
+  evaluation).
 * ``--max-minutes``: runs still training at the deadline stop at their next step, are evaluated and recorded as
   truncated (not cached, so a resume re-runs them); runs not yet started are left out; results are written anyway.
 """
@@ -228,7 +231,10 @@ def run_chat(job: dict) -> dict:
                             deadline=job.get("deadline"))
     trainer.add_callback(budget_cb)
     t0, c0 = time.perf_counter(), time.process_time()
-    run_eval(0)  # the untrained (LoRA B = 0) model: every run's first point
+    if job.get("base_accuracy") is not None:  # the untrained model (LoRA B = 0 is the base model), measured once
+        evals.append({"step": 0, "rollouts": 0, "accuracy": job["base_accuracy"], "from_run_cache": True})
+    else:
+        run_eval(0)  # every run's first point
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
@@ -377,7 +383,8 @@ def main(args, command: str) -> int:
     memory = {"probe": None, "available_mib": None, "fraction": 0.8, "cores": cores}
     if jobs:
         # 1. the probe: the first run alone (and the untrained model's sampled pass rate when not cached)
-        probe = {**jobs[0], "threads": cores if args.device == "cpu" else 1, "base_pass_rate": base is None}
+        probe = {**jobs[0], "threads": cores if args.device == "cpu" else 1, "base_pass_rate": base is None,
+                 "base_accuracy": None if base is None else base["base_accuracy"]}
         if args.device == "cuda":
             probe["gpu_used_before_mib"] = _cuda_used_mib()  # initialises CUDA here; measured before the probe
         print(f"probe run ({probe['method']} seed {probe['seed']}) alone to measure its peak memory", flush=True)
@@ -400,7 +407,9 @@ def main(args, command: str) -> int:
             threads = max(1, cores // workers) if args.device == "cpu" else 1
             print(f"peak {max(peaks):.0f} MiB per run, {available:.0f} MiB available, {cores} cores -> "
                   f"{workers} workers ({threads} torch threads each)", flush=True)
-            recs, fails = _run_pool([{**j, "threads": threads} for j in rest], workers, deadline)
+            base_accuracy = None if base is None else base["base_accuracy"]
+            recs, fails = _run_pool([{**j, "threads": threads, "base_accuracy": base_accuracy} for j in rest], workers,
+                                    deadline)
             records += recs
             failed += fails
         elif rest:

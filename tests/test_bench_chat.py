@@ -61,6 +61,10 @@ def test_chat_mode_runs_end_to_end_and_resumes_from_its_run_cache(tiny_smollm2, 
         assert run["memory"]["kind"] == "cpu" and run["memory"]["peak_mib"] > 0
         assert any("rewards/chat_accuracy_reward/mean" in s for s in run["per_step"])
     assert result["runs"][0]["plugins"] in ([], ["scope"])
+    # the untrained model is evaluated once (the probe run); the other run reuses that number as its first point
+    firsts = [run["evals"][0] for run in result["runs"]]
+    assert {f["accuracy"] for f in firsts} == {result["base_accuracy"]}
+    assert sorted(bool(f.get("from_run_cache")) for f in firsts) == [False, True]
     mem = result["memory"]
     assert mem["probe"]["peak_mib"] > 0 and mem["available_mib"] > 0 and mem["workers"] == 1  # one run was left
     assert 0.0 <= result["base_pass_rate"] <= 1.0
