@@ -1,6 +1,6 @@
-"""Replay — per-prompt replay of the policy's own successful rollouts into groups that fail (SPEAR, RAPO).
+"""Replay — self-imitation replay of the policy's own good rollouts (SPEAR's replay batch, RAPO's splice).
 
-Two papers, one mechanism. **RAPO** (Fathom-DeepResearch, arXiv:2509.24107) keeps a replay buffer per prompt and
+Two papers, one buffer. **RAPO** (Fathom-DeepResearch, arXiv:2509.24107) keeps a replay buffer per prompt and
 injects the latest successful rollout of a prompt into a later group of that prompt in which every rollout failed,
 which restores the group's reward variance (GRPO's advantages vanish in an all-fail group). **SPEAR** ("Learn the
 Ropes, Then Trust the Wins", arXiv:2509.22601) is self-imitation learning: a buffer of the agent's own good
@@ -17,8 +17,9 @@ trajectories, replayed off-policy, with a staleness limit and a recalibrated adv
                   token, no prompt swap, not a replay), newest last, at most buffer_size per prompt
     evict         entries older than max_age_steps optimizer steps (None: kept until pushed out)
     gate          replay_gate 'full' (the SPEAR default): replays only in a step whose buffers hold more than
-                  1.5 x gate_capacity rollouts (all prompts together), and empties every buffer after that step,
-                  this step's successes included; 'always' (the RAPO default): every step, entries kept
+                  1.5 x gate_capacity rollouts (all prompts together), and empties every buffer when it replays
+                  (this step's successes are stored after: SPEAR adds its batch after reset_buffer); 'always' (the
+                  RAPO default): every step, entries kept
     splice        a group with no success whose prompt has a stored entry: slot replace_index gets the entry
                   (pick='latest': the newest one), annotated ``replayed``; the group keeps exactly G rows
     provenance    replay_tokens='offpolicy' (the default without tools): every replayed token is off-policy,
@@ -33,8 +34,9 @@ trajectories, replayed off-policy, with a staleness limit and a recalibrated adv
                   'spear_decay': A_replay = (advantage the row had when it was stored) * advantage_decay, the own
                   rows as in 'spear_baseline'.
     coefficient   A_replay *= replay_coef * ramp(step), ramp = (1 - cos(pi * min(step / warmup, 1))) / 2
-                  (replay_coef_warmup_steps = 0: ramp = 1; default 300 with a SPEAR advantage, 0 with 'group'). The loss of a row is linear in its advantage on both
-                  branches, so this scales the replayed row's loss, as SPEAR's replay_loss_coef does.
+                  (replay_coef_warmup_steps = 0: ramp = 1; default 300 with a SPEAR advantage, 0 with 'group'). The
+                  loss of a row is linear in its advantage on both branches, so this scales the replayed row's loss,
+                  as SPEAR's replay_loss_coef does.
 
 Facts from SPEAR's official code (TrajectoryBufferBatch in its verl recipe): stored rows are those with a positive
 advantage; rows more than trajectory_tolerate_steps (5 to 10 in the scripts, capped at 10) older than the newest are
