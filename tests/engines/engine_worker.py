@@ -38,7 +38,9 @@ LOGIT_SCALE = 10.0
 
 #: phase -> (plugins, plugin_config, options); options: "softcap" (a head with logit_scale and a softcap), "steps",
 #: "refused" (engines that must refuse the stack at construction, with a word the error must contain), "engines"
-#: (run only under these engines and DDP; default: every engine), "args" (PluginGRPOConfig fields)
+#: (run only under these engines and DDP; default: every engine), "args" (PluginGRPOConfig fields), "tools" (the
+#: bundled tool environment with gold traces; "tool_prompts" its size, "fail_from_step" the optimizer step from which
+#: every rollout answers wrong)
 ZERO3_FSDP2 = {"steps": 1, "engines": ["fsdp2", "zero3"]}
 PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "vanilla": ([], {}, {}),
@@ -168,7 +170,10 @@ PHASES: dict[str, tuple[list[str], dict, dict]] = {
     "aepo_branching": (["aepo"], {"aepo": {"branching": True, "branch_probability": 0.0, "budget_scale": 0.0}},
                        {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo", "num_generations": 4}}),
     "search_r2": (["search_r2"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
-    "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "tools": True, "args": {"loss_type": "grpo"}}),
+    # 4 prompts, each in every step: step 1 stores every (gold) episode with its behaviour log-probs, step 2 fails
+    # everywhere, so each all-fail group receives its prompt's stored episode (replayed against those log-probs)
+    "tool_replay": (["replay"], {}, {**ZERO3_FSDP2, "steps": 2, "tools": True, "tool_prompts": 4, "fail_from_step": 1,
+                                     "args": {"loss_type": "grpo"}}),
     # the replay update (extra optimizer steps after the step's own): 5 scheduled rows over 2 ranks x 2 micro-batches
     # of 2 leave a micro-batch with no row (a zero-weight forward); DeepSpeed steps its engine at the replay boundary
     "replay_update": (["test_replay_rows"], {}, {"steps": 2, "engines": ["fsdp1", "fsdp2", "zero3", "zero2"],
@@ -306,9 +311,17 @@ def build_trainer(engine: str, phase: str, out_dir: str):
         log_level="error",
     )
     if options.get("tools"):  # the bundled tool environment, the backend writing the gold traces
-        from trl_plugins.testing import make_tool_trainer
+        from trl_plugins.tasks.tools import make_tool_dataset
+        from trl_plugins.testing import gold_then_wrong_script, make_tool_trainer
 
-        return make_tool_trainer(n=8, kinds=("lookup", "scaled"), **{**common, "max_completion_length": 300})
+        n, kinds, bind = options.get("tool_prompts", 8), ("lookup", "scaled"), None
+        script = None
+        if options.get("fail_from_step") is not None:  # gold traces, then "Answer: -1" from that optimizer step on
+            script, bind = gold_then_wrong_script(make_tool_dataset(n, kinds=kinds), from_step=options["fail_from_step"])
+        trainer = make_tool_trainer(n=n, kinds=kinds, script=script, **{**common, "max_completion_length": 300})
+        if bind is not None:
+            bind(trainer)
+        return trainer
     if "reward" in options:
         reward_funcs = [phase_rewards[options["reward"]]]
     else:  # a dense reward: the random tiny model never answers right, and zero advantages would train nothing

@@ -178,6 +178,25 @@ def test_ddp_reference_runs_every_phase(engine_runs):
             assert record["engine"] == "ddp" and record["steps"] >= 1
 
 
+#: phase -> the metric that must be positive in its launch's logs: the replay actually happened
+REPLAY_METRICS = {"replay_update": "plugins/framework/replay_update_rows",
+                  "replay_batch": "plugins/framework/replay_update_rows",
+                  "tool_replay": "plugins/replay/replayed_group_fraction"}
+
+
+@pytest.mark.parametrize("engine", cpu_engines.ENGINES)
+def test_the_replay_phases_replay_on_every_engine(engine, engine_runs):
+    """A replay update (scheduled rows, SPEAR's replay batch) and a replayed tool episode run on both ranks."""
+    out = engine_runs(engine)
+    for phase, metric in REPLAY_METRICS.items():
+        if phase not in phases_of(engine):
+            continue
+        for rank in (0, 1):
+            record = _record(out, phase, rank)
+            assert "error" not in record, f"{phase}: {record['error']}"
+            assert record["logs"].get(metric, 0) > 0, (phase, rank, metric)  # the last step's value: the replay step
+
+
 @pytest.mark.parametrize("engine", cpu_engines.ENGINES)
 def test_uneven_policy_forwards_finish_on_every_engine(engine, engine_runs):
     """Rank 0 scores rows with ctx.policy_logprobs / policy_entropies, rank 1 none: a collective forward each time."""
