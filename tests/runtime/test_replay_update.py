@@ -178,3 +178,28 @@ def test_the_update_waits_for_the_last_optimizer_step_that_trains_its_batch(conf
     trainer = _trained(rows, max_steps=2, **config)
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert [h.get("plugins/framework/replay_update_rows", 0) for h in logged] == [0, 2]
+
+
+def test_rows_that_differ_between_processes_are_refused_on_every_process():
+    """Two processes scheduling different rows (here: one advantage differs) both raise, naming what differs; the same
+    rows pass."""
+    from types import SimpleNamespace
+
+    from trl_plugins.runtime.replay_update import ReplayUpdate
+    from trl_plugins.testing import run_on_processes
+
+    def work(rank, gather, advantages):
+        acc = SimpleNamespace(num_processes=2, device=torch.device("cpu"), gather=gather)
+        trainer = SimpleNamespace(accelerator=acc, args=SimpleNamespace(steps_per_generation=1), num_iterations=1,
+                                  micro_step=0)
+        update = ReplayUpdate(trainer)
+        try:
+            update.schedule([_row(advantage=advantages[rank])])
+        except PluginError as error:
+            return str(error)
+        return None
+
+    errors = run_on_processes(2, lambda rank, gather: work(rank, gather, (0.5, 0.25)))
+    assert all(e and "scheduled different rows (row counts [1, 1], contents different)" in e for e in errors)
+    same = run_on_processes(2, lambda rank, gather: work(rank, gather, (0.5, 0.5)))
+    assert same == [None, None]

@@ -1026,11 +1026,14 @@ class AdvantageContext(_VerdictMixin, _StageContext):
         no ``global_step`` count: SPEAR's replay mini-batches (its ``dp_actor.py``) step the optimizer only.
 
         Loss: TRL's surrogate of the run's ``loss_type``, clip range and importance-sampling level, ratio against each
-        row's ``old_logprobs``; no KL term (SPEAR's replay loss has it commented out), no entropy bonus, no loss-stage
-        plugin hooks (they act on the batch's own rows). Metrics: ``plugins/framework/replay_update_*``.
+        row's ``old_logprobs``; no KL term (SPEAR's replay loss has it commented out), no entropy bonus or entropy mask,
+        no vLLM importance-sampling correction, no loss-stage plugin hooks (they act on the batch's own rows). Metrics:
+        ``plugins/framework/replay_update_*``.
 
         Training only (refused in eval). Collective: call it on every process with the same rows (the advantage
-        stage's data is the same everywhere), or on none; a second call in the same batch adds to the first.
+        stage's data is the same everywhere), or on none; rows that differ between processes are refused on every
+        process (one gather of each process's row count and a digest of its rows). A second call in the same batch adds
+        to the first.
         """
         if self.mode != "train":
             raise PluginError("AdvantageContext.schedule_replay_update: only in training (mode 'train'), "

@@ -36,6 +36,7 @@ import torch
 from trl_plugins.api.contexts import ReplayRow
 from trl_plugins.api.errors import PluginError
 from trl_plugins.api.model_utils import prompt_completion_batch
+from trl_plugins.api.text import stable_key
 from trl_plugins.runtime import loss_rules as rules
 
 #: The metric names (``plugins/framework/`` + name) the update logs in the step that runs it.
@@ -76,11 +77,14 @@ class ReplayUpdate:
         checked to be the same on every process, or every process raises)."""
         t = self.trainer
         acc = t.accelerator
-        if acc.num_processes > 1:
-            counts = acc.gather(torch.tensor([len(rows)], device=acc.device)).tolist()
-            if len(set(counts)) > 1:
-                raise PluginError(f"schedule_replay_update: the processes scheduled different numbers of rows "
-                                  f"({counts}); allowed: the same rows on every process (the advantage stage's data).")
+        if acc.num_processes > 1:  # one gather: each process's row count and a digest of its rows
+            digest = stable_key([[r.prompt_ids, r.completion_ids, r.loss_mask, r.advantage] for r in rows])
+            seen = acc.gather(torch.tensor([[len(rows), digest]], dtype=torch.long, device=acc.device)).tolist()
+            if len({tuple(x) for x in seen}) > 1:
+                raise PluginError(f"schedule_replay_update: the processes scheduled different rows (row counts "
+                                  f"{[x[0] for x in seen]}, contents {'equal' if len({x[1] for x in seen}) == 1 else 'different'}); "
+                                  "allowed: the same rows on every process (build them from the advantage stage's "
+                                  "global data).")
         if not rows:
             return
         args = t.args
