@@ -512,7 +512,8 @@ def hooks_page() -> str:
             lines += [f"### `{hook}{signature}`", "", _fenced(inspect.getdoc(func)), ""]
     lines += ["## Stage contexts", "", inspect.cleandoc(contexts.__doc__ or ""), ""]
     for cls in (contexts.PromptContext, contexts.RolloutContext, contexts.RewardContext, contexts.AdvantageContext,
-                contexts.LossContext, contexts.PolicyStats, contexts.Completion, contexts._StageContext,
+                contexts.LossContext, contexts.PolicyStats, contexts.Completion, contexts.StoredEpisode,
+                contexts.ReplayRow, contexts._StageContext,
                 services.RunInfo, services.StageServices):
         title = "Every context" if cls is contexts._StageContext else cls.__name__
         lines += [f"### `{title}`", "", _fenced(inspect.getdoc(cls)), ""]
