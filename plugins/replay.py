@@ -720,7 +720,8 @@ class ReplayPlugin(Plugin):
     def _store_batch(self, ctx: AdvantageContext, per_row: torch.Tensor, rewards: torch.Tensor) -> int:
         """SPEAR's update_batch: this step's rows with a positive advantage (the policy's own samples under their
         prompt; with tools and require_tool_call, episodes that called a tool), with the behaviour log-probs of a no-
-        grad forward of the policy that sampled them (ctx.policy_stats). Returns the number stored."""
+        grad forward of the policy that sampled them (ctx.policy_stats). Returns the number stored (rows with a trained
+        token)."""
         own = (ctx.offpolicy_fraction.detach().cpu() == 0) & ~ctx.prompt_swapped.detach().cpu().bool()
         own &= torch.tensor([not a.get(REPLAYED) for a in ctx.annotations], dtype=torch.bool)
         if self._tools and self.options.require_tool_call:
@@ -743,13 +744,15 @@ class ReplayPlugin(Plugin):
                           "ids": ctx.local_completion_ids[i, :length].tolist(),
                           "mask": [int(m) for m in stats.mask[i, :length].tolist()],
                           "logps": stats.per_token_logps[i, :length].float().tolist()})
+        stored = 0
         for n, item in enumerate(ctx.gather_object(local)):
             if item is None or not any(item["mask"]):
                 continue
             item["logps"] = [v if m else math.nan for v, m in zip(item["logps"], item["mask"])]
             self.buffers.add(0, {**item, "reward": float(rewards[n]), "advantage": float(per_row[n]),
                                  "step": int(ctx.step)})
-        return len(rows)
+            stored += 1
+        return stored
 
 
 def lower_power_of_two(n: int) -> int:
