@@ -11,7 +11,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -291,6 +291,52 @@ class ToolEpisode:
         return self.completion_ids[self.start:]
 
 
+class _TokenTerms(NamedTuple):
+    """How a stored row's validation names its per-token mask and log-probs (:func:`_checked_row_tokens`)."""
+
+    mask: str  # the mask field, e.g. "tool_mask"
+    mask_values: str  # its plural in a count, e.g. "tool-mask values"
+    zero: str  # what 0 means, e.g. "tool-result token"
+    one: str  # what 1 means, e.g. "model token"
+    token: str  # a masked-in token, e.g. "model token"
+    logp: str  # the log-prob's name, e.g. "behaviour log-prob"
+    logp_meaning: str  # what it is, e.g. "the log-prob of the sampled token under the policy that sampled it"
+
+
+def _checked_row_tokens(where: str, terms: _TokenTerms, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                        mask: Sequence[int], logprobs: Sequence[float | None]) -> tuple[list, list, list, list]:
+    """The validated ``(prompt_ids, completion_ids, mask, logprobs)`` of a stored row (:class:`StoredEpisode`,
+    :class:`ReplayRow`): ids as ints, a 0/1 mask with at least one 1, one log-prob per token that is finite and <= 0
+    where the mask is 1 (NaN elsewhere); anything else raises a ``PluginError`` naming the value and what is allowed."""
+    prompt_ids, completion_ids, mask = [int(t) for t in prompt_ids], [int(t) for t in completion_ids], list(mask)
+    L = len(completion_ids)
+    if not prompt_ids:
+        raise PluginError(f"{where}: prompt_ids is empty; allowed: the prompt's token ids (at least one).")
+    if L == 0:
+        raise PluginError(f"{where}: completion_ids is empty; allowed: at least one token.")
+    if len(mask) != L or len(logprobs) != L:
+        raise PluginError(f"{where}: {len(mask)} {terms.mask_values} and {len(logprobs)} log-probs for {L} completion "
+                          "tokens; allowed: one of each per token.")
+    bad = [m for m in mask if isinstance(m, bool) or m not in (0, 1)]
+    if bad or 1 not in mask:
+        raise PluginError(f"{where}: {terms.mask} value {bad[0] if bad else 'all 0'!r}; allowed: 0 ({terms.zero}) or 1 "
+                          f"({terms.one}), with at least one {terms.token}.")
+    logps = []
+    for t, (m, v) in enumerate(zip(mask, logprobs)):
+        value = math.nan if v is None else float(v)
+        if m == 1 and not (math.isfinite(value) and value <= 0.0):
+            raise PluginError(f"{where}: {terms.logp} {v!r} at {terms.token} {t}; allowed: a finite value <= 0 "
+                              f"({terms.logp_meaning}).")
+        logps.append(value if m == 1 else math.nan)
+    return prompt_ids, completion_ids, mask, logps
+
+
+_EPISODE_TERMS = _TokenTerms("tool_mask", "tool-mask values", "tool-result token", "model token", "model token",
+                             "behaviour log-prob", "the log-prob of the sampled token under the policy that sampled it")
+_REPLAY_TERMS = _TokenTerms("loss_mask", "loss-mask values", "not trained", "trained", "trained token", "old log-prob",
+                            "the log-prob of the token under the policy that sampled it")
+
+
 @dataclass
 class StoredEpisode:
     """A past tool episode kept for replay (``ctx.store_tool_episodes``), spliced back into a row of a later batch by
@@ -324,30 +370,9 @@ class StoredEpisode:
 
     def __post_init__(self) -> None:
         where = "StoredEpisode"
-        self.prompt_ids = [int(t) for t in self.prompt_ids]
-        self.completion_ids = [int(t) for t in self.completion_ids]
-        self.tool_mask = list(self.tool_mask)
         self.messages = list(self.messages)
-        L = len(self.completion_ids)
-        if not self.prompt_ids:
-            raise PluginError(f"{where}: prompt_ids is empty; allowed: the prompt's token ids (at least one).")
-        if L == 0:
-            raise PluginError(f"{where}: completion_ids is empty; allowed: at least one token.")
-        if len(self.tool_mask) != L or len(self.logprobs) != L:
-            raise PluginError(f"{where}: {len(self.tool_mask)} tool-mask values and {len(self.logprobs)} log-probs for "
-                              f"{L} completion tokens; allowed: one of each per token.")
-        bad = [m for m in self.tool_mask if isinstance(m, bool) or m not in (0, 1)]
-        if bad or 1 not in self.tool_mask:
-            raise PluginError(f"{where}: tool_mask value {bad[0] if bad else 'all 0'!r}; allowed: 0 (tool-result token) "
-                              "or 1 (model token), with at least one model token.")
-        logps = []
-        for t, (m, v) in enumerate(zip(self.tool_mask, self.logprobs)):
-            value = math.nan if v is None else float(v)
-            if m == 1 and not (math.isfinite(value) and value <= 0.0):
-                raise PluginError(f"{where}: behaviour log-prob {v!r} at model token {t}; allowed: a finite value <= 0 "
-                                  "(the log-prob of the sampled token under the policy that sampled it).")
-            logps.append(value if m == 1 else math.nan)
-        self.logprobs = logps
+        self.prompt_ids, self.completion_ids, self.tool_mask, self.logprobs = _checked_row_tokens(
+            where, _EPISODE_TERMS, self.prompt_ids, self.completion_ids, self.tool_mask, self.logprobs)
         if not any(isinstance(x, dict) and x.get("role") == "assistant" for x in self.messages):
             raise PluginError(f"{where}: messages hold no assistant message; allowed: TRL's completion messages of the "
                               "episode (assistant and tool messages).")
@@ -398,29 +423,8 @@ class ReplayRow:
 
     def __post_init__(self) -> None:
         where = "ReplayRow"
-        self.prompt_ids = [int(t) for t in self.prompt_ids]
-        self.completion_ids = [int(t) for t in self.completion_ids]
-        self.loss_mask = list(self.loss_mask)
-        L = len(self.completion_ids)
-        if not self.prompt_ids:
-            raise PluginError(f"{where}: prompt_ids is empty; allowed: the prompt's token ids (at least one).")
-        if L == 0:
-            raise PluginError(f"{where}: completion_ids is empty; allowed: at least one token.")
-        if len(self.loss_mask) != L or len(self.old_logprobs) != L:
-            raise PluginError(f"{where}: {len(self.loss_mask)} loss-mask values and {len(self.old_logprobs)} log-probs "
-                              f"for {L} completion tokens; allowed: one of each per token.")
-        bad = [m for m in self.loss_mask if isinstance(m, bool) or m not in (0, 1)]
-        if bad or 1 not in self.loss_mask:
-            raise PluginError(f"{where}: loss_mask value {bad[0] if bad else 'all 0'!r}; allowed: 0 (not trained) or "
-                              "1 (trained), with at least one trained token.")
-        logps = []
-        for t, (m, v) in enumerate(zip(self.loss_mask, self.old_logprobs)):
-            value = math.nan if v is None else float(v)
-            if m == 1 and not (math.isfinite(value) and value <= 0.0):
-                raise PluginError(f"{where}: old log-prob {v!r} at trained token {t}; allowed: a finite value <= 0 "
-                                  "(the log-prob of the token under the policy that sampled it).")
-            logps.append(value if m == 1 else math.nan)
-        self.old_logprobs = logps
+        self.prompt_ids, self.completion_ids, self.loss_mask, self.old_logprobs = _checked_row_tokens(
+            where, _REPLAY_TERMS, self.prompt_ids, self.completion_ids, self.loss_mask, self.old_logprobs)
         advantage = float(self.advantage)
         if not math.isfinite(advantage):
             raise PluginError(f"{where}: advantage {self.advantage!r}; allowed: a finite number.")

@@ -116,9 +116,9 @@ class ReplayUpdate:
             step_tokens = float(sum(sum(rows[r].loss_mask) for r in step_rows))
             tokens += step_tokens
             for m, batch in enumerate(step[acc.process_index]):
-                loss, clip = self._micro_loss(model, rows, batch, step_tokens, A, P)
+                loss, logged, clip = self._micro_loss(model, rows, batch, step_tokens, A, P)
                 t.extra_micro_backward(model, loss, last=m == A - 1)
-                losses.append(float(loss.detach()) * (1 if t.loss_type in ("dapo", "cispo", "vespo") else A))
+                losses.append(logged)
                 if clip is not None:
                     clipped.append(clip)
             norms.append(t.extra_optimizer_step(model))
@@ -133,9 +133,10 @@ class ReplayUpdate:
             t.record_metric("train", "plugins/framework/replay_update_clip_ratio", sum(clipped) / len(clipped))
 
     def _micro_loss(self, model: Any, rows: list[ReplayRow], batch: list[int], step_tokens: float,
-                    accumulation: int, processes: int) -> tuple[torch.Tensor, float | None]:
-        """The loss of one micro-batch (global rows ``batch``; empty: the first row at zero weight) and its clipped
-        token fraction (None for a zero-weight micro-batch)."""
+                    accumulation: int, processes: int) -> tuple[torch.Tensor, float, float | None]:
+        """The loss of one micro-batch (global rows ``batch``; empty: the first row at zero weight), its value for the
+        logs (before the accumulation division, as TRL logs it) and its clipped token fraction (None for a zero-weight
+        micro-batch)."""
         t = self.trainer
         device = t.accelerator.device
         chosen = [rows[r] for r in batch] or [rows[0]]
@@ -156,15 +157,15 @@ class ReplayUpdate:
         weights = rules.importance_weights(logps, old, mask, settings.importance_sampling_level)
         surrogate = rules.base_surrogate(settings, logps, weights, advantages, mask)
         # steps_per_generation = accumulation: the dapo-type normaliser is the replay step's loss tokens per process
-        loss, _ = rules.aggregate(
+        loss, logged = rules.aggregate(
             settings.loss_type, surrogate.per_token_loss, mask,
             num_items_in_batch=torch.tensor(max(step_tokens, 1.0), device=device),
             max_completion_length=t.max_completion_length, num_processes=processes,
             gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, mode="train",
         )
         if not batch:
-            return loss, None
+            return loss, float(logged), None
         low, high = 1 - settings.epsilon_low, 1 + settings.epsilon_high
         coef = weights.coef_1.detach()
         out = ((coef < low) & (advantages < 0)) | ((coef > high) & (advantages > 0))
-        return loss, float((out.float() * mask).sum() / mask.sum().clamp(min=1.0))
+        return loss, float(logged), float((out.float() * mask).sum() / mask.sum().clamp(min=1.0))
