@@ -32,8 +32,8 @@ Sources (``source``): the dataset column ``demonstration_column`` (official; a s
 entry fills the k-th demonstration slot), or a ``teacher`` model (an endpoint or a local model, answering the prompt;
 our option, for datasets without solutions). Metrics: ``teacher_rollouts`` (demonstrations in the generation batch,
 all processes), ``demonstration_tokens`` (mean length), ``demonstration_truncated_fraction`` (demonstrations cut at
-``max_completion_length``: they lose their EOS and, often, their final answer), and with
-``advantage_baseline="on_policy"`` ``demonstration_advantage``.
+``max_completion_length``: they lose their EOS and, often, their final answer) and ``demonstration_advantage`` (the
+mean advantage of the demonstration rows, under either baseline).
 
 Stacking: put ``luffy`` before other sampling plugins that inspect the group (they then see the demonstrations).
 Loss-stage plugins that replace the surrogate leave off-policy tokens to the shaped branch (``lp_reg``) or skip
@@ -252,11 +252,12 @@ class LuffyPlugin(Plugin):
     @hookimpl
     def trl_plugins_transform_advantages(self, ctx: AdvantageContext):
         o = self.options
-        if o.advantage_baseline != "on_policy" or not o.num_demonstrations:
+        if not o.num_demonstrations:
             return
         demo = torch.tensor([bool(a.get(DEMONSTRATION)) for a in ctx.annotations], device=ctx.rewards.device)
         if not demo.any():  # evaluation batches hold no demonstration
             return
-        rewards = torch.nan_to_num(ctx.rewards, nan=0.0)
-        ctx.advantages = split_group_advantages(rewards, ctx.group_ids, ~demo, self._scale)
+        if o.advantage_baseline == "on_policy":
+            rewards = torch.nan_to_num(ctx.rewards, nan=0.0)
+            ctx.advantages = split_group_advantages(rewards, ctx.group_ids, ~demo, self._scale)
         ctx.log_metric("demonstration_advantage", ctx.advantages[demo].mean().item())

@@ -294,3 +294,20 @@ def test_the_bad_input_table_in_reliability_md_is_the_test_tables_rendering():
     assert replace_section(text, "bad-inputs", source, body) == text, "regenerate: python -m trl_plugins.cli.docs"
     assert "| `reward-nan-in-a-row` | refused at the first row that carries it |" in body
     assert "| `state-planted-pickle` |" in body or "| refused when the checkpoint is loaded |" in body
+
+
+def test_a_plugin_counts_as_run_on_a_gpu_only_where_a_cell_of_its_own_row_is_ok():
+    from trl_plugins.cli.docs import _trained_in
+
+    matrices = "\n".join([
+        "| plugin / stack | bf16 | lora |",
+        "|---|---|---|",
+        "| `acre` | ok | refused: PluginConfigError: x |",
+        "| `armed` | refused: PluginConfigError: needs embedder_base_url | failed: OSError: offline |",
+        "| `observe_r1` | ok (no update) | not run |",
+        "| `hint_scaffold+canon+lp_reg` | ok | ok |",
+    ])
+    assert _trained_in(matrices, "acre") and _trained_in(matrices, "observe_r1")
+    assert not _trained_in(matrices, "armed")
+    assert not _trained_in(matrices, "canon")  # a stack's row does not count for its members
+    assert not _trained_in(matrices, "dno")  # no row at all

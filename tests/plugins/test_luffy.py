@@ -147,11 +147,24 @@ def test_on_policy_baseline_is_the_official_split_estimator():
     run_hook("luffy", "trl_plugins_transform_advantages", ctx, {"luffy": {"advantage_baseline": "on_policy"}},
              scale_rewards="none")
     assert torch.allclose(ctx.advantages, adv)
+    assert ctx.metrics["plugins/luffy/demonstration_advantage"] == [pytest.approx(adv[demo].mean().item())]
     untouched = make_advantage_context(rewards, num_generations=4, scale_rewards=False)  # eval batch: no demos
     original = untouched.advantages.clone()
     run_hook("luffy", "trl_plugins_transform_advantages", untouched, {"luffy": {"advantage_baseline": "on_policy"}},
              scale_rewards="none")
     assert torch.equal(untouched.advantages, original)
+
+
+def test_the_default_baseline_keeps_trl_advantages_and_logs_the_demonstrations_mean():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    demo = [True, False, False, False] * 2
+    ctx = make_advantage_context(rewards, num_generations=4, scale_rewards=False,
+                                 annotations=[{DEMONSTRATION: d} for d in demo])
+    original = ctx.advantages.clone()
+    run_hook("luffy", "trl_plugins_transform_advantages", ctx, {}, scale_rewards="none")
+    assert torch.equal(ctx.advantages, original)
+    # group 0: mean 1/2, its demonstration 1 -> +1/2; group 1: mean 1/4, its demonstration 1 -> +3/4
+    assert ctx.metrics["plugins/luffy/demonstration_advantage"] == [pytest.approx(0.625)]
 
 
 def test_demonstration_tokens_are_shaped_and_never_clipped():
