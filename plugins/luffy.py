@@ -146,7 +146,7 @@ class LuffyPlugin(Plugin):
     multi_turn = edits_completions("demonstrations spliced into each group")
 
     name = "luffy"
-    version = "0.1.0"
+    version = "0.1.1"
     paper = "LUFFY: Learning to Reason under Off-Policy Guidance, arXiv:2504.14945"
     summary = "Expert demonstrations fill part of each group, trained with policy shaping p/(p+gamma), no clip."
     Options = LuffyOptions
