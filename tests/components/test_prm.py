@@ -210,3 +210,10 @@ def test_endpoint_prm_fails_loudly():
         _endpoint("http://127.0.0.1:9/v1", separator="\n").score_steps([ROW], ["a\nb"])
     with pytest.raises(PluginConfigError, match="base URL"):
         build_prm("endpoint")
+
+
+def test_a_prm_that_cannot_be_loaded_is_one_error_naming_the_model_and_the_option(tmp_path):
+    missing = tmp_path / "no-such-prm"
+    with pytest.raises(EndpointError, match=r"Could not load the process reward model '.*no-such-prm' \(plugin option "
+                                            r"prm_model"):
+        HFProcessRewardModel(str(missing))

@@ -106,3 +106,10 @@ def test_hf_teacher_loaded_by_path(tmp_path):
     assert t.continue_from([ROW], ["Q?"], ["3+4=7\n"]) == out[:1]  # greedy: deterministic
     assert len(t.chat([[{"role": "user", "content": "hi"}]])) == 1
     assert shared_teacher("reference", separator="\n") is shared_teacher("reference", separator="\n")
+
+
+def test_a_local_teacher_that_cannot_be_loaded_is_one_error_naming_the_model(tmp_path):
+    from trl_plugins.components.teacher import build_teacher
+
+    with pytest.raises(EndpointError, match=r"Could not load the teacher model '.*no-such-teacher'"):
+        build_teacher("hf", model=str(tmp_path / "no-such-teacher"))

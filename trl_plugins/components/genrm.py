@@ -351,11 +351,8 @@ class HFGenRMBackend(GenRMBackend):
         from trl_plugins.components.teacher import HFTeacher
 
         if teacher is None:
-            try:
-                teacher = HFTeacher(model_name_or_path, device=device, temperature=temperature, max_tokens=max_tokens,
-                                    batch_size=batch_size)
-            except (OSError, ValueError) as exc:
-                raise EndpointError(f"Could not load the generative reward model {model_name_or_path!r}: {exc}") from exc
+            teacher = HFTeacher(model_name_or_path, device=device, temperature=temperature, max_tokens=max_tokens,
+                                batch_size=batch_size, role="generative reward model")
         self.teacher = teacher
         self.location = f"local model {teacher.name!r}"
 
