@@ -180,6 +180,35 @@ def test_the_update_waits_for_the_last_optimizer_step_that_trains_its_batch(conf
     assert [h.get("plugins/framework/replay_update_rows", 0) for h in logged] == [0, 2]
 
 
+def test_rows_pending_at_a_checkpoint_are_saved_and_train_after_the_first_batch_of_the_resumed_run(tmp_path):
+    """Two optimizer steps per generation batch, a checkpoint after the first: the rows scheduled for the batch's end
+    are in the checkpoint's plugin state (loadable without code: weights_only), and the resumed run (TRL starts a
+    fresh generation batch) trains them after that batch's two steps."""
+    from trl_plugins.runtime.checkpoints import PLUGIN_STATE_FILE
+
+    probe = _trained(None)
+    rows = _rows(probe.processing_class, 2)
+    config = dict(steps_per_generation=2, save_strategy="steps", save_steps=1)
+    with temporary_plugin(_scheduling_plugin(rows)):
+        first = make_tiny_trainer(plugins=["test_schedule_replay"], max_steps=1, output_dir=str(tmp_path / "a"),
+                                  **config)
+        first.train()
+        assert len(first.replay_update.rows) == 2  # scheduled, not yet due
+        saved = torch.load(tmp_path / "a" / "checkpoint-1" / PLUGIN_STATE_FILE, weights_only=True)
+        saved_rows = [ReplayRow.from_state(r) for r in saved["__framework__"]["replay_update"]["rows"]]
+        for got, want in zip(saved_rows, rows, strict=True):  # old_logprobs hold NaN off the mask: compared as tensors
+            assert (got.prompt_ids, got.completion_ids, got.loss_mask, got.advantage) == (
+                want.prompt_ids, want.completion_ids, want.loss_mask, want.advantage)
+            torch.testing.assert_close(torch.tensor(got.old_logprobs), torch.tensor(want.old_logprobs), equal_nan=True)
+        resumed = make_tiny_trainer(plugins=["test_schedule_replay"], max_steps=3, output_dir=str(tmp_path / "b"),
+                                    **config)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-1"))
+    logged = [h for h in resumed.state.log_history if "loss" in h]
+    # step 1 (the checkpoint's history), then the resumed steps 2 and 3: the restored rows train after step 3
+    assert [h.get("plugins/framework/replay_update_rows", 0) for h in logged] == [0, 0, 2]
+    assert resumed.replay_update.rows == []
+
+
 def test_rows_that_differ_between_processes_are_refused_on_every_process():
     """Two processes scheduling different rows (here: one advantage differs) both raise, naming what differs; the same
     rows pass."""

@@ -22,8 +22,10 @@ loss, the KL term commented out; here one replay optimizer step covers P * A * M
 the run covers. SPEAR replays inside each of its ``ppo_epochs``; here once, after the batch's last pass (the same at
 ``num_iterations=1``, TRL's default and SPEAR's ``ppo_epochs``).
 
-Rows scheduled and not yet trained are not checkpointed: a checkpoint written between (only possible with
-``steps_per_generation`` larger than ``gradient_accumulation_steps``) resumes without them.
+Rows scheduled and not yet trained are checkpointed (:meth:`ReplayUpdate.state_dict`, in the framework's part of the
+plugin state). A checkpoint can fall between scheduling and training only with ``steps_per_generation`` larger than
+``gradient_accumulation_steps``; TRL itself then resumes with a fresh generation batch (its micro-step counter starts
+again at 0), and the restored rows train after that first generation batch's optimizer steps.
 """
 
 from __future__ import annotations
@@ -92,6 +94,17 @@ class ReplayUpdate:
             args.steps_per_generation * t.num_iterations)
         self.rows.extend(rows)
         self.due_micro_step = batch_end
+
+    def state_dict(self) -> dict:
+        """The rows scheduled and not yet trained (plain lists and numbers: checkpointable)."""
+        return {"rows": [r.state() for r in self.rows]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore pending rows on resume: TRL's micro-step counter starts again at 0 with a fresh generation batch,
+        after whose optimizer steps the rows train (each row checked again, as at scheduling)."""
+        self.rows = [ReplayRow.from_state(r) for r in state.get("rows", [])]
+        args = self.trainer.args
+        self.due_micro_step = args.steps_per_generation * self.trainer.num_iterations if self.rows else None
 
     def run_if_due(self) -> None:
         """Train the pending rows when the micro-steps of their generation batch are done (called at every step

@@ -917,7 +917,8 @@ class PluginGRPOTrainer(TrlSeamTrainer):
     # ------------------------------------------------------------------------------------------ checkpoints
     def plugin_state_dict(self) -> dict:
         """Resumable state of every plugin, plus the framework's rollout counter."""
-        state = {"__framework__": {"generation_service": self.generation_service.state_dict()}}
+        state = {"__framework__": {"generation_service": self.generation_service.state_dict(),
+                                   "replay_update": self.replay_update.state_dict()}}
         if self.refill_stage is not None:
             state["__framework__"]["refill"] = self.refill_stage.state_dict()
         for plugin, value in self.plugin_stack.call("trl_plugins_state_dict"):
@@ -926,6 +927,7 @@ class PluginGRPOTrainer(TrlSeamTrainer):
 
     def load_plugin_state_dict(self, state: dict) -> None:
         self.generation_service.load_state_dict(state.get("__framework__", {}).get("generation_service", {}))
+        self.replay_update.load_state_dict(state.get("__framework__", {}).get("replay_update", {}))
         if self.refill_stage is not None:
             self.refill_stage.load_state_dict(state.get("__framework__", {}).get("refill", {}))
         missing = []
