@@ -146,14 +146,73 @@ def _lora_config():
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
-            steps: int, device: str) -> dict:
+def build_trainer(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
+                  steps: int, device: str):
+    """The trainer of one run (construction only; a :class:`~trl_plugins.PluginError` here is a refusal): the
+    plugins' SMOKE_CONFIG / SMOKE_ARGS, the tool task for TOOL_PLUGINS, else the arithmetic task."""
     import torch
     from transformers import AutoTokenizer
 
     from trl_plugins import PluginGRPOTrainer
     from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
     from trl_plugins.testing import digit_fraction_reward, tiny_config, tiny_dataset
+
+    precision, quant, lora, vllm = SETTINGS[setting]
+    tools = bool(TOOL_PLUGINS & set(plugins))
+    overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
+    if vllm:
+        overrides.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    for p in plugins:
+        overrides.update(SMOKE_ARGS.get(p, {}))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    options = {**SMOKE_CONFIG, **TOOL_SMOKE_CONFIG} if tools else SMOKE_CONFIG
+    if tools:
+        overrides.update(loss_type="grpo")
+    args = tiny_config(
+        output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
+        plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in options[p].items()}
+                       for p in plugins if p in options},
+        max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=128 if tools else 32,
+        learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
+        log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
+        **overrides,
+    )
+    kwargs: dict[str, Any] = {}
+    if quant == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+    if lora:
+        kwargs["peft_config"] = _lora_config()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tools:
+        from trl_plugins.tasks.tools import (
+            ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
+        )
+        from trl_plugins.testing import script_generation
+
+        dataset = make_tool_dataset(64, kinds=("lookup",))
+        trainer = PluginGRPOTrainer(
+            model=str(model_path), reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
+            processing_class=enable_tool_calling(tokenizer), environment_factory=ToolEnvironment, **kwargs,
+        )
+        script_generation(trainer, gold_trace_script(dataset))
+        return trainer
+    dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
+               else tiny_dataset(64, levels=(1, 2)))
+    return PluginGRPOTrainer(
+        model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
+        train_dataset=dataset, processing_class=tokenizer, **kwargs,
+    )
+
+
+def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
+            steps: int, device: str) -> dict:
+    import torch
 
     from trl_plugins import PluginError
 
@@ -173,55 +232,8 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
         torch.cuda.reset_peak_memory_stats()
     phase = "construction"
     try:
-        overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
-        if vllm:
-            overrides.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
-        for p in plugins:
-            overrides.update(SMOKE_ARGS.get(p, {}))
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        options = {**SMOKE_CONFIG, **TOOL_SMOKE_CONFIG} if tools else SMOKE_CONFIG
-        if tools:
-            overrides.update(loss_type="grpo")
-        args = tiny_config(
-            output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
-            plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in options[p].items()}
-                           for p in plugins if p in options},
-            max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-            max_completion_length=128 if tools else 32,
-            learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
-            log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
-            **overrides,
-        )
-        kwargs: dict[str, Any] = {}
-        if quant == "4bit":
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                bnb_4bit_use_double_quant=True,
-            )
-        if lora:
-            kwargs["peft_config"] = _lora_config()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if tools:
-            from trl_plugins.tasks.tools import (
-                ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
-            )
-            from trl_plugins.testing import script_generation
-
-            dataset = make_tool_dataset(64, kinds=("lookup",))
-            trainer = PluginGRPOTrainer(
-                model=str(model_path), reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
-                processing_class=enable_tool_calling(tokenizer), environment_factory=ToolEnvironment, **kwargs,
-            )
-            script_generation(trainer, gold_trace_script(dataset))
-        else:
-            dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
-                       else tiny_dataset(64, levels=(1, 2)))
-            trainer = PluginGRPOTrainer(
-                model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
-                train_dataset=dataset, processing_class=tokenizer, **kwargs,
-            )
+        trainer = build_trainer(name, plugins, setting=setting, model_path=model_path, model_kind=model_kind,
+                                out_dir=out_dir, steps=steps, device=device)
         if quant == "4bit":
             import bitsandbytes as bnb
 
