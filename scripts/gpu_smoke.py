@@ -3,8 +3,9 @@
 
 Offline by construction (GPU machines here reach nothing outside): the model is the bundled character-level tiny
 Llama, built and saved locally, then **loaded by path** exactly as a hub model is loaded by name (4-bit NF4 through
-bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher) use their offline backends (rule
-judge, programmatic PRM, reference teacher).
+bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher, encoder) use their offline backends
+(rule judge, programmatic PRM, reference teacher) or the policy's own base model loaded by path (teachers, generative
+RMs, encoder).
 
 ``--model smollm2`` runs the same on the offline real model ``builtin:smollm2`` (SmolLM2-135M-Instruct, BPE
 tokenizer, chat template) instead, with the chat-message arithmetic dataset.
@@ -69,6 +70,26 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     "luffy": {},
     # the tasks' one reference solution per problem stands in for the teachers' solutions
     "ampo": {"solutions_column": "solution"},
+    # ARMed's encoder is the policy's own base model, local (mean-pooled hidden states, as in its CPU tests)
+    "armed": {"embedder": "hf", "embedder_model": "<policy model>", "answer_pattern": r"Answer:\s*(\S+)"},
+    # the generative RMs judge through the local HF backend with the policy's own base model; an untrained model's
+    # verdicts rarely parse, and those rows get their group's mean (a neutral column) instead of failing the step
+    **{name: {"genrm": "hf", "genrm_model": "<policy model>", "genrm_max_tokens": 16, "genrm_max_unparsable": 1.0}
+       for name in ("data_prm", "libra_rm", "think_rm")},
+    "deepseek_grm": {"genrm": "hf", "genrm_model": "<policy model>", "genrm_max_tokens": 16,
+                     "genrm_max_unparsable": 1.0, "k": 2},
+    "reasonflux_prm": {"prm": "programmatic"},
+    # tree searches and step candidates sized to G = 4 and 32-token completions (tests/test_smollm2_e2e.py)
+    "deepsearch": {"expansion_width": 2, "max_depth": 4, "node_budget": 8},
+    "ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"},
+    "slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []},
+    # the tasks' rows carry no paraphrases, constraints or documents: rewordings from a template, constraints for
+    # every row, and the reference solutions as the documents (tests/test_smollm2_e2e.py)
+    "ic_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]},
+    "ps_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]},
+    "light_if": {"constraints_column": None, "think_end": None,
+                 "constraints": [{"type": "word_count", "max": 12}, {"type": "keyword", "word": "Answer"}]},
+    "rlp": {"text_column": "solution", "min_context_words": 1},
 }
 #: Placeholder in SMOKE_CONFIG for the path of the model under test.
 POLICY_MODEL = "<policy model>"
@@ -76,6 +97,8 @@ POLICY_MODEL = "<policy model>"
 SMOKE_ARGS: dict[str, dict[str, Any]] = {
     "disco": {"loss_type": "grpo"},
     "oreal": {"loss_type": "dapo"},  # its official normalisation sits on top of the dapo loss
+    # think_rm's official pairwise advantages replace TRL's: the task's own reward columns weigh 0
+    "think_rm": {"reward_weights": [0.0, 0.0]},
 }
 #: Recommended stacks (one plugin per stage where possible).
 STACKS: dict[str, list[str]] = {
