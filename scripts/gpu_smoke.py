@@ -3,8 +3,9 @@
 
 Offline by construction (GPU machines here reach nothing outside): the model is the bundled character-level tiny
 Llama, built and saved locally, then **loaded by path** exactly as a hub model is loaded by name (4-bit NF4 through
-bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher) use their offline backends (rule
-judge, programmatic PRM, reference teacher).
+bitsandbytes for QLoRA). Components that would be external (judge, PRM, teacher, encoder) use their offline backends
+(rule judge, programmatic PRM, reference teacher) or the policy's own base model loaded by path (teachers, generative
+RMs, encoder).
 
 ``--model smollm2`` runs the same on the offline real model ``builtin:smollm2`` (SmolLM2-135M-Instruct, BPE
 tokenizer, chat template) instead, with the chat-message arithmetic dataset.
@@ -69,6 +70,26 @@ SMOKE_CONFIG: dict[str, dict[str, Any]] = {
     "luffy": {},
     # the tasks' one reference solution per problem stands in for the teachers' solutions
     "ampo": {"solutions_column": "solution"},
+    # ARMed's encoder is the policy's own base model, local (mean-pooled hidden states, as in its CPU tests)
+    "armed": {"embedder": "hf", "embedder_model": "<policy model>", "answer_pattern": r"Answer:\s*(\S+)"},
+    # the generative RMs judge through the local HF backend with the policy's own base model; an untrained model's
+    # verdicts rarely parse, and those rows get their group's mean (a neutral column) instead of failing the step
+    **{name: {"genrm": "hf", "genrm_model": "<policy model>", "genrm_max_tokens": 16, "genrm_max_unparsable": 1.0}
+       for name in ("data_prm", "libra_rm", "think_rm")},
+    "deepseek_grm": {"genrm": "hf", "genrm_model": "<policy model>", "genrm_max_tokens": 16,
+                     "genrm_max_unparsable": 1.0, "k": 2},
+    "reasonflux_prm": {"prm": "programmatic"},
+    # tree searches and step candidates sized to G = 4 and 32-token completions (tests/test_smollm2_e2e.py)
+    "deepsearch": {"expansion_width": 2, "max_depth": 4, "node_budget": 8},
+    "ettrl": {"fork_points": 1, "branches": 1, "fork_tokens": "distinct"},
+    "slate": {"prm": "programmatic", "k": 2, "step_stops": ["\n"], "answer_stops": []},
+    # the tasks' rows carry no paraphrases, constraints or documents: rewordings from a template, constraints for
+    # every row, and the reference solutions as the documents (tests/test_smollm2_e2e.py)
+    "ic_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]},
+    "ps_grpo": {"paraphrase_column": None, "templates": ["Please solve: {question}"]},
+    "light_if": {"constraints_column": None, "think_end": None,
+                 "constraints": [{"type": "word_count", "max": 12}, {"type": "keyword", "word": "Answer"}]},
+    "rlp": {"text_column": "solution", "min_context_words": 1},
 }
 #: Placeholder in SMOKE_CONFIG for the path of the model under test.
 POLICY_MODEL = "<policy model>"
@@ -76,6 +97,8 @@ POLICY_MODEL = "<policy model>"
 SMOKE_ARGS: dict[str, dict[str, Any]] = {
     "disco": {"loss_type": "grpo"},
     "oreal": {"loss_type": "dapo"},  # its official normalisation sits on top of the dapo loss
+    # think_rm's official pairwise advantages replace TRL's: the task's own reward columns weigh 0
+    "think_rm": {"reward_weights": [0.0, 0.0]},
 }
 #: Recommended stacks (one plugin per stage where possible).
 STACKS: dict[str, list[str]] = {
@@ -146,14 +169,73 @@ def _lora_config():
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
-            steps: int, device: str) -> dict:
+def build_trainer(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
+                  steps: int, device: str):
+    """The trainer of one run (construction only; a :class:`~trl_plugins.PluginError` here is a refusal): the
+    plugins' SMOKE_CONFIG / SMOKE_ARGS, the tool task for TOOL_PLUGINS, else the arithmetic task."""
     import torch
     from transformers import AutoTokenizer
 
     from trl_plugins import PluginGRPOTrainer
     from trl_plugins.tasks.arithmetic import accuracy_reward, make_dataset
     from trl_plugins.testing import digit_fraction_reward, tiny_config, tiny_dataset
+
+    precision, quant, lora, vllm = SETTINGS[setting]
+    tools = bool(TOOL_PLUGINS & set(plugins))
+    overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
+    if vllm:
+        overrides.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    for p in plugins:
+        overrides.update(SMOKE_ARGS.get(p, {}))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    options = {**SMOKE_CONFIG, **TOOL_SMOKE_CONFIG} if tools else SMOKE_CONFIG
+    if tools:
+        overrides.update(loss_type="grpo")
+    args = tiny_config(
+        output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
+        plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in options[p].items()}
+                       for p in plugins if p in options},
+        max_steps=steps, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=128 if tools else 32,
+        learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
+        log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
+        **overrides,
+    )
+    kwargs: dict[str, Any] = {}
+    if quant == "4bit":
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,
+        )
+    if lora:
+        kwargs["peft_config"] = _lora_config()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tools:
+        from trl_plugins.tasks.tools import (
+            ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
+        )
+        from trl_plugins.testing import script_generation
+
+        dataset = make_tool_dataset(64, kinds=("lookup",))
+        trainer = PluginGRPOTrainer(
+            model=str(model_path), reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
+            processing_class=enable_tool_calling(tokenizer), environment_factory=ToolEnvironment, **kwargs,
+        )
+        script_generation(trainer, gold_trace_script(dataset))
+        return trainer
+    dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
+               else tiny_dataset(64, levels=(1, 2)))
+    return PluginGRPOTrainer(
+        model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
+        train_dataset=dataset, processing_class=tokenizer, **kwargs,
+    )
+
+
+def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, model_kind: str, out_dir: Path,
+            steps: int, device: str) -> dict:
+    import torch
 
     from trl_plugins import PluginError
 
@@ -173,55 +255,8 @@ def run_one(name: str, plugins: list[str], *, setting: str, model_path: Path, mo
         torch.cuda.reset_peak_memory_stats()
     phase = "construction"
     try:
-        overrides: dict[str, Any] = {"loss_type": "dr_grpo"}
-        if vllm:
-            overrides.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
-        for p in plugins:
-            overrides.update(SMOKE_ARGS.get(p, {}))
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        options = {**SMOKE_CONFIG, **TOOL_SMOKE_CONFIG} if tools else SMOKE_CONFIG
-        if tools:
-            overrides.update(loss_type="grpo")
-        args = tiny_config(
-            output_dir=str(out_dir / name.replace("/", "_")), plugins=plugins,
-            plugin_config={p: {k: str(model_path) if v == POLICY_MODEL else v for k, v in options[p].items()}
-                           for p in plugins if p in options},
-            max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-            max_completion_length=128 if tools else 32,
-            learning_rate=1e-3 if lora else 1e-4, use_cpu=device == "cpu", bf16=precision == "bf16",
-            log_level="error", model_init_kwargs={"dtype": "bfloat16" if precision == "bf16" else "float32"},
-            **overrides,
-        )
-        kwargs: dict[str, Any] = {}
-        if quant == "4bit":
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-                bnb_4bit_use_double_quant=True,
-            )
-        if lora:
-            kwargs["peft_config"] = _lora_config()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        if tools:
-            from trl_plugins.tasks.tools import (
-                ToolEnvironment, enable_tool_calling, gold_trace_script, make_tool_dataset, tool_answer_reward,
-            )
-            from trl_plugins.testing import script_generation
-
-            dataset = make_tool_dataset(64, kinds=("lookup",))
-            trainer = PluginGRPOTrainer(
-                model=str(model_path), reward_funcs=[tool_answer_reward], args=args, train_dataset=dataset,
-                processing_class=enable_tool_calling(tokenizer), environment_factory=ToolEnvironment, **kwargs,
-            )
-            script_generation(trainer, gold_trace_script(dataset))
-        else:
-            dataset = (make_dataset(64, levels=(1, 2), seed=0, split="train") if model_kind == "smollm2"
-                       else tiny_dataset(64, levels=(1, 2)))
-            trainer = PluginGRPOTrainer(
-                model=str(model_path), reward_funcs=[accuracy_reward, digit_fraction_reward], args=args,
-                train_dataset=dataset, processing_class=tokenizer, **kwargs,
-            )
+        trainer = build_trainer(name, plugins, setting=setting, model_path=model_path, model_kind=model_kind,
+                                out_dir=out_dir, steps=steps, device=device)
         if quant == "4bit":
             import bitsandbytes as bnb
 
