@@ -27,6 +27,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import platform
 import queue
 import sys
 import tempfile
@@ -145,6 +146,21 @@ def _cuda_used_mib() -> float:
     return (total - free) / 2**20
 
 
+def _processor(device: str) -> str:
+    """The chip a run ran on (tables built over several sessions may mix machines): the GPU's name, or the CPU's model
+    name from /proc/cpuinfo (with "AMX bf16" when it has those units)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "CPU")
+    return name + (" (AMX bf16)" if "amx_bf16" in info else "")
+
+
 def _memory_record(device: str, used_before_mib: float | None) -> dict:
     """This process's peak memory. CUDA: the allocator's peak reservation plus the process's context (device memory
     in use now, less what was in use before this process started, less what the allocator holds now)."""
@@ -252,7 +268,8 @@ def run_chat(job: dict) -> dict:
         "grpo_overrides": overrides, "steps": trainer.state.global_step, "rollouts": counts["rollouts"],
         "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1), "evals": evals, "per_step": per_step,
         "truncated": budget_cb.truncated, "memory": _memory_record(device, job.get("gpu_used_before_mib")),
-        "config_hash": job["config_hash"], "weights_sha256": job["weights_sha256"], **extra,
+        "config_hash": job["config_hash"], "weights_sha256": job["weights_sha256"],
+        "processor": _processor(device), "date": time.strftime("%Y-%m-%d"), **extra,
     }
     path = Path(job["path"])
     if budget_cb.truncated:  # never a cached finished run: a resume re-runs it
@@ -463,6 +480,10 @@ def header(result: dict) -> str:
     cut_text = (" Cut short by --max-minutes (fewer rollouts than the budget: not comparable, left out of the table "
                 "and the plots): "
                 + ", ".join(f"{m} seed {s} ({n} steps)" for m, s, n in cut) + "." if cut else "")
+    made = sorted({(r.get("processor"), r.get("date")) for r in finished_runs(result) if r.get("processor")})
+    made_text = (" Finished runs made on: " + "; ".join(
+        f"{chip}, {date} ({sum(1 for r in finished_runs(result) if (r.get('processor'), r.get('date')) == (chip, date))})"
+        for chip, date in made) + "." if made else "")
     return (
         f"Chat mode: {result['model']} (rank {result['lora']['r']}, all attention and MLP projections) on the bundled "
         f"chat-arithmetic task (`trl_plugins.tasks.chat_arith`: \"What is a {' / '.join(t['ops'])} b? Reply with "
@@ -476,7 +497,7 @@ def header(result: dict) -> str:
         f"pass rate (T={result['task_settings']['temperature']:g}, GRPO's sampling temperature; 4 samples per problem) "
         f"{result['base_pass_rate']:.3f}. Target accuracy: "
         f"{result['target']:.2f}. {len(finished_runs(result))} finished runs; this invocation took "
-        f"{result['wall_seconds'] / 60:.1f} min.{mem_text}{cut_text}"
+        f"{result['wall_seconds'] / 60:.1f} min.{made_text}{mem_text}{cut_text}"
     )
 
 

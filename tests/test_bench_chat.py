@@ -121,6 +121,21 @@ def test_run_cache_key_changes_with_the_method_settings_the_task_and_the_device(
                 bc.config_hash(task, "cuda", "grpo", {"learning_rate": 3e-4})}) == 5
 
 
+def test_a_table_built_over_several_sessions_names_the_chips_and_dates_of_its_runs():
+    """Each finished run records its chip and date; the header counts the finished runs per (chip, date), and says
+    nothing when no run recorded one (tables made before the field existed)."""
+    bc = _bench_chat()
+    result = json.loads((ROOT / "docs" / "benchmarks" / "learning_smollm2_chat.json").read_text())
+    assert "made on" not in bc.header(result)
+    for k, r in enumerate(result["runs"][:5]):
+        r.update(processor="AMD EPYC" if k < 2 else "Intel Xeon (AMX bf16)", date="2026-11-28" if k < 4 else "2026-11-29")
+    result["runs"][0]["truncated"] = True  # a cut run is not a finished run
+    text = bc.header(result)
+    assert ("Finished runs made on: AMD EPYC, 2026-11-28 (1); Intel Xeon (AMX bf16), 2026-11-28 (2); "
+            "Intel Xeon (AMX bf16), 2026-11-29 (1).") in text
+    assert isinstance(bc._processor("cpu"), str) and bc._processor("cpu")
+
+
 def test_guidance_methods_get_the_columns_they_read():
     bc = _bench_chat()
     row = next(iter(bc.datasets(bc.settings(tiny=True), 4)[0]))
