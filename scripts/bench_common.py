@@ -502,22 +502,3 @@ def quantile(values: list[float], q: float) -> float:
     lo, hi = int(pos), min(int(pos) + 1, len(vals) - 1)
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
-
-def write_shipped_bench_weights() -> list[Path]:
-    """Warm-start the benchmarks' tiny model (:func:`demo_settings`) and, on top of it, their tool-use model
-    (``bench_agentic.warm_start_settings``) on this machine and write both as shipped weights
-    (:data:`trl_plugins.tasks.tiny.SHIPPED_WEIGHTS`), so every machine measures the same two models. Run by maintainers
-    when a recipe changes; every learning table must then be re-measured."""
-    import bench_agentic as ba
-
-    from trl_plugins.tasks.tiny import write_shipped_weights
-    from trl_plugins.tasks.tiny_tools import write_shipped_tool_weights
-
-    return [write_shipped_weights(demo_settings()), write_shipped_tool_weights(demo_settings(), ba.warm_start_settings())]
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-shipped"]:
-        raise SystemExit("usage: python scripts/bench_common.py --write-shipped")
-    for written in write_shipped_bench_weights():
-        print(written)
