@@ -5,7 +5,9 @@
 * :data:`PLUGIN_SETTINGS`: per built-in plugin, the plugin options and GRPOConfig fields under which it *acts*
   on the bundled arithmetic task (rule-based judge, programmatic PRM, reference solutions: nothing external);
 * trainer construction for ``trl.GRPOTrainer`` and ``PluginGRPOTrainer`` from the same settings;
-* process memory helpers (peak resident set size via ``/proc/self/status``, resettable on Linux).
+* process memory helpers (peak resident set size via ``/proc/self/status``, resettable on Linux);
+* what a result records of where it ran: :func:`machine_info`, :func:`device_name`, and :func:`weights_sha256` (which
+  warm-started model it measured).
 
 Nothing here downloads anything.
 """
@@ -484,6 +486,25 @@ def machine_info() -> dict:
         "loadavg_1_5_15": [round(x, 2) for x in load],
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+
+
+def device_name(device: str) -> str:
+    """The accelerator's name for a result's header (``cuda``: the first GPU's), else "CPU"."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "CPU"
+
+
+def weights_sha256(model_dir: Path) -> str | None:
+    """First 16 hex digits of the SHA-256 of the warm-started model's weights file. The warm start is deterministic on
+    one machine but not bit-identical across machines (CPU kernels), so this tells which model a table was measured
+    with."""
+    import hashlib
+
+    path = model_dir / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
 
 
 def median(values: list[float]) -> float:
