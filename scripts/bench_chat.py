@@ -1,7 +1,7 @@
 """Real-model learning benchmark with signal: builtin:smollm2 + LoRA on the bundled chat-arithmetic task.
 
-Run through ``scripts/bench_learning.py --task chat`` (this module holds the mode; the analysis, table and plots are
-bench_learning's). The model is ``builtin:smollm2`` (SmolLM2-135M-Instruct, converted offline); the task is
+Run through ``scripts/bench_learning.py --task chat`` (this module holds the mode; the methods' settings are
+``scripts/learning_methods.py``'s, the analysis, table and plots ``scripts/learning_tables.py``'s). The model is ``builtin:smollm2`` (SmolLM2-135M-Instruct, converted offline); the task is
 :mod:`trl_plugins.tasks.chat_arith` ("What is 23 + 17? Reply with only the number.", lenient verifier), on which the
 untrained model already succeeds on part of its samples, so vanilla GRPO has a signal.
 
@@ -38,7 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
-import bench_learning as bl  # noqa: E402
+import learning_methods as lm  # noqa: E402
+import learning_tables as lt  # noqa: E402
 
 # The task and GRPO settings of the mode (full size). 20 vanilla GRPO steps of 64 rollouts (8 prompts x G=8).
 # Tuned so that the untrained model's sampled pass rate is between 10 % and 60 % (held-out problems, 4 samples each,
@@ -55,7 +56,8 @@ CHAT_TASK: dict = {
 # --tiny: the plumbing only (one step of 8 rollouts, 8 held-out problems).
 CHAT_TINY: dict = {"train_size": 32, "num_generations": 4, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
                    "max_completion_length": 8, "budget": 8, "eval_every": 8, "eval_size": 8}
-# Settings that differ from bench_learning's (bench_common.PLUGIN_SETTINGS / LEARNING_SETTINGS) on this task.
+# Settings that differ from bench_learning's (bench_common.PLUGIN_SETTINGS / learning_methods.LEARNING_SETTINGS) on
+# this task.
 CHAT_PLUGIN_SETTINGS: dict[str, tuple[dict, dict]] = {
     # a reply is one step ("23 + 17 = 40", or just "40"): a failed reply's first step is wrong, so a repair keeps no
     # verified prefix; min_prefix_steps 0 lets SCOPE repair from scratch (the reference reply), LUFFY-style
@@ -74,7 +76,7 @@ def settings(tiny: bool) -> dict:
 
 def method_settings(method: str) -> tuple[list[str], dict, dict]:
     """Plugins, plugin options and GRPOConfig overrides of a method on this task."""
-    plugins, options, overrides = bl.method_settings(method, real_model=True)
+    plugins, options, overrides = lm.method_settings(method, real_model=True)
     for name in plugins:
         if name in CHAT_PLUGIN_SETTINGS:
             opts, over = CHAT_PLUGIN_SETTINGS[name]
@@ -232,7 +234,7 @@ def run_chat(job: dict) -> dict:
                               peft_config=bc.real_model_lora(), **overrides)
     counts = count_policy_rollouts(trainer)
     pending: dict = {}
-    bl.record_rewards(trainer, pending, G, lambda completions, rows: chat_accuracy_reward(
+    lm.record_rewards(trainer, pending, G, lambda completions, rows: chat_accuracy_reward(
         completions, [r["answer"] for r in rows], [r["problem"] for r in rows]))
     evals: list[dict] = []
     max_new = task["max_completion_length"]
@@ -346,7 +348,7 @@ def main(args, command: str) -> int:
     grpo_config = json.loads(args.grpo_config)
     if args.lr is not None:
         grpo_config["learning_rate"] = args.lr
-    methods = args.methods or (["grpo", "scope"] if args.tiny else bl.CHAT_METHODS)
+    methods = args.methods or (["grpo", "scope"] if args.tiny else lm.CHAT_METHODS)
     seeds = args.seeds[:1] if args.tiny and args.seeds == [0, 1, 2] else args.seeds
     budget = args.budget or task["budget"]
     eval_every = args.eval_every or task["eval_every"]
@@ -446,7 +448,7 @@ def main(args, command: str) -> int:
     target = args.target if args.target is not None else round(base["base_accuracy"] + 0.15, 2)
     result = {
         "command": command.strip(), "mode": mode, "task": "chat", "quick": args.tiny, "machine": bc.machine_info(),
-        "device": args.device, "device_name": bl._device_name(args.device) if records or args.device == "cpu" else "",
+        "device": args.device, "device_name": bc.device_name(args.device) if records or args.device == "cpu" else "",
         "model": "builtin:smollm2 (SmolLM2-135M-Instruct) + LoRA", "model_path": model_path,
         "weights_sha256": weights, "lora": bc.REAL_MODEL_SETTINGS["lora"], "task_settings": task,
         "seeds": seeds, "methods": methods, "budget": budget, "eval_every": eval_every, "eval_size": eval_size,
@@ -503,17 +505,17 @@ def header(result: dict) -> str:
 
 def _write_outputs(result: dict, args, failed: list | None = None) -> int:
     finished = finished_runs(result)
-    result["summary"] = bl.summarize(finished, result["base_accuracy"], result["target"])
+    result["summary"] = lt.summarize(finished, result["base_accuracy"], result["target"])
     result["header"] = header(result)
     prefix = result["section"] = args.section or f"learning_{result['mode']}"
-    md = bl.markdown(result)
+    md = lt.markdown(result)
     print(md)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{prefix}.json").write_text(json.dumps(result, default=float))
     (out_dir / f"{prefix}.md").write_text(f"Command: `{result['command']}`\n\n{md}\n")
     if finished:
-        bl.plot(finished, result["methods"], out_dir, result["base_accuracy"], result["target"], prefix=prefix)
+        lt.plot(finished, result["methods"], out_dir, result["base_accuracy"], result["target"], prefix=prefix)
     if args.write_docs:
         from bench_overhead import write_docs_section
 

@@ -5,7 +5,9 @@
 * :data:`PLUGIN_SETTINGS`: per built-in plugin, the plugin options and GRPOConfig fields under which it *acts*
   on the bundled arithmetic task (rule-based judge, programmatic PRM, reference solutions: nothing external);
 * trainer construction for ``trl.GRPOTrainer`` and ``PluginGRPOTrainer`` from the same settings;
-* process memory helpers (peak resident set size via ``/proc/self/status``, resettable on Linux).
+* process memory helpers (peak resident set size via ``/proc/self/status``, resettable on Linux);
+* what a result records of where it ran: :func:`machine_info`, :func:`device_name`, and :func:`weights_sha256` (which
+  warm-started model it measured).
 
 Nothing here downloads anything.
 """
@@ -486,6 +488,25 @@ def machine_info() -> dict:
     }
 
 
+def device_name(device: str) -> str:
+    """The accelerator's name for a result's header (``cuda``: the first GPU's), else "CPU"."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "CPU"
+
+
+def weights_sha256(model_dir: Path) -> str | None:
+    """First 16 hex digits of the SHA-256 of the warm-started model's weights file. The warm start is deterministic on
+    one machine but not bit-identical across machines (CPU kernels), so this tells which model a table was measured
+    with."""
+    import hashlib
+
+    path = model_dir / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else None
+
+
 def median(values: list[float]) -> float:
     vals = sorted(v for v in values if v == v)
     if not vals:
@@ -502,22 +523,3 @@ def quantile(values: list[float], q: float) -> float:
     lo, hi = int(pos), min(int(pos) + 1, len(vals) - 1)
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
-
-def write_shipped_bench_weights() -> list[Path]:
-    """Warm-start the benchmarks' tiny model (:func:`demo_settings`) and, on top of it, their tool-use model
-    (``bench_agentic.warm_start_settings``) on this machine and write both as shipped weights
-    (:data:`trl_plugins.tasks.tiny.SHIPPED_WEIGHTS`), so every machine measures the same two models. Run by maintainers
-    when a recipe changes; every learning table must then be re-measured."""
-    import bench_agentic as ba
-
-    from trl_plugins.tasks.tiny import write_shipped_weights
-    from trl_plugins.tasks.tiny_tools import write_shipped_tool_weights
-
-    return [write_shipped_weights(demo_settings()), write_shipped_tool_weights(demo_settings(), ba.warm_start_settings())]
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--write-shipped"]:
-        raise SystemExit("usage: python scripts/bench_common.py --write-shipped")
-    for written in write_shipped_bench_weights():
-        print(written)

@@ -117,27 +117,28 @@ def test_bench_learning_real_model_summarize_only_reuses_the_recorded_base_numbe
     assert "Real-model mode: builtin:smollm2" in proc.stdout and recorded["device_name"] in proc.stdout
 
 
-def _bench_learning_module():
-    sys.path.insert(0, str(SCRIPTS))
-    import bench_learning
+def _script(name: str):
+    """The module ``name`` of scripts/ (bench_learning's methods and tables: learning_methods, learning_tables)."""
+    import importlib
 
-    return bench_learning
+    sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 def test_bench_learning_tables_list_grpo_first_and_leave_tool_only_plugins_out_of_arithmetic_modes():
     """GRPO, the baseline, is also the agentic methods' first entry: it keeps the first place in every table; the
     plugins that act on tool rollouts only are not run on the arithmetic task."""
-    bl = _bench_learning_module()
+    lm, lt, bc = _script("learning_methods"), _script("learning_tables"), _script("bench_common")
 
     def record(method):
         return {"method": method, "seed": 0, "steps": 2, "rollouts": 128, "seconds": 1.0,
                 "plugins": [] if method == "grpo" else method.split("+"), "per_step": [{"reward": 0.1}],
                 "evals": [{"rollouts": 0, "accuracy": 0.2}, {"rollouts": 128, "accuracy": 0.3}]}
 
-    rows = bl.summarize([record("scope"), record("igpo"), record("grpo")], base_acc=0.2, target=0.25)
+    rows = lt.summarize([record("scope"), record("igpo"), record("grpo")], base_acc=0.2, target=0.25)
     assert [r["method"] for r in rows] == ["grpo", "scope", "igpo"]
-    assert not set(bl.bc.TOOL_ONLY_PLUGINS) & set(bl.ALL_METHODS)
-    assert set(bl.bc.PLUGIN_SETTINGS) - set(bl.bc.TOOL_ONLY_PLUGINS) <= set(bl.ALL_METHODS)
+    assert not set(bc.TOOL_ONLY_PLUGINS) & set(lm.ALL_METHODS)
+    assert set(bc.PLUGIN_SETTINGS) - set(bc.TOOL_ONLY_PLUGINS) <= set(lm.ALL_METHODS)
 
 
 def test_the_benchmarks_models_are_shipped_and_load_without_a_warm_start(tmp_path, monkeypatch):
@@ -145,34 +146,34 @@ def test_the_benchmarks_models_are_shipped_and_load_without_a_warm_start(tmp_pat
     the same bytes on every load (the weights hash in every table header and run-cache name), no warm start runs."""
     import hashlib
 
-    bl = _bench_learning_module()
+    bc, ba = _script("bench_common"), _script("bench_agentic")
     from trl_plugins.tasks import tiny, tiny_tools
 
     monkeypatch.setattr(tiny, "warm_start", lambda *a, **k: pytest.fail("the benchmark model must not be warm-started"))
     monkeypatch.setattr(tiny_tools, "warm_start_tools", lambda *a, **k: pytest.fail("nor its tool-use model"))
-    assert tiny.shipped_weights(bl.bc.demo_settings()) is not None
+    assert tiny.shipped_weights(bc.demo_settings()) is not None
     hashes = []
     for cache in (tmp_path / "a", tmp_path / "b"):
-        bl.bc.load_demo_model(cache)
-        bl.ba.load_model(cache)
-        hashes.append((bl._weights_sha256(bl.bc.demo_model_dir(cache)), bl._weights_sha256(bl.ba.model_dir(cache))))
+        bc.load_demo_model(cache)
+        ba.load_model(cache)
+        hashes.append((bc.weights_sha256(bc.demo_model_dir(cache)), bc.weights_sha256(ba.model_dir(cache))))
     assert hashes[0] == hashes[1] and None not in hashes[0]
-    shipped = tiny_tools.shipped_tool_weights(bl.ba.model_key())
+    shipped = tiny_tools.shipped_tool_weights(ba.model_key())
     assert shipped is not None and shipped.stat().st_size < 2_000_000
     assert hashlib.sha256(shipped.read_bytes()).hexdigest() != hashlib.sha256(
-        tiny.shipped_weights(bl.bc.demo_settings()).read_bytes()).hexdigest()
+        tiny.shipped_weights(bc.demo_settings()).read_bytes()).hexdigest()
 
 
 def test_bench_learning_families_and_the_summary_table_cover_every_builtin_plugin():
     """Each method has one family; the summary table has one row per measured method and a row saying why for every
     built-in plugin that no run measured; a plugin that beats GRPO by more than two standard errors reads better."""
-    bl = _bench_learning_module()
+    lm, lt = _script("learning_methods"), _script("learning_tables")
     from trl_plugins.runtime.manager import available_plugins
 
-    assert bl.family("grpo") == bl.family("grpo_drgrpo") == "baseline"
-    assert bl.family("scope+lp_reg") == "stack" and bl.family("igpo") == "agentic"
-    assert bl.family("lp_reg") == "loss" and bl.family("dynamic_sampling") == "sampling"
-    assert all(bl.family(m) in bl.FAMILIES for m in bl.ALL_METHODS)
+    assert lm.family("grpo") == lm.family("grpo_drgrpo") == "baseline"
+    assert lm.family("scope+lp_reg") == "stack" and lm.family("igpo") == "agentic"
+    assert lm.family("lp_reg") == "loss" and lm.family("dynamic_sampling") == "sampling"
+    assert all(lm.family(m) in lm.FAMILIES for m in lm.ALL_METHODS)
 
     def row(method, mean, sd):
         return {"method": method, "final_acc": (mean, sd), "reached_target": "3/3",
@@ -180,7 +181,7 @@ def test_bench_learning_families_and_the_summary_table_cover_every_builtin_plugi
 
     full = {"warm_start_sha256": "abc", "budget": 2560, "seeds": [0, 1, 2], "command": "python x.py", "runs": [],
             "summary": [row("grpo", 0.30, 0.01), row("scope", 0.40, 0.01), row("lp_reg", 0.31, 0.05)]}
-    lines = bl.summary_markdown(full, None).splitlines()
+    lines = lt.summary_markdown(full, None).splitlines()
     by_name = {line.split(" | ")[0].strip("| "): line for line in lines if line.startswith("| ")}
     assert "| better |" in by_name["scope"] and "| ≈ |" in by_name["lp_reg"]
     assert "+0.100" in by_name["scope"]
@@ -201,33 +202,32 @@ def test_bench_learning_token_mode_stops_every_run_at_the_same_generated_tokens(
         last, before = run["per_step"][-1], run["per_step"][:-1]
         assert last["tokens"] == run["tokens"] >= 1500 and all(s["tokens"] < 1500 for s in before)
         assert run["evals"][-1]["tokens"] == run["tokens"]
-    table = _bench_learning_module().markdown(result)
+    table = _script("learning_tables").markdown(result)
     assert table.startswith("Token mode:") and "| rollouts / generated tokens per run |" in table
 
 
 def test_bench_learning_variants_set_the_plugin_options_and_unknown_ones_are_refused():
-    bl = _bench_learning_module()
-    plugins, options, _ = bl.method_settings("siri")
+    lm = _script("learning_methods")
+    plugins, options, _ = lm.method_settings("siri")
     assert plugins == ["siri"] and options["siri"]["period"] == 30  # the learning benchmark's shorter cycle
-    plugins, options, _ = bl.method_settings("laser:laser_de+canon")
+    plugins, options, _ = lm.method_settings("laser:laser_de+canon")
     assert plugins == ["laser", "canon"] and options["laser"]["variant"] == "laser_de"
     with pytest.raises(ValueError, match="laser:nope"):
-        bl.method_settings("laser:nope")
+        lm.method_settings("laser:nope")
 
 
 def test_bench_learning_claim_metric_falls_back_to_the_plugins_own():
-    bl = _bench_learning_module()
+    lt = _script("learning_tables")
     from trl_plugins.runtime.manager import get_plugin_class
 
     metric, label = get_plugin_class("remax").claim_metric
-    assert bl._claim_metric("remax", ["remax"]) == (f"plugins/remax/{metric}", label)
-    assert bl._claim_metric("scope", ["scope"]) == bl.CLAIM_METRICS["scope"]
-    assert bl._claim_metric("grpo", []) == (None, None)
+    assert lt._claim_metric("remax", ["remax"]) == (f"plugins/remax/{metric}", label)
+    assert lt._claim_metric("scope", ["scope"]) == lt.CLAIM_METRICS["scope"]
+    assert lt._claim_metric("grpo", []) == (None, None)
 
 
 def test_bench_agentic_reports_whether_the_tool_use_plugins_acted_and_keys_runs_by_the_warm_start(monkeypatch):
-    _bench_learning_module()
-    import bench_agentic as ba
+    ba = _script("bench_agentic")
 
     per_step = [{"plugins/otc_po/r_tool_mean": 1.0, "plugins/aspo/shaped_fraction": 0.0},
                 {"plugins/otc_po/r_tool_mean": 0.9, "plugins/aspo/shaped_fraction": 0.25},

@@ -536,7 +536,7 @@ def demo_model(
 #: (``scripts/bench_common.py``), plus ``tiny-tools-<key>.safetensors`` for the benchmarks' tool-use warm start
 #: (:func:`trl_plugins.tasks.tiny_tools.tool_demo_model`): byte-identical on every machine, where a warm start on the
 #: machine itself would round differently. ``python -m trl_plugins.tasks.tiny --write-shipped`` remakes the demo's
-#: file with the recipe, ``python scripts/bench_common.py --write-shipped`` the benchmarks' two.
+#: file with the recipe, ``python scripts/write_shipped_weights.py`` the benchmarks' two.
 SHIPPED_WEIGHTS = Path(__file__).resolve().parent / "weights"
 
 
