@@ -1,9 +1,10 @@
 """Real-model learning benchmark with signal: builtin:smollm2 + LoRA on the bundled chat-arithmetic task.
 
 Run through ``scripts/bench_learning.py --task chat`` (this module holds the mode; the methods' settings are
-``scripts/learning_methods.py``'s, the analysis, table and plots ``scripts/learning_tables.py``'s). The model is ``builtin:smollm2`` (SmolLM2-135M-Instruct, converted offline); the task is
-:mod:`trl_plugins.tasks.chat_arith` ("What is 23 + 17? Reply with only the number.", lenient verifier), on which the
-untrained model already succeeds on part of its samples, so vanilla GRPO has a signal.
+``scripts/learning_methods.py``'s, the analysis, table and plots ``scripts/learning_tables.py``'s). The model is
+``builtin:smollm2`` (SmolLM2-135M-Instruct, converted offline); the task is :mod:`trl_plugins.tasks.chat_arith`
+("What is 23 + 17? Reply with only the number.", lenient verifier), on which the untrained model already succeeds on
+part of its samples, so vanilla GRPO has a signal.
 
 * Equal rollout budget per run (policy rollouts counted at the generation backend, as in bench_learning); LoRA.
 * Run cache: one JSON per run under ``--run-dir``, named by (method, seed, config hash, weights hash); the config hash
