@@ -153,9 +153,7 @@ def _processor(device: str) -> str:
     """The chip a run ran on (tables built over several sessions may mix machines): the GPU's name, or the CPU's model
     name from /proc/cpuinfo (with "AMX bf16" when it has those units)."""
     if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
+        return bc.device_name(device)
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:

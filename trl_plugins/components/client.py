@@ -11,6 +11,7 @@ a batch of coroutines on a private event loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,6 +36,19 @@ class EndpointError(PluginError, RuntimeError):
 
     Its message names the URL with any credentials redacted (``https://***@host/v1?api_key=***``, as every
     :class:`~trl_plugins.api.errors.PluginError`)."""
+
+
+@contextlib.contextmanager
+def local_model_loading(what: str):
+    """Around loading a local component model: transformers' ``OSError`` / ``ValueError`` (a hub name without network,
+    a missing folder) becomes one :class:`EndpointError` starting "Could not load the {what}"; the project's own
+    refusals (:class:`PluginError`) pass as they are."""
+    try:
+        yield
+    except PluginError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise EndpointError(f"Could not load the {what}: {exc}") from exc
 
 
 def api_key_from_env(env: str | None) -> str | None:

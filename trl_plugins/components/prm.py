@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from trl_plugins.api.text import completion_text
-from trl_plugins.api.errors import PluginConfigError, PluginError
+from trl_plugins.api.errors import PluginConfigError
 from trl_plugins.api.options import option
 from trl_plugins.api.registry import Registry
 from trl_plugins.components.client import (
@@ -60,6 +60,7 @@ from trl_plugins.components.client import (
     OpenAICompatibleClient,
     api_key_from_env,
     endpoint_options,
+    local_model_loading,
 )
 from trl_plugins.components.local_server import QUESTION_ROWS
 from trl_plugins.components.steps import StepSpan, first_error, question_text, split_steps
@@ -243,20 +244,14 @@ class HFProcessRewardModel(ProcessRewardModel):
         from transformers import AutoTokenizer
 
         self.name = model_name_or_path or getattr(getattr(model, "config", None), "_name_or_path", "model")
-        try:  # a hub name without network, a missing folder: one error naming the model (as the judge and genrm)
+        with local_model_loading(f"process reward model {model_name_or_path!r} (plugin option prm_model; a hub name "
+                                 "or a local folder)"):
             self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(
                 model_name_or_path, trust_remote_code=trust_remote_code
             )
             self.model = model if model is not None else load_prm_model(
                 model_name_or_path, trust_remote_code=trust_remote_code, torch_dtype=torch_dtype
             )
-        except PluginError:  # our own refusals (a remote-code class without trust_remote_code, ...) as they are
-            raise
-        except (OSError, ValueError) as exc:
-            raise EndpointError(
-                f"Could not load the process reward model {model_name_or_path!r} (plugin option prm_model; a hub name "
-                f"or a local folder): {exc}"
-            ) from exc
         if device is not None:
             self.model.to(device)
         self.model.eval()

@@ -36,10 +36,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from trl_plugins.api.errors import PluginConfigError, PluginError
+from trl_plugins.api.errors import PluginConfigError
 from trl_plugins.api.options import option
-from trl_plugins.components.client import (EndpointConfig, EndpointError, OpenAICompatibleClient, api_key_from_env,
-                                         endpoint_options)
+from trl_plugins.components.client import (EndpointConfig, OpenAICompatibleClient, api_key_from_env, endpoint_options,
+                                         local_model_loading)
 from trl_plugins.components.steps import split_steps
 from trl_plugins.components.teacher_logprobs import (
     ECHO_PARAMS,
@@ -187,17 +187,13 @@ class HFTeacher(Teacher):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.name = model_name_or_path or getattr(getattr(model, "config", None), "_name_or_path", "model")
-        try:  # a hub name without network, a missing folder: one error naming the model and its role
+        with local_model_loading(f"{role} {model_name_or_path!r}"):
             self.tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_name_or_path)
             if model is None:
                 from trl_plugins.api.engines import whole_model_loading
 
                 with whole_model_loading():  # frozen: whole on every process, also under ZeRO-3
                     model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
-        except PluginError:
-            raise
-        except (OSError, ValueError) as exc:
-            raise EndpointError(f"Could not load the {role} {model_name_or_path!r}: {exc}") from exc
         self.model = model
         if device is not None:
             self.model.to(device)
