@@ -12,7 +12,9 @@ part of its samples, so vanilla GRPO has a signal.
   is the converted model's safetensors. An interrupted table resumes in a later session.
 * Workers: the first run goes alone in its own process and its peak memory is measured (CUDA:
   ``torch.cuda.max_memory_reserved`` plus the process's CUDA context; CPU: peak RSS); then
-  ``workers = floor(available * 0.8 / peak)``, capped by the CPU cores and the runs left. Measurement and choice go
+  ``workers = floor(available * 0.8 / peak)``, capped by the CPU cores and the runs left. A resumed CPU table whose
+  cached runs recorded their peaks uses the largest of them and sends no probe alone (a lone probe leaves a core idle
+  for a whole run). Measurement and choice go
   into the result JSON. Every run is its own spawned process (on CUDA all of them share the one GPU).
 * The untrained model's held-out accuracy (every run's first point: LoRA B = 0 is the base model) is measured once,
   by the probe run (or read from the run cache), and reused by the other runs (``from_run_cache`` in their first
@@ -399,7 +401,24 @@ def main(args, command: str) -> int:
 
     failed: list[tuple] = []
     memory = {"probe": None, "available_mib": None, "fraction": 0.8, "cores": cores}
-    if jobs:
+    cached_peaks = [r["memory"]["peak_mib"] for r in records if r.get("memory", {}).get("peak_mib")]
+    if jobs and args.device == "cpu" and base is not None and cached_peaks:
+        # a resumed CPU table: the cached runs' peaks are measurements of the same runs, so no probe goes alone
+        memory["probe"] = {"kind": "cpu", "peak_mib": max(cached_peaks), "from_cached_runs": len(cached_peaks)}
+        available = _available_mib(args.device)
+        workers = args.workers_override or choose_workers(available, max(cached_peaks), cores, len(jobs))
+        memory.update(available_mib=round(available, 1), peak_used_mib=max(cached_peaks), workers=workers,
+                      rule="floor(available * 0.8 / peak), capped by cores and runs left"
+                      + (" (overridden by --workers)" if args.workers_override else ""))
+        threads = max(1, cores // workers)
+        print(f"largest peak of the {len(cached_peaks)} cached runs {max(cached_peaks):.0f} MiB, {available:.0f} MiB "
+              f"available, {cores} cores -> {workers} workers ({threads} torch threads each); no probe run",
+              flush=True)
+        recs, fails = _run_pool([{**j, "threads": threads, "base_accuracy": base["base_accuracy"]} for j in jobs],
+                                workers, deadline)
+        records += recs
+        failed += fails
+    elif jobs:
         # 1. the probe: the first run alone (and the untrained model's sampled pass rate when not cached)
         probe = {**jobs[0], "threads": cores if args.device == "cpu" else 1, "base_pass_rate": base is None,
                  "base_accuracy": None if base is None else base["base_accuracy"]}
@@ -471,8 +490,10 @@ def header(result: dict) -> str:
     t, mem = result["task_settings"], result.get("memory") or {}
     probe = mem.get("probe") or {}
     kind = "CUDA reserved + context" if probe.get("kind") == "cuda" else "RSS"
+    measured = (f"the largest peak of the {probe['from_cached_runs']} runs cached before this invocation was"
+                if probe.get("from_cached_runs") else "the probe run alone peaked at")
     mem_text = "" if not probe else (
-        f" Workers: the probe run alone peaked at {probe.get('peak_mib')} MiB ({kind}), "
+        f" Workers: {measured} {probe.get('peak_mib')} MiB ({kind}), "
         f"{mem.get('available_mib')} MiB available, {mem.get('cores')} cores -> {result['workers']} workers "
         f"(floor(available x 0.8 / peak), capped by cores and runs left); the largest peak of any run was "
         f"{mem.get('max_run_peak_mib')} MiB." if mem.get("available_mib") is not None else

@@ -89,6 +89,18 @@ def test_chat_mode_runs_end_to_end_and_resumes_from_its_run_cache(tiny_smollm2, 
     resumed = json.loads((tmp_path / "out2" / "learning_smollm2_chat_tiny.json").read_text())
     assert resumed["base_pass_rate"] == result["base_pass_rate"] and len(resumed["runs"]) == 2
 
+    # a resumed CPU table with runs left: the cached runs' peaks choose the workers, no probe goes alone
+    scope_run = next((tmp_path / "runs2").glob("scope__s0__*.json"))
+    scope_run.unlink()
+    fourth = _run(other)
+    assert fourth.returncode == 0, fourth.stdout[-3000:] + fourth.stderr[-3000:]
+    assert "1 cached runs, 1 to run" in fourth.stdout and "no probe run" in fourth.stdout
+    assert "probe run (" not in fourth.stdout
+    again_mem = json.loads((tmp_path / "out2" / "learning_smollm2_chat_tiny.json").read_text())["memory"]
+    grpo_peak = next(r for r in resumed["runs"] if r["method"] == "grpo")["memory"]["peak_mib"]
+    assert again_mem["probe"] == {"kind": "cpu", "peak_mib": grpo_peak, "from_cached_runs": 1}
+    assert again_mem["workers"] == 1 and scope_run.exists()
+
 
 @pytest.mark.slow
 def test_chat_mode_past_its_deadline_writes_what_it_has(tiny_smollm2, tmp_path):
