@@ -47,7 +47,7 @@ from trl_plugins.api import (
 from trl_plugins.api.engines import whole_model_loading
 from trl_plugins.api.success import placeholder_column
 from trl_plugins.api.text import completion_text
-from trl_plugins.components.client import EndpointError, OpenAICompatibleClient, endpoint_options
+from trl_plugins.components.client import EndpointError, OpenAICompatibleClient, endpoint_options, local_model_loading
 from ._regex import compile_option
 
 COLUMN = "armed"
@@ -127,13 +127,11 @@ class HFEmbedder:
         if model is None or tokenizer is None:
             from transformers import AutoModel, AutoTokenizer
 
-            try:
+            with local_model_loading(f"embedding model {model_name_or_path!r}"):
                 tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_name_or_path)
                 if model is None:
                     with whole_model_loading():
                         model = AutoModel.from_pretrained(model_name_or_path)
-            except (OSError, ValueError) as exc:
-                raise EndpointError(f"Could not load the embedding model {model_name_or_path!r}: {exc}") from exc
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size

@@ -86,6 +86,12 @@ def test_dead_endpoint_is_an_error_naming_the_url():
         plugin.trl_plugins_transform_rewards(ctx)
 
 
+def test_local_encoder_that_cannot_load_is_one_error_naming_it(tmp_path):
+    missing = str(tmp_path / "no-encoder-here")
+    with pytest.raises(EndpointError, match=r"Could not load the embedding model '.*no-encoder-here'"):
+        HFEmbedder(missing)
+
+
 def test_local_encoder_by_path(encoder_path):
     embedder = HFEmbedder(encoder_path, batch_size=2)
     vectors = embedder.embed(["12", "12", "345"])

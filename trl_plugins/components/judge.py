@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trl_plugins.api.registry import Registry
-from trl_plugins.components.client import EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options
+from trl_plugins.components.client import (EndpointConfig, EndpointError, OpenAICompatibleClient, endpoint_options,
+                                         local_model_loading)
 from trl_plugins.components.local_server import QUESTION_ROWS
 
 __all__ = [
@@ -340,15 +341,13 @@ class HFJudge(_RetryingJudge):
         if model is None or tokenizer is None:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            try:
+            with local_model_loading(f"judge model {model_name_or_path!r}"):
                 tokenizer = tokenizer or AutoTokenizer.from_pretrained(model_name_or_path)
                 if model is None:
                     from trl_plugins.api.engines import whole_model_loading
 
                     with whole_model_loading():  # frozen: whole on every process, also under ZeRO-3
                         model = AutoModelForCausalLM.from_pretrained(model_name_or_path)
-            except (OSError, ValueError) as exc:
-                raise EndpointError(f"Could not load the judge model {model_name_or_path!r}: {exc}") from exc
         self.model, self.tokenizer = model, tokenizer
         if device is not None:
             self.model.to(device)
