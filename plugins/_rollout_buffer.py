@@ -5,8 +5,9 @@ so the buffer is **identical on every process**: a stored rollout can be replaye
 sampled it, and the checkpoint written by the main process (``trl_plugins_state_dict``) holds the whole buffer.
 
 Entries are plain dicts (checkpointable with ``torch.load(weights_only=True)``): ``"step"`` (the optimizer step at
-which the rollout was stored) plus the plugin's own fields, lists of ints and floats (token ids, log-probs) or
-prompts (strings / message lists).
+which the rollout was stored) plus the plugin's own fields: lists of ints and floats or CPU tensors (token ids,
+log-probs; replay's batch placement keeps tensors, about 8 times less memory than lists) or prompts (strings /
+message lists). Stored tensors are never changed in place, so a copy of an entry may share them.
 """
 
 from __future__ import annotations

@@ -597,7 +597,11 @@ def test_spear_batch_stores_positive_advantages_then_trains_the_recalibrated_buf
     assert plugin.buffers.total() == 1 and ctx.policy_stats_calls == [False]
     (entry,) = plugin.buffers[0]
     stats = stub_policy_stats(4, 4, seed=0)
-    assert entry["ids"] == stats.completion_ids[0].tolist() and entry["logps"] == stats.per_token_logps[0].tolist()
+    assert torch.equal(entry["ids"], stats.completion_ids[0].to(torch.int32))
+    assert torch.equal(entry["logps"], stats.per_token_logps[0].float())
+    # compact CPU tensors, not Python lists (about 8 times the memory)
+    assert (entry["prompt_ids"].dtype, entry["mask"].dtype, entry["logps"].dtype) == (torch.int32, torch.bool,
+                                                                                      torch.float32)
     assert entry["reward"] == 1.0 and entry["advantage"] > 0
     _batch_step(s, [1.0, 1.0, 1.0, 0.0], 1, scheduled)  # 4 held; p50 of means [0.25, 0.75] = 0.5; 4 > 3
     assert scheduled == [] and plugin.buffers.total() == 4
@@ -628,7 +632,7 @@ def test_spear_batch_skips_replayed_offpolicy_swapped_rows_and_neutral_max_age_z
     scheduled: list = []
     _batch_step(s, [1.0, 1.0, 1.0, 0.0], 0, scheduled, offpolicy_fraction=[0.5, 0.0, 0.0, 0.0],
                 prompt_swapped=[False, True, False, False])
-    assert [e["ids"] for e in plugin_of(s).buffers[0]] == [stub_policy_stats(4, 4).completion_ids[2].tolist()]
+    assert [e["ids"].tolist() for e in plugin_of(s).buffers[0]] == [stub_policy_stats(4, 4).completion_ids[2].tolist()]
     neutral = stack(advantage="spear_decay", replay_gate="always", max_age_steps=0)
     for step in range(3):
         _batch_step(neutral, [1.0, 0.0, 1.0, 0.0], step, scheduled)
@@ -677,6 +681,27 @@ def test_spear_batch_trains_in_a_real_run_and_round_trips_its_buffer(tmp_path):
     buf.seek(0)
     resumed = build_plugins(["replay"], {"replay": {"advantage": "spear_decay"}}).plugins[0]
     resumed.trl_plugins_load_state_dict(torch.load(buf, weights_only=True))
-    for a, b in zip(plugin.buffers[0], resumed.buffers[0]):
-        assert (a["ids"], a["mask"], a["prompt_ids"], a["step"]) == (b["ids"], b["mask"], b["prompt_ids"], b["step"])
-        torch.testing.assert_close(torch.tensor(a["logps"]), torch.tensor(b["logps"]), equal_nan=True)
+    for a, b in zip(plugin.buffers[0], resumed.buffers[0], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("ids", "mask", "prompt_ids")) and a["step"] == b["step"]
+        torch.testing.assert_close(a["logps"], b["logps"], equal_nan=True)
+
+
+def test_spear_batch_replays_a_buffer_saved_with_lists_as_one_saved_with_tensors():
+    """Checkpoints of replay <= 0.5.0 hold Python lists: resumed, they schedule the same rows as tensors do."""
+    s = stack(advantage="spear_decay", replay_gate="always", replay_coef_warmup_steps=0)
+    plugin = plugin_of(s)
+    _batch_step(s, [1.0, 1.0, 0.0, 0.0], 0, [])
+    state = plugin.trl_plugins_state_dict()
+    as_lists = {**state, "buffers": {k: [{f: v.tolist() if isinstance(v, torch.Tensor) else v for f, v in e.items()}
+                                         for e in entries] for k, entries in state["buffers"].items()}}
+    rows = []
+    for saved in (state, as_lists):
+        resumed = stack(advantage="spear_decay", replay_gate="always", replay_coef_warmup_steps=0)
+        plugin_of(resumed).trl_plugins_load_state_dict(saved)
+        scheduled: list = []
+        _batch_step(resumed, [0.0, 0.0, 0.0, 0.0], 1, scheduled)
+        rows.append([r.state() for r in scheduled])
+    assert len(rows[0]) == 2
+    for a, b in zip(*rows, strict=True):
+        assert {k: v for k, v in a.items() if k != "old_logprobs"} == {k: v for k, v in b.items() if k != "old_logprobs"}
+        torch.testing.assert_close(torch.tensor(a["old_logprobs"]), torch.tensor(b["old_logprobs"]), equal_nan=True)
