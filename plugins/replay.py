@@ -742,9 +742,10 @@ class ReplayPlugin(Plugin):
                 local.append(None)
                 continue
             length = int(tokens.max()) + 1  # up to and including EOS
-            mask = stats.mask[i, :length].detach().cpu().bool()
+            # copies, never views of the batch: a view would keep (and pickle) the whole batch's storage
+            mask = stats.mask[i, :length].detach().cpu().bool().clone()
             local.append({"prompt_ids": torch.tensor(list(ctx.local_prompt_ids[i]), dtype=torch.int32),
-                          "ids": ctx.local_completion_ids[i, :length].detach().cpu().to(torch.int32),
+                          "ids": ctx.local_completion_ids[i, :length].detach().cpu().to(torch.int32).clone(),
                           "mask": mask,
                           "logps": stats.per_token_logps[i, :length].detach().float().cpu().masked_fill(~mask, math.nan)})
         stored = 0

@@ -602,6 +602,8 @@ def test_spear_batch_stores_positive_advantages_then_trains_the_recalibrated_buf
     # compact CPU tensors, not Python lists (about 8 times the memory)
     assert (entry["prompt_ids"].dtype, entry["mask"].dtype, entry["logps"].dtype) == (torch.int32, torch.bool,
                                                                                       torch.float32)
+    for field in ("prompt_ids", "ids", "mask", "logps"):  # own storage, not a view keeping the batch alive
+        assert entry[field].untyped_storage().nbytes() == entry[field].numel() * entry[field].element_size()
     assert entry["reward"] == 1.0 and entry["advantage"] > 0
     _batch_step(s, [1.0, 1.0, 1.0, 0.0], 1, scheduled)  # 4 held; p50 of means [0.25, 0.75] = 0.5; 4 > 3
     assert scheduled == [] and plugin.buffers.total() == 4
@@ -676,6 +678,9 @@ def test_spear_batch_trains_in_a_real_run_and_round_trips_its_buffer(tmp_path):
     assert any(h.get("plugins/replay/replay_batch_rows", 0) > 0 for h in logs)
     plugin = trainer.plugin_stack.plugins[0]
     assert plugin.buffers.total() > 0
+    for entry in plugin.buffers[0]:  # compact copies: no entry keeps a whole batch's storage alive
+        assert all(entry[f].untyped_storage().nbytes() == entry[f].numel() * entry[f].element_size()
+                   for f in ("prompt_ids", "ids", "mask", "logps"))
     buf = io.BytesIO()
     torch.save(plugin.trl_plugins_state_dict(), buf)
     buf.seek(0)
