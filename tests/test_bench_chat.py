@@ -201,8 +201,11 @@ def test_killing_the_chat_mode_stops_its_workers(tiny_smollm2, tmp_path):
         main = psutil.Process(proc.pid)
         until = time.time() + 300
         while not workers and time.time() < until and proc.poll() is None:
-            workers = [c for c in main.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
-                       and "resource_tracker" not in " ".join(c.cmdline())]
+            for child in main.children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):  # (a child may end between listing and reading)
+                    line = " ".join(child.cmdline())
+                    if "spawn_main" in line and "resource_tracker" not in line:
+                        workers.append(child)
             time.sleep(0.2)
         assert workers, "no worker process was spawned"
         os.kill(proc.pid, signal.SIGTERM)
