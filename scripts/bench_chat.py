@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -293,6 +294,10 @@ def _worker(job: dict) -> tuple[dict, dict | None, str | None]:
         return job, None, f"{type(exc).__name__}: {exc}"
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _run_pool(jobs: list[dict], workers: int, deadline: float | None) -> tuple[list[dict], list[tuple]]:
     """Run ``jobs``, each in its own spawned process, ``workers`` at a time; stop waiting GRACE_SECONDS after ``deadline``
     (the pool is then terminated). Returns (records, failures)."""
@@ -303,6 +308,9 @@ def _run_pool(jobs: list[dict], workers: int, deadline: float | None) -> tuple[l
         return records, failed
     ctx = mp.get_context("spawn")
     pool = ctx.Pool(min(workers, len(jobs)), maxtasksperchild=1)  # a fresh process per run: its own peak memory
+    # `kill PID` of this process stops its workers too (the finally below), as Ctrl-C does: a worker left running
+    # would train on, unseen, beside the runs of the next invocation
+    on_term = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         it = pool.imap_unordered(_worker, jobs)
         for _ in jobs:
@@ -325,6 +333,7 @@ def _run_pool(jobs: list[dict], workers: int, deadline: float | None) -> tuple[l
     finally:
         pool.terminate()
         pool.join()
+        signal.signal(signal.SIGTERM, on_term)
     done = {(r["method"], r["seed"]) for r in records} | {(m, s) for m, s, _ in failed}
     failed += [(j["method"], j["seed"], "not finished by the deadline") for j in jobs
                if (j["method"], j["seed"]) not in done]

@@ -181,3 +181,38 @@ def test_runs_cut_short_by_the_deadline_are_listed_but_never_averaged_in(tmp_pat
         seeds = sum(1 for r in finished if r["method"] == row["method"])
         assert f"| {row['method']} |" in table
         assert any(line.startswith(f"| {row['method']} |") and f"/{seeds} |" in line for line in table.splitlines())
+
+
+@pytest.mark.slow
+def test_killing_the_chat_mode_stops_its_workers(tiny_smollm2, tmp_path):
+    """`kill PID` (SIGTERM) of the benchmark stops the runs it spawned: none trains on, unseen, as an orphan."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    workers: list = []
+    cmd = [sys.executable, str(SCRIPTS / "bench_learning.py"), "--task", "chat", "--tiny", "--device", "cpu",
+           "--model-path", str(tiny_smollm2), "--out-dir", str(tmp_path), "--run-dir", str(tmp_path / "runs")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        main = psutil.Process(proc.pid)
+        until = time.time() + 300
+        while not workers and time.time() < until and proc.poll() is None:
+            for child in main.children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):  # (a child may end between listing and reading)
+                    line = " ".join(child.cmdline())
+                    if "spawn_main" in line and "resource_tracker" not in line:
+                        workers.append(child)
+            time.sleep(0.2)
+        assert workers, "no worker process was spawned"
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        _gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"workers still running after the benchmark was killed: {[w.pid for w in alive]}"
+    finally:  # nothing of this test outlives it, whatever failed
+        for process in [*workers, proc]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                process.kill()
